@@ -1,0 +1,266 @@
+"""Reference (plain PyTorch, float32) Kimi Delta Attention: kda_gate, kda_chunk, kda_step.
+
+Ground truth for every other backend.  The math follows Kimi Linear (arXiv 2510.26692, Sec. 3, eqs. 1-8)
+and the op contract in spec/OPS.md:
+
+    S <- diag(exp(g_t)) S                         (decay first, per key channel)
+    S <- S + beta_t k_t (v_t - S^T k_t)^T         (delta-rule update on the decayed state)
+    o_t = scale * S^T q_t
+
+``kda_chunk`` computes the same recurrence with the chunked WY/UT representation (chunks of 64 tokens).
+Within a chunk, with G_i = g_1 + ... + g_i (cumulative log decay, per channel) and S_0 the state at the
+chunk start, the state after token i is diag(exp(G_i)) (S_0 + sum_{j<=i} (k_j * exp(-G_j)) w_j^T) where
+the pseudo-values w solve the unit lower-triangular system
+
+    (I + A) W = diag(beta) (V - (K * exp(G)) S_0),    A_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd), j < i
+
+(the UT transform of the Householder-like products, Kimi Linear eq. 6-7).  Outputs and the next state are
+
+    O = scale * ((Q * exp(G)) S_0 + P W),            P_ij = sum_d q_id k_jd exp(G_id - G_jd), j <= i
+    S_C = diag(exp(G_C)) S_0 + (K * exp(G_C - G))^T W.
+
+Every exponent here is a difference G_i - G_j with i >= j, hence <= 0: the reference is safe for the
+unbounded (softplus) gate too, at any decay strength.  Everything is computed in float32 and is
+differentiable through torch.autograd (it is the gradient reference of the Triton kernels).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["kda_gate", "kda_chunk", "kda_step", "CHUNK"]
+
+CHUNK = 64
+
+
+def _check_float(name: str, t: torch.Tensor, where: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def _check_finite(name: str, t: torch.Tensor, where: str) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{where}: {name} holds NaN or inf")
+
+
+def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, lower_bound: float = -5.0,
+             gate: str = "sigmoid") -> torch.Tensor:
+    """The KDA per-channel log decay g (float32).
+
+    Args:
+        x: [B, T, H, K] gate pre-activation (any float dtype), e.g. f_b(f_a(hidden)).
+        A_log: [H] per-head log scale.
+        dt_bias: [H*K] per-channel bias.
+        lower_bound: the bound L < 0 of the sigmoid gate (default -5.0, Kimi K3); ignored for softplus.
+        gate: "sigmoid" (the lower-bounded form, default) or "softplus" (the unbounded Mamba-style form).
+
+    Returns:
+        g [B, T, H, K] float32, a log-space decay (units: nats per token):
+        - "sigmoid":  g = L * sigmoid(exp(A_log[h]) * (x + dt_bias[h, :]))   so L <= g <= 0
+          (the lower-bounded gate of Kimi K3; spec/OPS.md "kda_gate").  In float32 the sigmoid can round
+          to exactly 0 or 1, so the bounds are reached, never crossed.
+        - "softplus": g = -exp(A_log[h]) * softplus(x + dt_bias[h, :])   so g <= 0, unbounded below
+          (Kimi Linear arXiv 2510.26692, eq. 9 / Mamba-2's dt parametrisation).
+
+    Raises:
+        TypeError: non-tensor or non-float inputs.
+        ValueError: wrong shapes, unknown gate, lower_bound not a finite negative number.
+    """
+    where = "kda_gate"
+    for name, t in (("x", x), ("A_log", A_log), ("dt_bias", dt_bias)):
+        _check_float(name, t, where)
+    if x.dim() != 4:
+        raise ValueError(f"{where}: x must be [B, T, H, K], got shape {tuple(x.shape)}")
+    B, T, H, K = x.shape
+    if tuple(A_log.shape) != (H,):
+        raise ValueError(f"{where}: A_log must be [H]=[{H}], got {tuple(A_log.shape)}")
+    if dt_bias.numel() != H * K or dt_bias.dim() not in (1, 2):
+        raise ValueError(f"{where}: dt_bias must be [H*K]=[{H * K}], got {tuple(dt_bias.shape)}")
+    if gate not in ("sigmoid", "softplus"):
+        raise ValueError(f"{where}: gate must be 'sigmoid' or 'softplus', got {gate!r}")
+    z = x.float() + dt_bias.float().reshape(H, K)
+    a = A_log.float().exp().view(H, 1)
+    if gate == "sigmoid":
+        lb = float(lower_bound)
+        if not (lb < 0.0 and lb > float("-inf")):
+            raise ValueError(f"{where}: lower_bound must be a finite negative number, got {lower_bound!r}")
+        return lb * torch.sigmoid(a * z)
+    return -a * F.softplus(z)
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check_float(name, t, where)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{where}: q, k, v must be 4-D [B,T,H,K] / [B,T,H,V]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, T, H, K = q.shape
+    if tuple(k.shape) != (B, T, H, K):
+        raise ValueError(f"{where}: k must have q's shape {(B, T, H, K)}, got {tuple(k.shape)}")
+    if tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"{where}: v must be [B,T,H,V] with B,T,H = {(B, T, H)}, got {tuple(v.shape)}")
+    V = v.shape[3]
+    if tuple(g.shape) != (B, T, H, K):
+        raise ValueError(f"{where}: g must be [B,T,H,K] = {(B, T, H, K)}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"{where}: beta must be [B,T,H] = {(B, T, H)}, got {tuple(beta.shape)}")
+    if K == 0 or V == 0 or H == 0:
+        raise ValueError(f"{where}: empty head/key/value dimension (H={H}, K={K}, V={V})")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"{where}: scale must be a Python number or None, got {type(scale).__name__}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{where}: cu_seqlens must be an int32/int64 tensor")
+        if B != 1:
+            raise ValueError(f"{where}: cu_seqlens needs B == 1 (packed sequences), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"{where}: cu_seqlens must be 1-D [N_seq+1] with N_seq >= 1")
+        cs = cu_seqlens.tolist()
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+            raise ValueError(f"{where}: cu_seqlens must start at 0, be non-decreasing and end at T={T}; got {cs}")
+        bounds = list(zip(cs[:-1], cs[1:]))
+    else:
+        bounds = None
+    n_seq = len(bounds) if bounds is not None else B
+    if initial_state is not None:
+        _check_float("initial_state", initial_state, where)
+        if tuple(initial_state.shape) != (n_seq, H, K, V):
+            raise ValueError(f"{where}: initial_state must be [N_seq,H,K,V] = {(n_seq, H, K, V)}, "
+                             f"got {tuple(initial_state.shape)}")
+    return B, T, H, K, V, bounds, n_seq
+
+
+def _chunk_one(q, k, v, g, beta, S, scale):
+    """One sequence, all heads.  q,k,g [H,L,K]; v [H,L,V]; beta [H,L]; S [H,K,V] (float32).
+
+    Returns (o [H,L,V], S_final [H,K,V]).  Loops over chunks of CHUNK tokens; see the module docstring.
+    """
+    H, L, K = q.shape
+    outs = []
+    for s in range(0, L, CHUNK):
+        e = min(s + CHUNK, L)
+        c = e - s
+        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]
+        G = torch.cumsum(g[:, s:e], dim=1)                                # [H,c,K]
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # j <= i
+        diff = G[:, :, None, :] - G[:, None, :, :]                        # [H,c,c,K] = G_i - G_j
+        decay = torch.exp(torch.where(causal[None, :, :, None], diff, torch.full_like(diff, float("-inf"))))
+        Akk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay) * bc[:, :, None]
+        Akk = Akk.tril(-1)                                                # strictly lower
+        P = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay) * scale      # lower incl. diagonal
+        rhs = bc[:, :, None] * (vc - (kc * G.exp()) @ S)                  # [H,c,V]
+        eye = torch.eye(c, dtype=q.dtype, device=q.device)
+        W = torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True)
+        outs.append(scale * (qc * G.exp()) @ S + P @ W)
+        Glast = G[:, -1:, :]                                              # [H,1,K]
+        S = Glast.transpose(1, 2).exp() * S + (kc * (Glast - G).exp()).transpose(1, 2) @ W
+    if outs:
+        o = torch.cat(outs, dim=1)
+    else:
+        o = q.new_zeros(H, 0, v.shape[-1])
+    return o, S
+
+
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None):
+    """Kimi Delta Attention over whole sequences, chunked WY/UT algorithm in float32 (the reference).
+
+    Args:
+        q, k: [B, T, H, K] queries and keys (any float dtype; usually L2-normalised upstream).
+        v: [B, T, H, V] values (any float dtype).
+        g: [B, T, H, K] log decay per channel, g <= 0 (float32 preferred; any float dtype accepted).
+        beta: [B, T, H] delta-rule step sizes, normally in (0, 1).  Values outside are computed as given
+            (the recurrence is still defined) but are not a supported regime.
+        scale: output scale, default K ** -0.5.
+        initial_state: [N_seq, H, K, V] (any float dtype, used as float32) or None (zeros).
+        output_final_state: return the state after the last token of each sequence.
+        cu_seqlens: int32/int64 [N_seq+1] offsets of packed sequences (requires B == 1); each sequence
+            starts from its own initial state (or zero).  Empty sequences are allowed (state passes through).
+
+    Returns:
+        (o, final_state): o [B, T, H, V] in v's dtype; final_state [N_seq, H, K, V] float32 or None.
+        N_seq = len(cu_seqlens) - 1 with cu_seqlens, else B.
+
+    Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8; spec/OPS.md "kda_chunk" (decay first, then the delta
+    update on the decayed state, o_t = scale * S_t^T q_t).  Chunk size 64; all exponents are pairwise
+    differences G_i - G_j <= 0, so the result is finite for any g <= 0.
+
+    Raises:
+        TypeError: non-tensor / non-float inputs, bad cu_seqlens dtype, non-numeric scale.
+        ValueError: shape mismatches (H, K, V, T, B), cu_seqlens with B != 1 or not a valid offset list,
+            initial_state of the wrong shape, NaN/inf in any input, g > 0 anywhere (a growing "decay").
+    """
+    where = "kda_chunk"
+    B, T, H, K, V, bounds, n_seq = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check_finite(name, t, where)
+    if g.numel() and bool((g > 0).any()):
+        raise ValueError(f"{where}: g must be <= 0 (a log decay); got max {float(g.max()):.4g}")
+    if initial_state is not None:
+        _check_finite("initial_state", initial_state, where)
+    scale = K ** -0.5 if scale is None else float(scale)
+    f32 = torch.float32
+    # [B,T,H,*] -> [B,H,T,*] in float32
+    qf, kf, vf, gf = (t.to(f32).transpose(1, 2) for t in (q, k, v, g))
+    bf = beta.to(f32).transpose(1, 2)
+    if bounds is None:
+        bounds_b = [(b, 0, T) for b in range(B)]
+    else:
+        bounds_b = [(0, s, e) for (s, e) in bounds]
+    o_parts, states = [], []
+    for n, (b, s, e) in enumerate(bounds_b):
+        S0 = (initial_state[n].to(f32) if initial_state is not None
+              else torch.zeros(H, K, V, dtype=f32, device=q.device))
+        o_n, S_n = _chunk_one(qf[b, :, s:e], kf[b, :, s:e], vf[b, :, s:e], gf[b, :, s:e], bf[b, :, s:e],
+                              S0, scale)
+        o_parts.append(o_n)
+        states.append(S_n)
+    if bounds is None:
+        o = torch.stack(o_parts, 0)                          # [B,H,T,V]
+    else:
+        o = torch.cat(o_parts, dim=1)[None]                  # [1,H,T,V]
+    o = o.transpose(1, 2).to(v.dtype)
+    final = torch.stack(states, 0) if output_final_state else None
+    return o, final
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None):
+    """One decoding step of KDA (the token recurrence of spec/OPS.md), float32 math.
+
+    Args:
+        q, k: [B, H, K]; v: [B, H, V]; g: [B, H, K] log decay (<= 0); beta: [B, H];
+        state: [B, H, K, V] (float32; not modified in place); scale: default K ** -0.5.
+
+    Returns:
+        (o [B, H, V] in v's dtype, new_state [B, H, K, V] float32), with
+        S' = diag(exp(g)) S;  S' += beta k (v - S'^T k)^T;  o = scale * S'^T q.
+        Running kda_step over t = 0..T-1 equals kda_chunk on the whole sequence.
+
+    Raises:
+        TypeError: non-tensor / non-float inputs.  ValueError: shape mismatches.
+    """
+    where = "kda_step"
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+        _check_float(name, t, where)
+    if q.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"{where}: q must be [B,H,K] and v [B,H,V]; got {tuple(q.shape)}, {tuple(v.shape)}")
+    B, H, K = q.shape
+    V = v.shape[2]
+    if tuple(k.shape) != (B, H, K) or tuple(g.shape) != (B, H, K):
+        raise ValueError(f"{where}: k and g must be [B,H,K] = {(B, H, K)}; got {tuple(k.shape)}, {tuple(g.shape)}")
+    if tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"{where}: v must be [B,H,V] with B,H = {(B, H)}, got {tuple(v.shape)}")
+    if tuple(beta.shape) != (B, H):
+        raise ValueError(f"{where}: beta must be [B,H] = {(B, H)}, got {tuple(beta.shape)}")
+    if tuple(state.shape) != (B, H, K, V):
+        raise ValueError(f"{where}: state must be [B,H,K,V] = {(B, H, K, V)}, got {tuple(state.shape)}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    f32 = torch.float32
+    S = state.to(f32) * g.to(f32).exp()[..., None]
+    kf = k.to(f32)
+    u = v.to(f32) - torch.einsum("bhkv,bhk->bhv", S, kf)
+    S = S + beta.to(f32)[..., None, None] * kf[..., :, None] * u[..., None, :]
+    o = scale * torch.einsum("bhkv,bhk->bhv", S, q.to(f32))
+    return o.to(v.dtype), S

@@ -1,0 +1,174 @@
+"""Reference KDA (backends/reference/kda.py) against an independent token-by-token recurrence."""
+import math
+
+import pytest
+import torch
+
+from backends.reference.kda import kda_chunk, kda_gate, kda_step
+
+
+def naive_recurrence(q, k, v, g, beta, scale, S0=None):
+    """spec/OPS.md written as a loop, float64.  q,k,g [T,H,K]; v [T,H,V]; beta [T,H]; S0 [H,K,V]."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    d = torch.float64
+    S = torch.zeros(H, K, V, dtype=d) if S0 is None else S0.to(d).clone()
+    out = torch.zeros(T, H, V, dtype=d)
+    for t in range(T):
+        for h in range(H):
+            S[h] = torch.exp(g[t, h].to(d))[:, None] * S[h]
+            kt = k[t, h].to(d)
+            err = v[t, h].to(d) - S[h].T @ kt
+            S[h] = S[h] + beta[t, h].to(d) * torch.outer(kt, err)
+            out[t, h] = scale * S[h].T @ q[t, h].to(d)
+    return out, S
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def make_inputs(B, T, H, K, V, gate="sigmoid", dtype=torch.float32, at_bound=False):
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V).to(dtype)
+    x = torch.randn(B, T, H, K) * 2
+    if at_bound:
+        g = torch.full((B, T, H, K), -5.0)
+    else:
+        g = kda_gate(x, torch.randn(H) * 0.5, torch.randn(H * K), gate=gate)
+    beta = torch.rand(B, T, H).to(dtype)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 100, 1000])
+def test_chunk_matches_recurrence(T):
+    B, H, K, V = 2, 2, 16, 24
+    q, k, v, g, beta = make_inputs(B, T, H, K, V)
+    S0 = torch.randn(B, H, K, V)
+    o, S = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    assert o.shape == (B, T, H, V) and o.dtype == v.dtype and S.dtype == torch.float32
+    for b in range(B):
+        o_ref, S_ref = naive_recurrence(q[b], k[b], v[b], g[b], beta[b], K ** -0.5, S0[b])
+        assert rel_rms(o[b], o_ref) < 1e-5
+        assert rel_rms(S[b], S_ref) < 1e-5
+
+
+def test_no_initial_state_no_final():
+    q, k, v, g, beta = make_inputs(1, 70, 2, 16, 24)
+    o, S = kda_chunk(q, k, v, g, beta, scale=0.3)
+    assert S is None
+    o_ref, _ = naive_recurrence(q[0], k[0], v[0], g[0], beta[0], 0.3)
+    assert rel_rms(o[0], o_ref) < 1e-5
+
+
+def test_gate_at_bound_and_softplus():
+    for kw in (dict(at_bound=True), dict(gate="softplus")):
+        q, k, v, g, beta = make_inputs(1, 130, 2, 16, 24, **kw)
+        S0 = torch.randn(1, 2, 16, 24)
+        o, S = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+        o_ref, S_ref = naive_recurrence(q[0], k[0], v[0], g[0], beta[0], 0.25, S0[0])
+        assert torch.isfinite(o).all()
+        assert rel_rms(o[0], o_ref) < 1e-5 and rel_rms(S[0], S_ref) < 1e-5
+
+
+def test_strong_unbounded_decay_stays_finite():
+    # g as low as -200 per token: cumulative sums reach -1e4 in a chunk; pairwise differences keep it finite
+    q, k, v, _, beta = make_inputs(1, 100, 1, 16, 16)
+    g = -torch.rand(1, 100, 1, 16) * 200
+    o, S = kda_chunk(q, k, v, g, beta, output_final_state=True)
+    o_ref, S_ref = naive_recurrence(q[0], k[0], v[0], g[0], beta[0], 0.25)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_rms(o[0], o_ref) < 1e-5 and rel_rms(S[0], S_ref) < 1e-5
+
+
+def test_cu_seqlens_uneven():
+    lens = [1, 64, 37, 130, 0, 65]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    T, H, K, V = int(cu[-1]), 2, 16, 24
+    q, k, v, g, beta = make_inputs(1, T, H, K, V)
+    S0 = torch.randn(len(lens), H, K, V)
+    o, S = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, cu_seqlens=cu)
+    for n in range(len(lens)):
+        s, e = int(cu[n]), int(cu[n + 1])
+        o_ref, S_ref = naive_recurrence(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e], K ** -0.5, S0[n])
+        if e > s:
+            assert rel_rms(o[0, s:e], o_ref) < 1e-5
+        assert rel_rms(S[n], S_ref) < 1e-5
+
+
+def test_step_chain_equals_chunk():
+    B, T, H, K, V = 2, 77, 2, 16, 24
+    q, k, v, g, beta = make_inputs(B, T, H, K, V)
+    S0 = torch.randn(B, H, K, V)
+    o, S = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    state = S0.clone()
+    outs = []
+    for t in range(T):
+        ot, new = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        assert new is not state
+        outs.append(ot)
+        state = new
+    assert rel_rms(torch.stack(outs, 1), o) < 1e-5
+    assert rel_rms(state, S) < 1e-5
+
+
+def test_step_does_not_modify_state():
+    q, k, v, g, beta = (t[:, 0] for t in make_inputs(1, 1, 2, 16, 24))
+    st = torch.randn(1, 2, 16, 24)
+    copy = st.clone()
+    kda_step(q, k, v, g, beta, st)
+    assert torch.equal(st, copy)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs(dtype):
+    q, k, v, g, beta = make_inputs(1, 100, 2, 16, 24, dtype=dtype)
+    o, S = kda_chunk(q, k, v, g, beta, output_final_state=True)
+    assert o.dtype == dtype and S.dtype == torch.float32
+    o_ref, S_ref = naive_recurrence(q[0], k[0], v[0], g[0], beta[0], 0.25)
+    # inputs are exactly representable; only the output rounding to dtype differs
+    assert rel_rms(o[0], o_ref) < 1e-2 and rel_rms(S[0], S_ref) < 1e-5
+
+
+def test_gate_formulas():
+    B, T, H, K = 2, 5, 3, 8
+    x = torch.randn(B, T, H, K) * 3
+    A_log, dt = torch.randn(H), torch.randn(H * K)
+    g = kda_gate(x, A_log, dt, lower_bound=-3.0)
+    g_sp = kda_gate(x.half(), A_log, dt, gate="softplus")
+    assert g.dtype == torch.float32 and g_sp.dtype == torch.float32
+    for b, t, h, c in [(0, 0, 0, 0), (1, 4, 2, 7), (0, 3, 1, 5)]:
+        z = float(x[b, t, h, c]) + float(dt[h * K + c])
+        a = math.exp(float(A_log[h]))
+        assert abs(float(g[b, t, h, c]) - (-3.0 / (1 + math.exp(-a * z)))) < 1e-5
+        zh = float(x.half()[b, t, h, c]) + float(dt[h * K + c])
+        assert abs(float(g_sp[b, t, h, c]) - (-a * math.log1p(math.exp(zh)))) < 1e-4 * max(1, a * abs(zh))
+    assert (g >= -3.0).all() and (g <= 0).all()
+
+
+def test_errors():
+    q, k, v, g, beta = make_inputs(2, 10, 2, 16, 24)
+    with pytest.raises(ValueError, match="B == 1"):
+        kda_chunk(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="k must"):
+        kda_chunk(q, k[..., :8], v, g, beta)
+    with pytest.raises(ValueError, match="beta"):
+        kda_chunk(q, k, v, g, beta[:, :, :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_chunk(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 16, 16))
+    with pytest.raises(TypeError):
+        kda_chunk(q, k, v.long(), g, beta)
+    bad = q.clone()
+    bad[0, 3, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        kda_chunk(bad, k, v, g, beta)
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        kda_chunk(q, k, v, -g, beta)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kda_chunk(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0, 4, 3, 10]))
+    with pytest.raises(ValueError, match="gate"):
+        kda_gate(g, torch.zeros(2), torch.zeros(32), gate="relu")
+    with pytest.raises(ValueError, match="state"):
+        kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], torch.zeros(2, 2, 16, 23))
