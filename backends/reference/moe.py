@@ -1,0 +1,446 @@
+"""Reference (plain PyTorch, float32) Quantile-Balancing router and latent mixture of experts.
+
+Ground truth for the Triton backend (``backends/triton/moe.py``). Written for clarity, not speed.
+Semantics follow ``spec/OPS.md`` (qb_route, qb_update, situ_glu, moe_experts) and ``spec/MODEL.md``
+(Stable LatentMoE).
+
+Sources of the math
+-------------------
+* Sigmoid router with a selection-only bias (auxiliary-loss-free balancing) and unbiased,
+  renormalised gating weights: DeepSeek-V3 technical report (arXiv 2412.19437), Sec. 2.1.2,
+  Eqs. (12)-(16); the fixed-step bias rule ``b_j += u * sign(mean_load - load_j)`` is from the
+  same section ("bias update speed" u = 1e-3).
+* Quantile Balancing (QB): Kimi K3 technical report (arXiv 2607.24653), as written down in
+  ``spec/OPS.md`` (qb_update): each token's cut-off alpha_i is the (k+1)-th largest biased score,
+  and expert j's new bias is minus the (q+1)-th largest margin ``scores_ij - alpha_i`` with
+  ``q = floor(N k / E)``, so that with alpha fixed exactly q tokens clear the cut-off.
+* SiTU-GLU: ``h = beta_g tanh(a / beta_g) sigmoid(a) * beta_u tanh(b / beta_u)``, the bounded
+  SwiGLU of the K3 report (spec/OPS.md, situ_glu); SwiGLU itself: Shazeer, "GLU Variants Improve
+  Transformer" (arXiv 2002.05202), Eq. (6).
+* Stable LatentMoE: ``y = sum_shared E_j(x) + W_up RMSNorm(u)``, ``u = sum_k p_k E_k(W_down x)``
+  (spec/MODEL.md); RMSNorm: Zhang & Sennrich (arXiv 1910.07467), Eq. (4).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "qb_route",
+    "qb_update",
+    "fixed_step_update",
+    "expert_load",
+    "situ_glu",
+    "moe_experts",
+    "latent_moe",
+]
+
+_ACTIVATIONS = ("situ", "silu")
+
+
+# ----------------------------------------------------------------------------------------------
+# input checks shared with the Triton backend
+# ----------------------------------------------------------------------------------------------
+def _check_tensor(name: str, t, ndim: int, where: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{where}: {name} must have {ndim} dims, got shape {tuple(t.shape)}")
+
+
+def _check_float(name: str, t: torch.Tensor, where: str) -> None:
+    if not t.is_floating_point():
+        raise TypeError(f"{where}: {name} must be a floating tensor, got {t.dtype}")
+
+
+def _check_top_k(top_k, num_experts: int, where: str) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"{where}: top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{where}: top_k must be in [1, E={num_experts}], got {top_k}")
+    return top_k
+
+
+def check_finite_rows(name: str, x: torch.Tensor, where: str) -> None:
+    """Raise ValueError naming the first row of the 2-D tensor ``x`` that holds NaN or +-inf."""
+    bad = ~torch.isfinite(x).all(dim=-1)
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"{where}: row {row} of {name} holds NaN or inf "
+            f"({int(bad.sum())} bad row(s) of {x.shape[0]}); refusing to route it"
+        )
+
+
+def check_route_inputs(x, weight, bias, top_k, where: str = "qb_route"):
+    """Shape/dtype checks of qb_route's arguments; returns (N, d, E)."""
+    _check_tensor("x", x, 2, where)
+    _check_tensor("weight", weight, 2, where)
+    _check_tensor("bias", bias, 1, where)
+    _check_float("x", x, where)
+    _check_float("weight", weight, where)
+    _check_float("bias", bias, where)
+    n, d = x.shape
+    e, d2 = weight.shape
+    if d2 != d:
+        raise ValueError(f"{where}: weight is [E, d] = {tuple(weight.shape)} but x has d = {d}")
+    if bias.shape[0] != e:
+        raise ValueError(f"{where}: bias has {bias.shape[0]} entries, expected E = {e}")
+    _check_top_k(top_k, e, where)
+    if not bool(torch.isfinite(bias).all()):
+        raise ValueError(f"{where}: bias holds NaN or inf")
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError(f"{where}: router weight holds NaN or inf")
+    return n, d, e
+
+
+def check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, where="moe_experts"):
+    """Shape/dtype checks of moe_experts' arguments; returns (N, l, E, I, k)."""
+    _check_tensor("x_lat", x_lat, 2, where)
+    _check_tensor("topk_idx", topk_idx, 2, where)
+    _check_tensor("topk_weight", topk_weight, 2, where)
+    _check_tensor("w1", w1, 3, where)
+    _check_tensor("w3", w3, 3, where)
+    _check_tensor("w2", w2, 3, where)
+    _check_float("x_lat", x_lat, where)
+    _check_float("topk_weight", topk_weight, where)
+    if topk_idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{where}: topk_idx must be int64 (or int32), got {topk_idx.dtype}")
+    n, l = x_lat.shape
+    e, i, l1 = w1.shape
+    if tuple(w3.shape) != (e, i, l1):
+        raise ValueError(f"{where}: w3 {tuple(w3.shape)} must match w1 {tuple(w1.shape)} ([E, I, l])")
+    if l1 != l:
+        raise ValueError(f"{where}: w1 is [E, I, l] = {tuple(w1.shape)} but x_lat has l = {l}")
+    if tuple(w2.shape) != (e, l, i):
+        raise ValueError(f"{where}: w2 must be [E, l, I] = {(e, l, i)}, got {tuple(w2.shape)}")
+    if topk_idx.shape[0] != n or tuple(topk_weight.shape) != tuple(topk_idx.shape):
+        raise ValueError(
+            f"{where}: topk_idx {tuple(topk_idx.shape)} and topk_weight {tuple(topk_weight.shape)} "
+            f"must both be [N={n}, k]"
+        )
+    k = topk_idx.shape[1]
+    if n > 0 and k > 0:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < 0 or hi >= e:
+            raise ValueError(f"{where}: topk_idx values must be in [0, E={e}), got range [{lo}, {hi}]")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{where}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    return n, l, e, i, k
+
+
+# ----------------------------------------------------------------------------------------------
+# routing
+# ----------------------------------------------------------------------------------------------
+def biased_topk(biased: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Indices [N, k] int64 of the k largest entries per row of ``biased`` [N, E].
+
+    Order: descending value; equal values go to the LOWER expert index first (a stable descending
+    sort keeps the original, ascending-index order among equals; torch.topk does not promise that).
+    """
+    order = torch.sort(biased, dim=-1, descending=True, stable=True).indices
+    return order[:, :top_k].contiguous()
+
+
+def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
+    """Sigmoid router with selection-only bias (Quantile Balancing's routing half).
+
+    Args:
+        x: [N, d] token features, any float dtype.
+        weight: [E, d] router weight (float).
+        bias: [E] float32 selection bias (a buffer; not trained by gradient).
+        top_k: experts per token, 1 <= top_k <= E.
+        routed_scaling: factor applied to the renormalised weights (1.0 in most K3 ports).
+
+    Returns:
+        topk_idx: [N, k] int64, the k experts with the largest ``scores + bias``, in descending
+            order of that value; ties go to the lower expert index.
+        topk_weight: [N, k] float32, the UNBIASED scores of the chosen experts divided by their
+            sum, times ``routed_scaling`` (DeepSeek-V3, arXiv 2412.19437, Eqs. 13-16).
+        scores: [N, E] float32, ``sigmoid(x @ weight^T)`` computed in float32.
+
+    Raises:
+        TypeError / ValueError: wrong types or shapes, top_k out of range, a non-finite bias or
+            router weight, or a row of x holding NaN/inf (the message names the row).
+
+    Differentiable with respect to x and weight through topk_weight and scores (the selection
+    itself is not).
+    """
+    n, d, e = check_route_inputs(x, weight, bias, top_k)
+    check_finite_rows("x", x, "qb_route")
+    scores = torch.sigmoid(x.float() @ weight.float().t())
+    with torch.no_grad():
+        topk_idx = biased_topk(scores.detach() + bias.float(), top_k)
+    chosen = scores.gather(1, topk_idx)
+    topk_weight = chosen / chosen.sum(dim=-1, keepdim=True) * float(routed_scaling)
+    return topk_idx, topk_weight, scores
+
+
+def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
+    """One Quantile Balancing step: the bias that would have balanced this batch exactly.
+
+    Args:
+        scores: [N, E] router scores (sigmoid outputs) of batch t, any float dtype (used as float32).
+        bias: [E] the bias that was used to route batch t.
+        top_k: experts per token, 1 <= top_k <= E.
+        ema: in [0, 1): ``new_bias = ema * bias + (1 - ema) * b_new``.
+        dp_group: optional ``torch.distributed`` process group. When given and torch.distributed is
+            initialised, the per-rank b_hat are averaged (all-reduce SUM / world size) over the
+            group before centring (spec/OPS.md: "with data parallelism the b_hat of all ranks are
+            averaged before centring").
+
+    Returns:
+        new_bias: [E] float32, to be applied to batch t+1. Definitions (spec/OPS.md):
+            alpha_i = (k+1)-th largest of scores_i + bias            (cut-off of token i)
+            margin  = scores - alpha[:, None]
+            q       = floor(N k / E)                                 (target load per expert)
+            b_hat_j = -((q+1)-th largest of margin[:, j])
+            b_new   = b_hat - mean(b_hat)
+        so that, with alpha fixed, exactly q tokens have scores_ij + b_hat_j > alpha_i (fewer if
+        margins tie).
+
+    Edge rules (documented choices):
+        * q = 0 is legal: b_hat_j = -max_i margin_ij (then no token clears the cut-off).
+        * top_k == E: every expert takes every token whatever the bias, alpha (a (k+1)-th value)
+          does not exist, and b_new = 0.
+        * N == 0: no information; new_bias = ema * bias + (1 - ema) * (bias - mean(bias)), i.e.
+          the old bias, centred (a common offset changes no top-k).
+        For k < E, q = floor(N k / E) <= N - 1, so the (q+1)-th largest margin always exists.
+
+    Raises:
+        TypeError / ValueError: wrong shapes/types, top_k or ema out of range, non-finite input.
+    """
+    where = "qb_update"
+    _check_tensor("scores", scores, 2, where)
+    _check_tensor("bias", bias, 1, where)
+    _check_float("scores", scores, where)
+    _check_float("bias", bias, where)
+    n, e = scores.shape
+    if bias.shape[0] != e:
+        raise ValueError(f"{where}: bias has {bias.shape[0]} entries but scores has E = {e}")
+    _check_top_k(top_k, e, where)
+    ema = float(ema)
+    if not 0.0 <= ema < 1.0:
+        raise ValueError(f"{where}: ema must be in [0, 1), got {ema}")
+    check_finite_rows("scores", scores, where)
+    if not bool(torch.isfinite(bias).all()):
+        raise ValueError(f"{where}: bias holds NaN or inf")
+    s = scores.detach().float()
+    b = bias.detach().float()
+    if n == 0:
+        b_hat = b.clone()
+    elif top_k == e:
+        b_hat = torch.zeros_like(b)
+    else:
+        biased = s + b
+        alpha = torch.sort(biased, dim=1, descending=True).values[:, top_k]  # (k+1)-th largest
+        margin = s - alpha[:, None]
+        q = (n * top_k) // e
+        b_hat = -torch.sort(margin, dim=0, descending=True).values[q, :]  # (q+1)-th largest
+    b_hat = _dp_average(b_hat, dp_group)
+    b_new = b_hat - b_hat.mean()
+    return ema * b + (1.0 - ema) * b_new
+
+
+def _dp_average(b_hat: torch.Tensor, dp_group):
+    """Average b_hat over a data-parallel group (no-op when no group or no distributed run)."""
+    if dp_group is None:
+        return b_hat
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return b_hat
+    out = b_hat.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=dp_group)
+    return out / dist.get_world_size(group=dp_group)
+
+
+def fixed_step_update(bias, load, *, step=1e-3):
+    """The fixed-step bias rule of DeepSeek-V3 (arXiv 2412.19437, Sec. 2.1.2), for comparison.
+
+    ``new_bias_j = bias_j + step * sign(mean(load) - load_j)``: under-loaded experts gain ``step``,
+    over-loaded ones lose it, exactly-average ones stay.
+
+    Args:
+        bias: [E] float bias used to route the batch.
+        load: [E] tokens per expert of that batch (int or float), e.g. from ``expert_load``.
+        step: the update speed u (1e-3 in DeepSeek-V3), >= 0.
+    Returns:
+        [E] float32 new bias.
+    Raises:
+        TypeError / ValueError on wrong shapes, a negative or non-finite step.
+    """
+    where = "fixed_step_update"
+    _check_tensor("bias", bias, 1, where)
+    _check_tensor("load", load, 1, where)
+    if load.shape[0] != bias.shape[0]:
+        raise ValueError(f"{where}: load has {load.shape[0]} entries, bias has {bias.shape[0]}")
+    step = float(step)
+    if not (step >= 0.0 and step < float("inf")):
+        raise ValueError(f"{where}: step must be finite and >= 0, got {step}")
+    lf = load.double()
+    return (bias.double() + step * torch.sign(lf.mean() - lf)).float()
+
+
+def expert_load(topk_idx, num_experts):
+    """Routing statistics: tokens per expert, int64 [E] (the hook ``mtc run`` prints and the
+    placement pass consumes).
+
+    Args:
+        topk_idx: [N, k] integer expert indices in [0, num_experts).
+        num_experts: E.
+    Raises:
+        ValueError when an index lies outside [0, E).
+    """
+    where = "expert_load"
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.is_floating_point():
+        raise TypeError(f"{where}: topk_idx must be an integer tensor")
+    e = int(num_experts)
+    if e <= 0:
+        raise ValueError(f"{where}: num_experts must be positive, got {num_experts}")
+    flat = topk_idx.reshape(-1).long()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
+        raise ValueError(f"{where}: expert indices must be in [0, {e}), got [{int(flat.min())}, {int(flat.max())}]")
+    return torch.bincount(flat, minlength=e)
+
+
+# ----------------------------------------------------------------------------------------------
+# experts
+# ----------------------------------------------------------------------------------------------
+def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
+    """SiTU-GLU, the bounded gated activation (spec/OPS.md, situ_glu).
+
+    ``h = (beta_gate * tanh(a / beta_gate) * sigmoid(a)) * (beta_up * tanh(b / beta_up))``; near
+    zero it is SwiGLU ``silu(a) * b`` (Shazeer, arXiv 2002.05202, Eq. 6) and everywhere
+    ``|h| <= beta_gate * beta_up``. The sigmoid takes the uncapped a.
+
+    Args:
+        a: gate pre-activation, any float dtype; b: up pre-activation, same shape.
+        beta_gate, beta_up: positive caps.
+    Returns:
+        h, same shape, in the promoted dtype of a and b; computed in float32.
+    Raises:
+        ValueError on mismatched shapes or non-positive betas.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"situ_glu: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
+    if not (beta_gate > 0 and beta_up > 0):
+        raise ValueError(f"situ_glu: beta_gate and beta_up must be > 0, got {beta_gate}, {beta_up}")
+    af, bf = a.float(), b.float()
+    h = (beta_gate * torch.tanh(af / beta_gate) * torch.sigmoid(af)) * (beta_up * torch.tanh(bf / beta_up))
+    return h.to(torch.promote_types(a.dtype, b.dtype))
+
+
+def _glu(a, b, activation, beta_gate, beta_up):
+    if activation == "silu":
+        return torch.nn.functional.silu(a) * b
+    return (beta_gate * torch.tanh(a / beta_gate) * torch.sigmoid(a)) * (beta_up * torch.tanh(b / beta_up))
+
+
+def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", beta_gate=4.0,
+                beta_up=25.0):
+    """Routed experts (spec/OPS.md, moe_experts), computed in float32.
+
+    ``u[n] = sum_k topk_weight[n, k] * w2[e] @ glu(w1[e] @ x_lat[n], w3[e] @ x_lat[n])``,
+    ``e = topk_idx[n, k]``, glu = SiTU-GLU (activation="situ", the contract's default) or plain
+    SwiGLU ``silu(a) * b`` (activation="silu", used by kimi_linear_48b).
+
+    Args:
+        x_lat: [N, l] tokens in the latent width; topk_idx: [N, k] int64 in [0, E);
+        topk_weight: [N, k] float; w1, w3: [E, I, l]; w2: [E, l, I].
+    Returns:
+        u: [N, l] in x_lat's dtype. Experts with no token and all tokens on one expert are legal.
+        Differentiable in x_lat, topk_weight, w1, w3, w2.
+    Raises:
+        TypeError / ValueError on wrong shapes/dtypes, out-of-range indices or an unknown
+        activation.
+    """
+    n, l, e, i, k = check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation)
+    xf = x_lat.float()
+    u = torch.zeros(n, l, dtype=torch.float32, device=x_lat.device)
+    idx = topk_idx.long()
+    for ex in torch.unique(idx).tolist():
+        tok, slot = torch.nonzero(idx == ex, as_tuple=True)
+        xe = xf[tok]
+        h = _glu(xe @ w1[ex].float().t(), xe @ w3[ex].float().t(), activation, beta_gate, beta_up)
+        ye = h @ w2[ex].float().t()
+        u = u.index_add(0, tok, ye * topk_weight[tok, slot].float()[:, None])
+    return u.to(x_lat.dtype)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """RMSNorm (Zhang & Sennrich, arXiv 1910.07467, Eq. 4) in float32: x / sqrt(mean(x^2) + eps) * w."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+
+
+def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w_up, shared_w1,
+               shared_w3, shared_w2, *, top_k, routed_scaling=1.0, eps=1e-6, activation="situ",
+               beta_gate=4.0, beta_up=25.0):
+    """The Stable LatentMoE layer (spec/MODEL.md), in float32.
+
+    ``(topk_idx, p, _) = qb_route(x, router_weight, router_bias)`` on the FULL-width x;
+    ``x_lat = x @ w_down^T``; ``u = moe_experts(x_lat, topk_idx, p, w1, w3, w2)``;
+    ``y = shared(x) + RMSNorm(u; norm_weight, eps) @ w_up^T`` with
+    ``shared(x) = w2_s glu(w1_s x, w3_s x)``. Several shared experts are one expert whose
+    intermediate dimension is the concatenation of theirs (K3: 2 x 3072 = Is 6144), so they are
+    passed stacked.
+
+    Args:
+        x: [N, d]; router_weight: [E, d]; router_bias: [E] float32;
+        w_down: [l, d] or None (None: no latent projection, x_lat = x, and then norm_weight and
+            w_up must be None too and y = shared(x) + u, the plain MoE of kimi_linear_48b);
+        w1, w3: [E, I, l]; w2: [E, l, I]; norm_weight: [l]; w_up: [d, l];
+        shared_w1, shared_w3: [Is, d]; shared_w2: [d, Is] (all three None: no shared expert).
+        top_k, routed_scaling: as in qb_route; eps: RMSNorm epsilon;
+        activation: "situ" (default) or "silu", for the routed and the shared experts alike.
+    Returns:
+        y: [N, d] in x's dtype; topk_idx: [N, k] int64 (for the routing-statistics hook and
+        qb_update; the router scores are recomputable, or use qb_route directly).
+    Raises:
+        TypeError / ValueError on inconsistent shapes (naming the argument) and NaN/inf rows of x.
+    """
+    where = "latent_moe"
+    _check_tensor("x", x, 2, where)
+    n, d = x.shape
+    topk_idx, topk_weight, _ = qb_route(x, router_weight, router_bias, top_k=top_k,
+                                        routed_scaling=routed_scaling)
+    xf = x.float()
+    if w_down is None:
+        if norm_weight is not None or w_up is not None:
+            raise ValueError(f"{where}: w_down is None, so norm_weight and w_up must be None too")
+        x_lat = xf
+    else:
+        _check_tensor("w_down", w_down, 2, where)
+        if w_down.shape[1] != d:
+            raise ValueError(f"{where}: w_down must be [l, d={d}], got {tuple(w_down.shape)}")
+        lat = w_down.shape[0]
+        _check_tensor("norm_weight", norm_weight, 1, where)
+        _check_tensor("w_up", w_up, 2, where)
+        if norm_weight.shape[0] != lat:
+            raise ValueError(f"{where}: norm_weight must be [l={lat}], got {tuple(norm_weight.shape)}")
+        if tuple(w_up.shape) != (d, lat):
+            raise ValueError(f"{where}: w_up must be [d, l] = {(d, lat)}, got {tuple(w_up.shape)}")
+        x_lat = xf @ w_down.float().t()
+    u = moe_experts(x_lat, topk_idx, topk_weight, w1.float(), w3.float(), w2.float(),
+                    activation=activation, beta_gate=beta_gate, beta_up=beta_up)
+    if w_down is None:
+        y = u
+    else:
+        y = rms_norm(u, norm_weight, eps) @ w_up.float().t()
+    y = y + _shared(xf, shared_w1, shared_w3, shared_w2, d, activation, beta_gate, beta_up, where)
+    return y.to(x.dtype), topk_idx
+
+
+def _shared(xf, s1, s3, s2, d, activation, beta_gate, beta_up, where):
+    if s1 is None and s3 is None and s2 is None:
+        return torch.zeros((), dtype=torch.float32, device=xf.device)
+    for name, t in (("shared_w1", s1), ("shared_w3", s3), ("shared_w2", s2)):
+        _check_tensor(name, t, 2, where)
+    i_s = s1.shape[0]
+    if tuple(s1.shape) != (i_s, d) or tuple(s3.shape) != (i_s, d) or tuple(s2.shape) != (d, i_s):
+        raise ValueError(
+            f"{where}: shared weights must be w1, w3 [Is, d={d}] and w2 [d, Is]; got "
+            f"{tuple(s1.shape)}, {tuple(s3.shape)}, {tuple(s2.shape)}"
+        )
+    h = _glu(xf @ s1.float().t(), xf @ s3.float().t(), activation, beta_gate, beta_up)
+    return h @ s2.float().t()
