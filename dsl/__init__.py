@@ -1,0 +1,50 @@
+"""mtc's DSL: parse .mtc architecture specs into the graph IR, and compile graphs to torch modules.
+
+    import dsl
+    g = dsl.load("models/kimi_k3.mtc", variant="tiny")
+    m = dsl.compile(g, target="reference")
+    logits = m(input_ids)            # [B, T] int64 -> [B, T, vocab]
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import Loc, MtcError
+from .ir import Graph, Node, Ref, TensorType
+from .builder import GraphBuilder
+from .printer import print_graph
+from .ir_parser import parse_ir
+
+__all__ = ["parse", "load", "compile", "Graph", "Node", "Ref", "TensorType", "GraphBuilder", "MtcError", "Loc",
+           "print_graph", "parse_ir"]
+
+
+def parse(text: str, variant: str | None = None, *, file: str = "<spec>", **overrides) -> Graph:
+    """Parse .mtc spec text into a graph (the 'graph' stage: layer-level ops, typed).
+
+    Args:
+        text: the spec source.
+        variant: a named variant of the model (e.g. "tiny"), or None for the base config.
+        file: the name used in error locations.
+        **overrides: config values to set after the variant (e.g. n_layers=4).
+    Raises:
+        MtcError: syntax, name, type or shape errors, located at file:line:col.
+    """
+    from .spec import build_graph, parse_spec
+    return build_graph(parse_spec(text, file), variant, **overrides)
+
+
+def load(path: str | Path, variant: str | None = None, **overrides) -> Graph:
+    """Read and parse a .mtc file (see :func:`parse`)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise MtcError(f"cannot read spec '{path}': {e.strerror}") from None
+    return parse(text, variant, file=str(path), **overrides)
+
+
+def compile(graph: Graph, target: str = "reference", **options):
+    """Compile a graph into a runnable ``torch.nn.Module`` (see :func:`backends.runtime.compile_graph`)."""
+    from backends.runtime import compile_graph
+    return compile_graph(graph, target=target, **options)

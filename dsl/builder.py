@@ -1,0 +1,175 @@
+"""The Python builder API: constructs a :class:`~dsl.ir.Graph` node by node with eager shape inference.
+
+Example::
+
+    from dsl.builder import GraphBuilder
+    b = GraphBuilder("toy", dtype="f32")
+    ids = b.input("input_ids", "i64", ["B", "T"])
+    x = b.call("embedding", ids, vocab=256, dim=64, name="model.embed_tokens")
+    x = b.call("kda_layer", x, heads=2, head_dim=16, name="model.layers.0.self_attn")
+    g = b.build([b.call("lm_head", b.call("rmsnorm", x, name="model.norm"), vocab=256)])
+
+The spec parser (:mod:`dsl.spec`) drives the same builder, so a spec and the equivalent Python produce
+equal graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .errors import Loc, MtcError, did_you_mean
+from .ir import Graph, Node, Ref, TensorType, canon_dtype, dim, make_attrs
+
+
+class ShapeError(Exception):
+    """Raised by shape rules; the builder turns it into an MtcError at the user's source location."""
+
+
+@dataclass
+class ParamSpec:
+    """A parameter (or buffer) an op creates: state-dict suffix, shape, initialiser."""
+
+    suffix: str
+    shape: tuple
+    init: str = "normal"
+    kind: str = "param"          # "param" or "buffer"
+    dtype: str | None = None     # None: the model dtype
+    std: float | None = None
+    active: float | None = None  # fraction of this tensor used per token (routed experts: top_k / E)
+
+
+class GraphBuilder:
+    """Builds a graph. ``dtype`` is the model's parameter/activation dtype recorded in the IR."""
+
+    def __init__(self, name: str, symbols: Sequence[str] = ("B", "T"), dtype: str = "f32",
+                 source: str | None = None):
+        self.name = name
+        self.symbols = tuple(symbols)
+        self.dtype = canon_dtype(dtype)
+        self.nodes: list[Node] = []
+        self._by_name: dict[str, Node] = {}
+        self._param_names: dict[str, Ref] = {}
+        self._count = 0
+        self.source = source      # spec text, for error excerpts
+        self.meta: dict[str, Any] = {}
+        self.name_prefix = ""     # fresh node names are f"{name_prefix}{n}" (passes set it per expansion)
+
+    # -- basics -----------------------------------------------------------------------------
+    def _fresh(self, hint: str | None = None) -> str:
+        if hint and hint not in self._by_name:
+            return hint
+        name = f"{self.name_prefix}{self._count}"
+        self._count += 1
+        while name in self._by_name:
+            name = f"{self.name_prefix}{self._count}"
+            self._count += 1
+        return name
+
+    def add(self, node: Node) -> Node:
+        if node.name in self._by_name:
+            raise MtcError(f"duplicate node name %{node.name}", node.loc)
+        self.nodes.append(node)
+        self._by_name[node.name] = node
+        return node
+
+    def type(self, ref: Ref) -> TensorType:
+        return self._by_name[ref.node].types[ref.index]
+
+    def error(self, msg: str, loc: Loc | None, hint: str | None = None) -> MtcError:
+        return MtcError(msg, loc, self.source if loc is not None else None, hint)
+
+    # -- sources ----------------------------------------------------------------------------
+    def input(self, name: str, dtype: str, shape, loc: Loc | None = None) -> Ref:
+        t = TensorType(canon_dtype(dtype, loc), tuple(dim(d) for d in shape))
+        n = self.add(Node(self._fresh(name), "input", (), make_attrs({"name": name}), (t,), loc))
+        return n.out()
+
+    def param(self, name: str, shape, init: str = "normal", *, kind: str = "param", dtype: str | None = None,
+              std: float | None = None, active: float | None = None, loc: Loc | None = None) -> Ref:
+        if name in self._param_names:
+            raise self.error(f"parameter '{name}' is defined twice", loc)
+        attrs: dict[str, Any] = {"name": name, "init": init}
+        if std is not None:
+            attrs["std"] = float(std)
+        if active is not None:
+            attrs["active"] = float(active)
+        shape = tuple(dim(d) for d in shape)
+        for d in shape:
+            if d.is_number and int(d) <= 0:
+                raise self.error(f"parameter '{name}' would have a non-positive dimension {list(shape)}", loc)
+        t = TensorType(dtype or self.dtype, shape)
+        n = self.add(Node(self._fresh(f"p{len(self._param_names)}"), kind, (), make_attrs(attrs), (t,), loc))
+        self._param_names[name] = n.out()
+        return n.out()
+
+    # -- ops --------------------------------------------------------------------------------
+    def call(self, op: str, *inputs: Ref, loc: Loc | None = None, name: str | None = None, **attrs):
+        """Emit op ``op`` on ``inputs``. Ops that own parameters (layers, embedding, rmsnorm, ...)
+        create them under the state-dict prefix ``name`` when their parameter inputs are not given.
+        Returns a Ref, or a tuple of Refs for multi-output ops."""
+        from .ops import OPS
+        if op not in OPS:
+            raise self.error(f"unknown op '{op}'{did_you_mean(op, OPS)}", loc)
+        od = OPS[op]
+        attrs = {k: v for k, v in attrs.items()}
+        # split attrs that only size parameters (not stored on the node)
+        pattrs = {k: attrs.pop(k) for k in list(attrs) if k in od.param_attrs}
+        unknown = [k for k in attrs if k not in od.attrs]
+        if unknown:
+            allowed = sorted(set(od.attrs) | set(od.param_attrs))
+            raise self.error(f"op '{op}' has no attribute '{unknown[0]}'{did_you_mean(unknown[0], allowed)}; "
+                             f"it takes: {', '.join(allowed) or 'none'}", loc)
+        full = {}
+        for k, default in od.attrs.items():
+            if k in attrs:
+                full[k] = attrs[k]
+            elif default is REQUIRED:
+                raise self.error(f"op '{op}' needs attribute '{k}'", loc)
+            else:
+                full[k] = default
+        inputs = list(inputs)
+        in_types = [self.type(r) for r in inputs]
+        if od.params is not None and len(inputs) == od.n_data_inputs:
+            for k, default in od.param_attrs.items():
+                if k not in pattrs:
+                    if default is REQUIRED:
+                        raise self.error(f"op '{op}' needs attribute '{k}' (to size its parameters)", loc)
+                    pattrs[k] = default
+            prefix = name or od.default_name
+            if prefix is None:
+                raise self.error(f"op '{op}' owns parameters: give it a name= (its state-dict prefix)", loc)
+            try:
+                specs = od.params({**full, **pattrs}, in_types)
+            except ShapeError as e:
+                raise self.error(f"{op}: {e}", loc) from None
+            for s in specs:
+                pname = f"{prefix}.{s.suffix}" if prefix else s.suffix
+                inputs.append(self.param(pname, s.shape, s.init, kind=s.kind, dtype=s.dtype, std=s.std,
+                                         active=s.active, loc=loc))
+            in_types = [self.type(r) for r in inputs]
+        try:
+            out_types = od.check_and_infer(in_types, full)
+        except ShapeError as e:
+            raise self.error(f"{op}: {e}", loc) from None
+        n = self.add(Node(self._fresh(), op, tuple(inputs), make_attrs(full), tuple(out_types), loc))
+        if len(out_types) == 1:
+            return n.out()
+        return tuple(n.out(i) for i in range(len(out_types)))
+
+    def __getattr__(self, op: str):
+        from .ops import OPS
+        if op.startswith("_") or op not in OPS:
+            raise AttributeError(op)
+        return lambda *inputs, **kw: self.call(op, *inputs, **kw)
+
+    def build(self, outputs: Sequence[Ref]) -> Graph:
+        meta = tuple(sorted((k, v) for k, v in self.meta.items()))
+        return Graph(self.name, tuple(self.nodes), tuple(outputs), self.symbols, meta)
+
+
+class _Required:
+    def __repr__(self):
+        return "REQUIRED"
+
+
+REQUIRED = _Required()

@@ -1,0 +1,643 @@
+"""The op registry: every graph op's signature, shape rule, parameters, FLOP count and (for layer-level
+building blocks) its expansion into primitive ops.
+
+Primitive ops are the ones of ../shared/spec/OPS.md (kda_gate, kda_chunk, mla_attention, qb_route,
+situ_glu, moe_experts, attn_residual) plus the graph ops embedding, linear, rmsnorm, l2norm, short_conv,
+silu, sigmoid, mul, add, lm_head and the data-movement ops reshape, slice, concat, broadcast.
+
+Layer-level ops (kda_layer, mla_layer, glu_ffn, latent_moe, moe) own their parameters (created with
+Hugging Face style state-dict names) and are expanded into primitive ops by the ``canonicalize`` pass.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import sympy
+
+from .builder import REQUIRED, GraphBuilder, ParamSpec, ShapeError
+from .ir import Dim, Ref, TensorType, dim, dims_equal
+
+FLOAT = ("f32", "f16", "bf16", "f64")
+
+
+@dataclass
+class OpDef:
+    name: str
+    infer: Callable[[list[TensorType], dict], list[TensorType]]
+    n_data_inputs: int = 1
+    attrs: dict = field(default_factory=dict)
+    param_attrs: dict = field(default_factory=dict)
+    params: Callable | None = None
+    expand: Callable | None = None
+    flops: Callable | None = None
+    default_name: str | None = None
+    variadic: bool = False
+    doc: str = ""
+    inputs: tuple = ()
+    is_layer: bool = False
+
+    def check_and_infer(self, in_types: list[TensorType], attrs: dict) -> list[TensorType]:
+        if not self.variadic and self.params is None and len(in_types) != self.n_data_inputs:
+            raise ShapeError(f"takes {self.n_data_inputs} input(s) ({', '.join(self.inputs)}), got {len(in_types)}")
+        if self.variadic and len(in_types) < self.n_data_inputs:
+            raise ShapeError(f"takes at least {self.n_data_inputs} inputs, got {len(in_types)}")
+        for t in in_types:
+            if t is None:
+                raise ShapeError("an input has no type (run infer_shapes first)")
+        return self.infer(in_types, attrs)
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register(name: str, infer, **kw) -> OpDef:
+    od = OpDef(name, infer, **kw)
+    OPS[name] = od
+    return od
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+def _shape(t: TensorType) -> str:
+    return "[" + ", ".join(str(d) for d in t.shape) + "]"
+
+
+def _eq(a: Dim, b: Dim) -> bool:
+    return dims_equal(a, b)
+
+
+def _need_float(t: TensorType, what: str):
+    if t.dtype not in FLOAT:
+        raise ShapeError(f"{what} must be a float tensor, got {t.dtype}")
+
+
+def _need_rank(t: TensorType, r: int, what: str):
+    if t.rank != r:
+        raise ShapeError(f"{what} must have rank {r}, got {t} ")
+
+
+def numel(t: TensorType) -> Dim:
+    return t.numel()
+
+
+def _tokens(t: TensorType) -> Dim:
+    return sympy.Mul(*t.shape[:-1]) if t.rank > 1 else sympy.Integer(1)
+
+
+def _dims_attr(shape) -> tuple:
+    """A shape as an attribute value: ints stay ints, symbolic dims become strings."""
+    out = []
+    for d in shape:
+        d = dim(d)
+        out.append(int(d) if d.is_number else str(d))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise and data movement
+def _unary(ts, a):
+    _need_float(ts[0], "input")
+    return [ts[0]]
+
+
+for _n, _doc in [("silu", "x * sigmoid(x)"), ("sigmoid", "1 / (1 + exp(-x))")]:
+    register(_n, _unary, inputs=("x",), flops=lambda ts, os, a: 4 * numel(ts[0]), doc=_doc)
+
+
+def _broadcast_shapes(a: TensorType, b: TensorType) -> tuple:
+    ra, rb = list(a.shape), list(b.shape)
+    n = max(len(ra), len(rb))
+    ra = [sympy.Integer(1)] * (n - len(ra)) + ra
+    rb = [sympy.Integer(1)] * (n - len(rb)) + rb
+    out = []
+    for x, y in zip(ra, rb):
+        if _eq(x, y) or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            raise ShapeError(f"shapes {_shape(a)} and {_shape(b)} do not broadcast")
+    return tuple(out)
+
+
+def _binary(ts, a):
+    x, y = ts
+    _need_float(x, "lhs")
+    _need_float(y, "rhs")
+    if x.dtype != y.dtype:
+        raise ShapeError(f"dtypes differ: {x.dtype} and {y.dtype}")
+    return [TensorType(x.dtype, _broadcast_shapes(x, y))]
+
+
+register("add", _binary, n_data_inputs=2, inputs=("a", "b"), flops=lambda ts, os, a: numel(os[0]),
+         doc="a + b (numpy broadcasting)")
+register("mul", _binary, n_data_inputs=2, inputs=("a", "b"), flops=lambda ts, os, a: numel(os[0]),
+         doc="a * b (numpy broadcasting)")
+
+
+def _reshape(ts, a):
+    x = ts[0]
+    shape = tuple(dim(d) for d in a["shape"])
+    if not _eq(sympy.Mul(*shape), x.numel()):
+        raise ShapeError(f"cannot reshape {_shape(x)} into {[str(d) for d in shape]}: element counts differ")
+    return [TensorType(x.dtype, shape)]
+
+
+register("reshape", _reshape, attrs={"shape": REQUIRED}, inputs=("x",), doc="view x with a new shape")
+
+
+def _slice(ts, a):
+    x = ts[0]
+    d = a["dim"] % x.rank
+    size = x.shape[d]
+    s, e = a["start"], a["end"]
+    if not (0 <= s < e) or (size.is_number and e > int(size)):
+        raise ShapeError(f"slice [{s}:{e}] out of range for dim {d} of size {size}")
+    return [x.with_shape(x.shape[:d] + (sympy.Integer(e - s),) + x.shape[d + 1:])]
+
+
+register("slice", _slice, attrs={"dim": -1, "start": REQUIRED, "end": REQUIRED}, inputs=("x",),
+         doc="x[..., start:end, ...] along dim")
+
+
+def _concat(ts, a):
+    x, y = ts
+    d = a["dim"] % x.rank
+    if x.rank != y.rank or x.dtype != y.dtype or any(
+            not _eq(p, q) for i, (p, q) in enumerate(zip(x.shape, y.shape)) if i != d):
+        raise ShapeError(f"cannot concatenate {x} and {y} along dim {d}")
+    return [x.with_shape(x.shape[:d] + (x.shape[d] + y.shape[d],) + x.shape[d + 1:])]
+
+
+register("concat", _concat, n_data_inputs=2, attrs={"dim": -1}, inputs=("a", "b"), doc="cat([a, b], dim)")
+
+
+def _broadcast(ts, a):
+    x = ts[0]
+    shape = tuple(dim(d) for d in a["shape"])
+    if len(shape) != x.rank or any(not (_eq(p, q) or p == 1) for p, q in zip(x.shape, shape)):
+        raise ShapeError(f"cannot broadcast {_shape(x)} to {[str(d) for d in shape]}")
+    return [x.with_shape(shape)]
+
+
+register("broadcast", _broadcast, attrs={"shape": REQUIRED}, inputs=("x",), doc="expand size-1 dims")
+
+
+# ---------------------------------------------------------------------------------------------
+# basic layers with parameters
+def _embedding(ts, a):
+    ids, w = ts
+    if ids.dtype not in ("i64", "i32"):
+        raise ShapeError(f"token ids must be integer, got {ids.dtype}")
+    _need_rank(w, 2, "embedding weight")
+    return [TensorType(w.dtype, ids.shape + (w.shape[1],))]
+
+
+register("embedding", _embedding, n_data_inputs=1, inputs=("ids", "weight"),
+         param_attrs={"vocab": REQUIRED, "dim": REQUIRED},
+         params=lambda a, ts: [ParamSpec("weight", (a["vocab"], a["dim"]), "normal", std=0.02)],
+         default_name="model.embed_tokens", doc="weight[ids]")
+
+
+def _linear(ts, a):
+    x, w = ts[0], ts[1]
+    _need_float(x, "x")
+    _need_rank(w, 2, "linear weight")
+    if not _eq(x.shape[-1], w.shape[1]):
+        raise ShapeError(f"x has last dim {x.shape[-1]} but the weight {_shape(w)} expects {w.shape[1]}")
+    return [TensorType(x.dtype, x.shape[:-1] + (w.shape[0],))]
+
+
+register("linear", _linear, n_data_inputs=1, inputs=("x", "weight"), param_attrs={"out": REQUIRED},
+         params=lambda a, ts: [ParamSpec("weight", (a["out"], ts[0].shape[-1]))],
+         flops=lambda ts, os, a: 2 * numel(ts[0]) * ts[1].shape[0], doc="x @ weight^T; weight [out, in]")
+
+
+def _lm_head(ts, a):
+    return _linear(ts, a)
+
+
+register("lm_head", _lm_head, n_data_inputs=1, inputs=("x", "weight"), param_attrs={"vocab": REQUIRED},
+         params=lambda a, ts: [ParamSpec("weight", (a["vocab"], ts[0].shape[-1]))], default_name="lm_head",
+         flops=lambda ts, os, a: 2 * numel(ts[0]) * ts[1].shape[0], doc="logits = x @ weight^T")
+
+
+def _rmsnorm(ts, a):
+    x, w = ts
+    _need_float(x, "x")
+    if w.rank != 1 or not _eq(w.shape[0], x.shape[-1]):
+        raise ShapeError(f"weight {_shape(w)} does not match the last dim of x {_shape(x)}")
+    return [x]
+
+
+register("rmsnorm", _rmsnorm, n_data_inputs=1, inputs=("x", "weight"), attrs={"eps": 1e-6},
+         params=lambda a, ts: [ParamSpec("weight", (ts[0].shape[-1],), "ones")], default_name="model.norm",
+         flops=lambda ts, os, a: 4 * numel(ts[0]),
+         doc="x / sqrt(mean(x^2) + eps) * weight, computed in float32")
+
+
+register("l2norm", _unary, attrs={"eps": 1e-6}, inputs=("x",), flops=lambda ts, os, a: 3 * numel(ts[0]),
+         doc="x / sqrt(sum(x^2) + eps) over the last dim")
+
+
+def _short_conv(ts, a):
+    x, w = ts
+    _need_rank(x, 3, "short_conv input [B, T, C]")
+    if w.rank != 3 or not _eq(w.shape[0], x.shape[2]) or w.shape[1] != 1:
+        raise ShapeError(f"weight {_shape(w)} must be [C, 1, W] with C = {x.shape[2]}")
+    return [x]
+
+
+register("short_conv", _short_conv, n_data_inputs=2, inputs=("x", "weight"),
+         flops=lambda ts, os, a: 2 * numel(ts[0]) * ts[1].shape[2],
+         doc="causal depthwise conv over T, weight [C, 1, W]")
+
+
+# ---------------------------------------------------------------------------------------------
+# the ops of OPS.md
+def _kda_gate(ts, a):
+    x, A_log, dt_bias = ts
+    _need_rank(x, 4, "kda_gate x [B, T, H, K]")
+    H, K = x.shape[2], x.shape[3]
+    if A_log.rank != 1 or not _eq(A_log.shape[0], H):
+        raise ShapeError(f"A_log {_shape(A_log)} must be [H] with H = {H}")
+    if dt_bias.rank != 1 or not _eq(dt_bias.shape[0], H * K):
+        raise ShapeError(f"dt_bias {_shape(dt_bias)} must be [H*K] = [{H * K}]")
+    if a["gate"] not in ("sigmoid", "softplus"):
+        raise ShapeError(f"gate must be 'sigmoid' (lower-bounded) or 'softplus', got {a['gate']!r}")
+    if a["gate"] == "sigmoid" and not a["lower_bound"] < 0:
+        raise ShapeError(f"lower_bound must be negative, got {a['lower_bound']}")
+    return [x.with_dtype("f32")]
+
+
+register("kda_gate", _kda_gate, n_data_inputs=3, inputs=("x", "A_log", "dt_bias"),
+         attrs={"lower_bound": -5.0, "gate": "sigmoid"}, flops=lambda ts, os, a: 6 * numel(ts[0]),
+         doc="g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias)), float32 log decay")
+
+
+def _kda_chunk(ts, a):
+    q, k, v, g, beta = ts
+    for t, nm in ((q, "q"), (k, "k"), (v, "v"), (g, "g")):
+        _need_rank(t, 4, f"{nm} [B, T, H, D]")
+    if not all(_eq(x, y) for x, y in zip(q.shape, k.shape)):
+        raise ShapeError(f"q {_shape(q)} and k {_shape(k)} differ")
+    if not all(_eq(x, y) for x, y in zip(q.shape, g.shape)):
+        raise ShapeError(f"g {_shape(g)} must match q {_shape(q)}")
+    if not all(_eq(x, y) for x, y in zip(q.shape[:3], v.shape[:3])):
+        raise ShapeError(f"v {_shape(v)} must share [B, T, H] with q {_shape(q)}")
+    if beta.rank != 3 or not all(_eq(x, y) for x, y in zip(beta.shape, q.shape[:3])):
+        raise ShapeError(f"beta {_shape(beta)} must be [B, T, H]")
+    return [v]
+
+
+def _kda_flops(ts, os, a, C=64):
+    q, v = ts[0], ts[2]
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    return 2 * B * T * H * (3 * C * K + 2 * C * V + 3 * K * V)
+
+
+register("kda_chunk", _kda_chunk, n_data_inputs=5, inputs=("q", "k", "v", "g", "beta"),
+         attrs={"scale": None}, flops=_kda_flops,
+         doc="Kimi Delta Attention, chunked (chunk 64, WY representation); o in v's dtype")
+
+
+def _mla_attention(ts, a):
+    q, k, v = ts
+    for t, nm in ((q, "q"), (k, "k"), (v, "v")):
+        _need_rank(t, 4, f"{nm} [B, T, H, D]")
+    if not all(_eq(x, y) for x, y in zip(q.shape, k.shape)):
+        raise ShapeError(f"q {_shape(q)} and k {_shape(k)} differ")
+    if not all(_eq(x, y) for x, y in zip(q.shape[:3], v.shape[:3])):
+        raise ShapeError(f"v {_shape(v)} must share [B, T, H] with q")
+    return [v]
+
+
+def _mla_flops(ts, os, a):
+    q, v = ts[0], ts[2]
+    B, T, H, D = q.shape
+    pairs = T * (T + 1) / 2 if a["causal"] else T * T
+    return 2 * B * H * pairs * (D + v.shape[3])
+
+
+register("mla_attention", _mla_attention, n_data_inputs=3, inputs=("q", "k", "v"),
+         attrs={"scale": REQUIRED, "causal": True}, flops=_mla_flops,
+         doc="softmax(q k^T * scale) v, causal, softmax in float32")
+
+
+def _qb_route(ts, a):
+    x, w, b = ts
+    _need_rank(x, 2, "router input x [N, d]")
+    _need_rank(w, 2, "router weight [E, d]")
+    if not _eq(x.shape[1], w.shape[1]):
+        raise ShapeError(f"x {_shape(x)} and router weight {_shape(w)} disagree on d")
+    if b.rank != 1 or not _eq(b.shape[0], w.shape[0]):
+        raise ShapeError(f"bias {_shape(b)} must be [E] = [{w.shape[0]}]")
+    k = a["top_k"]
+    if w.shape[0].is_number and not 1 <= k <= int(w.shape[0]):
+        raise ShapeError(f"top_k = {k} must be in [1, E = {w.shape[0]}]")
+    N = x.shape[0]
+    return [TensorType("i64", (N, k)), TensorType("f32", (N, k)), TensorType("f32", (N, w.shape[0]))]
+
+
+register("qb_route", _qb_route, n_data_inputs=3, inputs=("x", "weight", "bias"),
+         attrs={"top_k": REQUIRED, "routed_scaling": 1.0},
+         flops=lambda ts, os, a: 2 * numel(ts[0]) * ts[1].shape[0],
+         doc="sigmoid router, top-k on score + bias (Quantile Balancing), unbiased renormalised weights")
+
+
+def _situ(ts, a):
+    return _binary(ts, a)
+
+
+register("situ_glu", _situ, n_data_inputs=2, inputs=("a", "b"), attrs={"beta_gate": 4.0, "beta_up": 25.0},
+         flops=lambda ts, os, a: 10 * numel(os[0]),
+         doc="(bg*tanh(a/bg)*sigmoid(a)) * (bu*tanh(b/bu))")
+
+
+def _moe_experts(ts, a):
+    x, idx, w, w1, w3, w2 = ts
+    _need_rank(x, 2, "x_lat [N, l]")
+    if idx.dtype not in ("i64", "i32") or idx.rank != 2:
+        raise ShapeError(f"topk_idx must be integer [N, k], got {idx}")
+    E, I, L = w1.shape
+    if not (_eq(L, x.shape[1]) and all(_eq(p, q) for p, q in zip(w1.shape, w3.shape))):
+        raise ShapeError(f"w1 {_shape(w1)} / w3 {_shape(w3)} must be [E, I, l] with l = {x.shape[1]}")
+    if not (_eq(w2.shape[0], E) and _eq(w2.shape[1], L) and _eq(w2.shape[2], I)):
+        raise ShapeError(f"w2 {_shape(w2)} must be [E, l, I] = [{E}, {L}, {I}]")
+    if a["activation"] not in ("situ", "silu"):
+        raise ShapeError(f"activation must be 'situ' or 'silu', got {a['activation']!r}")
+    return [x]
+
+
+register("moe_experts", _moe_experts, n_data_inputs=6,
+         inputs=("x_lat", "topk_idx", "topk_weight", "w1", "w3", "w2"),
+         attrs={"activation": "situ", "beta_gate": 4.0, "beta_up": 25.0},
+         flops=lambda ts, os, a: 2 * ts[0].shape[0] * ts[1].shape[1] * 3 * ts[3].shape[1] * ts[3].shape[2],
+         doc="u = sum_k w_k * w2_e act(w1_e x, w3_e x), e = topk_idx[:, k]")
+
+
+def _attn_residual(ts, a):
+    q, w, *src = ts
+    if not src:
+        raise ShapeError("needs at least one source")
+    d = src[0].shape[-1]
+    if q.rank != 1 or not _eq(q.shape[0], d) or w.rank != 1 or not _eq(w.shape[0], d):
+        raise ShapeError(f"query {_shape(q)} and rms_weight {_shape(w)} must be [d] = [{d}]")
+    for i, s in enumerate(src):
+        if not s.same(src[0]):
+            raise ShapeError(f"source {i} is {s}, source 0 is {src[0]}")
+    return [src[0]]
+
+
+register("attn_residual", _attn_residual, n_data_inputs=3, variadic=True,
+         inputs=("query", "rms_weight", "*sources"), attrs={"eps": 1e-6},
+         flops=lambda ts, os, a: 5 * numel(ts[2]) * (len(ts) - 2),
+         doc="softmax over sources of query . RMSNorm(source) -> weighted sum of sources (Block AttnRes)")
+
+
+# ---------------------------------------------------------------------------------------------
+# layer-level building blocks
+def _x_only(what):
+    def infer(ts, a):
+        x = ts[0]
+        _need_float(x, "x")
+        if x.rank < 2:
+            raise ShapeError(f"{what} input must be [..., d], got {x}")
+        return [x]
+    return infer
+
+
+def _lead(x: TensorType) -> tuple:
+    return x.shape[:-1]
+
+
+def _reshape_to(b: GraphBuilder, x: Ref, shape, loc) -> Ref:
+    return b.call("reshape", x, shape=_dims_attr(shape), loc=loc)
+
+
+def _lin(b, x, w, loc):
+    return b.call("linear", x, w, loc=loc)
+
+
+# -- KDA layer
+def _kda_params(a, ts):
+    d = ts[0].shape[-1]
+    H, K = a["heads"], a["head_dim"]
+    V = a["v_head_dim"] or K
+    W, fr, gr = a["conv_size"], a["forget_rank"] or K, a["gate_rank"]
+    p = [ParamSpec("q_proj.weight", (H * K, d)), ParamSpec("k_proj.weight", (H * K, d)),
+         ParamSpec("v_proj.weight", (H * V, d)),
+         ParamSpec("q_conv1d.weight", (H * K, 1, W), "conv"), ParamSpec("k_conv1d.weight", (H * K, 1, W), "conv"),
+         ParamSpec("v_conv1d.weight", (H * V, 1, W), "conv"),
+         ParamSpec("f_a_proj.weight", (fr, d)), ParamSpec("f_b_proj.weight", (H * K, fr)),
+         ParamSpec("b_proj.weight", (H, d))]
+    if gr:
+        p += [ParamSpec("g_a_proj.weight", (gr, d)), ParamSpec("g_b_proj.weight", (H * V, gr))]
+    else:
+        p += [ParamSpec("g_proj.weight", (H * V, d))]
+    p += [ParamSpec("A_log", (H,), "a_log", dtype="f32"), ParamSpec("dt_bias", (H * K,), "dt_bias", dtype="f32"),
+          ParamSpec("o_norm.weight", (V,), "ones"), ParamSpec("o_proj.weight", (d, H * V))]
+    return p
+
+
+def _slots(x: Ref, params: list[Ref], specs: list[ParamSpec]) -> dict:
+    return {s.suffix.removesuffix(".weight"): r for s, r in zip(specs, params)}
+
+
+def _kda_expand(b: GraphBuilder, inputs: list[Ref], a: dict, loc):
+    x = inputs[0]
+    xt = b.type(x)
+    specs = _kda_params(a, [xt])
+    P = _slots(x, inputs[1:], specs)
+    H, K = a["heads"], a["head_dim"]
+    V = a["v_head_dim"] or K
+    lead = _lead(xt)
+
+    def conv_branch(w, cw, D):
+        y = b.call("short_conv", _lin(b, x, w, loc), cw, loc=loc)
+        return _reshape_to(b, b.call("silu", y, loc=loc), lead + (H, D), loc)
+
+    q = b.call("l2norm", conv_branch(P["q_proj"], P["q_conv1d"], K), eps=1e-6, loc=loc)
+    k = b.call("l2norm", conv_branch(P["k_proj"], P["k_conv1d"], K), eps=1e-6, loc=loc)
+    v = conv_branch(P["v_proj"], P["v_conv1d"], V)
+    f = _reshape_to(b, _lin(b, _lin(b, x, P["f_a_proj"], loc), P["f_b_proj"], loc), lead + (H, K), loc)
+    g = b.call("kda_gate", f, P["A_log"], P["dt_bias"], lower_bound=a["lower_bound"], gate=a["gate"], loc=loc)
+    beta = b.call("sigmoid", _lin(b, x, P["b_proj"], loc), loc=loc)
+    o = b.call("kda_chunk", q, k, v, g, beta, scale=float(K) ** -0.5, loc=loc)
+    o = b.call("rmsnorm", o, P["o_norm"], eps=a["norm_eps"], loc=loc)
+    if "g_proj" in P:
+        gl = _lin(b, x, P["g_proj"], loc)
+    else:
+        gl = _lin(b, _lin(b, x, P["g_a_proj"], loc), P["g_b_proj"], loc)
+    gate = _reshape_to(b, b.call("sigmoid", gl, loc=loc), lead + (H, V), loc)
+    o = _reshape_to(b, b.call("mul", o, gate, loc=loc), lead + (H * V,), loc)
+    return [_lin(b, o, P["o_proj"], loc)]
+
+
+register("kda_layer", _x_only("kda_layer"), params=_kda_params, expand=_kda_expand, is_layer=True,
+         default_name="self_attn", inputs=("x",),
+         attrs={"heads": REQUIRED, "head_dim": REQUIRED, "v_head_dim": 0, "conv_size": 4, "lower_bound": -5.0,
+                "gate": "sigmoid", "forget_rank": 0, "gate_rank": 0, "norm_eps": 1e-6},
+         doc="KDA token mixer: projections -> short conv + SiLU -> L2 norm (q, k) -> kda_gate -> kda_chunk "
+             "-> per-head RMSNorm * sigmoid output gate -> o_proj (Kimi Linear, arXiv 2510.26692)")
+
+
+# -- gated MLA layer
+def _mla_params(a, ts):
+    d = ts[0].shape[-1]
+    H, ql, kl = a["heads"], a["q_lora_rank"], a["kv_lora_rank"]
+    dn, dr, dv = a["qk_nope_dim"], a["qk_rope_dim"], a["v_dim"]
+    p = []
+    if ql:
+        p += [ParamSpec("q_a_proj.weight", (ql, d)), ParamSpec("q_a_layernorm.weight", (ql,), "ones"),
+              ParamSpec("q_b_proj.weight", (H * (dn + dr), ql))]
+    else:
+        p += [ParamSpec("q_proj.weight", (H * (dn + dr), d))]
+    p += [ParamSpec("kv_a_proj_with_mqa.weight", (kl + dr, d)), ParamSpec("kv_a_layernorm.weight", (kl,), "ones"),
+          ParamSpec("kv_b_proj.weight", (H * (dn + dv), kl))]
+    if a["gated"]:
+        p += [ParamSpec("g_proj.weight", (H * dv, d))]
+    p += [ParamSpec("o_proj.weight", (d, H * dv))]
+    return p
+
+
+def _mla_expand(b: GraphBuilder, inputs, a, loc):
+    x = inputs[0]
+    xt = b.type(x)
+    specs = _mla_params(a, [xt])
+    P = _slots(x, inputs[1:], specs)
+    H, ql, kl = a["heads"], a["q_lora_rank"], a["kv_lora_rank"]
+    dn, dr, dv = a["qk_nope_dim"], a["qk_rope_dim"], a["v_dim"]
+    lead = _lead(xt)
+    if ql:
+        cq = b.call("rmsnorm", _lin(b, x, P["q_a_proj"], loc), P["q_a_layernorm"], eps=a["norm_eps"], loc=loc)
+        q = _lin(b, cq, P["q_b_proj"], loc)
+    else:
+        q = _lin(b, x, P["q_proj"], loc)
+    q = _reshape_to(b, q, lead + (H, dn + dr), loc)
+    kv = _lin(b, x, P["kv_a_proj_with_mqa"], loc)
+    c = b.call("slice", kv, dim=-1, start=0, end=kl, loc=loc)
+    kr = b.call("slice", kv, dim=-1, start=kl, end=kl + dr, loc=loc)
+    c = b.call("rmsnorm", c, P["kv_a_layernorm"], eps=a["norm_eps"], loc=loc)
+    kvb = _reshape_to(b, _lin(b, c, P["kv_b_proj"], loc), lead + (H, dn + dv), loc)
+    kn = b.call("slice", kvb, dim=-1, start=0, end=dn, loc=loc)
+    v = b.call("slice", kvb, dim=-1, start=dn, end=dn + dv, loc=loc)
+    kr = b.call("broadcast", _reshape_to(b, kr, lead + (1, dr), loc), shape=_dims_attr(lead + (H, dr)), loc=loc)
+    k = b.call("concat", kn, kr, dim=-1, loc=loc)
+    o = b.call("mla_attention", q, k, v, scale=1.0 / math.sqrt(dn + dr), causal=True, loc=loc)
+    if a["gated"]:
+        gate = _reshape_to(b, b.call("sigmoid", _lin(b, x, P["g_proj"], loc), loc=loc), lead + (H, dv), loc)
+        o = b.call("mul", o, gate, loc=loc)
+    o = _reshape_to(b, o, lead + (H * dv,), loc)
+    return [_lin(b, o, P["o_proj"], loc)]
+
+
+register("mla_layer", _x_only("mla_layer"), params=_mla_params, expand=_mla_expand, is_layer=True,
+         default_name="self_attn", inputs=("x",),
+         attrs={"heads": REQUIRED, "q_lora_rank": 0, "kv_lora_rank": REQUIRED, "qk_nope_dim": 128,
+                "qk_rope_dim": 64, "v_dim": 128, "gated": True, "norm_eps": 1e-6},
+         doc="gated multi-head latent attention (DeepSeek-V2 MLA, NoPE) with output gate sigmoid(W_g x) * o")
+
+
+# -- GLU FFN (dense layer and shared experts)
+def _glu_params(a, ts, prefix=""):
+    d = ts[0].shape[-1]
+    inter = a["inter"]
+    return [ParamSpec(f"{prefix}gate_proj.weight", (inter, d)), ParamSpec(f"{prefix}up_proj.weight", (inter, d)),
+            ParamSpec(f"{prefix}down_proj.weight", (d, inter))]
+
+
+def _glu_apply(b, x, wg, wu, wd, a, loc):
+    ga, up = _lin(b, x, wg, loc), _lin(b, x, wu, loc)
+    if a["act"] == "situ":
+        h = b.call("situ_glu", ga, up, beta_gate=a["beta_gate"], beta_up=a["beta_up"], loc=loc)
+    else:
+        h = b.call("mul", b.call("silu", ga, loc=loc), up, loc=loc)
+    return _lin(b, h, wd, loc)
+
+
+def _glu_expand(b, inputs, a, loc):
+    return [_glu_apply(b, inputs[0], *inputs[1:4], a, loc)]
+
+
+def _act_check(infer):
+    def f(ts, a):
+        if a["act"] not in ("situ", "silu"):
+            raise ShapeError(f"act must be 'situ' (SiTU-GLU) or 'silu' (SwiGLU), got {a['act']!r}")
+        return infer(ts, a)
+    return f
+
+
+_ACT = {"act": "situ", "beta_gate": 4.0, "beta_up": 25.0}
+
+register("glu_ffn", _act_check(_x_only("glu_ffn")), params=_glu_params, expand=_glu_expand, is_layer=True,
+         default_name="mlp", inputs=("x",), attrs={"inter": REQUIRED, **_ACT},
+         doc="gated FFN: down(act(gate x) * up x); act = SiTU-GLU (K3) or SwiGLU")
+
+
+# -- MoE layers
+def _moe_params(a, ts, latent: bool):
+    d = ts[0].shape[-1]
+    E, I, k = a["experts"], a["inter"], a["top_k"]
+    w = a["latent"] if latent else d
+    if not 1 <= k <= E:
+        raise ShapeError(f"top_k = {k} must be in [1, experts = {E}]")
+    p = [ParamSpec("gate.weight", (E, d)),
+         ParamSpec("gate.e_score_correction_bias", (E,), "zeros", kind="buffer", dtype="f32")]
+    if latent:
+        p += [ParamSpec("routed_expert_down_proj.weight", (w, d))]
+    p += [ParamSpec("experts.w1", (E, I, w), "expert", active=k / E, dtype=a["expert_dtype"] or None),
+          ParamSpec("experts.w3", (E, I, w), "expert", active=k / E, dtype=a["expert_dtype"] or None),
+          ParamSpec("experts.w2", (E, w, I), "expert", active=k / E, dtype=a["expert_dtype"] or None)]
+    if latent:
+        p += [ParamSpec("routed_expert_norm.weight", (w,), "ones"), ParamSpec("routed_expert_up_proj.weight", (d, w))]
+    if a["shared"]:
+        p += _glu_params({"inter": a["shared"] * a["shared_inter"] if a["shared_inter"] else a["shared"] * I},
+                         ts, "shared_experts.")
+    return p
+
+
+def _moe_expand_common(b: GraphBuilder, inputs, a, loc, latent: bool):
+    x = inputs[0]
+    xt = b.type(x)
+    specs = _moe_params(a, [xt], latent)
+    P = {s.suffix: r for s, r in zip(specs, inputs[1:])}
+    d = xt.shape[-1]
+    N = sympy.Mul(*xt.shape[:-1])
+    xf = _reshape_to(b, x, (N, d), loc)
+    idx, w, _scores = b.call("qb_route", xf, P["gate.weight"], P["gate.e_score_correction_bias"],
+                             top_k=a["top_k"], routed_scaling=a["routed_scaling"], loc=loc)
+    xl = _lin(b, xf, P["routed_expert_down_proj.weight"], loc) if latent else xf
+    u = b.call("moe_experts", xl, idx, w, P["experts.w1"], P["experts.w3"], P["experts.w2"],
+               activation=a["act"], beta_gate=a["beta_gate"], beta_up=a["beta_up"], loc=loc)
+    if latent:
+        u = b.call("rmsnorm", u, P["routed_expert_norm.weight"], eps=a["norm_eps"], loc=loc)
+        u = _lin(b, u, P["routed_expert_up_proj.weight"], loc)
+    if a["shared"]:
+        ys = _glu_apply(b, xf, P["shared_experts.gate_proj.weight"], P["shared_experts.up_proj.weight"],
+                        P["shared_experts.down_proj.weight"], a, loc)
+        u = b.call("add", ys, u, loc=loc)
+    return [_reshape_to(b, u, xt.shape, loc)]
+
+
+_MOE_ATTRS = {"experts": REQUIRED, "top_k": REQUIRED, "inter": REQUIRED, "shared": 0, "shared_inter": 0,
+              "routed_scaling": 1.0, "expert_dtype": "", "norm_eps": 1e-6, **_ACT}
+
+register("latent_moe", _act_check(_x_only("latent_moe")), params=lambda a, ts: _moe_params(a, ts, True),
+         expand=lambda b, i, a, loc: _moe_expand_common(b, i, a, loc, True), is_layer=True,
+         default_name="block_sparse_moe", inputs=("x",), attrs={**_MOE_ATTRS, "latent": REQUIRED},
+         doc="Stable LatentMoE: y = shared(x) + W_up RMSNorm(sum_k p_k E_k(W_down x)), QB-routed")
+register("moe", _act_check(_x_only("moe")), params=lambda a, ts: _moe_params(a, ts, False),
+         expand=lambda b, i, a, loc: _moe_expand_common(b, i, a, loc, False), is_layer=True,
+         default_name="block_sparse_moe", inputs=("x",), attrs=_MOE_ATTRS,
+         doc="sparse MoE at full width: y = shared(x) + sum_k p_k E_k(x), QB-routed")
+
+
+def flops_of(node_op: str, in_types, out_types, attrs) -> sympy.Expr:
+    od = OPS.get(node_op)
+    if od is None or od.flops is None:
+        return sympy.Integer(0)
+    return sympy.sympify(od.flops(in_types, out_types, attrs))

@@ -1,0 +1,406 @@
+"""From .mtc spec text to the graph IR: lark parse, typed config evaluation with variants and overrides,
+and the graph builder walk (with layer stacks unrolled and Block AttnRes wired in).
+
+Errors point at the spec: ``file:line:col`` with the offending line and a caret.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import lark
+
+from .builder import GraphBuilder
+from .errors import Loc, MtcError, did_you_mean
+from .ir import Ref, canon_dtype
+
+CONFIG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dtype": str}
+
+
+@lru_cache(maxsize=1)
+def _parser() -> lark.Lark:
+    return lark.Lark((Path(__file__).parent / "spec.lark").read_text(), parser="lalr",
+                     propagate_positions=True, maybe_placeholders=False)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A layer-level op with its attributes bound, not yet applied to a tensor."""
+
+    op: str
+    attrs: tuple
+    loc: Loc | None
+
+
+class SpecModel:
+    """A parsed spec: the model name, the config schema, variants, blocks and forward body."""
+
+    def __init__(self, tree: lark.Tree, file: str, text: str):
+        self.file, self.text = file, text
+        model = tree.children[0]
+        self.name = str(model.children[0])
+        self.config: list[tuple[str, str, Any, Loc]] = []      # (name, type, expr tree, loc)
+        self.variants: dict[str, list[tuple[str, Any, Loc]]] = {}
+        self.blocks: list[tuple[str, Any, Loc]] = []
+        self.forward = None
+        for item in model.children[1:]:
+            if item.data == "config":
+                for f in item.children:
+                    name, typ, expr = str(f.children[0]), str(f.children[1]), f.children[2]
+                    loc = self.loc(f)
+                    if typ not in CONFIG_TYPES:
+                        raise self.err(f"unknown config type '{typ}'{did_you_mean(typ, CONFIG_TYPES)}; "
+                                       f"use one of {', '.join(CONFIG_TYPES)}", self.loc(f.children[1]))
+                    if any(c[0] == name for c in self.config):
+                        raise self.err(f"config field '{name}' is defined twice", loc)
+                    self.config.append((name, typ, expr, loc))
+            elif item.data == "variant":
+                vname = str(item.children[0])
+                if vname in self.variants:
+                    raise self.err(f"variant '{vname}' is defined twice", self.loc(item))
+                self.variants[vname] = [(str(a.children[0]), a.children[1], self.loc(a)) for a in item.children[1:]]
+            elif item.data == "block_def":
+                self.blocks.append((str(item.children[0]), item.children[1], self.loc(item)))
+            elif item.data == "forward":
+                if self.forward is not None:
+                    raise self.err("a model has one forward", self.loc(item))
+                self.forward = item
+        if self.forward is None:
+            raise MtcError(f"model '{self.name}' has no forward(...) {{ ... }} section", Loc(file, 1, 1), text)
+
+    def loc(self, t) -> Loc:
+        if isinstance(t, lark.Token):
+            return Loc(self.file, t.line, t.column)
+        m = t.meta
+        return Loc(self.file, getattr(m, "line", 1), getattr(m, "column", 1))
+
+    def err(self, msg: str, loc: Loc | None, hint: str | None = None) -> MtcError:
+        return MtcError(msg, loc, self.text, hint)
+
+    # -- config -----------------------------------------------------------------------------------
+    def resolve_config(self, variant: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
+        exprs = {name: (expr, loc) for name, _t, expr, loc in self.config}
+        types = {name: t for name, t, _e, _l in self.config}
+        if variant is not None:
+            if variant not in self.variants:
+                raise MtcError(f"model '{self.name}' has no variant '{variant}'{did_you_mean(variant, self.variants)}"
+                               f"; variants: {', '.join(self.variants) or 'none'}")
+            for name, expr, loc in self.variants[variant]:
+                if name not in exprs:
+                    raise self.err(f"variant '{variant}' sets '{name}', which is not a config field"
+                                   f"{did_you_mean(name, exprs)}", loc)
+                exprs[name] = (expr, loc)
+        for k in overrides:
+            if k not in exprs:
+                raise MtcError(f"override '{k}' is not a config field of model '{self.name}'"
+                               f"{did_you_mean(k, exprs)}")
+        env: dict[str, Any] = {}
+        for name, typ, _e, _l in self.config:
+            if name in overrides:
+                val, loc = overrides[name], None
+                if isinstance(val, str) and typ != "str" and typ != "dtype":
+                    val = _parse_literal(val, name)
+            else:
+                expr, loc = exprs[name]
+                val = Evaluator(self, env).eval(expr)
+            env[name] = self._coerce(name, typ, val, loc)
+        return env
+
+    def _coerce(self, name, typ, val, loc):
+        py = CONFIG_TYPES[typ]
+        if typ == "float" and isinstance(val, int) and not isinstance(val, bool):
+            val = float(val)
+        if typ == "int" and isinstance(val, float) and val.is_integer():
+            val = int(val)
+        if not isinstance(val, py) or (py is int and isinstance(val, bool)):
+            raise self.err(f"config field '{name}' is declared {typ} but its value is {val!r}", loc)
+        if typ == "dtype":
+            val = canon_dtype(val, loc)
+        return val
+
+
+def _parse_literal(text: str, name: str):
+    t = text.strip()
+    if t in ("true", "false"):
+        return t == "true"
+    for conv in (int, float):
+        try:
+            return conv(t)
+        except ValueError:
+            pass
+    return t
+
+
+_BINOPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
+           "//": operator.floordiv, "%": operator.mod}
+_CMPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
+         ">=": operator.ge}
+
+
+class Evaluator:
+    """Evaluates spec expressions. Values: numbers, strings, bools, Refs (tensors), Blocks."""
+
+    def __init__(self, spec: SpecModel, env: dict, builder: "SpecBuilder | None" = None):
+        self.spec, self.env, self.b = spec, env, builder
+
+    def err(self, msg, t, hint=None):
+        return self.spec.err(msg, self.spec.loc(t), hint)
+
+    def eval(self, t):
+        if isinstance(t, lark.Token):
+            raise self.err(f"unexpected token {t!r}", t)
+        fn = getattr(self, "e_" + t.data, None)
+        if fn is None:
+            raise self.err(f"unsupported expression '{t.data}'", t)
+        return fn(t)
+
+    def e_int(self, t):
+        return int(t.children[0])
+
+    def e_float(self, t):
+        return float(t.children[0])
+
+    def e_string(self, t):
+        return str(t.children[0])[1:-1]
+
+    def e_true(self, t):
+        return True
+
+    def e_false(self, t):
+        return False
+
+    def e_var(self, t):
+        name = str(t.children[0])
+        if name not in self.env:
+            raise self.err(f"unknown name '{name}'{did_you_mean(name, self.env)}", t)
+        return self.env[name]
+
+    def _num(self, v, t, what):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self.err(f"{what} needs numbers, got {v!r}", t)
+        return v
+
+    def e_binop(self, t):
+        a, op, b = t.children
+        x, y = self.eval(a), self.eval(b)
+        if str(op) == "+" and isinstance(x, str) and isinstance(y, str):
+            return x + y
+        x, y = self._num(x, a, f"'{op}'"), self._num(y, b, f"'{op}'")
+        if str(op) in ("/", "//", "%") and y == 0:
+            raise self.err("division by zero", t)
+        return _BINOPS[str(op)](x, y)
+
+    def e_pow(self, t):
+        return self._num(self.eval(t.children[0]), t, "'**'") ** self._num(self.eval(t.children[1]), t, "'**'")
+
+    def e_neg(self, t):
+        return -self._num(self.eval(t.children[0]), t, "'-'")
+
+    def e_compare(self, t):
+        a, op, b = t.children
+        return _CMPS[str(op)](self.eval(a), self.eval(b))
+
+    def e_and_(self, t):
+        return bool(self.eval(t.children[0])) and bool(self.eval(t.children[1]))
+
+    def e_or_(self, t):
+        return bool(self.eval(t.children[0])) or bool(self.eval(t.children[1]))
+
+    def e_not_(self, t):
+        return not self.eval(t.children[0])
+
+    def e_cond(self, t):
+        a, c, b = t.children
+        cond = self.eval(c)
+        if not isinstance(cond, bool):
+            raise self.err(f"the condition of 'if' must be true or false, got {cond!r}", c)
+        return self.eval(a) if cond else self.eval(b)
+
+    def e_call(self, t):
+        fname = str(t.children[0])
+        args, kwargs = [], {}
+        if len(t.children) > 1:
+            for a in t.children[1].children:
+                if isinstance(a, lark.Tree) and a.data == "kwarg":
+                    k = str(a.children[0])
+                    if k in kwargs:
+                        raise self.err(f"keyword '{k}' given twice", a)
+                    kwargs[k] = self.eval(a.children[1])
+                else:
+                    args.append(self.eval(a))
+        loc = self.spec.loc(t)
+        if fname in ("min", "max") and args and not kwargs and all(isinstance(a, (int, float)) for a in args):
+            return (min if fname == "min" else max)(*args)
+        if self.b is None:
+            raise self.err(f"'{fname}(...)' cannot be used in the config (only arithmetic, min and max)", t)
+        return self.b.apply(fname, args, kwargs, loc)
+
+
+class SpecBuilder:
+    """Walks the forward body, emitting graph nodes through a GraphBuilder."""
+
+    def __init__(self, spec: SpecModel, config: dict, name: str):
+        self.spec = spec
+        self.config = config
+        dtype = config.get("dtype", "f32")
+        self.b = GraphBuilder(name, dtype=dtype, source=spec.text)
+        self.b.meta["config"] = tuple(sorted(config.items()))
+        self.env: dict[str, Any] = dict(config)
+        self.blocks: dict[str, Block] = {}
+
+    def apply(self, fname: str, args: list, kwargs: dict, loc: Loc):
+        from .ops import OPS
+        target = self.env.get(fname) if fname not in OPS else None
+        if isinstance(target, Block):
+            if kwargs.keys() - {"name"}:
+                raise self.spec.err(f"block '{fname}' is already configured; pass only name= when applying it", loc)
+            return self._apply_block(target, args, kwargs.get("name"), loc)
+        if fname not in OPS:
+            raise self.spec.err(f"unknown op '{fname}'{did_you_mean(fname, list(OPS) + list(self.blocks))}", loc)
+        od = OPS[fname]
+        if od.is_layer and not args:
+            for k in kwargs:
+                if k not in od.attrs and k not in od.param_attrs:
+                    raise self.spec.err(f"op '{fname}' has no attribute '{k}'"
+                                        f"{did_you_mean(k, list(od.attrs))}; it takes: {', '.join(od.attrs)}", loc)
+            return Block(fname, tuple(sorted(kwargs.items())), loc)
+        for i, a in enumerate(args):
+            if not isinstance(a, Ref):
+                raise self.spec.err(f"argument {i + 1} of '{fname}' must be a tensor, got {a!r} "
+                                    f"(attributes go as key=value)", loc)
+        return self.b.call(fname, *args, loc=loc, **kwargs)
+
+    def _apply_block(self, blk: Block, args, name, loc):
+        if len(args) != 1 or not isinstance(args[0], Ref):
+            raise self.spec.err(f"a layer block takes one tensor argument, got {len(args)}", loc)
+        return self.b.call(blk.op, args[0], loc=loc, name=name, **dict(blk.attrs))
+
+    def run(self):
+        ev = Evaluator(self.spec, self.env, self)
+        for bname, expr, loc in self.spec.blocks:
+            v = ev.eval(expr)
+            if not isinstance(v, Block):
+                raise self.spec.err(f"block '{bname}' must be a layer op such as kda_layer(...), got {v!r}", loc)
+            self.blocks[bname] = v
+            self.env[bname] = v
+        fwd = self.spec.forward
+        outputs = None
+        for ch in fwd.children:
+            if isinstance(ch, lark.Tree) and ch.data == "param":
+                pname, dt = str(ch.children[0]), str(ch.children[1])
+                dims = [str(d.children[0]) for d in ch.children[2:]]
+                self.env[pname] = self.b.input(pname, canon_dtype(dt, self.spec.loc(ch)),
+                                               [int(d) if d.isdigit() else d for d in dims], self.spec.loc(ch))
+                continue
+            if ch.data == "let":
+                self.env[str(ch.children[0])] = ev.eval(ch.children[1])
+            elif ch.data == "stack":
+                self.env[str(ch.children[0])] = self._stack(ch, ev)
+            elif ch.data == "ret":
+                outputs = [ev.eval(e) for e in ch.children]
+                for o in outputs:
+                    if not isinstance(o, Ref):
+                        raise self.spec.err(f"return needs tensors, got {o!r}", self.spec.loc(ch))
+        if outputs is None:
+            raise self.spec.err("forward has no return statement", self.spec.loc(fwd))
+        return self.b.build(outputs)
+
+    # -- layer stacks -----------------------------------------------------------------------------
+    def _stack(self, node, ev: Evaluator) -> Ref:
+        loc = self.spec.loc(node)
+        arglist = node.children[1]
+        args, kw = [], {}
+        for a in arglist.children:
+            if isinstance(a, lark.Tree) and a.data == "kwarg":
+                kw[str(a.children[0])] = ev.eval(a.children[1])
+            else:
+                args.append(ev.eval(a))
+        if len(args) != 1 or not isinstance(args[0], Ref):
+            raise self.spec.err("stack(...) takes one tensor (the residual stream) and keywords", loc)
+        known = {"layers", "residual", "block_size", "prefix", "norm_eps"}
+        for k in kw:
+            if k not in known:
+                raise self.spec.err(f"stack has no keyword '{k}'{did_you_mean(k, known)}; "
+                                    f"it takes: {', '.join(sorted(known))}", loc)
+        n = kw.get("layers")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise self.spec.err(f"stack needs layers=<positive int>, got {n!r}", loc)
+        residual = kw.get("residual", "add")
+        if residual not in ("add", "attn_res"):
+            raise self.spec.err(f"residual must be \"add\" or \"attn_res\", got {residual!r}", loc)
+        block_size = kw.get("block_size", 0)
+        if residual == "attn_res" and (not isinstance(block_size, int) or block_size < 1):
+            raise self.spec.err(f"residual=\"attn_res\" needs block_size=<positive int>, got {block_size!r}", loc)
+        prefix = kw.get("prefix", "model.layers")
+        eps = kw.get("norm_eps", 1e-6)
+        slots = [(str(s.children[0]), s.children[1], self.spec.loc(s)) for s in node.children[2:]]
+        names = [s[0] for s in slots]
+        if names != ["attn", "ffn"]:
+            raise self.spec.err(f"a stack body sets exactly two sublayers, 'attn' then 'ffn'; got {names}",
+                                slots[0][2] if slots else loc)
+        x = args[0]
+        b = self.b
+        d = b.type(x).shape[-1]
+        bank, partial = [x], None
+        from .ops import OPS
+        for i in range(1, n + 1):
+            lenv = dict(self.env, i=i)
+            lev = Evaluator(self.spec, lenv, self)
+            chosen = []
+            for sname, expr, sloc in slots:
+                blk = lev.eval(expr)
+                if not isinstance(blk, Block):
+                    raise self.spec.err(f"sublayer '{sname}' of layer {i} must be a layer block, got {blk!r}", sloc)
+                chosen.append((blk, sloc))
+            p = f"{prefix}.{i - 1}"
+            for j, (blk, sloc) in enumerate(chosen):
+                norm_name = "input_layernorm" if j == 0 else "post_attention_layernorm"
+                res_name = "self_attention_res" if j == 0 else "mlp_res"
+                if residual == "attn_res":
+                    qp = b.param(f"{p}.{res_name}.proj_weight", (d,), "zeros", loc=sloc)
+                    wp = b.param(f"{p}.{res_name}.norm_weight", (d,), "ones", loc=sloc)
+                    srcs = bank + ([partial] if partial is not None else [])
+                    h = b.call("attn_residual", qp, wp, *srcs, eps=eps, loc=sloc)
+                else:
+                    h = x
+                h = b.call("rmsnorm", h, eps=eps, name=f"{p}.{norm_name}", loc=sloc)
+                sub = b.call(blk.op, h, loc=blk.loc, name=f"{p}.{OPS[blk.op].default_name}", **dict(blk.attrs))
+                if residual == "attn_res":
+                    partial = sub if partial is None else b.call("add", partial, sub, loc=sloc)
+                else:
+                    x = b.call("add", x, sub, loc=sloc)
+            if residual == "attn_res" and i % block_size == 0:
+                bank.append(partial)
+                partial = None
+        if residual == "attn_res":
+            qp = b.param("model.final_attn_res.proj_weight", (d,), "zeros", loc=loc)
+            wp = b.param("model.final_attn_res.norm_weight", (d,), "ones", loc=loc)
+            srcs = bank + ([partial] if partial is not None else [])
+            x = b.call("attn_residual", qp, wp, *srcs, eps=eps, loc=loc)
+        return x
+
+
+def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
+    try:
+        tree = _parser().parse(text)
+    except lark.exceptions.UnexpectedCharacters as e:
+        raise MtcError(f"unexpected character {text[e.pos_in_stream]!r}", Loc(file, e.line, e.column), text) from None
+    except lark.exceptions.UnexpectedToken as e:
+        tok = e.token
+        exp = sorted(x for x in e.expected if not x.startswith("__"))[:8]
+        what = "end of file" if tok.type == "$END" else f"'{tok}'"
+        raise MtcError(f"syntax error: unexpected {what}; expected one of {', '.join(exp)}",
+                       Loc(file, e.line if e.line > 0 else text.count(chr(10)) + 1, max(e.column, 1)), text) from None
+    except lark.exceptions.UnexpectedEOF as e:
+        raise MtcError("syntax error: unexpected end of file (a '}' missing?)",
+                       Loc(file, text.count("\n") + 1, 1), text) from None
+    return SpecModel(tree, file, text)
+
+
+def build_graph(spec: SpecModel, variant: str | None = None, **overrides):
+    config = spec.resolve_config(variant, overrides)
+    name = spec.name + (f".{variant}" if variant else "")
+    return SpecBuilder(spec, config, name).run()

@@ -1,0 +1,96 @@
+"""A small pass manager: named passes, pipelines, --print-after, --dump-ir, per-pass timing, and the
+verifier between passes.
+
+    from passes import PassManager
+    pm = PassManager(["verify", "infer_shapes", "canonicalize"], print_after={"canonicalize"})
+    g2 = pm.run(g)
+    pm.stages["canonical"]      # printed IR after that pass
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from dsl.errors import MtcError
+from dsl.ir import Graph
+
+
+@dataclass
+class Pass:
+    name: str
+    fn: Callable[[Graph], Graph]
+    stage: str | None = None      # the IR stage name this pass produces ("typed", "canonical", ...)
+    doc: str = ""
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register_pass(name: str, stage: str | None = None):
+    def deco(fn):
+        PASSES[name] = Pass(name, fn, stage, (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+        return fn
+    return deco
+
+
+PIPELINES = {
+    # graph (as parsed) -> typed -> canonical (layer blocks expanded into primitive ops)
+    "default": ["verify", "infer_shapes", "canonicalize"],
+}
+
+STAGES = ["graph", "typed", "canonical"]
+
+
+class PassManager:
+    """Runs passes in order. ``stages`` maps stage name -> printed IR (filled when ``keep_stages``)."""
+
+    def __init__(self, passes: Iterable[str] | str = "default", *, print_after: Iterable[str] = (),
+                 dump_dir: str | Path | None = None, verify_each: bool = True, keep_stages: bool = False,
+                 printer: Callable[[str], None] = print):
+        import passes as _p  # noqa: F401  (registers the built-in passes)
+        names = PIPELINES[passes] if isinstance(passes, str) else list(passes)
+        for n in names:
+            if n not in PASSES:
+                from dsl.errors import did_you_mean
+                raise MtcError(f"unknown pass '{n}'{did_you_mean(n, PASSES)}; passes: {', '.join(PASSES)}")
+        self.passes = [PASSES[n] for n in names]
+        self.print_after = set(print_after)
+        unknown = self.print_after - set(names) - {"all"}
+        if unknown:
+            raise MtcError(f"--print-after names passes not in the pipeline: {', '.join(sorted(unknown))}")
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.verify_each = verify_each
+        self.keep_stages = keep_stages
+        self.printer = printer
+        self.timings: list[tuple[str, float]] = []
+        self.stages: dict[str, Graph] = {}
+
+    def run(self, g: Graph) -> Graph:
+        from .verify import verify
+        self.stages["graph"] = g
+        if self.dump_dir:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            (self.dump_dir / "00-graph.mlir").write_text(str(g))
+        for i, p in enumerate(self.passes, 1):
+            t0 = time.perf_counter()
+            g = p.fn(g)
+            dt = time.perf_counter() - t0
+            self.timings.append((p.name, dt))
+            if self.verify_each and p.name != "verify":
+                verify(g)
+            if p.stage:
+                self.stages[p.stage] = g
+            if p.name in self.print_after or "all" in self.print_after:
+                self.printer(f"// ----- IR after {p.name} ({dt * 1e3:.1f} ms) -----\n{g}")
+            if self.dump_dir:
+                (self.dump_dir / f"{i:02d}-{p.name}.mlir").write_text(str(g))
+        return g
+
+    def timing_report(self) -> str:
+        w = max((len(n) for n, _ in self.timings), default=4)
+        lines = [f"{'pass':<{w}}  time (ms)"]
+        lines += [f"{n:<{w}}  {t * 1e3:9.2f}" for n, t in self.timings]
+        lines.append(f"{'total':<{w}}  {sum(t for _, t in self.timings) * 1e3:9.2f}")
+        return "\n".join(lines)
