@@ -1,0 +1,111 @@
+"""Reference implementations of the simple graph ops and the MLA attention core: plain PyTorch,
+computed in float32, written for clarity. Each returns its result in the input's dtype unless noted.
+Semantics: ../shared/spec/OPS.md ("Other graph ops", "gated MLA attention core")."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.float()
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight[ids]. ids [...] int64 in [0, vocab); weight [vocab, d] -> [..., d] in weight's dtype.
+    Raises IndexError naming the first out-of-range token id."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"embedding: token ids must be int64/int32, got {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
+        bad = ids[(ids < 0) | (ids >= weight.shape[0])][0].item()
+        raise IndexError(f"embedding: token id {bad} is outside the vocabulary [0, {weight.shape[0]})")
+    return weight[ids]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias). x [..., in]; weight [out, in] -> [..., out] in x's dtype (float32 math)."""
+    y = _f32(x) @ _f32(weight).t()
+    if bias is not None:
+        y = y + _f32(bias)
+    return y.to(x.dtype)
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """logits = x @ weight^T; weight [vocab, d]."""
+    return linear(x, weight)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019, eq. 4); float32 math."""
+    xf = _f32(x)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * _f32(weight)).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2, -1) + eps) (the q/k normalisation of KDA)."""
+    xf = _f32(x)
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
+               output_final_state: bool = False):
+    """Causal depthwise convolution over time: y[b,t,c] = sum_j w[c, j] * x[b, t - W + 1 + j, c].
+
+    x [B, T, C]; weight [C, 1, W] or [C, W]; initial_state [B, C, W-1] (the last W-1 inputs before t=0,
+    zeros if None). Returns (y [B, T, C] in x's dtype, final_state [B, C, W-1] float32 or None)."""
+    w = _f32(weight).reshape(weight.shape[0], -1)
+    C, W = w.shape
+    if x.dim() != 3 or x.shape[-1] != C:
+        raise ValueError(f"short_conv: x must be [B, T, {C}], got {list(x.shape)}")
+    xt = _f32(x).transpose(1, 2)                                  # [B, C, T]
+    prev = (torch.zeros(x.shape[0], C, W - 1, dtype=torch.float32, device=x.device) if initial_state is None
+            else _f32(initial_state))
+    xp = torch.cat([prev, xt], dim=-1)                             # [B, C, W-1+T]
+    y = F.conv1d(xp, w.unsqueeze(1), groups=C)                     # [B, C, T]
+    final = xp[..., -(W - 1):].clone() if output_final_state and W > 1 else None
+    return y.transpose(1, 2).to(x.dtype), final
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(_f32(x)).to(x.dtype)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(_f32(x)).to(x.dtype)
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (_f32(a) + _f32(b)).to(a.dtype)
+
+
+def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (_f32(a) * _f32(b)).to(a.dtype)
+
+
+def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
+                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention core of (gated) MLA: o = softmax(q k^T * scale + mask) v, softmax in float32.
+
+    q, k [B, T, H, Dqk]; v [B, T, H, Dv] (Dqk may differ from Dv: 192 and 128 in K3). cu_seqlens int
+    [N+1] for packed sequences (B == 1): attention never crosses a sequence boundary.
+    Returns o [B, T, H, Dv] in v's dtype. Vaswani et al. 2017, eq. 1; DeepSeek-V2 (MLA)."""
+    if q.shape != k.shape or q.shape[:3] != v.shape[:3]:
+        raise ValueError(f"mla_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} disagree")
+    B, T, H, _ = q.shape
+    qf, kf, vf = (_f32(t).transpose(1, 2) for t in (q, k, v))   # [B, H, T, D]
+    s = (qf @ kf.transpose(-1, -2)) * scale                      # [B, H, T, T]
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.tril(allowed)
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError("mla_attention: cu_seqlens needs B == 1")
+        seq = torch.zeros(T, dtype=torch.long, device=q.device)
+        for i, (a, b) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            seq[a:b] = i
+        allowed = allowed & (seq[:, None] == seq[None, :])
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return (p @ vf).transpose(1, 2).to(v.dtype)

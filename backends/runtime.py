@@ -1,0 +1,308 @@
+"""The runtime shared by all backends: a ``torch.nn.Module`` that owns a compiled graph's parameters and
+buffers (under their state-dict names) and executes the graph's primitive ops through a target's op
+table.
+
+    m = dsl.compile(g, target="reference")          # float32 ground truth
+    logits = m(input_ids)                             # [B, T] int64 -> [B, T, vocab]
+    m.routing_stats                                   # {layer: tokens per expert} of the last forward
+    print(m.ir("canonical"))
+
+Targets share parameter names and shapes, so ``load_state_dict`` moves weights between them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import sympy
+import torch
+from torch import nn
+
+from dsl.errors import MtcError
+from dsl.ir import SOURCE_OPS, Graph, Node
+from dsl.printer import print_graph
+
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64,
+                "i64": torch.int64, "i32": torch.int32}
+
+
+# ---------------------------------------------------------------------------------------------
+# op tables
+def _reference_table() -> dict[str, Callable]:
+    from backends import reference as R
+
+    def attn_res(n, q, w, *src):
+        return R.attn_residual(q, list(src), w, eps=n.attr("eps"))
+
+    return {
+        "embedding": lambda n, ids, w: R.embedding(ids, w),
+        "linear": lambda n, x, w: R.linear(x, w),
+        "lm_head": lambda n, x, w: R.lm_head(x, w),
+        "rmsnorm": lambda n, x, w: R.rmsnorm(x, w, eps=n.attr("eps")),
+        "l2norm": lambda n, x: R.l2norm(x, eps=n.attr("eps")),
+        "short_conv": lambda n, x, w: R.short_conv(x, w)[0],
+        "silu": lambda n, x: R.silu(x),
+        "sigmoid": lambda n, x: R.sigmoid(x),
+        "add": lambda n, a, b: R.add(a, b),
+        "mul": lambda n, a, b: R.mul(a, b),
+        "kda_gate": lambda n, x, a, d: R.kda_gate(x, a, d, lower_bound=n.attr("lower_bound"), gate=n.attr("gate")),
+        "kda_chunk": lambda n, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=n.attr("scale"))[0],
+        "mla_attention": lambda n, q, k, v: R.mla_attention(q, k, v, scale=n.attr("scale"), causal=n.attr("causal")),
+        "qb_route": lambda n, x, w, b: R.qb_route(x, w, b, top_k=n.attr("top_k"),
+                                                  routed_scaling=n.attr("routed_scaling")),
+        "situ_glu": lambda n, a, b: R.situ_glu(a, b, beta_gate=n.attr("beta_gate"), beta_up=n.attr("beta_up")),
+        "moe_experts": lambda n, x, i, w, w1, w3, w2: R.moe_experts(
+            x, i, w, w1, w3, w2, activation=n.attr("activation"), beta_gate=n.attr("beta_gate"),
+            beta_up=n.attr("beta_up")),
+        "attn_residual": attn_res,
+    }
+
+
+def _triton_table() -> dict[str, Callable]:
+    """The reference table with the ops that have Triton kernels swapped in."""
+    import backends.triton as T
+    table = _reference_table()
+    if hasattr(T, "kda_chunk"):
+        table["kda_chunk"] = lambda n, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=n.attr("scale"))[0]
+    if hasattr(T, "kda_gate"):
+        table["kda_gate"] = lambda n, x, a, d: T.kda_gate(x, a, d, lower_bound=n.attr("lower_bound"),
+                                                          gate=n.attr("gate"))
+    if hasattr(T, "attn_residual"):
+        table["attn_residual"] = lambda n, q, w, *s: T.attn_residual(q, list(s), w, eps=n.attr("eps"))
+    if hasattr(T, "qb_route"):
+        table["qb_route"] = lambda n, x, w, b: T.qb_route(x, w, b, top_k=n.attr("top_k"),
+                                                          routed_scaling=n.attr("routed_scaling"))
+    if hasattr(T, "moe_experts"):
+        table["moe_experts"] = lambda n, x, i, w, w1, w3, w2: T.moe_experts(
+            x, i, w, w1, w3, w2, activation=n.attr("activation"), beta_gate=n.attr("beta_gate"),
+            beta_up=n.attr("beta_up"))
+    return table
+
+
+TARGETS: dict[str, Callable[[], dict]] = {"reference": _reference_table, "triton": _triton_table}
+
+_DATA_MOVEMENT = ("reshape", "slice", "concat", "broadcast")
+
+
+# ---------------------------------------------------------------------------------------------
+def _init_(t: torch.Tensor, init: str, std: float | None, gen: torch.Generator | None = None) -> None:
+    """Initialise one tensor in place by its IR ``init`` kind."""
+    with torch.no_grad():
+        if init in ("normal", "expert"):
+            t.normal_(0.0, std if std is not None else 0.02, generator=gen)
+        elif init == "ones":
+            t.fill_(1.0)
+        elif init == "zeros":
+            t.zero_()
+        elif init == "conv":                       # depthwise conv: fan_in = kernel width
+            bound = 1.0 / math.sqrt(t.shape[-1])
+            t.uniform_(-bound, bound, generator=gen)
+        elif init == "a_log":                      # A in [1, 16] (Mamba-2 / KDA convention)
+            t.uniform_(1.0, 16.0, generator=gen).log_()
+        elif init == "dt_bias":                    # softplus^-1 of dt in [1e-3, 1e-1], log-uniform
+            dt = torch.exp(torch.empty_like(t).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+            t.copy_(dt + torch.log(-torch.expm1(-dt)))
+        else:
+            raise MtcError(f"unknown initialiser '{init}'")
+
+
+def _container(root: nn.Module, path: list[str]) -> nn.Module:
+    m = root
+    for p in path:
+        if p not in m._modules:
+            m.add_module(p, nn.Module())
+        m = m._modules[p]
+    return m
+
+
+class CompiledModule(nn.Module):
+    """A compiled graph. ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]``.
+
+    Attributes:
+        graph: the executed (canonical) graph; stages: every IR stage by name.
+        routing_stats: {MoE layer prefix: int64 [E] tokens per expert} from the last forward.
+        balance: "qb" (Quantile Balancing, default), "fixed" (DeepSeek-V3 step rule) or None: how the
+            router bias buffers are updated after each forward in training mode (computed on batch t,
+            applied to batch t+1).
+    """
+
+    def __init__(self, graph: Graph, stages: dict[str, Graph], target: str, dtype: torch.dtype,
+                 device: torch.device | str, seed: int | None = None):
+        super().__init__()
+        self.graph = graph
+        self.stages = stages
+        self.target = target
+        self.dtype = dtype
+        self._table = TARGETS[target]()
+        self._names: dict[str, str] = {}           # node name -> state-dict key
+        self.routing_stats: dict[str, torch.Tensor] = {}
+        self._shape_cache: dict = {}
+        self.balance: str | None = "qb"
+        self.balance_ema = 0.0
+        self.fixed_step = 1e-3
+        self.stats_hooks: list[Callable[[str, torch.Tensor], None]] = []
+        gen = None
+        if seed is not None and str(device) != "meta":
+            gen = torch.Generator(device=device).manual_seed(seed)
+        for n in graph.nodes:
+            if n.op not in ("param", "buffer"):
+                continue
+            key = n.attr("name")
+            *path, leaf = key.split(".")
+            t = n.type
+            tdt = TORCH_DTYPES.get(t.dtype, dtype)
+            if n.op == "param" and tdt.is_floating_point and t.dtype not in ("f32",):
+                tdt = dtype                           # bf16 / mxfp4 weights run in the compile dtype
+            if t.dtype == "f32":
+                tdt = torch.float32 if dtype != torch.float64 else dtype
+            shape = [int(d) for d in t.shape]
+            data = torch.empty(shape, dtype=tdt, device=device)
+            if str(device) != "meta":
+                _init_(data, n.attr("init"), n.attr("std"), gen)
+            owner = _container(self, path)
+            if n.op == "param":
+                owner.register_parameter(leaf, nn.Parameter(data))
+            else:
+                owner.register_buffer(leaf, data)
+            self._names[n.name] = key
+        self._router_layers = {}
+        nodes = graph.node_map()
+        for n in graph.nodes:
+            if n.op == "qb_route":
+                wkey = nodes[n.inputs[1].node].attr("name")
+                self._router_layers[n.name] = (wkey.removesuffix(".gate.weight"), self._names[n.inputs[2].node])
+
+    # -- IR access ----------------------------------------------------------------------------
+    def ir(self, stage: str = "canonical") -> str:
+        """The printed IR of one stage ("graph", "typed", "canonical", ...)."""
+        if stage not in self.stages:
+            raise MtcError(f"no IR stage '{stage}'; stages: {', '.join(self.stages)}")
+        return print_graph(self.stages[stage])
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        *path, leaf = key.split(".")
+        m = self
+        for p in path:
+            m = m._modules[p]
+        return getattr(m, leaf)
+
+    # -- execution ----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        ins = self.graph.inputs()
+        if len(ins) != 1:
+            raise MtcError(f"this graph takes {len(ins)} inputs; call run(**inputs)")
+        return self.run(**{ins[0].attr("name"): input_ids}, progress=progress)[0]
+
+    def run(self, progress=None, **inputs):
+        g = self.graph
+        env: dict[str, object] = {}
+        bind: dict[sympy.Symbol, int] = {}
+        for n in g.inputs():
+            name = n.attr("name")
+            if name not in inputs:
+                raise MtcError(f"missing graph input '{name}'")
+            x = inputs[name]
+            t = n.type
+            if not isinstance(x, torch.Tensor) or x.dim() != t.rank:
+                raise MtcError(f"input '{name}' must be a tensor of rank {t.rank} ({t}), got "
+                               f"{getattr(x, 'shape', type(x))}")
+            if t.dtype in ("i64", "i32") and x.dtype not in (torch.int64, torch.int32):
+                raise MtcError(f"input '{name}' must be integer token ids ({t}), got {x.dtype}")
+            for d, s in zip(t.shape, x.shape):
+                if isinstance(d, sympy.Symbol):
+                    if bind.setdefault(d, s) != s:
+                        raise MtcError(f"input '{name}': dimension {d} is {s} here but {bind[d]} elsewhere")
+                elif d.is_number and int(d) != s:
+                    raise MtcError(f"input '{name}' has size {s} where {t} needs {d}")
+            env[n.name] = x
+        ops = [n for n in g.nodes if n.op not in SOURCE_OPS]
+        for i, n in enumerate(ops):
+            if progress is not None:
+                progress(i, len(ops))
+            args = [self._value(env, r) for r in n.inputs]
+            out = self._exec(n, args, bind)
+            env[n.name] = out
+            if n.op == "qb_route":
+                self._after_route(n, out)
+        return [self._value(env, r) for r in g.outputs]
+
+    def _value(self, env, r):
+        if r.node not in env:
+            env[r.node] = self._tensor(self._names[r.node])
+        v = env[r.node]
+        return v[r.index] if isinstance(v, tuple) else v
+
+    def _shape(self, dims, bind) -> list[int]:
+        from dsl.ir import dim
+        key = (dims, tuple(sorted((str(k), v) for k, v in bind.items())))
+        hit = self._shape_cache.get(key)
+        if hit is not None:
+            return hit
+        out = []
+        for d in dims:
+            v = dim(d).subs(bind)
+            if not v.is_number:
+                raise MtcError(f"cannot evaluate dimension {d} with {bind}")
+            out.append(int(v))
+        self._shape_cache[key] = out
+        return out
+
+    def _exec(self, n: Node, args, bind):
+        if n.op == "reshape":
+            return args[0].reshape(self._shape(n.attr("shape"), bind))
+        if n.op == "slice":
+            return args[0].narrow(n.attr("dim"), n.attr("start"), n.attr("end") - n.attr("start"))
+        if n.op == "concat":
+            return torch.cat(args, dim=n.attr("dim"))
+        if n.op == "broadcast":
+            return args[0].expand(self._shape(n.attr("shape"), bind))
+        fn = self._table.get(n.op)
+        if fn is None:
+            raise MtcError(f"target '{self.target}' has no kernel for op '{n.op}'", n.loc)
+        return fn(n, *args)
+
+    def _after_route(self, n: Node, out) -> None:
+        from backends.reference import expert_load, fixed_step_update, qb_update
+        idx, _w, scores = out
+        layer, bias_key = self._router_layers[n.name]
+        bias = self._tensor(bias_key)
+        with torch.no_grad():
+            load = expert_load(idx, bias.shape[0])
+            self.routing_stats[layer] = load
+            for h in self.stats_hooks:
+                h(layer, load)
+            if self.training and self.balance == "qb":
+                bias.copy_(qb_update(scores, bias, top_k=n.attr("top_k"), ema=self.balance_ema))
+            elif self.training and self.balance == "fixed":
+                bias.copy_(fixed_step_update(bias, load, step=self.fixed_step))
+
+
+def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype | str | None = None,
+                  device: torch.device | str = "cpu", seed: int | None = 0, passes="default",
+                  print_after=(), dump_ir=None) -> CompiledModule:
+    """Run the pass pipeline and build a runnable module.
+
+    Args:
+        graph: a graph from dsl.load / dsl.parse / the builder (any stage up to 'graph').
+        target: "reference" (plain float32 PyTorch) or "triton".
+        dtype: parameter/activation dtype (default float32 for "reference"; the spec's for others).
+        device: "cpu", "cuda", or "meta" to build the full model without allocating weights.
+        seed: parameter initialisation seed (None: torch's global RNG).
+        passes / print_after / dump_ir: see passes.PassManager.
+    Raises:
+        MtcError: an unknown target, or a graph that fails verification.
+    """
+    from passes import PassManager
+    if target not in TARGETS:
+        from dsl.errors import did_you_mean
+        raise MtcError(f"unknown target '{target}'{did_you_mean(target, TARGETS)}; targets: {', '.join(TARGETS)}")
+    if dtype is None:
+        dtype = torch.float32
+    if isinstance(dtype, str):
+        from dsl.ir import canon_dtype
+        dtype = TORCH_DTYPES[canon_dtype(dtype)]
+    pm = PassManager(passes, print_after=print_after, dump_dir=dump_ir)
+    g = pm.run(graph)
+    m = CompiledModule(g, dict(pm.stages), target, dtype, device, seed)
+    m.pass_timings = pm.timings
+    return m

@@ -1,0 +1,272 @@
+"""The ``mtc`` command line.
+
+    mtc stats models/kimi_k3.mtc --json                 parameters, FLOPs/token, memory at 1M tokens
+    mtc ir models/kimi_k3.mtc --variant tiny --stage canonical
+    mtc run                                             tiny K3 on the shipped text (the main job)
+    mtc run models/kimi_k3.mtc --variant tiny --input book.txt
+    mtc ops                                             every op with its signature and semantics
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import MtcError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SPEC = ROOT / "models" / "kimi_k3.mtc"
+DEFAULT_TEXT = ROOT / "examples" / "data" / "python_reference_excerpt.txt"
+
+EPILOG = """\
+examples:
+  mtc stats models/kimi_k3.mtc --seq-len 1048576 --gpus 128
+  mtc stats models/kimi_k3.mtc --variant small --set n_layers=24 --json
+  mtc ir models/kimi_k3.mtc --variant tiny --stage canonical --print-after canonicalize
+  mtc run models/kimi_k3.mtc --variant tiny --input README.md --seq-len 256
+"""
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for p in pairs or []:
+        if "=" not in p:
+            raise MtcError(f"--set expects key=value, got '{p}'")
+        k, v = p.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _load(args):
+    from . import load
+    return load(args.spec, args.variant, **_overrides(args.set))
+
+
+def _add_spec_args(p: argparse.ArgumentParser, spec_optional: bool = False):
+    if spec_optional:
+        p.add_argument("spec", nargs="?", default=None,
+                       help=f"a .mtc architecture spec (default: {DEFAULT_SPEC.relative_to(ROOT)} with --variant tiny)")
+    else:
+        p.add_argument("spec", help="a .mtc architecture spec, e.g. models/kimi_k3.mtc")
+    p.add_argument("--variant", "-v", default=None, help="a named variant of the model (e.g. tiny, small)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config value after the variant (repeatable), e.g. --set n_layers=4")
+
+
+# ---------------------------------------------------------------------------------------------
+def cmd_stats(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from .stats import compute_stats, human, human_bytes
+    g = _load(args)
+    s = compute_stats(g, seq_len=args.seq_len, batch=args.batch, gpus=args.gpus)
+    if args.json:
+        print(json.dumps(s.to_dict(), indent=2))
+        return 0
+    c = Console()
+    t = Table(title=f"{s.name}: {s.layers['kda']} KDA + {s.layers['mla']} MLA layers, "
+                    f"{s.layers['dense_ffn']} dense + {s.layers['moe']} MoE FFNs", show_header=True)
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_row("total parameters", f"{human(s.total_params)} ({s.total_params:,})")
+    t.add_row("active parameters / token", f"{human(s.active_params)} (with embedding {human(s.active_params_with_embedding)})")
+    t.add_row(f"forward FLOPs / token at T={s.seq_len:,}", human(s.flops_per_token, "FLOP"))
+    for op, f in list(s.flops_per_token_by_op.items())[:5]:
+        t.add_row(f"  of which {op}", f"{human(f, 'FLOP')} ({100 * f / s.flops_per_token:.1f}%)")
+    t.add_row("weights", f"{human_bytes(s.weights_bytes)}  ({human_bytes(s.per_gpu(s.weights_bytes))}/GPU on {s.gpus})")
+    t.add_row(f"MLA latent KV cache (B={s.batch}, T={s.seq_len:,})",
+              f"{human_bytes(s.kv_cache_bytes)}  ({human_bytes(s.per_gpu(s.kv_cache_bytes))}/GPU)")
+    t.add_row(f"KDA + conv state (B={s.batch}, any T)", human_bytes(s.kda_state_bytes))
+    t.add_row("one residual-stream tensor [B, T, d]", human_bytes(s.residual_stream_bytes))
+    c.print(t)
+    return 0
+
+
+def cmd_ir(args) -> int:
+    from passes import STAGES, PassManager
+    from .printer import print_graph
+    g = _load(args)
+    stage = args.stage
+    if stage not in STAGES:
+        raise MtcError(f"unknown stage '{stage}'; stages: {', '.join(STAGES)}")
+    pm = PassManager(print_after=args.print_after or (), dump_dir=args.dump_ir, keep_stages=True)
+    upto = STAGES.index(stage)
+    if upto > 0:
+        pm.passes = [p for p in pm.passes if p.stage is None or STAGES.index(p.stage) <= upto]
+        pm.run(g)
+    else:
+        pm.stages["graph"] = g
+    text = print_graph(pm.stages[stage], with_loc=not args.no_loc)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output} ({text.count(chr(10))} lines)", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    if args.timing:
+        print(pm.timing_report(), file=sys.stderr)
+    return 0
+
+
+def cmd_run(args) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+    from . import compile as mtc_compile, load
+
+    c = Console(stderr=False)
+    spec = args.spec or str(DEFAULT_SPEC)
+    variant = args.variant if (args.variant or args.spec) else "tiny"
+    text_path = Path(args.input) if args.input else DEFAULT_TEXT
+    try:
+        data = text_path.read_bytes()
+    except OSError as e:
+        raise MtcError(f"cannot read --input '{text_path}': {e.strerror}") from None
+    if len(data) < 2:
+        raise MtcError(f"--input '{text_path}' holds {len(data)} bytes; need at least 2 to predict a next token")
+    g = load(spec, variant, **_overrides(args.set))
+    t0 = time.perf_counter()
+    m = mtc_compile(g, target=args.target, dtype=args.dtype, device=args.device, seed=args.seed)
+    m.eval()
+    vocab = int(g.outputs and g.type_of(g.outputs[0]).shape[-1])
+    if vocab < 256:
+        raise MtcError(f"model '{g.name}' has a vocabulary of {vocab}; the byte-level tokenizer needs >= 256")
+    ids = torch.tensor(list(data[: args.max_tokens]), dtype=torch.long)
+    T = args.seq_len
+    n_seq = max(1, (len(ids) - 1) // T)
+    c.print(f"[bold]{g.name}[/] ({sum(p.numel() for p in m.parameters()):,} parameters, target {args.target}) "
+            f"on {text_path.name}: {len(ids):,} byte tokens as {n_seq} sequences of <= {T}; "
+            f"compiled in {time.perf_counter() - t0:.2f} s")
+    total_loss, total_tok = 0.0, 0
+    loads: dict[str, torch.Tensor] = {}
+    t1 = time.perf_counter()
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} seqs"), TimeElapsedColumn(), console=c,
+                  transient=True) as prog:
+        task = prog.add_task("forward", total=n_seq)
+        with torch.no_grad():
+            for s in range(0, n_seq, args.batch_size):
+                rows = []
+                for j in range(s, min(n_seq, s + args.batch_size)):
+                    seg = ids[j * T: j * T + T + 1]
+                    if len(seg) >= 2:
+                        rows.append(seg)
+                L = min(len(r) for r in rows)
+                batch = torch.stack([r[:L] for r in rows]).to(args.device)
+                logits = m(batch[:, :-1])
+                if not torch.isfinite(logits).all():
+                    raise MtcError("the forward pass produced non-finite logits")
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                         batch[:, 1:].reshape(-1), reduction="sum")
+                total_loss += float(loss)
+                total_tok += batch[:, 1:].numel()
+                for k, v in m.routing_stats.items():
+                    loads[k] = loads.get(k, 0) + v.cpu()
+                prog.update(task, advance=len(rows))
+    dt = time.perf_counter() - t1
+    nll = total_loss / total_tok
+    c.print(f"loss {nll:.4f} nats/token ({nll / 0.6931471805599453:.3f} bits/byte), perplexity "
+            f"{torch.tensor(nll).exp():.2f}, over {total_tok:,} predicted tokens in {dt:.2f} s "
+            f"({total_tok / dt:,.0f} tokens/s)")
+    if loads:
+        t = Table(title="expert load per MoE layer (tokens routed per expert)")
+        for col in ("layer", "min", "mean", "max", "max/mean", "idle experts"):
+            t.add_column(col, justify="right")
+        for k, v in loads.items():
+            v = v.float()
+            t.add_row(k, f"{v.min():.0f}", f"{v.mean():.1f}", f"{v.max():.0f}", f"{v.max() / v.mean():.3f}",
+                      str(int((v == 0).sum())))
+        c.print(t)
+    if args.json:
+        out = {"model": g.name, "loss": nll, "tokens": total_tok, "seconds": dt,
+               "expert_load": {k: v.tolist() for k, v in loads.items()}}
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        c.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_ops(args) -> int:
+    from .ops import OPS
+    for name, od in sorted(OPS.items()):
+        if args.op and name != args.op:
+            continue
+        attrs = ", ".join(f"{k}={v!r}" for k, v in od.attrs.items())
+        kind = "layer" if od.is_layer else "op"
+        print(f"{name}({', '.join(od.inputs)}{'; ' + attrs if attrs else ''})  [{kind}]\n    {od.doc}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mtc", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="mtc: a compiler-style graph DSL for trillion-parameter sparse MoE models with "
+                    "million-token contexts (the Kimi K3 family). Write the architecture as a .mtc spec, "
+                    "inspect every IR stage, count parameters/FLOPs/memory, and run it.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("stats", help="parameters, active parameters, FLOPs/token, memory at a context length",
+                       description="Counts everything from the graph IR: total and active (per-token) "
+                                   "parameters, forward FLOPs per token at --seq-len (MLA attention grows "
+                                   "with T, KDA does not), weights, MLA latent KV cache and KDA state.")
+    _add_spec_args(s)
+    s.add_argument("--seq-len", "-T", type=int, default=None, help="context length (default: the spec's max_seq_len)")
+    s.add_argument("--batch", type=int, default=1, help="sequences held at once (KV cache and state scale with it)")
+    s.add_argument("--gpus", type=int, default=1, help="GPUs to spread weights and caches over (even split)")
+    s.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    s.set_defaults(fn=cmd_stats)
+
+    s = sub.add_parser("ir", help="print the IR at a stage of the pipeline",
+                       description="Stages: graph (as parsed: layer blocks, typed), typed (after "
+                                   "infer_shapes), canonical (layer blocks expanded into primitive ops).")
+    _add_spec_args(s)
+    s.add_argument("--stage", default="graph", help="graph | typed | canonical")
+    s.add_argument("--print-after", action="append", metavar="PASS", help="also print the IR after PASS ('all')")
+    s.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, one file per pass")
+    s.add_argument("--timing", action="store_true", help="print per-pass timing to stderr")
+    s.add_argument("--no-loc", action="store_true", help="omit source locations")
+    s.add_argument("--output", "-o", help="write to a file instead of stdout")
+    s.set_defaults(fn=cmd_ir)
+
+    s = sub.add_parser("run", help="run the forward pass on a text file; print loss and expert load",
+                       description="Byte-level tokenizer (vocab >= 256), next-token cross-entropy, and per-layer "
+                                   "expert load. With no SPEC: the tiny K3 variant on a text shipped with mtc.")
+    _add_spec_args(s, spec_optional=True)
+    s.add_argument("--input", "-i", help=f"a text file (default: {DEFAULT_TEXT.relative_to(ROOT)})")
+    s.add_argument("--target", default="reference", help="reference | triton")
+    s.add_argument("--seq-len", "-T", type=int, default=256, help="tokens per sequence (default 256)")
+    s.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default 4)")
+    s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
+    s.add_argument("--dtype", default=None, help="float32 (default) | bfloat16")
+    s.add_argument("--device", default="cpu", help="cpu | cuda")
+    s.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
+    s.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("ops", help="list the ops with their signatures and semantics")
+    s.add_argument("op", nargs="?", help="just this op")
+    s.set_defaults(fn=cmd_ops)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for k in ("seq_len", "batch", "gpus", "batch_size", "max_tokens"):
+        v = getattr(args, k, None)
+        if v is not None and v < 1:
+            print(f"mtc: error: --{k.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)
+            return 2
+    try:
+        return args.fn(args)
+    except MtcError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

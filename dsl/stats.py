@@ -1,0 +1,134 @@
+"""Model statistics from the graph IR: parameters, active parameters, FLOPs per token and memory.
+
+Everything is read off the graph: parameter counts from ``param`` nodes (routed-expert tensors carry
+``active = top_k / E``), FLOPs from each primitive op's FLOP rule on the canonical graph at a given
+sequence length, and the decoding state from the layer blocks (MLA latent KV cache, KDA state).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import sympy
+
+from .ir import DTYPES, SOURCE_OPS, Graph, sym
+
+
+@dataclass
+class ModelStats:
+    name: str
+    seq_len: int
+    batch: int
+    gpus: int
+    total_params: int
+    active_params: float                 # per token, excluding the input embedding table
+    active_params_with_embedding: float
+    flops_per_token: float               # forward pass, at seq_len (attention grows with T)
+    flops_per_token_by_op: dict = field(default_factory=dict)
+    weights_bytes: float = 0.0
+    kv_cache_bytes: float = 0.0          # MLA latent cache, all sequences of the batch
+    kda_state_bytes: float = 0.0         # KDA recurrent state (float32) + short-conv state
+    residual_stream_bytes: float = 0.0   # one [B, T, d] activation
+    layers: dict = field(default_factory=dict)
+
+    def per_gpu(self, nbytes: float) -> float:
+        return nbytes / self.gpus
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["per_gpu"] = {k: self.per_gpu(getattr(self, k)) for k in
+                        ("weights_bytes", "kv_cache_bytes", "kda_state_bytes")}
+        return d
+
+
+def _numel(t) -> int:
+    return int(t.numel())
+
+
+def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int | None = None, batch: int = 1,
+                  gpus: int = 1) -> ModelStats:
+    """Statistics of a model graph (the 'graph' stage, with layer blocks).
+
+    Args:
+        graph: the graph as parsed (layer blocks present).
+        canonical: the same graph after canonicalize (computed if None).
+        seq_len: context length T (default: the spec's max_seq_len config value, else 4096).
+        batch: number of sequences (for the KV cache and state).
+        gpus: devices to spread weights and caches over (an even split).
+    """
+    from .ops import flops_of
+    if canonical is None:
+        from passes import PassManager
+        canonical = PassManager().run(graph)
+    config = dict(graph.meta_get("config", ()))
+    T = int(seq_len or config.get("max_seq_len", 4096))
+    act_bytes = DTYPES.get(config.get("dtype", "bf16"), 2)
+    emb_params = {r.node for n in graph.nodes if n.op == "embedding" for r in n.inputs[1:]}
+    total = 0
+    active = 0.0
+    active_emb = 0.0
+    wbytes = 0.0
+    for n in graph.params():
+        k = _numel(n.type)
+        total += k
+        frac = n.attr("active", 1.0)
+        wbytes += k * DTYPES[n.type.dtype]
+        if n.name in emb_params:
+            active_emb += k
+        else:
+            active += k * frac
+    for n in graph.buffers():
+        wbytes += _numel(n.type) * DTYPES[n.type.dtype]
+    # FLOPs on the canonical graph at B = 1, T = seq_len
+    bind = {sym("B"): 1, sym("T"): T}
+    cnodes = canonical.node_map()
+    by_op: dict[str, float] = {}
+    for n in canonical.nodes:
+        if n.op in SOURCE_OPS:
+            continue
+        ins = [cnodes[r.node].types[r.index] for r in n.inputs]
+        f = flops_of(n.op, ins, n.types, n.attr_dict)
+        if f != 0:
+            v = float(sympy.sympify(f).subs(bind))
+            by_op[n.op] = by_op.get(n.op, 0.0) + v / T
+    # decoding state from the layer blocks
+    kv = 0.0
+    kda_state = 0.0
+    layers = {"kda": 0, "mla": 0, "dense_ffn": 0, "moe": 0}
+    d_model = None
+    for n in graph.nodes:
+        a = n.attr_dict
+        if n.op == "mla_layer":
+            layers["mla"] += 1
+            kv += (a["kv_lora_rank"] + a["qk_rope_dim"]) * act_bytes * T * batch
+        elif n.op == "kda_layer":
+            layers["kda"] += 1
+            H, K = a["heads"], a["head_dim"]
+            V = a["v_head_dim"] or K
+            kda_state += H * K * V * 4 * batch
+            kda_state += (a["conv_size"] - 1) * H * (2 * K + V) * act_bytes * batch
+        elif n.op == "glu_ffn":
+            layers["dense_ffn"] += 1
+        elif n.op in ("latent_moe", "moe"):
+            layers["moe"] += 1
+        if n.op == "embedding":
+            d_model = int(n.type.shape[-1])
+    return ModelStats(
+        name=graph.name, seq_len=T, batch=batch, gpus=gpus, total_params=total, active_params=active,
+        active_params_with_embedding=active + active_emb,
+        flops_per_token=sum(by_op.values()), flops_per_token_by_op=dict(sorted(by_op.items(), key=lambda x: -x[1])),
+        weights_bytes=wbytes, kv_cache_bytes=kv, kda_state_bytes=kda_state,
+        residual_stream_bytes=float(T * batch * (d_model or 0) * act_bytes), layers=layers)
+
+
+def human(n: float, unit: str = "") -> str:
+    for div, suf in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.3g} {suf}{unit}"
+    return f"{n:.3g} {unit}".strip()
+
+
+def human_bytes(n: float) -> str:
+    for div, suf in ((2 ** 40, "TiB"), (2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if n >= div:
+            return f"{n / div:.3g} {suf}"
+    return f"{n:.0f} B"
