@@ -1,0 +1,641 @@
+"""Block Attention Residuals (attention over depth) as Triton kernels: forward, backward, two-phase form.
+
+Math: "Attention Residuals" (arXiv 2603.15031), Block AttnRes; the contract is spec/OPS.md
+"attn_residual" and the float32 reference is backends/reference/attn_residual.py (same signatures):
+
+    logit_i = <query, x_i * r_i * rms_weight>,  r_i = rsqrt(mean_d x_i^2 + eps)
+    p = softmax_i(logit) (float32),  out = sum_i p_i x_i,  optional out <- RMSNorm(out; output_rms_weight)
+
+Kernels (all accumulate in float32, all index with int64, so tensors past 2^31/2^32 elements are fine):
+
+* ``_fwd_kernel``: one pass over the L sources per token tile with an online softmax over depth
+  (Milakov & Gimelshein 2018): each source row is read from memory exactly once, the running max ``m``,
+  sum ``s`` and the weighted sum live in registers; the optional output RMSNorm is applied before the
+  single store. The sources are reached through a table of int64 element offsets from one base
+  pointer, so L is a runtime value (1 .. any) and nothing is specialised on it.
+* ``_bwd_kernel``: recomputes the mix from the saved logits and log-sum-exp (one read of the sources),
+  then one more read of every source to write every source's gradient; per-program partial sums of
+  d(query*rms_weight) and d(output_rms_weight) are reduced on the host side.
+  Derivation: with k_i = x_i r_i, logit_i = <qw, k_i>, qw = query*rms_weight, do = dL/d(mix):
+  dlogit_i = p_i (<do, x_i> - <do, mix>),
+  dx_i = p_i do + dlogit_i r_i (qw - logit_i r_i x_i / d),  dqw = sum dlogit_i r_i x_i.
+* ``_phase1_logits_kernel`` + ``_phase1_mix_kernel``: the two-phase form. The logits of all Q queries of a
+  block against every bank source come from one read of the bank with a tensor-core product
+  [tokens, d] x [d, Q] (3xTF32, float32-accurate), together with the running max/sum; the weighted sums
+  acc_q = sum_i exp(logit_qi - m_q) x_i are then formed per (token, d-chunk) tile.
+* ``_merge_kernel``: the online-softmax merge of one query's bank result with the in-block partial source
+  (plus the fused output RMSNorm).
+
+Public functions: ``attn_residual``, ``attn_residual_phase1``, ``attn_residual_merge`` (documented below).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+import importlib
+
+# the module itself (backends.reference re-exports a function of the same name)
+_ref = importlib.import_module("backends.reference.attn_residual")
+
+__all__ = ["attn_residual", "attn_residual_phase1", "attn_residual_merge"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_kernel(
+    base, offs,                   # base pointer (sources' dtype) and int64 element offsets [L]
+    q, w, ow,                     # [D] query, key-norm weight, output-norm weight (ow unused if not HAS_ONORM)
+    out,                          # [N, D] sources' dtype
+    logit_buf, lse_buf,           # [L, N] f32, [N] f32 (only written if SAVE)
+    N, L, eps, TPP,               # TPP: token tiles per program (persistent loop)
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr,
+    HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, PF: tl.constexpr,
+):
+    # Program p owns the token tiles p*TPP .. p*TPP+TPP-1 and walks the (tile, source) pairs in order.
+    # PF (0, 1 or 2) loads are kept in flight ahead of the pair being computed, across tile boundaries,
+    # so that the memory system never idles at the end of a token (hand software-pipelining).
+    pid = tl.program_id(0).to(tl.int64)
+    r0 = tl.arange(0, BT).to(tl.int64)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    qw = tl.load(q + cols, mask=cmask, other=0.0).to(tl.float32) * \
+        tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_ONORM:
+        oww = tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)
+    t0 = pid * TPP
+    if PF >= 1:
+        rows_a = t0 * BT + r0
+        off_a = tl.multiple_of(tl.load(offs), VEC)
+        buf_a = tl.load(base + off_a + rows_a[:, None] * D + cols[None, :],
+                        mask=(rows_a < N)[:, None] & cmask[None, :], other=0.0, eviction_policy="evict_first")
+    if PF >= 2:
+        kt_b = 1 // L                                                   # pair 1 = (tile kt_b, source ki_b)
+        ki_b = 1 - kt_b * L
+        rows_b = (t0 + kt_b) * BT + r0
+        off_b = tl.multiple_of(tl.load(offs + ki_b), VEC)
+        buf_b = tl.load(base + off_b + rows_b[:, None] * D + cols[None, :],
+                        mask=((rows_b < N) & (kt_b < TPP))[:, None] & cmask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+    for tt in range(0, TPP):
+        rows = (t0 + tt) * BT + r0                                      # [BT] int64
+        rmask = rows < N
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows[:, None] * D + cols[None, :]                        # [BT, BD] int64 element offsets
+        m = tl.full([BT], float("-inf"), tl.float32)
+        s = tl.zeros([BT], tl.float32)
+        acc = tl.zeros([BT, BD], tl.float32)
+        lgp = logit_buf                                                 # advances by N per source (64-bit)
+        for i in range(L):
+            if PF == 0:
+                off = tl.multiple_of(tl.load(offs + i), VEC)
+                x = tl.load(base + off + tile, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            else:
+                x = buf_a.to(tl.float32)
+                if PF == 2:
+                    buf_a = buf_b
+                # the pair PF steps ahead: k = tt*L + i + PF = (tile kt, source ki)
+                k = tt * L + i + PF
+                kt = k // L
+                ki = k - kt * L
+                rows_n = (t0 + kt) * BT + r0
+                off_n = tl.multiple_of(tl.load(offs + ki), VEC)
+                nxt = tl.load(base + off_n + rows_n[:, None] * D + cols[None, :],
+                              mask=((rows_n < N) & (kt < TPP))[:, None] & cmask[None, :], other=0.0,
+                              eviction_policy="evict_first")
+                if PF == 2:
+                    buf_b = nxt
+                else:
+                    buf_a = nxt
+            ss = tl.sum(x * x, axis=1)
+            dot = tl.sum(x * qw[None, :], axis=1)
+            lg = dot * tl.rsqrt(ss / D + eps)                           # [BT]
+            m_new = tl.maximum(m, lg)
+            alpha = tl.exp(m - m_new)
+            pe = tl.exp(lg - m_new)
+            s = s * alpha + pe
+            acc = acc * alpha[:, None] + pe[:, None] * x
+            m = m_new
+            if SAVE:
+                tl.store(lgp + rows, lg, mask=rmask)
+                lgp += N
+        o = acc / s[:, None]
+        if SAVE:
+            tl.store(lse_buf + rows, m + tl.log(s), mask=rmask)
+        if HAS_ONORM:
+            ro = tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)
+            o = o * ro[:, None] * oww[None, :]
+        tl.store(out + tile, o.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(
+    base, offs, dx,               # sources (base + offsets), dx [L, N, D] sources' dtype (stacked grads)
+    q, w, ow, dy,                 # dy [N, D]
+    logit_buf, lse_buf,           # saved by the forward
+    dqw_part, dow_part,           # [G, D] f32 per-program partial sums
+    N, ND, L, eps, tiles_per_prog,       # ND = N * D (a Python int: 64-bit when it needs to be)
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr, HAS_ONORM: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    qw = tl.load(q + cols, mask=cmask, other=0.0).to(tl.float32) * \
+        tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_ONORM:
+        oww = tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)
+    dqw_acc = tl.zeros([BD], tl.float32)
+    dow_acc = tl.zeros([BD], tl.float32)
+    for j in range(0, tiles_per_prog):
+        t = pid + j * G                                               # tile index (int64); t >= n_tiles is masked
+        rows = t * BT + tl.arange(0, BT).to(tl.int64)
+        rmask = rows < N
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows[:, None] * D + cols[None, :]
+        lse = tl.load(lse_buf + rows, mask=rmask, other=0.0)
+        # pass 1: the pre-norm mix o = sum_i p_i x_i, from the saved logits
+        o = tl.zeros([BT, BD], tl.float32)
+        lgp = logit_buf
+        for i in range(L):
+            off = tl.multiple_of(tl.load(offs + i), VEC)
+            x = tl.load(base + off + tile, mask=mask, other=0.0).to(tl.float32)
+            lg = tl.load(lgp + rows, mask=rmask, other=0.0)
+            lgp += N
+            o += tl.exp(lg - lse)[:, None] * x
+        g = tl.load(dy + tile, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ONORM:
+            ro = tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)
+            xhat = o * ro[:, None]
+            dow_acc += tl.sum(xhat * g, axis=0)
+            gw = g * oww[None, :]
+            do = ro[:, None] * (gw - xhat * (tl.sum(gw * xhat, axis=1) / D)[:, None])
+        else:
+            do = g
+        delta = tl.sum(do * o, axis=1)
+        # pass 2: every source's gradient
+        lgp = logit_buf
+        dxp = dx                                                      # advances by N*D per source (64-bit)
+        for i in range(L):
+            off = tl.multiple_of(tl.load(offs + i), VEC)
+            x = tl.load(base + off + tile, mask=mask, other=0.0).to(tl.float32)
+            lg = tl.load(lgp + rows, mask=rmask, other=0.0)
+            lgp += N
+            p = tl.exp(lg - lse)
+            r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+            dl = p * (tl.sum(x * do, axis=1) - delta)
+            dlr = dl * r
+            dxi = p[:, None] * do + dlr[:, None] * (qw[None, :] - (lg * r / D)[:, None] * x)
+            tl.store(dxp + tile, dxi.to(dx.dtype.element_ty), mask=mask)
+            dxp += ND
+            dqw_acc += tl.sum(dlr[:, None] * x, axis=0)
+    tl.store(dqw_part + pid * D + cols, dqw_acc, mask=cmask)
+    if HAS_ONORM:
+        tl.store(dow_part + pid * D + cols, dow_acc, mask=cmask)
+
+
+@triton.jit
+def _phase1_logits_kernel(
+    base, offs,                   # bank (base + int64 element offsets [L])
+    qwT,                          # [D, QP] f32: (queries * rms_weights)^T, zero-padded to QP columns
+    logit_buf,                    # [L, N, QP] f32 out
+    m_out, s_out,                 # [Q, N] f32 out
+    N, NQP, L, Q, eps,            # NQP = N * QP
+    D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, VEC: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BT + tl.arange(0, BT).to(tl.int64)
+    rmask = rows < N
+    kk = tl.arange(0, BK)
+    qq = tl.arange(0, QP)
+    m = tl.full([BT, QP], float("-inf"), tl.float32)
+    s = tl.zeros([BT, QP], tl.float32)
+    lgp = logit_buf                                                    # advances by N*QP per source
+    for i in range(L):
+        off = tl.multiple_of(tl.load(offs + i), VEC)
+        ptr = base + off + rows[:, None] * D
+        dots = tl.zeros([BT, QP], tl.float32)
+        ss = tl.zeros([BT], tl.float32)
+        for k0 in range(0, D, BK):
+            cols = k0 + kk
+            cm = cols < D
+            x = tl.load(ptr + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            b = tl.load(qwT + cols[:, None] * QP + qq[None, :], mask=cm[:, None], other=0.0)
+            ss += tl.sum(x * x, axis=1)
+            dots = tl.dot(x, b, dots, input_precision="tf32x3")
+        lg = dots * tl.rsqrt(ss / D + eps)[:, None]                 # [BT, QP]
+        m_new = tl.maximum(m, lg)
+        s = s * tl.exp(m - m_new) + tl.exp(lg - m_new)
+        m = m_new
+        tl.store(lgp + rows[:, None] * QP + qq[None, :], lg, mask=rmask[:, None])
+        lgp += NQP
+    qmask = rmask[:, None] & (qq[None, :] < Q)
+    tl.store(m_out + qq[None, :].to(tl.int64) * N + rows[:, None], m, mask=qmask)
+    tl.store(s_out + qq[None, :].to(tl.int64) * N + rows[:, None], s, mask=qmask)
+
+
+@triton.jit
+def _phase1_mix_kernel(
+    base, offs, logit_buf, m_in, acc,     # acc [Q, N, D] out (float32 or a lower precision)
+    N, NQP, L, Q,
+    D: tl.constexpr, BC: tl.constexpr, QP: tl.constexpr, QB: tl.constexpr, NG: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    # flat grid, query group fastest, so the programs that read the same bank chunk run side by side
+    pid = tl.program_id(0).to(tl.int64)
+    NC: tl.constexpr = (D + BC - 1) // BC
+    g = pid % NG                          # query group of QB queries
+    c = (pid // NG) % NC                  # d-chunk
+    n = pid // (NG * NC)                  # token
+    cols = c * BC + tl.arange(0, BC)
+    cm = cols < D
+    qq = g * QB + tl.arange(0, QB)
+    qm = qq < Q
+    mq = tl.load(m_in + qq.to(tl.int64) * N + n, mask=qm, other=0.0)      # [QB]
+    a = tl.zeros([QB, BC], tl.float32)
+    lgp = logit_buf + n * QP
+    row = n * D + cols
+    nxt = tl.load(base + tl.multiple_of(tl.load(offs), VEC) + row, mask=cm, other=0.0)
+    for i in range(L):
+        x = nxt.to(tl.float32)
+        # one load in flight ahead of the arithmetic (the loop is latency-bound otherwise)
+        offn = tl.multiple_of(tl.load(offs + tl.minimum(i + 1, L - 1)), VEC)
+        nxt = tl.load(base + offn + row, mask=cm & (i + 1 < L), other=0.0)
+        lg = tl.load(lgp + qq, mask=qm, other=0.0)
+        lgp += NQP
+        a += tl.exp(lg - mq)[:, None] * x[None, :]
+    dst = acc + (qq[:, None].to(tl.int64) * N + n) * D + cols[None, :]
+    tl.store(dst, a.to(acc.dtype.element_ty), mask=qm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _merge_kernel(
+    acc, m_in, s_in, part, q, w, ow, out,
+    N, eps,
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_PART: tl.constexpr, HAS_ONORM: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BT + tl.arange(0, BT).to(tl.int64)
+    cols = tl.arange(0, BD)
+    rmask = rows < N
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    tile = rows[:, None] * D + cols[None, :]
+    a = tl.load(acc + tile, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    mb = tl.load(m_in + rows, mask=rmask, other=0.0).to(tl.float32)
+    sb = tl.load(s_in + rows, mask=rmask, other=1.0).to(tl.float32)
+    if HAS_PART:
+        x = tl.load(part + tile, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        qw = tl.load(q + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
+        lp = tl.sum(x * qw[None, :], axis=1) * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        big = tl.maximum(mb, lp)
+        ea = tl.exp(mb - big)
+        eb = tl.exp(lp - big)
+        o = (a * ea[:, None] + x * eb[:, None]) / (sb * ea + eb)[:, None]
+    else:
+        o = a / sb[:, None]
+    if HAS_ONORM:
+        ro = tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)
+        o = o * ro[:, None] * tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + tile, o.to(out.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch helpers
+# ----------------------------------------------------------------------------------------------------
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+#: Forward launch overrides (for the benchmark's sweep): {"num_warps": int, "pf": 0|1|2 (loads kept in
+#: flight ahead), "bt": rows per tile, "progs_per_sm": persistent programs per multiprocessor}.
+FWD_CONFIG: dict = {}
+
+
+def _offset_table(tensors: Sequence[torch.Tensor], where: str):
+    """(base tensor, int64 element-offset table on the device, VEC alignment hint) for a list of tensors."""
+    base = tensors[0]
+    es = base.element_size()
+    ptrs = [t.data_ptr() for t in tensors]
+    for i, p in enumerate(ptrs):
+        if (p - ptrs[0]) % es:
+            raise ValueError(f"{where}: source {i} is not element-aligned relative to source 0")
+    offs = torch.tensor([(p - ptrs[0]) // es for p in ptrs], dtype=torch.int64, device=base.device)
+    vec = 16 // es if all(p % 16 == 0 for p in ptrs) else 1
+    return base, offs, vec
+
+
+def _flat(t: torch.Tensor, d: int) -> torch.Tensor:
+    return t.reshape(-1, d).contiguous()
+
+
+def _check_device(t: torch.Tensor, where: str) -> None:
+    if t.device.type != "cuda" and not _INTERPRET:
+        raise ValueError(f"{where}: the Triton backend needs CUDA tensors (got {t.device}); use "
+                         f"backends.reference on CPU, or set TRITON_INTERPRET=1 before importing triton")
+    if t.dtype not in _SUPPORTED:
+        raise TypeError(f"{where}: dtype {t.dtype} is not supported (float32, float16, bfloat16)")
+
+
+def _row_tile(d: int, n: int):
+    """(BT, BD, num_warps) of the row kernels: one tile holds BT whole rows of BD >= d columns."""
+    bd = triton.next_power_of_2(d)
+    bt = max(1, min(16, 4096 // bd, triton.next_power_of_2(max(n, 1))))
+    nw = 4 if bd * bt <= 2048 else (8 if bd * bt <= 8192 else 16)
+    return bt, bd, nw
+
+
+def _num_sms(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return 4
+
+
+def _fwd(query, xs, w, ow, eps, save):
+    d = xs[0].shape[-1]
+    n = xs[0].shape[0]
+    L = len(xs)
+    base, offs, vec = _offset_table(xs, "attn_residual")
+    out = torch.empty_like(xs[0])
+    bt, bd, nw = _row_tile(d, n)
+    bt = FWD_CONFIG.get("bt", bt)
+    nw = FWD_CONFIG.get("num_warps", nw)
+    pf = FWD_CONFIG.get("pf", 2 if bd * bt >= 2048 else 1)
+    dev = xs[0].device
+    if save:
+        logit = torch.empty((L, n), dtype=torch.float32, device=dev)
+        lse = torch.empty((n,), dtype=torch.float32, device=dev)
+    else:
+        logit = lse = out  # never touched (SAVE is False)
+    if n > 0:
+        n_tiles = triton.cdiv(n, bt)
+        progs = FWD_CONFIG.get("progs_per_sm", 2) * _num_sms(dev)
+        tpp = max(1, triton.cdiv(n_tiles, progs))
+        grid = triton.cdiv(n_tiles, tpp)
+        _fwd_kernel[(grid,)](
+            base, offs, query, w, ow if ow is not None else query, out, logit, lse,
+            n, L, float(eps), tpp, D=d, BT=bt, BD=bd, VEC=vec,
+            HAS_ONORM=ow is not None, SAVE=save, PF=pf, num_warps=nw)
+    return out, offs, (logit if save else None), (lse if save else None)
+
+
+class _AttnResFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, rms_weight, output_rms_weight, eps, *xs):
+        save = ctx.needs_input_grad is not None and any(ctx.needs_input_grad)
+        out, _, logit, lse = _fwd(query, xs, rms_weight, output_rms_weight, eps, save)
+        if save:
+            ctx.save_for_backward(query, rms_weight, output_rms_weight, logit, lse, *xs)
+            ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        query, w, ow, logit, lse, *xs = ctx.saved_tensors
+        eps = ctx.eps
+        L = len(xs)
+        n, d = xs[0].shape
+        dev = xs[0].device
+        base, offs, vec = _offset_table(xs, "attn_residual backward")
+        dx = torch.empty((L, n, d), dtype=xs[0].dtype, device=dev)
+        bt, bd, nw = _row_tile(d, n)
+        if bd * bt >= 8192:
+            nw = 16
+        n_tiles = triton.cdiv(n, bt)
+        G = max(1, min(n_tiles, 4 * _num_sms(dev)))
+        dqw = torch.zeros((G, d), dtype=torch.float32, device=dev)
+        dow = torch.zeros((G, d), dtype=torch.float32, device=dev) if ow is not None else dqw
+        dy = dy.contiguous()
+        if n > 0:
+            _bwd_kernel[(G,)](
+                base, offs, dx, query, w, ow if ow is not None else query, dy, logit, lse, dqw, dow,
+                n, n * d, L, float(eps), triton.cdiv(n_tiles, G), D=d, BT=bt, BD=bd, VEC=vec, HAS_ONORM=ow is not None,
+                num_warps=nw)
+        dqw_t = dqw.sum(0)
+        dq = (dqw_t * w.float()).to(query.dtype)
+        dw = (dqw_t * query.float()).to(w.dtype)
+        dow_t = dow.sum(0).to(ow.dtype) if ow is not None else None
+        return (dq, dw, dow_t, None, *dx.unbind(0))
+
+
+def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weight: torch.Tensor, *,
+                  eps: float = 1e-6, output_rms_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention over depth (Block AttnRes), one fused Triton pass over the sources; differentiable.
+
+    Math: arXiv 2603.15031 (Attention Residuals), spec/OPS.md "attn_residual":
+    ``logit_i = <query, RMSNorm(sources_i; rms_weight, eps)>``, ``p = softmax_i(logit)`` (float32),
+    ``out = sum_i p_i sources_i``, then ``RMSNorm(out; output_rms_weight, eps)`` if that weight is given.
+    Computed with an online softmax over depth: every source element is read once, float32 accumulation,
+    int64 indexing (right past 2^32 elements). Backward (torch.autograd) gives gradients for query,
+    rms_weight, output_rms_weight and every source; it re-reads the sources twice.
+
+    Args:
+        query: [d] float tensor; rms_weight: [d]; output_rms_weight: optional [d].
+        sources: list/tuple of L >= 1 tensors [..., d], same shape and dtype (float32, float16 or
+            bfloat16), on a CUDA device (or on CPU under TRITON_INTERPRET=1). Any L (runtime value).
+        eps: RMSNorm epsilon of both norms, > 0.
+
+    Returns:
+        out: [..., d] in the sources' dtype.
+
+    Raises:
+        ValueError: empty sources, mismatched shapes/devices, wrong weight shapes, bad eps, CPU tensors
+            without the interpreter.
+        TypeError: non-tensor arguments, mismatched or unsupported dtypes.
+    """
+    shape, dtype, d = _ref.check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight)
+    _check_device(sources[0], "attn_residual")
+    xs = [_flat(s, d) for s in sources]
+    out = _AttnResFn.apply(query.contiguous(), rms_weight.contiguous(),
+                           output_rms_weight.contiguous() if output_rms_weight is not None else None,
+                           float(eps), *xs)
+    return out.view(shape)
+
+
+# ----------------------------------------------------------------------------------------------------
+# two-phase form
+# ----------------------------------------------------------------------------------------------------
+
+def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype):
+    L = len(xs)
+    n, d = xs[0].shape
+    Q = queries.shape[0]
+    dev = xs[0].device
+    base, offs, vec = _offset_table(xs, "attn_residual_phase1")
+    QP = max(16, triton.next_power_of_2(Q))
+    qwT = torch.zeros((d, QP), dtype=torch.float32, device=dev)
+    qwT[:, :Q] = (queries.float() * rms_weights.float()).t()
+    logit = torch.empty((L, n, QP), dtype=torch.float32, device=dev)
+    m = torch.empty((Q, n), dtype=torch.float32, device=dev)
+    s = torch.empty((Q, n), dtype=torch.float32, device=dev)
+    acc = torch.empty((Q, n, d), dtype=acc_dtype, device=dev)
+    if n == 0:
+        return acc, m, s
+    if _INTERPRET:
+        bt, bk, nw1 = 16, min(64, triton.next_power_of_2(d)), 4
+    else:
+        bt, bk, nw1 = 64, 64, 4
+    _phase1_logits_kernel[(triton.cdiv(n, bt),)](
+        base, offs, qwT, logit, m, s, n, n * QP, L, Q, float(eps),
+        D=d, BT=bt, BK=bk, QP=QP, VEC=vec, num_warps=nw1, num_stages=1 if _INTERPRET else 4)
+    QB = min(8, triton.next_power_of_2(Q))
+    bc = min(triton.next_power_of_2(d), 64 if _INTERPRET else 1024)
+    nw2 = 4 if _INTERPRET else 8
+    ng = triton.cdiv(Q, QB)
+    _phase1_mix_kernel[(n * triton.cdiv(d, bc) * ng,)](
+        base, offs, logit, m, acc, n, n * QP, L, Q, D=d, BC=bc, QP=QP, QB=QB, NG=ng, VEC=vec, num_warps=nw2)
+    return acc, m, s
+
+
+class _Phase1Fn(torch.autograd.Function):
+    """Triton forward; backward by recomputation through the float32 reference (correct, not fast)."""
+
+    @staticmethod
+    def forward(ctx, queries, rms_weights, eps, acc_dtype, *xs):
+        ctx.save_for_backward(queries, rms_weights, *xs)
+        ctx.eps = eps
+        acc, m, s = _phase1_launch(queries, xs, rms_weights, eps, acc_dtype)
+        return acc, m, s
+
+    @staticmethod
+    def backward(ctx, dacc, dm, ds):
+        queries, rms_weights, *xs = ctx.saved_tensors
+        with torch.enable_grad():
+            ins = [t.detach().requires_grad_(True) for t in (queries, rms_weights, *xs)]
+            acc, m, s = _ref.attn_residual_phase1(ins[0], ins[2:], ins[1], eps=ctx.eps)
+            outs, gs = [], []
+            for o, g in ((acc, dacc), (m, dm), (s, ds)):
+                if g is not None:
+                    outs.append(o)
+                    gs.append(g.float())
+            grads = torch.autograd.grad(outs, ins, gs, allow_unused=True)
+        grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, ins)]
+        return (grads[0], grads[1], None, None, *grads[2:])
+
+
+def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rms_weights: torch.Tensor, *,
+                         eps: float = 1e-6, acc_dtype: torch.dtype = torch.float32):
+    """Phase 1 of the two-phase Block AttnRes: all Q queries of a block against the completed bank.
+
+    Math: spec/OPS.md "Two-phase form" (online softmax, flash-attention merge rule). For query q and
+    bank source i: ``logit_qi = <queries[q], RMSNorm(bank_i; rms_weights[q], eps)>``, ``m_q = max_i logit_qi``,
+    ``s_q = sum_i exp(logit_qi - m_q)``, ``acc_q = sum_i exp(logit_qi - m_q) bank_i``.
+    Kernels: the logits of all Q queries come from one read of the bank (a [tokens, d] x [d, Q]
+    tensor-core product in 3xTF32, float32-accurate, with the running max and sum); the weighted sums are
+    then formed per (token, d-chunk, query-group) tile and written once.
+
+    Args:
+        queries: [Q, d] float tensor; rms_weights: [Q, d].
+        bank: list/tuple of L >= 1 tensors [..., d], same shape/dtype (float32/float16/bfloat16), CUDA
+            (or CPU under TRITON_INTERPRET=1).
+        eps: RMSNorm epsilon, > 0.
+        acc_dtype: dtype of ``acc``; float32 (the contract, default) or the bank's dtype to halve the
+            bytes written and read by the merges (acc is then rounded once; m and s stay float32).
+
+    Returns:
+        (acc [Q, ..., d] acc_dtype, m [Q, ...] float32, s [Q, ...] float32), as the reference.
+        Differentiable (the backward recomputes through the float32 reference: correct but not fast).
+
+    Raises:
+        ValueError / TypeError: as the reference (empty bank, mismatched shapes or dtypes, bad eps),
+            unsupported dtypes, CPU tensors without the interpreter.
+    """
+    shape, dtype, Q, d = _ref.check_phase1_args(queries, bank, rms_weights, eps)
+    _check_device(bank[0], "attn_residual_phase1")
+    if acc_dtype not in _SUPPORTED:
+        raise TypeError(f"attn_residual_phase1: acc_dtype {acc_dtype} is not float32/float16/bfloat16")
+    xs = [_flat(b, d) for b in bank]
+    acc, m, s = _Phase1Fn.apply(queries.contiguous(), rms_weights.contiguous(), float(eps), acc_dtype, *xs)
+    tok = shape[:-1]
+    return acc.view(Q, *tok, d), m.view(Q, *tok), s.view(Q, *tok)
+
+
+class _MergeFn(torch.autograd.Function):
+    """Triton forward; backward by recomputation through the float32 reference (correct, not fast)."""
+
+    @staticmethod
+    def forward(ctx, acc, m, s, partial, query, w, ow, eps, out_dtype):
+        ctx.save_for_backward(acc, m, s, partial, query, w, ow)
+        ctx.eps = eps
+        n, d = acc.shape
+        out = torch.empty((n, d), dtype=out_dtype, device=acc.device)
+        if n > 0:
+            bt, bd, nw = _row_tile(d, n)
+            _merge_kernel[(triton.cdiv(n, bt),)](
+                acc, m, s, partial if partial is not None else acc, query, w,
+                ow if ow is not None else query, out, n, float(eps),
+                D=d, BT=bt, BD=bd, HAS_PART=partial is not None, HAS_ONORM=ow is not None, num_warps=nw)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            ins = [None if t is None else t.detach().requires_grad_(t.dtype.is_floating_point) for t in saved]
+            acc, m, s, partial, query, w, ow = ins
+            out = _ref.attn_residual_merge(acc, m, s, partial, query, w, eps=ctx.eps, output_rms_weight=ow,
+                                           out_dtype=torch.float32)
+            used = [t for t in ins if t is not None]
+            g = torch.autograd.grad(out, used, dout.float(), allow_unused=True)
+        it = iter(g)
+        grads = []
+        for t in ins:
+            if t is None:
+                grads.append(None)
+            else:
+                gi = next(it)
+                grads.append(None if gi is None else gi.to(t.dtype))
+        return (*grads, None, None)
+
+
+def attn_residual_merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, partial: Optional[torch.Tensor],
+                        query: torch.Tensor, rms_weight: torch.Tensor, *, eps: float = 1e-6,
+                        output_rms_weight: Optional[torch.Tensor] = None,
+                        out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Phase 2 of the two-phase Block AttnRes: merge one query's bank result with the in-block partial.
+
+    Math: online-softmax merge (flash-attention), spec/OPS.md "Two-phase form":
+    ``l_p = <query, RMSNorm(partial; rms_weight, eps)>``, ``M = max(m, l_p)``,
+    ``out = (exp(m-M) acc + exp(l_p-M) partial) / (exp(m-M) s + exp(l_p-M))`` (``acc / s`` without a
+    partial), then the optional output RMSNorm; one read of acc and partial, one write, float32 math.
+    Equals ``attn_residual(query, bank + [partial], rms_weight, ...)``.
+
+    Args:
+        acc: [..., d] one query's phase-1 result ``acc[q]`` (float32, or the reduced acc_dtype).
+        m, s: [...] float32, ``m[q]``, ``s[q]`` from phase 1.
+        partial: [..., d] the in-block partial source, or None.
+        query, rms_weight: [d], row q of phase 1's queries / rms_weights.
+        eps: RMSNorm epsilon, > 0. output_rms_weight: optional [d] fused output-norm weight.
+        out_dtype: result dtype; default partial's dtype, or acc's dtype without a partial.
+
+    Returns:
+        out: [..., d] in ``out_dtype``. Differentiable (backward through the float32 reference).
+
+    Raises:
+        ValueError / TypeError: mismatched shapes, non-float tensors, bad eps, unsupported dtypes, CPU
+            tensors without the interpreter.
+    """
+    tok, d = _ref.check_merge_args(acc, m, s, partial, query, rms_weight, eps, output_rms_weight)
+    _check_device(acc, "attn_residual_merge")
+    if partial is not None:
+        _check_device(partial, "attn_residual_merge")
+    if out_dtype is None:
+        out_dtype = partial.dtype if partial is not None else acc.dtype
+    if out_dtype not in _SUPPORTED:
+        raise TypeError(f"attn_residual_merge: out_dtype {out_dtype} is not float32/float16/bfloat16")
+    out = _MergeFn.apply(_flat(acc, d), m.reshape(-1).float().contiguous(), s.reshape(-1).float().contiguous(),
+                         _flat(partial, d) if partial is not None else None,
+                         query.contiguous(), rms_weight.contiguous(),
+                         output_rms_weight.contiguous() if output_rms_weight is not None else None,
+                         float(eps), out_dtype)
+    return out.view(*tok, d)

@@ -1,0 +1,419 @@
+"""Tests of attn_residual (Block AttnRes): the float32 reference and the Triton kernels.
+
+Every result is compared with `_naive` below, an independent float64 re-derivation of spec/OPS.md
+"attn_residual" written as a plain loop over the sources (division by the RMS rather than rsqrt, the
+softmax written out by hand), on fresh random inputs, at token counts that are not multiples of any tile.
+The Triton kernels run under TRITON_INTERPRET=1 on CPU (set by conftest.py), in float32/float16 at small
+sizes; the `gpu` tests run in bf16 at the model's size (d = 7168) on the device machine.
+"""
+import importlib
+import math
+
+import pytest
+import torch
+
+# the modules themselves (the package __init__ files re-export functions of the same names)
+R = importlib.import_module("backends.reference.attn_residual")
+T = importlib.import_module("backends.triton.attn_residual")
+
+EPS = 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# independent reference and helpers
+# ------------------------------------------------------------------------------------------------
+
+def _naive(query, sources, rms_weight, eps=EPS, output_rms_weight=None):
+    """float64, one source at a time: logit_i = sum(q * w * x_i / rms(x_i)); softmax; sum_i p_i x_i."""
+    q = query.double()
+    w = rms_weight.double()
+    xs = [s.double() for s in sources]
+    logits = []
+    for x in xs:
+        rms = torch.sqrt((x * x).mean(dim=-1) + eps)
+        logits.append((x * (q * w)).sum(dim=-1) / rms)
+    top = logits[0]
+    for lg in logits[1:]:
+        top = torch.maximum(top, lg)
+    ex = [torch.exp(lg - top) for lg in logits]
+    z = ex[0]
+    for e in ex[1:]:
+        z = z + e
+    out = torch.zeros_like(xs[0])
+    for e, x in zip(ex, xs):
+        out = out + (e / z).unsqueeze(-1) * x
+    if output_rms_weight is not None:
+        out = out / torch.sqrt((out * out).mean(dim=-1, keepdim=True) + eps) * output_rms_weight.double()
+    return out
+
+
+def _rel(a, b):
+    """relative RMS error of a against b (float64)."""
+    a = a.double()
+    b = b.double()
+    den = b.norm()
+    assert torch.isfinite(a).all(), "non-finite values in the result"
+    if den == 0:
+        return a.norm().item()
+    return ((a - b).norm() / den).item()
+
+
+def _inputs(L, shape, dtype, device="cpu", scale_q=1.0):
+    d = shape[-1]
+    # sources of different scales, as in a residual stream; queries large enough that the softmax is peaked
+    sources = [torch.randn(shape, device=device, dtype=torch.float32).mul_(0.5 + 2 * torch.rand(1).item()).to(dtype)
+               for _ in range(L)]
+    query = (torch.randn(d, device=device) * scale_q).to(dtype)
+    rms_weight = (1 + 0.5 * torch.randn(d, device=device)).to(dtype)
+    return query, sources, rms_weight
+
+
+def _tol(dtype):
+    return {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# reference backend
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L", [1, 2, 3, 16, 25, 64])
+@pytest.mark.parametrize("onorm", [False, True])
+def test_reference_matches_naive(L, onorm):
+    query, sources, w = _inputs(L, (3, 37, 48), torch.float32)
+    ow = torch.randn(48) if onorm else None
+    out = R.attn_residual(query, sources, w, eps=EPS, output_rms_weight=ow)
+    assert out.shape == (3, 37, 48) and out.dtype == torch.float32
+    assert _rel(out, _naive(query, sources, w, EPS, ow)) < 2e-6
+
+
+def test_reference_keeps_dtype_and_scores_query_zero_as_mean():
+    # a zero query (the initialisation) gives a uniform mix: out = mean of the sources
+    L = 5
+    _, sources, w = _inputs(L, (65, 32), torch.float16)
+    out = R.attn_residual(torch.zeros(32), sources, w)
+    assert out.dtype == torch.float16
+    mean = sum(s.double() for s in sources) / L
+    assert _rel(out, mean) < 2e-3
+
+
+@pytest.mark.parametrize("with_partial", [False, True])
+@pytest.mark.parametrize("onorm", [False, True])
+def test_reference_two_phase_equals_direct(with_partial, onorm):
+    Q, B, d = 5, 4, 40
+    bank = [torch.randn(2, 33, d) for _ in range(B)]
+    queries = torch.randn(Q, d) * 2
+    ws = 1 + 0.3 * torch.randn(Q, d)
+    ow = torch.randn(d) if onorm else None
+    partial = torch.randn(2, 33, d) if with_partial else None
+    acc, m, s = R.attn_residual_phase1(queries, bank, ws)
+    assert acc.shape == (Q, 2, 33, d) and m.shape == (Q, 2, 33) and s.shape == (Q, 2, 33)
+    assert acc.dtype == m.dtype == s.dtype == torch.float32
+    assert (s >= 1 - 1e-6).all()
+    for k in range(Q):
+        out = R.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
+        srcs = bank + ([partial] if with_partial else [])
+        assert _rel(out, _naive(queries[k], srcs, ws[k], EPS, ow)) < 2e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# argument checks (both backends share them)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mod", [R, T], ids=["reference", "triton"])
+def test_errors(mod):
+    d = 16
+    q, w = torch.randn(d), torch.randn(d)
+    x = torch.randn(4, d)
+    with pytest.raises(ValueError, match="empty"):
+        mod.attn_residual(q, [], w)
+    with pytest.raises(ValueError, match="same shape"):
+        mod.attn_residual(q, [x, torch.randn(5, d)], w)
+    with pytest.raises(TypeError, match="dtype"):
+        mod.attn_residual(q, [x, x.half()], w)
+    with pytest.raises(ValueError, match="query"):
+        mod.attn_residual(torch.randn(d + 1), [x], w)
+    with pytest.raises(ValueError, match="output_rms_weight"):
+        mod.attn_residual(q, [x], w, output_rms_weight=torch.randn(2, d))
+    with pytest.raises(TypeError, match="list"):
+        mod.attn_residual(q, torch.stack([x, x]), w)
+    with pytest.raises(TypeError, match="floating"):
+        mod.attn_residual(q, [x.long()], w)
+    with pytest.raises(ValueError, match="eps"):
+        mod.attn_residual(q, [x], w, eps=0.0)
+    with pytest.raises(ValueError, match="empty"):
+        mod.attn_residual_phase1(torch.randn(3, d), [], torch.randn(3, d))
+    with pytest.raises(ValueError, match=r"\[Q, 16\]"):
+        mod.attn_residual_phase1(torch.randn(3, d + 1), [x], torch.randn(3, d + 1))
+    with pytest.raises(ValueError, match="same shape"):
+        mod.attn_residual_phase1(torch.randn(3, d), [x], torch.randn(2, d))
+    with pytest.raises(ValueError, match="token shape"):
+        mod.attn_residual_merge(x, torch.randn(5), torch.randn(4), None, q, w)
+    with pytest.raises(ValueError, match="partial"):
+        mod.attn_residual_merge(x, torch.randn(4), torch.rand(4) + 1, torch.randn(4, d + 1), q, w)
+
+
+def test_triton_rejects_unsupported_dtype():
+    d = 8
+    with pytest.raises(TypeError, match="not supported"):
+        T.attn_residual(torch.randn(d), [torch.randn(3, d, dtype=torch.float64)], torch.randn(d))
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (CPU) or on the GPU
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L,n", [(1, 100), (2, 1000), (3, 63), (16, 100), (25, 65), (64, 100)])
+@pytest.mark.parametrize("onorm", [False, True])
+def test_triton_forward_fp32(L, n, onorm):
+    d = 48  # not a power of two: masked columns
+    query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=0.5)
+    ow = torch.randn(d) if onorm else None
+    out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+    assert out.shape == (n, d) and out.dtype == torch.float32
+    assert _rel(out, _naive(query, sources, w, EPS, ow)) < _tol(torch.float32)
+
+
+@pytest.mark.parametrize("L,shape", [(1, (1, 1, 64)), (3, (2, 50, 64)), (25, (1, 65, 64))])
+@pytest.mark.parametrize("onorm", [False, True])
+def test_triton_forward_fp16_batched(L, shape, onorm):
+    query, sources, w = _inputs(L, shape, torch.float16)
+    ow = torch.randn(shape[-1]).half() if onorm else None
+    out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+    assert out.shape == shape and out.dtype == torch.float16
+    assert _rel(out, _naive(query, sources, w, EPS, ow)) < _tol(torch.float16)
+
+
+@pytest.mark.parametrize("pf", [0, 1, 2])
+def test_triton_forward_prefetch_depths(pf, monkeypatch):
+    # every software-pipelining depth, with few programs so that prefetches cross token tiles
+    monkeypatch.setattr(T, "FWD_CONFIG", {"pf": pf, "progs_per_sm": 1, "bt": 4})
+    for L, n in ((1, 37), (2, 30), (5, 19)):
+        query, sources, w = _inputs(L, (n, 40), torch.float32)
+        out = T.attn_residual(query, sources, w)
+        assert _rel(out, _naive(query, sources, w)) < _tol(torch.float32)
+
+
+def test_triton_forward_views_and_aliases():
+    # sources that are slices of one stacked buffer, a non-contiguous one, and one passed twice
+    n, d = 70, 32
+    bank = torch.randn(4, n, d)
+    other = torch.randn(d, n).t()                       # non-contiguous
+    sources = [bank[2], bank[0], other, bank[2]]
+    query, _, w = _inputs(1, (n, d), torch.float32)
+    out = T.attn_residual(query, sources, w)
+    assert _rel(out, _naive(query, sources, w)) < _tol(torch.float32)
+
+
+def _grads(fn, query, sources, w, ow, gy):
+    ins = [query, w] + list(sources) + ([ow] if ow is not None else [])
+    ins = [t.detach().clone().requires_grad_(True) for t in ins]
+    q_, w_ = ins[0], ins[1]
+    srcs = ins[2:2 + len(sources)]
+    ow_ = ins[-1] if ow is not None else None
+    out = fn(q_, srcs, w_, EPS, ow_)
+    return torch.autograd.grad(out, ins, gy.to(out.dtype))
+
+
+@pytest.mark.parametrize("L,n", [(1, 65), (2, 100), (3, 63), (16, 37), (25, 20)])
+@pytest.mark.parametrize("onorm", [False, True])
+def test_triton_backward_fp32(L, n, onorm):
+    d = 40
+    query, sources, w = _inputs(L, (n, d), torch.float32)
+    ow = torch.randn(d) if onorm else None
+    gy = torch.randn(n, d)
+    got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o), query, sources, w, ow, gy)
+    want = _grads(lambda q, s, w_, e, o: _naive(q, s, w_, e, o), query.double(), [s.double() for s in sources],
+                  w.double(), ow.double() if ow is not None else None, gy.double())
+    names = ["query", "rms_weight"] + [f"source{i}" for i in range(L)] + (["output_rms_weight"] if onorm else [])
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == torch.float32
+        if b.norm() < 1e-9:          # L == 1: the softmax is constant, query/weight gradients vanish
+            assert a.abs().max() < 1e-4, name
+        else:
+            assert _rel(a, b) < 1e-4, name
+
+
+def test_triton_backward_aliased_source():
+    # the same tensor twice: autograd must add both gradients
+    n, d = 33, 32
+    x = torch.randn(n, d, requires_grad=True)
+    y = torch.randn(n, d, requires_grad=True)
+    q = torch.randn(d)
+    w = torch.randn(d)
+    gy = torch.randn(n, d)
+    (gx, gyy) = torch.autograd.grad(T.attn_residual(q, [x, y, x], w), [x, y], gy)
+    x64, y64 = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    (hx, hy) = torch.autograd.grad(_naive(q, [x64, y64, x64], w), [x64, y64], gy.double())
+    assert _rel(gx, hx) < 1e-4 and _rel(gyy, hy) < 1e-4
+
+
+@pytest.mark.parametrize("Q,B,n,dtype", [(1, 1, 20, torch.float32), (5, 3, 100, torch.float32),
+                                         (24, 8, 37, torch.float32), (3, 25, 17, torch.float16)])
+def test_triton_phase1_matches_naive(Q, B, n, dtype):
+    d = 48
+    bank = [torch.randn(n, d).mul_(1 + i % 3).to(dtype) for i in range(B)]
+    queries = torch.randn(Q, d)
+    ws = 1 + 0.3 * torch.randn(Q, d)
+    acc, m, s = T.attn_residual_phase1(queries, bank, ws)
+    assert acc.shape == (Q, n, d) and acc.dtype == torch.float32
+    for k in range(Q):
+        # independent: acc/s is the attn_residual of the bank; m is the max logit; s = sum exp(logit - m)
+        want = _naive(queries[k], bank, ws[k])
+        assert _rel(acc[k] / s[k].unsqueeze(-1), want) < 2e-5
+        lg = torch.stack([(x.double() * (queries[k] * ws[k]).double()).sum(-1)
+                          / torch.sqrt((x.double() ** 2).mean(-1) + EPS) for x in bank])
+        assert _rel(m[k], lg.max(0).values) < 2e-5
+        assert _rel(s[k], torch.exp(lg - lg.max(0).values).sum(0)) < 2e-5
+
+
+@pytest.mark.parametrize("B", [1, 2, 16])
+@pytest.mark.parametrize("with_partial", [False, True])
+@pytest.mark.parametrize("onorm", [False, True])
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float16])
+def test_triton_two_phase_equals_direct(B, with_partial, onorm, acc_dtype):
+    Q, n, d = 4, 65, 32
+    dtype = torch.float16 if acc_dtype == torch.float16 else torch.float32
+    bank = [torch.randn(n, d).to(dtype) for _ in range(B)]
+    queries = torch.randn(Q, d)
+    ws = 1 + 0.3 * torch.randn(Q, d)
+    ow = torch.randn(d) if onorm else None
+    partial = torch.randn(n, d).to(dtype) if with_partial else None
+    acc, m, s = T.attn_residual_phase1(queries, bank, ws, acc_dtype=acc_dtype)
+    srcs = bank + ([partial] if with_partial else [])
+    for k in range(Q):
+        out = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow,
+                                    out_dtype=dtype)
+        direct = T.attn_residual(queries[k], srcs, ws[k], output_rms_weight=ow)
+        assert out.dtype == dtype == direct.dtype
+        assert _rel(out, direct) < (2 * _tol(dtype) if acc_dtype == torch.float16 else _tol(dtype))
+        assert _rel(out, _naive(queries[k], srcs, ws[k], EPS, ow)) < (2 * _tol(dtype) if acc_dtype == torch.float16
+                                                                       else _tol(dtype))
+
+
+def test_triton_two_phase_gradients():
+    # phase 1 + merge are differentiable (through the reference): check against the naive direct form
+    Q, B, n, d = 2, 3, 20, 32
+    bank = [torch.randn(n, d, dtype=torch.float64).float().requires_grad_() for _ in range(B)]
+    part = torch.randn(n, d).requires_grad_()
+    queries = torch.randn(Q, d).requires_grad_()
+    ws = (1 + 0.3 * torch.randn(Q, d)).requires_grad_()
+    acc, m, s = T.attn_residual_phase1(queries, bank, ws)
+    gys = [torch.randn(n, d) for _ in range(Q)]
+    loss = sum((T.attn_residual_merge(acc[k], m[k], s[k], part, queries[k], ws[k]) * gys[k]).sum() for k in range(Q))
+    got = torch.autograd.grad(loss, [queries, ws, part] + bank)
+    b64 = [b.detach().double().requires_grad_() for b in bank]
+    p64 = part.detach().double().requires_grad_()
+    q64 = queries.detach().double().requires_grad_()
+    w64 = ws.detach().double().requires_grad_()
+    loss64 = sum((_naive(q64[k], b64 + [p64], w64[k]) * gys[k].double()).sum() for k in range(Q))
+    want = torch.autograd.grad(loss64, [q64, w64, p64] + b64)
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 1e-4
+
+
+_HOPPER_CHECK = r"""
+import importlib, re, triton
+from triton.backends.compiler import GPUTarget
+T = importlib.import_module("backends.triton.attn_residual")
+
+def compile_(fn, sig, const, nw):
+    sig = dict(sig)
+    sig.update({k: "constexpr" for k in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw}).asm["ptx"]
+
+ptx = compile_(T._fwd_kernel, {"base": "*bf16", "offs": "*i64", "q": "*bf16", "w": "*bf16", "ow": "*bf16",
+                               "out": "*bf16", "logit_buf": "*fp32", "lse_buf": "*fp32", "N": "i32",
+                               "L": "i32", "eps": "fp32", "TPP": "i32"},
+               {"D": 7168, "BT": 1, "BD": 8192, "VEC": 8, "HAS_ONORM": True, "SAVE": False, "PF": 2}, 16)
+assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "forward: no 16-byte loads/stores"
+assert not re.search(r"\bld\.local|\bst\.local", ptx), "forward: local-memory traffic"
+ptx = compile_(T._phase1_logits_kernel, {"base": "*bf16", "offs": "*i64", "qwT": "*fp32", "logit_buf": "*fp32",
+                                         "m_out": "*fp32", "s_out": "*fp32", "N": "i32", "NQP": "i32",
+                                         "L": "i32", "Q": "i32", "eps": "fp32"},
+               {"D": 7168, "BT": 64, "BK": 64, "QP": 32, "VEC": 8}, 4)
+assert "wgmma" in ptx, "phase 1 logits: no wgmma"
+print("OK")
+"""
+
+
+def test_hopper_compile_uses_vector_loads_and_tensor_cores():
+    # compiles for sm_90 without a GPU (in a subprocess: the interpreter patches triton.language in this
+    # one): the forward must use 16-byte loads and stores and no local memory, phase 1 the tensor cores
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _HOPPER_CHECK], capture_output=True, text=True, env=env, cwd=root,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: bf16 at the model's size
+# ------------------------------------------------------------------------------------------------
+
+def _naive_rows(query, sources, w, ow, rows, chunk=2048):
+    """the naive float64 reference on the token rows `rows` only (sources [N, d]), chunked."""
+    outs = []
+    for i in range(0, rows.numel(), chunk):
+        r = rows[i:i + chunk]
+        outs.append(_naive(query, [s[r] for s in sources], w, EPS, ow))
+    return torch.cat(outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [2, 8, 25])
+@pytest.mark.parametrize("onorm", [False, True])
+def test_gpu_forward_bf16(L, onorm):
+    n, d = 16384 + 17, 7168
+    query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
+    ow = torch.randn(d, device="cuda", dtype=torch.bfloat16) if onorm else None
+    out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+    rows = torch.arange(n, device="cuda")
+    assert _rel(out, _naive_rows(query, sources, w, ow, rows)) < _tol(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_forward_past_2_32_elements():
+    # N = 65536, L = 16, d = 7168: 7.5e9 source elements, every offset past 2^32 must be right
+    n, d, L = 65536, 7168, 16
+    query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
+    out = T.attn_residual(query, sources, w)
+    rows = torch.cat([torch.arange(512, device="cuda"), torch.arange(n - 4096, n, device="cuda"),
+                      torch.randint(0, n, (2048,), device="cuda")])
+    assert _rel(out[rows], _naive_rows(query, sources, w, None, rows)) < _tol(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("onorm", [False, True])
+def test_gpu_backward_bf16(onorm):
+    n, d, L = 4096 + 3, 7168, 8
+    query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
+    ow = torch.randn(d, device="cuda", dtype=torch.bfloat16) if onorm else None
+    gy = torch.randn(n, d, device="cuda")
+    got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o), query, sources, w, ow, gy)
+    want = _grads(lambda q, s, w_, e, o: _naive(q, s, w_, e, o), query.double(), [s.double() for s in sources],
+                  w.double(), ow.double() if ow is not None else None, gy.double())
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_two_phase_bf16(acc_dtype):
+    n, d, Q, B = 4096 + 5, 7168, 24, 8
+    bank = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * (1 + i) for i in range(B)]
+    partial = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    queries = torch.randn(Q, d, device="cuda") * 0.05
+    ws = 1 + 0.3 * torch.randn(Q, d, device="cuda")
+    ow = torch.randn(d, device="cuda")
+    acc, m, s = T.attn_residual_phase1(queries, bank, ws, acc_dtype=acc_dtype)
+    for k in (0, 11, 23):
+        out = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
+        assert out.dtype == torch.bfloat16
+        want = _naive(queries[k], bank + [partial], ws[k], EPS, ow)
+        assert _rel(out, want) < (2 if acc_dtype == torch.bfloat16 else 1) * _tol(torch.bfloat16)
