@@ -1,0 +1,798 @@
+"""Triton Kimi Delta Attention: kda_gate, kda_chunk (forward + backward), kda_step.
+
+Same signatures and results as backends/reference/kda.py (spec/OPS.md); math from Kimi Linear
+(arXiv 2510.26692, eqs. 1-8, WY/UT representation of the chunked delta rule).
+
+Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 between chunks):
+
+1. ``_fwd_intra_kernel`` (parallel over chunks x heads).  Cumulative log decay G inside the chunk; the
+   two causal 64x64 matrices  Akk_ij = beta_i sum_d k_id k_jd e^(G_id - G_jd)  (j < i)  and
+   P_ij = sum_d q_id k_jd e^(G_id - G_jd)  (j <= i)  row-block by row-block: for the 16-row block r with
+   anchor row m, ONE dense ``tl.dot`` of  (x_i e^(G_i - G_m))  with  (k_j e^(G_m - G_j))  covers every
+   causal tile of that row block, the diagonal one included.  With a lower-bounded gate (g >= L >= -10)
+   the anchor is the block's middle row and every factor stays within e^(+-80) (float32/bf16 range).
+   The bound is CHECKED per chunk in the kernel (min of g); a chunk that breaks it, and every chunk when
+   no bound is promised (``lower_bound=None``, e.g. the softplus gate), takes the safe path: the anchor
+   moves to the block's first row, the dense dot covers only the strictly-earlier tiles (all exponents
+   <= 0) and the diagonal 16x16 tile is summed token pair by token pair with exponents G_i - G_j <= 0.
+   (I + Akk)^-1 by forward substitution on the 16x16 diagonal blocks and blocked merges (dots); then
+   Wk = T diag(beta) (K e^G), U = T diag(beta) V, and the decayed operands q e^G, k e^(G_C - G), e^(G_C).
+2. ``_fwd_state_kernel`` (serial over the chunks of a segment): W = U - Wk S,  O = (q e^G) S + P W,
+   S <- diag(e^(G_C)) S + (k e^(G_C - G))^T W.
+3. Long context: the sequence is cut into segments.  Per segment, in parallel, the same kernel run on
+   the augmented state [M | D] (K x (K+V), starting from [I | 0], values [0 | U]) gives the affine
+   segment map S_out = M S_in + D (context-parallel algebra for linear attention);
+   ``_combine_kernel`` chains the maps serially (one K x K x V product per segment), and then every
+   segment runs step 2 in parallel from its own entry state.
+4. Backward: the state gradient obeys the transposed recurrence
+   dS_prev = (diag(e^(G_C)) - Wk^T Kd) dS + (q e^G)^T dO - Wk^T P^T dO, computed with the same segment
+   algebra in reverse (``_bwd_state_kernel``), which also emits the per-chunk gradients of Wk, U, P and
+   the decayed operands; ``_bwd_intra_kernel`` turns those into dq, dk, dv, dg, dbeta (UT transform
+   backward, pairwise-decay products with the same anchored dense dots, reverse cumsum for dg).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from backends.reference import kda as _ref
+
+__all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
+
+CHUNK = 64
+# the most negative promised bound for which the dense diagonal tiles stay in range (8 * 10 = 80 < 88)
+FAST_LOWER_BOUND_LIMIT = -10.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# small register-tile helpers
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _get_rows(X, r, NB: tl.constexpr, BR: tl.constexpr, NC: tl.constexpr):
+    """X [NB*BR, NC] -> rows r*BR .. r*BR+BR-1 as [BR, NC]."""
+    X3 = tl.reshape(X, [NB, BR, NC])
+    idx = tl.arange(0, NB)
+    return tl.sum(tl.where(idx[:, None, None] == r, X3, 0.0), axis=0)
+
+
+@triton.jit
+def _put_rows(X, blk, r, NB: tl.constexpr, BR: tl.constexpr, NC: tl.constexpr):
+    """X [NB*BR, NC] with rows r*BR.. replaced by blk [BR, NC]."""
+    X3 = tl.reshape(X, [NB, BR, NC])
+    idx = tl.arange(0, NB)
+    X3 = tl.where(idx[:, None, None] == r, blk[None, :, :], X3)
+    return tl.reshape(X3, [NB * BR, NC])
+
+
+@triton.jit
+def _get_cols(X, r, NR: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr):
+    """X [NR, NB*BC] -> columns r*BC .. r*BC+BC-1 as [NR, BC]."""
+    X3 = tl.reshape(X, [NR, NB, BC])
+    idx = tl.arange(0, NB)
+    return tl.sum(tl.where(idx[None, :, None] == r, X3, 0.0), axis=1)
+
+
+@triton.jit
+def _add_cols(X, blk, r, NR: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr):
+    """X [NR, NB*BC] plus blk [NR, BC] added into columns r*BC.."""
+    X3 = tl.reshape(X, [NR, NB, BC])
+    idx = tl.arange(0, NB)
+    X3 = X3 + tl.where(idx[None, :, None] == r, blk[:, None, :], 0.0)
+    return tl.reshape(X3, [NR, NB * BC])
+
+
+@triton.jit
+def _row_of(X, rows, i):
+    return tl.sum(tl.where(rows[:, None] == i, X, 0.0), axis=0)
+
+
+@triton.jit
+def _inv_unit_lower16(D):
+    """(I + D)^-1 for a strictly lower-triangular D [16, 16], by forward substitution (float32)."""
+    r16 = tl.arange(0, 16)
+    Ti = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
+    for i in range(1, 16):
+        row = tl.sum(tl.where(r16[:, None] == i, D, 0.0), axis=0)          # D[i, :]
+        t = tl.sum(row[:, None] * Ti, axis=0)                               # sum_m D[i,m] Ti[m,:]
+        Ti = tl.where(r16[:, None] == i, Ti - t[None, :], Ti)
+    return Ti
+
+
+@triton.jit
+def _diag_pair(a_r, b_r, G_r):
+    """Safe diagonal tile: M[i,j] = sum_d a_id b_jd exp(G_id - G_jd) for j <= i (exponents <= 0)."""
+    r16 = tl.arange(0, 16)
+    M = tl.zeros([16, 16], dtype=tl.float32)
+    for j in range(16):
+        bj = _row_of(b_r, r16, j)
+        Gj = _row_of(G_r, r16, j)
+        e = tl.exp(tl.where(r16[:, None] >= j, G_r - Gj[None, :], float("-inf")))
+        col = tl.sum(a_r * bj[None, :] * e, axis=1)
+        M = tl.where(r16[None, :] == j, col[:, None], M)
+    return M
+
+
+@triton.jit
+def _diag_da(dM, b_r, G_r):
+    """Safe diagonal tile backward, row side: da_i = sum_{j<=i} dM_ij b_j exp(G_i - G_j)."""
+    r16 = tl.arange(0, 16)
+    da = tl.zeros_like(b_r)
+    for j in range(16):
+        bj = _row_of(b_r, r16, j)
+        Gj = _row_of(G_r, r16, j)
+        e = tl.exp(tl.where(r16[:, None] >= j, G_r - Gj[None, :], float("-inf")))
+        dmj = tl.sum(tl.where(r16[None, :] == j, dM, 0.0), axis=1)
+        da += dmj[:, None] * bj[None, :] * e
+    return da
+
+
+@triton.jit
+def _diag_db(dM, a_r, G_r):
+    """Safe diagonal tile backward, column side: db_j = sum_{i>=j} dM_ij a_i exp(G_i - G_j)."""
+    r16 = tl.arange(0, 16)
+    db = tl.zeros_like(a_r)
+    for j in range(16):
+        Gj = _row_of(G_r, r16, j)
+        e = tl.exp(tl.where(r16[:, None] >= j, G_r - Gj[None, :], float("-inf")))
+        dmj = tl.sum(tl.where(r16[None, :] == j, dM, 0.0), axis=1)
+        row = tl.sum(dmj[:, None] * a_r * e, axis=0)
+        db = tl.where(r16[:, None] == j, row[None, :], db)
+    return db
+
+
+@triton.jit
+def _dt(a, b, DT: tl.constexpr):
+    """dot with both operands cast to DT (the input dtype: bf16/fp16 tensor cores, or float32)."""
+    return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def _chunk_intra(qq, kk, G, bb, fast, K: tl.constexpr):
+    """T = (I + Akk)^-1, P (lower incl. diagonal, unscaled), B (strictly lower, before beta) for one chunk.
+
+    qq, kk, G [64, K] float32 (rows past the chunk end: q = k = 0, G constant); bb [64]; fast: int32
+    scalar, 1 = the chunk's gate is within the bound (dense diagonal tiles), 0 = safe diagonal tiles.
+    """
+    rows = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    T = tl.zeros([64, 64], dtype=tl.float32)
+    P = tl.zeros([64, 64], dtype=tl.float32)
+    Bm = tl.zeros([64, 64], dtype=tl.float32)
+    for r in tl.static_range(4):
+        a = r * 16
+        m = a + 8 * fast                        # anchor row: block middle (fast) or block start (safe)
+        Gm = _row_of(G, rows, m)
+        q_r = _get_rows(qq, r, 4, 16, K)
+        k_r = _get_rows(kk, r, 4, 16, K)
+        G_r = _get_rows(G, r, 4, 16, K)
+        b_r = tl.sum(tl.where(tl.arange(0, 4)[:, None] == r, tl.reshape(bb, [4, 16]), 0.0), axis=0)
+        er = tl.exp(G_r - Gm[None, :])
+        lim = a + 16 * fast
+        kb = kk * tl.exp(tl.where(rows[:, None] < lim, Gm[None, :] - G, float("-inf")))
+        A_r = tl.dot(k_r * er, tl.trans(kb))
+        P_r = tl.dot(q_r * er, tl.trans(kb))
+        if fast == 0:
+            A_r = _add_cols(A_r, _diag_pair(k_r, k_r, G_r), r, 16, 4, 16)
+            P_r = _add_cols(P_r, _diag_pair(q_r, k_r, G_r), r, 16, 4, 16)
+        rows_r = a + r16
+        A_r = tl.where(rows[None, :] < rows_r[:, None], A_r, 0.0)
+        P_r = tl.where(rows[None, :] <= rows_r[:, None], P_r, 0.0)
+        Ab = A_r * b_r[:, None]
+        Dinv = _inv_unit_lower16(_get_cols(Ab, r, 16, 4, 16))
+        A_off = tl.where(rows[None, :] < a, Ab, 0.0)
+        E_r = tl.where(rows[None, :] == rows_r[:, None], 1.0, 0.0)
+        X = E_r - tl.dot(A_off, T)
+        T_r = tl.dot(Dinv, X)
+        T = _put_rows(T, T_r, r, 4, 16, 64)
+        P = _put_rows(P, P_r, r, 4, 16, 64)
+        Bm = _put_rows(Bm, A_r, r, 4, 16, 64)
+    return T, P, Bm
+
+
+@triton.jit
+def _load_chunk(q, k, g, beta, t0, L, h, H, K: tl.constexpr, FAST: tl.constexpr, lb):
+    rows = tl.arange(0, 64)
+    dk = tl.arange(0, K)
+    rm = rows < L
+    offk = (t0 + rows).to(tl.int64)[:, None] * (H * K) + h * K + dk[None, :]
+    qq = tl.load(q + offk, mask=rm[:, None], other=0.0).to(tl.float32)
+    kk = tl.load(k + offk, mask=rm[:, None], other=0.0).to(tl.float32)
+    gg = tl.load(g + offk, mask=rm[:, None], other=0.0).to(tl.float32)
+    bb = tl.load(beta + (t0 + rows).to(tl.int64) * H + h, mask=rm, other=0.0).to(tl.float32)
+    G = tl.cumsum(gg, axis=0)
+    if FAST:
+        gmin = tl.min(tl.min(gg, axis=1), axis=0)
+        fast = (gmin >= lb).to(tl.int32)
+    else:
+        fast = tl.zeros([], dtype=tl.int32)
+    return qq, kk, G, bb, fast, offk, rm
+
+
+@triton.jit
+def _fwd_intra_kernel(q, k, v, g, beta, cstart, clen, WK, U, QG, KD, AQK, GAM, scale, lb, H,
+                      K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c)
+    L = tl.load(clen + c)
+    qq, kk, G, bb, fast, offk, rm = _load_chunk(q, k, g, beta, t0, L, h, H, K, FAST, lb)
+    rows = tl.arange(0, 64)
+    dv = tl.arange(0, V)
+    offv = (t0 + rows).to(tl.int64)[:, None] * (H * V) + h * V + dv[None, :]
+    vv = tl.load(v + offv, mask=rm[:, None], other=0.0).to(tl.float32)
+    T, P, Bm = _chunk_intra(qq, kk, G, bb, fast, K)
+    GL = _row_of(G, rows, 63)
+    eG = tl.exp(G)
+    wk = tl.dot(T, kk * eG * bb[:, None])
+    uu = tl.dot(T, vv * bb[:, None])
+    tl.store(WK + offk, wk.to(WK.dtype.element_ty), mask=rm[:, None])
+    tl.store(U + offv, uu.to(U.dtype.element_ty), mask=rm[:, None])
+    tl.store(QG + offk, (qq * eG * scale).to(QG.dtype.element_ty), mask=rm[:, None])
+    tl.store(KD + offk, (kk * tl.exp(GL[None, :] - G)).to(KD.dtype.element_ty), mask=rm[:, None])
+    offa = (t0 + rows).to(tl.int64)[:, None] * (H * 64) + h * 64 + rows[None, :]
+    tl.store(AQK + offa, (P * scale).to(AQK.dtype.element_ty), mask=rm[:, None])
+    dk = tl.arange(0, K)
+    tl.store(GAM + (tl.cast(c, tl.int64) * H + h) * K + dk, tl.exp(GL))
+
+
+@triton.jit
+def _fwd_state_kernel(WK, U, QG, KD, AQK, GAM, O, HBUF, S_IN, S_OUT, cstart, clen, seg_c0, seg_c1, H,
+                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SW: tl.constexpr,
+                      MODE: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr):
+    """MODE 0: the state pass from S_IN (width V); MODE 1: the augmented transition [M | D] (width K+V)."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    c0 = tl.load(seg_c0 + s)
+    c1 = tl.load(seg_c1 + s)
+    rows = tl.arange(0, 64)
+    dk = tl.arange(0, K)
+    cols = vb * BV + tl.arange(0, BV)
+    if MODE == 0:
+        S = tl.load(S_IN + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :])
+        ucol = cols
+        umask = cols < V
+    else:
+        S = tl.where(dk[:, None] == cols[None, :], 1.0, 0.0)
+        ucol = cols - K
+        umask = cols >= K
+    for c in range(c0, c1):
+        t0 = tl.load(cstart + c)
+        L = tl.load(clen + c)
+        rm = rows < L
+        if STORE_H:
+            tl.store(HBUF + ((tl.cast(c, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :],
+                     S.to(HBUF.dtype.element_ty))
+        offk = (t0 + rows).to(tl.int64)[:, None] * (H * K) + h * K + dk[None, :]
+        wk = tl.load(WK + offk, mask=rm[:, None], other=0.0)
+        kd = tl.load(KD + offk, mask=rm[:, None], other=0.0)
+        gam = tl.load(GAM + (tl.cast(c, tl.int64) * H + h) * K + dk)
+        offu = (t0 + rows).to(tl.int64)[:, None] * (H * V) + h * V + ucol[None, :]
+        uu = tl.load(U + offu, mask=rm[:, None] & umask[None, :], other=0.0).to(tl.float32)
+        Sd = S.to(wk.dtype)
+        W = uu - tl.dot(wk, Sd)
+        if STORE_O:
+            qg = tl.load(QG + offk, mask=rm[:, None], other=0.0)
+            offa = (t0 + rows).to(tl.int64)[:, None] * (H * 64) + h * 64 + rows[None, :]
+            A = tl.load(AQK + offa, mask=rm[:, None], other=0.0)
+            o = tl.dot(qg, Sd) + tl.dot(A, W.to(A.dtype))
+            tl.store(O + offu, o.to(O.dtype.element_ty), mask=rm[:, None])
+        S = S * gam[:, None] + tl.dot(tl.trans(kd), W.to(kd.dtype))
+    tl.store(S_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * SW + cols[None, :], S)
+
+
+@triton.jit
+def _combine_kernel(MD, S_INIT, S_ENTRY, S_FIN, seq_s0, seq_s1, H, K: tl.constexpr, V: tl.constexpr,
+                    BV: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr):
+    """Chain the segment maps S <- M S + D (MD [NSEG,H,K,K+V]); store each segment's entry state."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    s0 = tl.load(seq_s0 + n)
+    s1 = tl.load(seq_s1 + n)
+    dk = tl.arange(0, K)
+    cols = vb * BV + tl.arange(0, BV)
+    if HAS_INIT:
+        S = tl.load(S_INIT + ((tl.cast(n, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :])
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    for j in range(0, s1 - s0):
+        if REVERSE:
+            i = s1 - 1 - j
+        else:
+            i = s0 + j
+        tl.store(S_ENTRY + ((tl.cast(i, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :], S)
+        base = MD + (tl.cast(i, tl.int64) * H + h) * K * (K + V)
+        M = tl.load(base + dk[:, None] * (K + V) + dk[None, :])
+        D = tl.load(base + dk[:, None] * (K + V) + K + cols[None, :])
+        S = tl.dot(M, S, input_precision="ieee") + D
+    tl.store(S_FIN + ((tl.cast(n, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :], S)
+
+
+@triton.jit
+def _bwd_state_kernel(WK, U, QG, KD, AQK, GAM, DO, HBUF, DS_END, DS_OUT, DU, DWK, DQG, DKD, DAQK, DGAM,
+                      cstart, clen, seg_c0, seg_c1, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      SW: tl.constexpr, MODE: tl.constexpr):
+    """Reverse state-gradient pass.  MODE 0: from DS_END (full V), per-chunk gradients; MODE 1: the
+    augmented transition of dS over the segment ([N | E], width K+V, starting from [I | 0])."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    c0 = tl.load(seg_c0 + s)
+    c1 = tl.load(seg_c1 + s)
+    rows = tl.arange(0, 64)
+    dk = tl.arange(0, K)
+    cols = vb * BV + tl.arange(0, BV)
+    if MODE == 0:
+        X = tl.load(DS_END + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :])
+        ocol = cols
+        omask = cols < V
+    else:
+        X = tl.where(dk[:, None] == cols[None, :], 1.0, 0.0)
+        ocol = cols - K
+        omask = cols >= K
+    for j in range(0, c1 - c0):
+        c = c1 - 1 - j
+        t0 = tl.load(cstart + c)
+        L = tl.load(clen + c)
+        rm = rows < L
+        offk = (t0 + rows).to(tl.int64)[:, None] * (H * K) + h * K + dk[None, :]
+        offo = (t0 + rows).to(tl.int64)[:, None] * (H * V) + h * V + ocol[None, :]
+        offa = (t0 + rows).to(tl.int64)[:, None] * (H * 64) + h * 64 + rows[None, :]
+        wk = tl.load(WK + offk, mask=rm[:, None], other=0.0)
+        kd = tl.load(KD + offk, mask=rm[:, None], other=0.0)
+        qg = tl.load(QG + offk, mask=rm[:, None], other=0.0)
+        A = tl.load(AQK + offa, mask=rm[:, None], other=0.0)
+        gam = tl.load(GAM + (tl.cast(c, tl.int64) * H + h) * K + dk)
+        do = tl.load(DO + offo, mask=rm[:, None] & omask[None, :], other=0.0).to(wk.dtype)
+        Xd = X.to(wk.dtype)
+        dW = tl.dot(tl.trans(A), do) + tl.dot(kd, Xd)
+        if MODE == 0:
+            S0 = tl.load(HBUF + ((tl.cast(c, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :])
+            uu = tl.load(U + offo, mask=rm[:, None], other=0.0).to(tl.float32)
+            W = uu - tl.dot(wk, S0.to(wk.dtype))
+            dA = tl.dot(do, tl.trans(W.to(wk.dtype)))
+            dA = tl.where(rows[None, :] <= rows[:, None], dA, 0.0)
+            tl.store(DAQK + offa, dA.to(DAQK.dtype.element_ty), mask=rm[:, None])
+            S0d = S0.to(wk.dtype)
+            dqg = tl.dot(do, tl.trans(S0d))
+            dkd = tl.dot(W.to(wk.dtype), tl.trans(Xd))
+            dwk = -tl.dot(dW.to(wk.dtype), tl.trans(S0d))
+            dgam = tl.sum(S0.to(tl.float32) * X, axis=1)
+            tl.store(DU + offo, dW.to(DU.dtype.element_ty), mask=rm[:, None])
+            tl.store(DQG + offk, dqg.to(DQG.dtype.element_ty), mask=rm[:, None])
+            tl.store(DKD + offk, dkd.to(DKD.dtype.element_ty), mask=rm[:, None])
+            tl.store(DWK + offk, dwk.to(DWK.dtype.element_ty), mask=rm[:, None])
+            tl.store(DGAM + (tl.cast(c, tl.int64) * H + h) * K + dk, dgam)
+        X = X * gam[:, None] + tl.dot(tl.trans(qg), do) - tl.dot(tl.trans(wk), dW.to(wk.dtype))
+    tl.store(DS_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * SW + cols[None, :], X)
+
+
+@triton.jit
+def _bwd_intra_kernel(q, k, v, g, beta, cstart, clen, DU, DWK, DQG, DKD, DAQK, DGAM,
+                      dq, dk_, dv_, dg, dbeta, scale, lb, H,
+                      K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c)
+    L = tl.load(clen + c)
+    qq, kk, G, bb, fast, offk, rm = _load_chunk(q, k, g, beta, t0, L, h, H, K, FAST, lb)
+    rows = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    dvv = tl.arange(0, V)
+    offv = (t0 + rows).to(tl.int64)[:, None] * (H * V) + h * V + dvv[None, :]
+    vv = tl.load(v + offv, mask=rm[:, None], other=0.0).to(tl.float32)
+    T, P, Bm = _chunk_intra(qq, kk, G, bb, fast, K)
+    dU = tl.load(DU + offv, mask=rm[:, None], other=0.0).to(tl.float32)
+    dWk = tl.load(DWK + offk, mask=rm[:, None], other=0.0).to(tl.float32)
+    dqg = tl.load(DQG + offk, mask=rm[:, None], other=0.0).to(tl.float32)
+    dkd = tl.load(DKD + offk, mask=rm[:, None], other=0.0).to(tl.float32)
+    offa = (t0 + rows).to(tl.int64)[:, None] * (H * 64) + h * 64 + rows[None, :]
+    dP = tl.load(DAQK + offa, mask=rm[:, None], other=0.0).to(tl.float32) * scale
+    dkk = tl.arange(0, K)
+    dgam = tl.load(DGAM + (tl.cast(c, tl.int64) * H + h) * K + dkk)
+    eG = tl.exp(G)
+    Kg = kk * eG
+    bv = vv * bb[:, None]
+    bK = Kg * bb[:, None]
+    # UT transform backward:  U = T bV, Wk = T bKg, T = (I + Akk)^-1
+    dT = _dt(dU, tl.trans(bv), DT) + _dt(dWk, tl.trans(bK), DT)
+    TtdU = _dt(tl.trans(T), dU, DT)
+    TtdW = _dt(tl.trans(T), dWk, DT)
+    dvo = TtdU * bb[:, None]
+    dbo = tl.sum(vv * TtdU, axis=1) + tl.sum(Kg * TtdW, axis=1)
+    dKg = TtdW * bb[:, None]
+    dAkk = -_dt(_dt(tl.trans(T), dT, DT), tl.trans(T), DT)
+    dAkk = tl.where(rows[None, :] < rows[:, None], dAkk, 0.0)
+    dbo += tl.sum(dAkk * Bm, axis=1)
+    dB = dAkk * bb[:, None]
+    # pairwise-decay products  M_ij = sum_d a_id b_jd e^(G_id - G_jd):  P (a=q, b=k) and B (a=k, b=k)
+    dq_p = tl.zeros([64, K], dtype=tl.float32)
+    dk_r = tl.zeros([64, K], dtype=tl.float32)
+    dk_c = tl.zeros([64, K], dtype=tl.float32)
+    for r in tl.static_range(4):
+        a = r * 16
+        m = a + 8 * fast
+        Gm = _row_of(G, rows, m)
+        q_r = _get_rows(qq, r, 4, 16, K)
+        k_r = _get_rows(kk, r, 4, 16, K)
+        G_r = _get_rows(G, r, 4, 16, K)
+        # row side (row block r)
+        er = tl.exp(G_r - Gm[None, :])
+        lim = a + 16 * fast
+        kb = kk * tl.exp(tl.where(rows[:, None] < lim, Gm[None, :] - G, float("-inf")))
+        dP_r = _get_rows(dP, r, 4, 16, 64)
+        dB_r = _get_rows(dB, r, 4, 16, 64)
+        dq_blk = er * _dt(dP_r, kb, DT)
+        dkr_blk = er * _dt(dB_r, kb, DT)
+        # column side (column block r)
+        e = a + 15 - 8 * fast
+        Ge = _row_of(G, rows, e)
+        lo = a + 16 - 16 * fast
+        xe = tl.exp(tl.where(rows[:, None] >= lo, G - Ge[None, :], float("-inf")))
+        dP_c = _get_cols(dP, r, 64, 4, 16)
+        dB_c = _get_cols(dB, r, 64, 4, 16)
+        ec = tl.exp(Ge[None, :] - G_r)
+        dkc_blk = ec * (_dt(tl.trans(dP_c), qq * xe, DT) + _dt(tl.trans(dB_c), kk * xe, DT))
+        if fast == 0:
+            dP_rr = _get_cols(dP_r, r, 16, 4, 16)
+            dB_rr = _get_cols(dB_r, r, 16, 4, 16)
+            dq_blk += _diag_da(dP_rr, k_r, G_r)
+            dkr_blk += _diag_da(dB_rr, k_r, G_r)
+            dkc_blk += _diag_db(dP_rr, q_r, G_r) + _diag_db(dB_rr, k_r, G_r)
+        dq_p = _put_rows(dq_p, dq_blk, r, 4, 16, K)
+        dk_r = _put_rows(dk_r, dkr_blk, r, 4, 16, K)
+        dk_c = _put_rows(dk_c, dkc_blk, r, 4, 16, K)
+    dG = qq * dq_p + kk * dk_r - kk * dk_c
+    dqo = dq_p + dqg * scale * eG
+    dG += dqg * scale * qq * eG
+    dko = dk_r + dk_c + dKg * eG
+    dG += dKg * Kg
+    GL = _row_of(G, rows, 63)
+    ed = tl.exp(GL[None, :] - G)
+    kdv = kk * ed
+    dko += dkd * ed
+    dG -= dkd * kdv
+    dGL = tl.sum(dkd * kdv, axis=0) + dgam * tl.exp(GL)
+    dG += tl.where(rows[:, None] == 63, dGL[None, :], 0.0)
+    dgo = tl.cumsum(dG, axis=0, reverse=True)
+    tl.store(dq + offk, dqo.to(dq.dtype.element_ty), mask=rm[:, None])
+    tl.store(dk_ + offk, dko.to(dk_.dtype.element_ty), mask=rm[:, None])
+    tl.store(dv_ + offv, dvo.to(dv_.dtype.element_ty), mask=rm[:, None])
+    tl.store(dg + offk, dgo.to(dg.dtype.element_ty), mask=rm[:, None])
+    tl.store(dbeta + (t0 + rows).to(tl.int64) * H + h, dbo.to(dbeta.dtype.element_ty), mask=rm)
+
+
+@triton.jit
+def _gate_kernel(x, A_log, dt_bias, g, n_rows, H, lb, K: tl.constexpr, BR: tl.constexpr,
+                 SOFTPLUS: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR)
+    dk = tl.arange(0, K)
+    rm = rows < n_rows
+    hh = rows % H
+    off = rows.to(tl.int64)[:, None] * K + dk[None, :]
+    z = tl.load(x + off, mask=rm[:, None], other=0.0).to(tl.float32)
+    z += tl.load(dt_bias + hh[:, None] * K + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(A_log + hh, mask=rm, other=0.0).to(tl.float32))[:, None]
+    if SOFTPLUS:
+        sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+        out = -a * sp
+    else:
+        out = lb * tl.sigmoid(a * z)
+    tl.store(g + off, out, mask=rm[:, None])
+
+
+@triton.jit
+def _step_kernel(q, k, v, g, beta, S_in, S_out, o, scale, K: tl.constexpr, V: tl.constexpr,
+                 BV: tl.constexpr):
+    bh = tl.program_id(0)
+    vb = tl.program_id(1)
+    dk = tl.arange(0, K)
+    cols = vb * BV + tl.arange(0, BV)
+    S = tl.load(S_in + (bh.to(tl.int64) * K + dk[:, None]) * V + cols[None, :]).to(tl.float32)
+    qv = tl.load(q + bh * K + dk).to(tl.float32)
+    kv = tl.load(k + bh * K + dk).to(tl.float32)
+    gv = tl.load(g + bh * K + dk).to(tl.float32)
+    vv = tl.load(v + bh * V + cols).to(tl.float32)
+    b = tl.load(beta + bh).to(tl.float32)
+    S = S * tl.exp(gv)[:, None]
+    u = vv - tl.sum(S * kv[:, None], axis=0)
+    S = S + b * kv[:, None] * u[None, :]
+    ov = scale * tl.sum(S * qv[:, None], axis=0)
+    tl.store(S_out + (bh.to(tl.int64) * K + dk[:, None]) * V + cols[None, :], S)
+    tl.store(o + bh * V + cols, ov.to(o.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------
+def _pow2(n):
+    return n >= 16 and (n & (n - 1)) == 0
+
+
+def _tables(B, T, cu_seqlens, seg_chunks, device):
+    """Chunk and segment tables.  Returns a dict of int32 device tensors plus host counts."""
+    if cu_seqlens is None:
+        bounds = [(b * T, (b + 1) * T) for b in range(B)]
+    else:
+        cs = cu_seqlens.tolist()
+        bounds = list(zip(cs[:-1], cs[1:]))
+    cst, cln, seg0, seg1, segseq, sq0, sq1 = [], [], [], [], [], [], []
+    nc = 0
+    for n, (s, e) in enumerate(bounds):
+        starts = np.arange(s, e, CHUNK, dtype=np.int64)
+        cst.append(starts)
+        cln.append(np.minimum(CHUNK, e - starts))
+        m = len(starts)
+        sq0.append(len(seg0))
+        if m == 0:
+            seg0.append(nc), seg1.append(nc), segseq.append(n)
+        for a in range(0, m, seg_chunks):
+            seg0.append(nc + a)
+            seg1.append(nc + min(m, a + seg_chunks))
+            segseq.append(n)
+        sq1.append(len(seg0))
+        nc += m
+    cst = np.concatenate(cst) if nc else np.zeros(0, np.int64)
+    cln = np.concatenate(cln) if nc else np.zeros(0, np.int64)
+
+    def dev(x):
+        return torch.as_tensor(np.asarray(x, dtype=np.int32), device=device)
+
+    sq0a, sq1a = np.asarray(sq0), np.asarray(sq1)
+    return dict(cstart=dev(cst), clen=dev(cln), seg_c0=dev(seg0), seg_c1=dev(seg1),
+                seg_seq=torch.as_tensor(np.asarray(segseq, np.int64), device=device),
+                seq_s0=dev(sq0), seq_s1=dev(sq1), n_chunks=nc, n_seg=len(seg0), n_seq=len(bounds),
+                first_seg=torch.as_tensor(sq0a.astype(np.int64), device=device),
+                last_seg=torch.as_tensor((sq1a - 1).astype(np.int64), device=device),
+                segmented=bool((sq1a - sq0a > 1).any()))
+
+
+def _seg_chunks_for(n_chunks_longest, BH, NVB, device, seg_chunks):
+    """Segment length (in chunks): long enough to amortise the 2x transition work, short enough that
+    segments x heads x value-blocks fill the GPU (about 4 programs per multiprocessor)."""
+    if seg_chunks is not None:
+        return max(1, int(seg_chunks))
+    if device.type != "cuda":
+        return 1 << 30
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want_segs = math.ceil(4 * sms / max(1, BH * NVB))
+    if want_segs <= 1:
+        return 1 << 30
+    return max(32, math.ceil(n_chunks_longest / want_segs))
+
+
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _interm_dtype(x):
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B * T
+    dev = q.device
+    idt = _interm_dtype(q)
+    q2, k2, g2 = q.reshape(N, H, K), k.reshape(N, H, K), g.reshape(N, H, K)
+    v2, b2 = v.reshape(N, H, V), beta.reshape(N, H)
+    NC, NS, NQ = tab["n_chunks"], tab["n_seg"], tab["n_seq"]
+    WK = torch.empty(N, H, K, dtype=idt, device=dev)
+    QG, KD = torch.empty_like(WK), torch.empty_like(WK)
+    U = torch.empty(N, H, V, dtype=idt, device=dev)
+    AQK = torch.empty(N, H, 64, dtype=idt, device=dev)
+    GAM = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
+    if NC:
+        _fwd_intra_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], WK, U, QG, KD, AQK, GAM,
+                                   scale, lb, H, K=K, V=V, FAST=fast, num_warps=8, num_stages=1)
+    S_IN = _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd=False)
+    o = torch.empty(N, H, V, dtype=v.dtype, device=dev)
+    S_OUT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
+    HB = torch.empty(max(NC, 1), H, K, V, dtype=idt, device=dev) if store_h else S_OUT
+    _fwd_state_kernel[(NS, H, V // BV)](WK, U, QG, KD, AQK, GAM, o, HB, S_IN, S_OUT, tab["cstart"], tab["clen"],
+                                        tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0,
+                                        STORE_O=True, STORE_H=store_h, num_warps=4, num_stages=2)
+    final = S_OUT.index_select(0, tab["last_seg"])
+    saved = (WK, U, QG, KD, AQK, GAM, S_IN)
+    return o.view(B, T, H, V), final, saved, (HB if store_h else None)
+
+
+def _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd, DO=None):
+    """Entry state of every segment (forward) or dS at every segment end (backward, h0 = dS_final)."""
+    NS, NQ = tab["n_seg"], tab["n_seq"]
+    if not tab["segmented"]:
+        if h0 is None:
+            return torch.zeros(NS, H, K, V, dtype=torch.float32, device=dev)
+        return h0.float().index_select(0, tab["seg_seq"]).contiguous()
+    BA = 64 if (K + V) % 64 == 0 else math.gcd(K, V)
+    MD = torch.empty(NS, H, K, K + V, dtype=torch.float32, device=dev)
+    grid = (NS, H, (K + V) // BA)
+    if not mode_bwd:
+        _fwd_state_kernel[grid](WK, U, QG, KD, AQK, GAM, MD, MD, MD, MD, tab["cstart"], tab["clen"],
+                                tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BA, SW=K + V, MODE=1,
+                                STORE_O=False, STORE_H=False, num_warps=4, num_stages=2)
+    else:
+        _bwd_state_kernel[grid](WK, U, QG, KD, AQK, GAM, DO, MD, MD, MD, MD, MD, MD, MD, MD, MD,
+                                tab["cstart"], tab["clen"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V,
+                                BV=BA, SW=K + V, MODE=1, num_warps=4, num_stages=2)
+    S_ENTRY = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
+    S_FIN = torch.empty(NQ, H, K, V, dtype=torch.float32, device=dev)
+    init = h0.float().contiguous() if h0 is not None else S_FIN
+    _combine_kernel[(NQ, H, V // BV)](MD, init, S_ENTRY, S_FIN, tab["seq_s0"], tab["seq_s1"], H, K=K, V=V,
+                                      BV=BV, HAS_INIT=h0 is not None, REVERSE=mode_bwd, num_warps=4)
+    return S_ENTRY
+
+
+def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B * T
+    dev = q.device
+    idt = _interm_dtype(q)
+    WK, U, QG, KD, AQK, GAM, S_IN = saved
+    NC, NS = tab["n_chunks"], tab["n_seg"]
+    # chunk-start states, recomputed from the saved segment entry states (never stored in the forward)
+    HB = torch.empty(max(NC, 1), H, K, V, dtype=idt, device=dev)
+    S_OUT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
+    _fwd_state_kernel[(NS, H, V // BV)](WK, U, QG, KD, AQK, GAM, S_OUT, HB, S_IN, S_OUT, tab["cstart"],
+                                        tab["clen"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V,
+                                        MODE=0, STORE_O=False, STORE_H=True, num_warps=4, num_stages=2)
+    do2 = do.reshape(N, H, V).contiguous()
+    dS_end = _entry_states(WK, U, QG, KD, AQK, GAM, dht, tab, H, K, V, BV, dev, mode_bwd=True, DO=do2)
+    DU = torch.empty(N, H, V, dtype=idt, device=dev)
+    DWK = torch.empty(N, H, K, dtype=idt, device=dev)
+    DQG, DKD = torch.empty_like(DWK), torch.empty_like(DWK)
+    DAQK = torch.empty(N, H, 64, dtype=idt, device=dev)
+    DGAM = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
+    DS0 = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
+    _bwd_state_kernel[(NS, H, 1)](WK, U, QG, KD, AQK, GAM, do2, HB, dS_end, DS0, DU, DWK, DQG, DKD, DAQK, DGAM,
+                                  tab["cstart"], tab["clen"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=V,
+                                  SW=V, MODE=0, num_warps=8, num_stages=1)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dg = torch.empty_like(g)
+    db = torch.empty_like(beta)
+    if NC:
+        _bwd_intra_kernel[(NC, H)](q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, V), g.reshape(N, H, K),
+                                   beta.reshape(N, H), tab["cstart"], tab["clen"], DU, DWK, DQG, DKD, DAQK, DGAM,
+                                   dq, dk, dv, dg, db, scale, lb, H, K=K, V=V, FAST=fast, DT=_TL[idt], num_warps=8,
+                                   num_stages=1)
+    dh0 = DS0.index_select(0, tab["first_seg"]) if h0 is not None else None
+    return dq, dk, dv, dg, db, dh0
+
+
+class _KDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale, tab, fast, lb, BV):
+        o, final, saved, _ = _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV)
+        ctx.save_for_backward(q, k, v, g, beta, h0, *saved)
+        ctx.meta = (scale, tab, fast, lb, BV)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, *saved = ctx.saved_tensors
+        scale, tab, fast, lb, BV = ctx.meta
+        if dht is not None:
+            dht = dht.float().contiguous()
+        dq, dk, dv, dg, db, dh0 = _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved,
+                                       do.contiguous(), dht)
+        return dq, dk, dv, dg, db, dh0, None, None, None, None, None
+
+
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, lower_bound=None, segment_chunks=None, check_finite=False):
+    """Kimi Delta Attention, chunked WY/UT algorithm as Triton kernels, differentiable (torch.autograd).
+
+    Args:
+        q, k: [B, T, H, K] (float32/float16/bfloat16, same dtype); K a power of two >= 16.
+        v: [B, T, H, V], same dtype as q; V a power of two >= 16.
+        g: [B, T, H, K] log decay (<= 0), float32 recommended (any float dtype).
+        beta: [B, T, H] in (0, 1).
+        scale: default K ** -0.5.
+        initial_state: [N_seq, H, K, V] float32 or None.
+        output_final_state: also return the state after each sequence.
+        cu_seqlens: int [N_seq+1] packed variable-length offsets (then B == 1).  Read on the host once.
+        lower_bound: None (default: no bound promised; every diagonal 16x16 tile takes the safe
+            token-pair path, right for any g <= 0, e.g. the softplus gate) or a float L with
+            FAST_LOWER_BOUND_LIMIT (-10) <= L < 0 promised by the gate (kda_gate's sigmoid form): the
+            diagonal tiles are dense tensor-core dots.  The promise is checked per chunk inside the
+            kernel (min of g); a chunk that breaks it takes the safe path, so the result is right anyway.
+        segment_chunks: chunks per segment for the long-context split (None: chosen from the GPU size;
+            a huge value disables it).  The result does not depend on it beyond rounding.
+        check_finite: scan the inputs for NaN/inf first (one reduction and a host sync); off by default
+            (NaN in -> NaN out, never a hang).
+
+    Returns:
+        (o [B, T, H, V] in v's dtype, final_state [N_seq, H, K, V] float32 or None).
+
+    Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8, spec/OPS.md "kda_chunk"; see the module docstring for
+    the kernel decomposition.  Raises TypeError/ValueError on bad dtypes/shapes (same checks as the
+    reference), on a lower_bound outside [-10, 0), and on unsupported K/V sizes.
+    """
+    where = "triton.kda_chunk"
+    B, T, H, K, V, bounds, n_seq = _ref._validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{where}: q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{where}: q/k/v dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    if not (_pow2(K) and _pow2(V)) or K > 256 or V > 256:
+        raise ValueError(f"{where}: K and V must be powers of two in [16, 256]; got K={K}, V={V}")
+    if lower_bound is not None:
+        lb = float(lower_bound)
+        if not (FAST_LOWER_BOUND_LIMIT <= lb < 0):
+            raise ValueError(f"{where}: lower_bound must be in [{FAST_LOWER_BOUND_LIMIT}, 0) for the dense "
+                             f"diagonal tiles, got {lower_bound!r}; pass None for the safe path")
+        fast = True
+    else:
+        lb, fast = 0.0, False
+    if check_finite:
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            _ref._check_finite(name, t, where)
+    scale = K ** -0.5 if scale is None else float(scale)
+    if q.device.type != "cuda" and not _interpret():
+        raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1)")
+    BV = min(64, V)
+    n_longest = max(((e - s + CHUNK - 1) // CHUNK for (s, e) in bounds), default=0) if bounds else \
+        (T + CHUNK - 1) // CHUNK
+    seg = _seg_chunks_for(n_longest, n_seq * H, V // BV, q.device, segment_chunks)
+    tab = _tables(B, T, cu_seqlens, seg, q.device)
+    qc, kc, vc, gc, bc = (t.contiguous() for t in (q, k, v, g, beta))
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    o, final = _KDAFunction.apply(qc, kc, vc, gc, bc, h0, scale, tab, fast, lb, BV)
+    return o, (final if output_final_state else None)
+
+
+def _interpret():
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
+    """The KDA per-channel log decay g as a Triton kernel (float32 out); same contract as the reference.
+
+    x [B, T, H, K] any float dtype; A_log [H]; dt_bias [H*K].  "sigmoid": g = L sigmoid(e^A_log (x + dt_bias))
+    in [L, 0]; "softplus": g = -e^A_log softplus(x + dt_bias) (unbounded).  Forward only (no autograd; use
+    the reference or the fused layer for training).  Raises like backends.reference.kda.kda_gate.
+    """
+    _ref.kda_gate(x[:0] if x.dim() == 4 else x, A_log, dt_bias, lower_bound=lower_bound, gate=gate)  # checks
+    B, T, H, K = x.shape
+    if not _pow2(K):
+        raise ValueError(f"triton.kda_gate: K must be a power of two >= 16, got {K}")
+    xc = x.contiguous()
+    g = torch.empty(B, T, H, K, dtype=torch.float32, device=x.device)
+    n = B * T * H
+    BR = 32
+    if n:
+        _gate_kernel[(triton.cdiv(n, BR),)](xc, A_log.contiguous(), dt_bias.contiguous(), g, n, H,
+                                            float(lower_bound), K=K, BR=BR, SOFTPLUS=(gate == "softplus"))
+    return g
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None):
+    """One KDA decoding step as a Triton kernel; same contract as backends.reference.kda.kda_step.
+
+    q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32 (not modified).
+    Returns (o [B, H, V] in v's dtype, new_state float32).  K, V powers of two >= 16.
+    """
+    where = "triton.kda_step"
+    _ref.kda_step(q[:0], k[:0], v[:0], g[:0], beta[:0], state[:0], scale=scale)  # shape/dtype checks
+    B, H, K = q.shape
+    V = v.shape[-1]
+    if not (_pow2(K) and _pow2(V)):
+        raise ValueError(f"{where}: K and V must be powers of two >= 16; got K={K}, V={V}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    S_in = state.float().contiguous()
+    S_out = torch.empty_like(S_in)
+    o = torch.empty(B, H, V, dtype=v.dtype, device=v.device)
+    BV = min(64, V)
+    _step_kernel[(B * H, V // BV)](q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                   beta.contiguous(), S_in, S_out, o, scale, K=K, V=V, BV=BV)
+    return o, S_out

@@ -1,0 +1,214 @@
+"""Triton KDA (backends/triton/kda.py) vs the reference; interpreter (float32) on CPU, bf16 on the GPU."""
+import os
+
+import pytest
+import torch
+
+import backends.reference.kda as R
+
+tk = pytest.importorskip("backends.triton.kda")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def naive(q, k, v, g, beta, scale, S0):
+    """Token recurrence of spec/OPS.md in float64 (one sequence): q,k,g [T,H,K], v [T,H,V], beta [T,H]."""
+    T = q.shape[0]
+    S = S0.double().clone()
+    outs = []
+    for t in range(T):
+        S = S * g[t].double().exp()[..., None]
+        kt = k[t].double()
+        err = v[t].double() - torch.einsum("hkv,hk->hv", S, kt)
+        S = S + beta[t].double()[:, None, None] * kt[..., None] * err[:, None, :]
+        outs.append(scale * torch.einsum("hkv,hk->hv", S, q[t].double()))
+    return (torch.stack(outs, 0) if outs else None), S
+
+
+def make(B, T, H, K, V, gate="sigmoid", at_bound=False, dtype=torch.float32, device="cpu"):
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    v = torch.randn(B, T, H, V)
+    if at_bound:
+        g = torch.full((B, T, H, K), -5.0)
+        g[..., ::3] = -5.0 * torch.rand(B, T, H, K)[..., ::3]
+    else:
+        g = R.kda_gate(torch.randn(B, T, H, K) * 2, torch.randn(H) * 0.5, torch.randn(H * K), gate=gate)
+    beta = torch.rand(B, T, H)
+    S0 = torch.randn(B, H, K, V)
+    out = [t.to(dtype) for t in (q, k, v)] + [g, beta.to(dtype), S0]
+    return [t.to(device) for t in out]
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 100, 1000])
+def test_forward_matches_reference(T):
+    B, H, K, V = (1, 1, 16, 16) if T == 1000 else (2, 2, 16, 32)
+    q, k, v, g, beta, S0 = make(B, T, H, K, V)
+    for lb in (None, -5.0):
+        o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=lb)
+        o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+        assert o.shape == o_r.shape and o.dtype == v.dtype and S.dtype == torch.float32
+        assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
+
+
+def test_forward_against_token_loop_at_the_bound_segmented():
+    # every third channel random, the rest exactly at the bound; 3 segments of 1 chunk (+ a partial one)
+    B, T, H, K, V = 1, 150, 2, 16, 16
+    q, k, v, g, beta, S0 = make(B, T, H, K, V, at_bound=True)
+    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,
+                        segment_chunks=1)
+    o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
+    assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
+
+
+def test_bound_violation_is_caught_not_assumed():
+    # promise lower_bound=-5 but feed g down to -40 in one chunk: the per-chunk check takes the safe path
+    B, T, H, K, V = 1, 130, 1, 16, 16
+    q, k, v, g, beta, S0 = make(B, T, H, K, V)
+    g[:, 70:90] = -40.0 * torch.rand(1, 20, H, K)
+    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+    o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
+    assert torch.isfinite(o).all()
+    assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
+
+
+def test_softplus_gate_strong_decay():
+    B, T, H, K, V = 1, 80, 1, 16, 16
+    q, k, v, _, beta, S0 = make(B, T, H, K, V)
+    g = -torch.rand(B, T, H, K) * 60          # far below any bound: cumulative sums overflow exp if misused
+    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
+    assert torch.isfinite(o).all() and rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
+
+
+def test_cu_seqlens_uneven():
+    lens = [1, 64, 37, 0, 65, 3]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T, H, K, V = int(cu[-1]), 2, 16, 16
+    q, k, v, g, beta, _ = make(1, T, H, K, V)
+    S0 = torch.randn(len(lens), H, K, V)
+    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, cu_seqlens=cu,
+                        lower_bound=-5.0, segment_chunks=1)
+    for n in range(len(lens)):
+        s, e = int(cu[n]), int(cu[n + 1])
+        o_n, S_n = naive(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e], K ** -0.5, S0[n])
+        if e > s:
+            assert rel_rms(o[0, s:e], o_n) < 2e-5
+        assert rel_rms(S[n], S_n) < 2e-5
+
+
+@pytest.mark.parametrize("lb,seg,gate", [(None, None, "sigmoid"), (-5.0, 1, "sigmoid"), (None, 1, "softplus")])
+def test_gradients_match_reference_autograd(lb, seg, gate):
+    B, T, H, K, V = 1, 100, 2, 16, 16
+    ins = [t.requires_grad_() for t in make(B, T, H, K, V, gate=gate)]
+    do, dS = torch.randn(B, T, H, V), torch.randn(B, H, K, V)
+    o, S = tk.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, lower_bound=lb,
+                        segment_chunks=seg)
+    gx = torch.autograd.grad((o * do).sum() + (S * dS).sum(), ins)
+    o_r, S_r = R.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True)
+    gr = torch.autograd.grad((o_r * do).sum() + (S_r * dS).sum(), ins)
+    for name, a, b in zip("q k v g beta h0".split(), gx, gr):
+        assert rel_rms(a, b) < 5e-5, name
+
+
+def test_gate_and_step():
+    B, T, H, K, V = 2, 5, 2, 16, 32
+    x = torch.randn(B, T, H, K) * 3
+    A_log, dt = torch.randn(H), torch.randn(H * K)
+    for gate in ("sigmoid", "softplus"):
+        g = tk.kda_gate(x, A_log, dt, lower_bound=-4.0, gate=gate)
+        assert rel_rms(g, R.kda_gate(x, A_log, dt, lower_bound=-4.0, gate=gate)) < 1e-6
+    q, k, v, g, beta, S0 = make(B, T, H, K, V)
+    S0c = S0.clone()
+    st = S0
+    for t in range(T):
+        o, new = tk.kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], st)
+        o_r, new_r = R.kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], st)
+        assert rel_rms(o, o_r) < 1e-5 and rel_rms(new, new_r) < 1e-5
+        st = new
+    assert torch.equal(S0, S0c)  # the state passed in was never written
+
+
+def test_errors():
+    q, k, v, g, beta, S0 = make(1, 10, 1, 16, 16)
+    with pytest.raises(ValueError, match="lower_bound"):
+        tk.kda_chunk(q, k, v, g, beta, lower_bound=-20.0)
+    with pytest.raises(ValueError, match="powers of two"):
+        tk.kda_chunk(q[..., :12], k[..., :12], v, g[..., :12], beta)
+    with pytest.raises(TypeError, match="one dtype"):
+        tk.kda_chunk(q, k.double(), v, g, beta)
+    with pytest.raises(ValueError, match="B == 1"):
+        q2, k2, v2, g2, b2, _ = make(2, 10, 1, 16, 16)
+        tk.kda_chunk(q2, k2, v2, g2, b2, cu_seqlens=torch.tensor([0, 10], dtype=torch.int32))
+
+
+_COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import backends.triton.kda as tk
+P, F, I = "*bf16", "*fp32", "*i32"
+sig = dict(q=P, k=P, v=P, g=F, beta=P, cstart=I, clen=I, WK=P, U=P, QG=P, KD=P, AQK=P, GAM=F,
+           scale="fp32", lb="fp32", H="i32", K="constexpr", V="constexpr", FAST="constexpr")
+ck = triton.compile(ASTSource(tk._fwd_intra_kernel, sig, dict(K=64, V=64, FAST=True)),
+                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=1))
+ptx = ck.asm["ptx"]
+assert "wgmma" in ptx or "mma.sync" in ptx, "intra kernel: no tensor-core instruction"
+assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+sig = dict(WK=P, U=P, QG=P, KD=P, AQK=P, GAM=F, O=P, HBUF=P, S_IN=F, S_OUT=F, cstart=I, clen=I,
+           seg_c0=I, seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr",
+           MODE="constexpr", STORE_O="constexpr", STORE_H="constexpr")
+ck = triton.compile(ASTSource(tk._fwd_state_kernel, sig,
+                              dict(K=128, V=128, BV=64, SW=128, MODE=0, STORE_O=True, STORE_H=False)),
+                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+assert "wgmma" in ck.asm["ptx"], "state kernel: no wgmma"
+print("OK")
+"""
+
+
+def test_hopper_compile_uses_tensor_cores():
+    """Compile the forward kernels for sm_90 without a GPU (fresh process, interpreter off); the PTX must
+    use wgmma/mma and fit Hopper's shared memory."""
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ GPU (bf16, real sizes)
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,seg", [(4, None), (4, 8)])
+def test_gpu_bf16_t4096(H, seg):
+    B, T, K, V = 1, 4096, 128, 128
+    q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
+    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,
+                        segment_chunks=seg)
+    o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    eo, es = rel_rms(o, o_r), rel_rms(S, S_r)
+    print(f"\nGPU bf16 T=4096 H={H} seg={seg}: rel RMS o {eo:.2e}, final state {es:.2e}")
+    assert eo < 5e-3 and es < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_grad():
+    B, T, H, K, V = 1, 1024, 2, 128, 128
+    ins = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
+    ins = [t.requires_grad_() for t in ins]
+    do = torch.randn(B, T, H, V, device="cuda")
+    o, S = tk.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, lower_bound=-5.0)
+    gx = torch.autograd.grad((o.float() * do).sum() + S.sum(), ins)
+    f32 = [t.detach().float().requires_grad_() for t in ins]
+    o_r, S_r = R.kda_chunk(*f32[:5], initial_state=f32[5], output_final_state=True)
+    gr = torch.autograd.grad((o_r * do).sum() + S_r.sum(), f32)
+    errs = {n: rel_rms(a, b) for n, a, b in zip("q k v g beta h0".split(), gx, gr)}
+    print("\nGPU bf16 grad rel RMS:", {n: f"{e:.1e}" for n, e in errs.items()})
+    assert all(e < 3e-2 for e in errs.values()), errs
