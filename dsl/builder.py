@@ -65,7 +65,7 @@ class GraphBuilder:
             self._count += 1
         return name
 
-    def add(self, node: Node) -> Node:
+    def add_node(self, node: Node) -> Node:
         if node.name in self._by_name:
             raise MtcError(f"duplicate node name %{node.name}", node.loc)
         self.nodes.append(node)
@@ -81,7 +81,7 @@ class GraphBuilder:
     # -- sources ----------------------------------------------------------------------------
     def input(self, name: str, dtype: str, shape, loc: Loc | None = None) -> Ref:
         t = TensorType(canon_dtype(dtype, loc), tuple(dim(d) for d in shape))
-        n = self.add(Node(self._fresh(name), "input", (), make_attrs({"name": name}), (t,), loc))
+        n = self.add_node(Node(self._fresh(name), "input", (), make_attrs({"name": name}), (t,), loc))
         return n.out()
 
     def param(self, name: str, shape, init: str = "normal", *, kind: str = "param", dtype: str | None = None,
@@ -98,7 +98,7 @@ class GraphBuilder:
             if d.is_number and int(d) <= 0:
                 raise self.error(f"parameter '{name}' would have a non-positive dimension {list(shape)}", loc)
         t = TensorType(dtype or self.dtype, shape)
-        n = self.add(Node(self._fresh(f"p{len(self._param_names)}"), kind, (), make_attrs(attrs), (t,), loc))
+        n = self.add_node(Node(self._fresh(f"p{len(self._param_names)}"), kind, (), make_attrs(attrs), (t,), loc))
         self._param_names[name] = n.out()
         return n.out()
 
@@ -151,7 +151,7 @@ class GraphBuilder:
             out_types = od.check_and_infer(in_types, full)
         except ShapeError as e:
             raise self.error(f"{op}: {e}", loc) from None
-        n = self.add(Node(self._fresh(), op, tuple(inputs), make_attrs(full), tuple(out_types), loc))
+        n = self.add_node(Node(self._fresh(), op, tuple(inputs), make_attrs(full), tuple(out_types), loc))
         if len(out_types) == 1:
             return n.out()
         return tuple(n.out(i) for i in range(len(out_types)))

@@ -172,6 +172,9 @@ class Evaluator:
     def e_false(self, t):
         return False
 
+    def e_list(self, t):
+        return [self.eval(c) for c in t.children]
+
     def e_var(self, t):
         name = str(t.children[0])
         if name not in self.env:

@@ -1,0 +1,115 @@
+"""Bad input gets one clear message that names file:line:col, never a traceback."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsl
+from dsl.errors import MtcError
+
+GOOD = """model m {
+  config {
+    d: int = 32
+    heads: int = 2
+  }
+  forward(input_ids: i64[B, T]) {
+    x = embedding(input_ids, vocab=256, dim=d)
+    y = kda_layer(x, heads=heads, head_dim=16, name="model.layers.0.self_attn")
+    return lm_head(rmsnorm(x), vocab=256)
+  }
+}
+"""
+
+
+def _err(text, **kw) -> MtcError:
+    with pytest.raises(MtcError) as ei:
+        dsl.parse(text, file="spec.mtc", **kw)
+    return ei.value
+
+
+def _loc(e):
+    return (e.loc.line, e.loc.col)
+
+
+def test_good_spec_parses():
+    dsl.parse(GOOD)
+
+
+def test_syntax_error_points_at_token():
+    e = _err(GOOD.replace("dim=d)", "dim=d"))
+    assert e.loc.file == "spec.mtc" and e.loc.line == 8
+    assert "syntax error" in e.msg
+    r = e.render()
+    assert r.startswith("spec.mtc:8:") and "^" in r
+
+
+def test_unexpected_character():
+    e = _err(GOOD.replace("d: int = 32", "d: int = 32 $"))
+    assert _loc(e) == (3, 17)
+
+
+def test_unknown_op_suggests_the_right_one():
+    e = _err(GOOD.replace("kda_layer(x", "kda_layr(x"))
+    assert _loc(e) == (8, 9) and "unknown op 'kda_layr'" in e.msg and "kda_layer" in e.msg
+
+
+def test_unknown_name_in_config():
+    e = _err(GOOD.replace("heads: int = 2", "heads: int = hedas"))
+    assert _loc(e) == (4, 18) and "unknown name 'hedas'" in e.msg
+
+
+def test_config_type_mismatch():
+    e = _err(GOOD.replace("d: int = 32", "d: int = 32.5"))
+    assert _loc(e)[0] == 3 and "declared int" in e.msg
+
+
+def test_unknown_attribute():
+    e = _err(GOOD.replace("head_dim=16", "head_dimm=16"))
+    assert _loc(e) == (8, 9) and "head_dim" in e.msg
+
+
+def test_shape_mismatch_is_reported_at_the_users_line():
+    bad = GOOD.replace("return lm_head(rmsnorm(x), vocab=256)",
+                       "z = linear(x, out=48, name=\"proj\")\n    w = add(x, z)\n    return lm_head(rmsnorm(w), vocab=256)")
+    e = _err(bad)
+    assert _loc(e) == (10, 9)
+    assert "do not broadcast" in e.msg and "[B, T, 32]" in e.msg and "[B, T, 48]" in e.msg
+
+
+def test_head_dim_inconsistent_with_width():
+    bad = GOOD.replace("return lm_head(rmsnorm(x), vocab=256)",
+                       "h = reshape(x, shape=[\"B\", \"T\", 3, 11])\n    return lm_head(rmsnorm(x), vocab=256)")
+    e = _err(bad)
+    assert _loc(e) == (9, 9) and "element counts differ" in e.msg
+
+
+def test_unknown_variant_and_override():
+    with pytest.raises(MtcError, match="no variant 'huge'"):
+        dsl.parse(GOOD, "huge")
+    with pytest.raises(MtcError, match="not a config field"):
+        dsl.parse(GOOD, n_layerz=3)
+
+
+def test_top_k_larger_than_experts():
+    bad = GOOD.replace("y = kda_layer(x, heads=heads, head_dim=16, name=\"model.layers.0.self_attn\")",
+                       "y = latent_moe(x, experts=4, top_k=8, inter=8, latent=16)")
+    e = _err(bad)
+    assert _loc(e) == (8, 9) and "top_k = 8" in e.msg
+
+
+def test_cli_reports_one_paragraph_without_traceback(tmp_path):
+    p = tmp_path / "bad.mtc"
+    p.write_text(GOOD.replace("kda_layer(x", "kda_layr(x"))
+    r = subprocess.run([sys.executable, "-m", "dsl.cli", "run", str(p)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"{p}:8:9: error: unknown op 'kda_layr'")
+    assert len(r.stderr.strip().splitlines()) == 3      # message, source line, caret
+
+
+def test_cli_missing_input_file(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dsl.cli", "run", "--input", str(tmp_path / "nope.txt")],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2 and "cannot read --input" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,76 @@
+"""mtc stats against the headline numbers of ../shared/spec/MODEL.md and an independent count."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsl
+from dsl.stats import compute_stats
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli_stats(*args):
+    r = subprocess.run([sys.executable, "-m", "dsl.cli", "stats", *args, "--json"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_k3_headline_within_3_percent():
+    s = _cli_stats("models/kimi_k3.mtc")
+    assert abs(s["total_params"] / 2.78e12 - 1) < 0.03
+    assert abs(s["active_params"] / 1.042e11 - 1) < 0.03
+    assert s["layers"] == {"kda": 69, "mla": 24, "dense_ffn": 1, "moe": 92}
+
+
+def test_k3_parameter_count_matches_independent_arithmetic():
+    """Re-derive the count from MODEL.md's widths, written out here independently of the op registry."""
+    d, V, H, K = 7168, 163840, 96, 128
+    HK = H * K
+    kda = 5 * d * HK + d * 128 + 128 * HK + d * H + 3 * HK * 4 + H + HK + K
+    mla = (d * 1536 + 1536 + 1536 * H * 192 + d * 576 + 512 + 512 * H * 256 + d * HK + HK * d)
+    E, I, L = 896, 3072, 3584
+    moe = E * d + 2 * d * L + L + E * 3 * I * L + 3 * d * 2 * I
+    dense = 3 * d * 33792
+    norms_and_attnres = 93 * (2 * d + 4 * d) + 2 * d + d      # 2 norms + 2 AttnRes (query, norm) per layer
+    total = 69 * kda + 24 * mla + 92 * moe + dense + 2 * V * d + norms_and_attnres
+    s = compute_stats(dsl.load(ROOT / "models" / "kimi_k3.mtc"))
+    assert s.total_params == total
+    active = 69 * kda + 24 * mla + 92 * (moe - E * 3 * I * L + 16 * 3 * I * L) + dense + V * d + norms_and_attnres
+    assert s.active_params == pytest.approx(active, rel=1e-12)
+
+
+def test_kimi_linear_48b():
+    s = _cli_stats("models/kimi_linear_48b.mtc")
+    assert abs(s["total_params"] / 48e9 - 1) < 0.05        # "about 48e9"
+    assert abs(s["active_params"] / 3e9 - 1) < 0.05         # "about 3e9"
+
+
+def test_memory_at_one_million_tokens():
+    s = _cli_stats("models/kimi_k3.mtc", "--seq-len", "1048576")
+    # MODEL.md: (512 + 64) x 2 bytes per token per MLA layer, 24 layers -> about 28 GB at 1M tokens
+    assert s["kv_cache_bytes"] == 24 * 1152 * 1048576
+    # 96 x 128 x 128 fp32 per KDA layer, 69 layers -> about 434 MB (+ the short-conv state)
+    state = 69 * 96 * 128 * 128 * 4
+    assert state <= s["kda_state_bytes"] < state * 1.05
+    assert s["residual_stream_bytes"] == 1048576 * 7168 * 2
+    s2 = _cli_stats("models/kimi_k3.mtc", "--seq-len", "1048576", "--gpus", "8", "--batch", "2")
+    assert s2["per_gpu"]["kv_cache_bytes"] == 2 * s["kv_cache_bytes"] / 8
+
+
+def test_flops_grow_with_context_only_through_attention():
+    g = dsl.load(ROOT / "models" / "kimi_k3.mtc")
+    a = compute_stats(g, seq_len=4096)
+    b = compute_stats(g, seq_len=8192)
+    # per-token MLA attention FLOPs scale ~linearly with T; everything else per token is constant
+    for op in a.flops_per_token_by_op:
+        if op == "mla_attention":
+            assert b.flops_per_token_by_op[op] / a.flops_per_token_by_op[op] == pytest.approx(2.0, rel=1e-3)
+        else:
+            assert b.flops_per_token_by_op[op] == pytest.approx(a.flops_per_token_by_op[op], rel=1e-9)
+    # linear + experts: about 2 x active matmul parameters
+    assert 2 * 0.9 * a.active_params < a.flops_per_token_by_op["linear"] + a.flops_per_token_by_op["moe_experts"] \
+        + a.flops_per_token_by_op["qb_route"] + a.flops_per_token_by_op["lm_head"] < 2 * 1.1 * a.active_params_with_embedding
