@@ -55,7 +55,7 @@ def expand_layers(g: Graph) -> Graph:
             for i, r in enumerate(outs):
                 remap[(n.name, i)] = r
         else:
-            b.add(n.replace(inputs=tuple(m(r) for r in n.inputs)))
+            b.add_node(n.replace(inputs=tuple(m(r) for r in n.inputs)))
     return b.build([m(r) for r in g.outputs])
 
 
