@@ -1,0 +1,619 @@
+"""Triton backend of the Quantile-Balancing router and the latent mixture of experts.
+
+Same signatures and results as ``backends/reference/moe.py`` (the ground truth), to within the
+precision of the dtype. Semantics: ``spec/OPS.md`` (qb_route, qb_update, situ_glu, moe_experts)
+and ``spec/MODEL.md`` (Stable LatentMoE). Kernels: ``backends/triton/moe_kernels.py``.
+
+Pipeline of ``moe_experts`` (forward):
+  1. dispatch: a stable device sort of the N*k expert ids (torch.sort, no host sync, no per-expert
+     Python loop) gives the rows in expert order, per-expert offsets (int64, searchsorted) and the
+     inverse map pos[t, j]; a per-tile schedule (tile -> expert) for each tile height BM;
+  2. grouped GEMM 1 with SiTU-GLU in the epilogue: h = glu(x w1^T, x w3^T), one A tile (gathered
+     token rows) against the w1 and the w3 tile in the same K loop;
+  3. grouped GEMM 2: y = h w2^T per expert;
+  4. weighted combine: u[t] = sum_j p[t, j] y[pos[t, j]] in float32.
+Backward (torch.autograd.Function): one grouped GEMM du w2 with the activation's derivative and
+d topk_weight (a row sum of G * h) in its epilogue; dx through one grouped GEMM over both
+[dA dB] [w1; w3]; the weight gradients by a grouped "K = tokens of the expert" GEMM (dw1 and dw3
+share the x tile). No host synchronisation in the GEMM path: the grids are upper bounds and the
+schedule lives on the device; the argument checks read back the expert-id range (moe_experts) and
+the non-finite-row flags (qb_route) once per call.
+
+Sources: DeepSeek-V3 (arXiv 2412.19437) Sec. 2.1.2 for the router; the Kimi K3 report
+(arXiv 2607.24653) / spec/OPS.md for Quantile Balancing, SiTU-GLU and Stable LatentMoE.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from backends.reference import moe as _ref
+from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
+from . import moe_kernels as _k
+
+__all__ = [
+    "qb_route",
+    "qb_update",
+    "fixed_step_update",
+    "expert_load",
+    "situ_glu",
+    "moe_experts",
+    "latent_moe",
+    "TILE_CONFIGS",
+]
+
+# Tile configurations per kernel. GPU (bf16/fp16, Hopper) and CPU (interpreter) sets; tests and
+# benchmarks may edit these dicts. BM rows x BN cols x BK depth; warps; software-pipeline stages.
+TILE_CONFIGS = {
+    "cuda": {
+        "router": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "dx": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "glu_bwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "wgrad": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+        "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+    },
+    "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1, A_TMA=True, W_TMA=True)
+            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "wgrad", "wgrad_dual")},
+}
+
+_ACT = {"situ": 0, "silu": 1}
+
+
+def _cfg(name, t):
+    return TILE_CONFIGS["cuda" if t.is_cuda else "cpu"][name]
+
+
+def _prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _launch_cfg(cfg):
+    return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# ------------------------------------------------------------------------------------------------
+# routing
+# ------------------------------------------------------------------------------------------------
+def _raise_bad_rows(bad, x, weight, bias, where):
+    rows = torch.nonzero(bad).flatten()
+    first = int(rows[0])
+    if not bool(torch.isfinite(x[first]).all()):
+        raise ValueError(f"{where}: row {first} of x holds NaN or inf ({rows.numel()} bad row(s) of "
+                         f"{x.shape[0]}); refusing to route it")
+    if weight is not None and not bool(torch.isfinite(weight).all()):
+        raise ValueError(f"{where}: router weight holds NaN or inf")
+    if bias is not None and not bool(torch.isfinite(bias).all()):
+        raise ValueError(f"{where}: bias holds NaN or inf")
+    raise ValueError(f"{where}: router logits of row {first} are not finite (x @ weight^T overflows "
+                     f"in {x.dtype})")
+
+
+def _router_logits(x, weight):
+    """float32 logits [N, E] = x @ weight^T through the grouped GEMM kernel with a single group."""
+    n, d = x.shape
+    e = weight.shape[0]
+    logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return logits
+    cfg = _cfg("router", x)
+    offs = torch.tensor([0, n], dtype=torch.int64, device=x.device)
+    m_tiles = _cdiv(n, cfg["BM"])
+    sched = (torch.zeros(m_tiles, dtype=torch.int64, device=x.device),
+             torch.zeros(1, dtype=torch.int64, device=x.device), m_tiles)
+    _gg("router", x, weight.unsqueeze(0), sched, offs, 1, d, e, logits, gather=False, w_kn=False)
+    return logits
+
+
+def _select(values, bias, k_sel, *, from_logits, write_topk, write_alpha, routed_scaling=1.0):
+    """Run the row top-k kernel; returns (scores or None, idx, wt, alpha, bad)."""
+    n, e = values.shape
+    dev = values.device
+    block_e = triton.next_power_of_2(max(e, 2))
+    block_r = max(1, min(16, 4096 // block_e))
+    scores = torch.empty(n, e, dtype=torch.float32, device=dev) if from_logits else values
+    idx = torch.empty(n, k_sel, dtype=torch.int64, device=dev) if write_topk else bias
+    wt = torch.empty(n, k_sel, dtype=torch.float32, device=dev) if write_topk else bias
+    alpha = torch.empty(n, dtype=torch.float32, device=dev) if write_alpha else bias
+    bad = torch.empty(n, dtype=torch.int32, device=dev)
+    if n > 0:
+        _k._route_topk_kernel[(_cdiv(n, block_r),)](
+            values, bias, scores, idx, wt, alpha, bad, n, e, float(routed_scaling),
+            K_SEL=k_sel, K_PAD=triton.next_power_of_2(max(k_sel, 2)), FROM_LOGITS=from_logits,
+            WRITE_TOPK=write_topk, WRITE_ALPHA=write_alpha, BLOCK_R=block_r, BLOCK_E=block_e,
+            num_warps=4)
+    return scores, idx, wt, alpha, bad
+
+
+class _RouteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, top_k, routed_scaling):
+        xc = x.contiguous()
+        wc = weight.to(x.dtype).contiguous()
+        logits = _router_logits(xc, wc)
+        scores, idx, wt, _, bad = _select(logits, bias.float().contiguous(), top_k, from_logits=True,
+                                          write_topk=True, write_alpha=False,
+                                          routed_scaling=routed_scaling)
+        if x.shape[0] > 0 and bool(bad.any()):
+            _raise_bad_rows(bad.bool(), x, weight, bias, "qb_route")
+        ctx.save_for_backward(x, weight, scores, idx, wt)
+        ctx.scaling = float(routed_scaling)
+        ctx.mark_non_differentiable(idx)
+        return idx, wt, scores
+
+    @staticmethod
+    def backward(ctx, _didx, dwt, dscores):
+        x, weight, scores, idx, wt = ctx.saved_tensors
+        ds = torch.zeros_like(scores) if dscores is None else dscores.float().clone()
+        if dwt is not None:
+            # w_j = c s_j / S, S = sum of chosen s:  dL/ds_m = (c / S) (g_m - sum_j g_j w_j / c)
+            chosen = scores.gather(1, idx)
+            ssum = chosen.sum(1, keepdim=True)
+            g = dwt.float()
+            inner = (g * wt).sum(1, keepdim=True) / ctx.scaling
+            ds.scatter_add_(1, idx, ctx.scaling / ssum * (g - inner))
+        dlog = ds * scores * (1.0 - scores)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (dlog @ weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (dlog.t() @ x.float()).to(weight.dtype)
+        return dx, dw, None, None, None
+
+
+def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
+    """Sigmoid router with selection-only bias, on Triton (see the reference for the contract).
+
+    Args:
+        x: [N, d] (float32 / float16 / bfloat16); weight: [E, d] (cast to x's dtype for the GEMM);
+        bias: [E] float32 buffer; top_k in [1, E]; routed_scaling: factor on the weights.
+    Returns:
+        topk_idx [N, k] int64 (descending biased score, ties to the lower expert index),
+        topk_weight [N, k] float32 (unbiased scores of the picks / their sum * routed_scaling),
+        scores [N, E] float32 = sigmoid(x @ weight^T) (float32 accumulation of x's dtype).
+    Raises:
+        TypeError / ValueError: bad shapes/types, top_k out of range, and a row of x with NaN/inf
+        (message names the row; one device-to-host sync per call for this check).
+    Differentiable in x and weight (through topk_weight and scores).
+    Math: DeepSeek-V3 (arXiv 2412.19437) Eqs. 13-16; bias selection-only (Sec. 2.1.2).
+    """
+    _ref._check_tensor("x", x, 2, "qb_route")
+    _ref._check_tensor("weight", weight, 2, "qb_route")
+    _ref._check_tensor("bias", bias, 1, "qb_route")
+    _ref._check_float("x", x, "qb_route")
+    _ref._check_float("weight", weight, "qb_route")
+    _ref._check_float("bias", bias, "qb_route")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"qb_route: weight is [E, d] = {tuple(weight.shape)} but x has d = {x.shape[1]}")
+    if bias.shape[0] != weight.shape[0]:
+        raise ValueError(f"qb_route: bias has {bias.shape[0]} entries, expected E = {weight.shape[0]}")
+    _ref._check_top_k(top_k, weight.shape[0], "qb_route")
+    return _RouteFn.apply(x, weight, bias, top_k, routed_scaling)
+
+
+def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
+    """One Quantile Balancing step on Triton (contract and edge rules: reference ``qb_update``).
+
+    alpha (each token's (k+1)-th largest biased score) by the row-selection kernel; the
+    (q+1)-th largest margin of each expert column by an exact radix select (8 passes of 4-bit
+    digits over the order-preserving integer image of float32, counts by atomics), so the result
+    equals the sort-based definition bit for bit. Centring, ema and the data-parallel average
+    (all-reduce over ``dp_group`` when torch.distributed is initialised) as in the reference.
+
+    Args: scores [N, E] float (sigmoid outputs of batch t), bias [E], top_k, ema in [0, 1).
+    Returns: new_bias [E] float32. Raises: TypeError / ValueError as the reference.
+    """
+    where = "qb_update"
+    _ref._check_tensor("scores", scores, 2, where)
+    _ref._check_tensor("bias", bias, 1, where)
+    _ref._check_float("scores", scores, where)
+    _ref._check_float("bias", bias, where)
+    n, e = scores.shape
+    if bias.shape[0] != e:
+        raise ValueError(f"{where}: bias has {bias.shape[0]} entries but scores has E = {e}")
+    _ref._check_top_k(top_k, e, where)
+    ema = float(ema)
+    if not 0.0 <= ema < 1.0:
+        raise ValueError(f"{where}: ema must be in [0, 1), got {ema}")
+    s = scores.detach().float().contiguous()
+    b = bias.detach().float().contiguous()
+    if n == 0:
+        b_hat = b.clone()
+    elif top_k == e:
+        _ref.check_finite_rows("scores", s, where)
+        b_hat = torch.zeros_like(b)
+    else:
+        _, _, _, alpha, bad = _select(s, b, top_k + 1, from_logits=False, write_topk=False,
+                                      write_alpha=True)
+        if bool(bad.any()):
+            row = int(torch.nonzero(bad)[0, 0])
+            raise ValueError(f"{where}: row {row} of scores holds NaN or inf")
+        if not bool(torch.isfinite(b).all()):
+            raise ValueError(f"{where}: bias holds NaN or inf")
+        q = (n * top_k) // e
+        cnt = torch.zeros(8, e, 16, dtype=torch.int32, device=s.device)
+        bn, be = (64, 64) if s.is_cuda else (32, 16)
+        grid = (_cdiv(n, bn), _cdiv(e, be))
+        for p in range(8):
+            _k._qb_count_kernel[grid](s, alpha, cnt, n, e, q, p, BLOCK_N=bn, BLOCK_E=be, num_warps=4)
+        b_hat = torch.empty(e, dtype=torch.float32, device=s.device)
+        _k._qb_finish_kernel[(_cdiv(e, 128),)](cnt, b_hat, e, q, BLOCK_E=128, num_warps=4)
+    b_hat = _ref._dp_average(b_hat, dp_group)
+    b_new = b_hat - b_hat.mean()
+    return ema * b + (1.0 - ema) * b_new
+
+
+def expert_load(topk_idx, num_experts):
+    """Tokens per expert, int64 [E] (the routing-statistics hook), by an atomic histogram kernel.
+
+    Raises ValueError when an index lies outside [0, num_experts) (one host sync for the check).
+    """
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.is_floating_point():
+        raise TypeError("expert_load: topk_idx must be an integer tensor")
+    e = int(num_experts)
+    if e <= 0:
+        raise ValueError(f"expert_load: num_experts must be positive, got {num_experts}")
+    flat = topk_idx.reshape(-1).contiguous()
+    load = torch.zeros(e, dtype=torch.int64, device=flat.device)
+    bad = torch.zeros(1, dtype=torch.int32, device=flat.device)
+    m = flat.numel()
+    if m:
+        _k._expert_load_kernel[(_cdiv(m, 1024),)](flat, load, m, e, bad, BLOCK=1024, num_warps=4)
+        if int(bad.item()):
+            raise ValueError(f"expert_load: expert indices must be in [0, {e}), got "
+                             f"[{int(flat.min())}, {int(flat.max())}]")
+    return load
+
+
+# ------------------------------------------------------------------------------------------------
+# SiTU-GLU elementwise (used by the shared experts)
+# ------------------------------------------------------------------------------------------------
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _situ_fwd_ew(a_ptr, b_ptr, h_ptr, M, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < M
+    a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    h = _k._glu_fwd(a, b, beta_gate, beta_up, ACT, FAST)
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _situ_bwd_ew(a_ptr, b_ptr, dh_ptr, da_ptr, db_ptr, M, beta_gate, beta_up, ACT: tl.constexpr,
+                 FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < M
+    a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    _, da, db = _k._glu_bwd(a, b, dh, beta_gate, beta_up, ACT, FAST)
+    tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=m)
+    tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=m)
+
+
+class _GluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, act, beta_gate, beta_up):
+        a_c, b_c = a.contiguous(), b.contiguous()
+        dtype = torch.promote_types(a.dtype, b.dtype)
+        h = torch.empty(a.shape, dtype=dtype, device=a.device)
+        m = a_c.numel()
+        if m:
+            _situ_fwd_ew[(_cdiv(m, 1024),)](a_c, b_c, h, m, float(beta_gate), float(beta_up),
+                                            ACT=act, FAST=a.is_cuda, BLOCK=1024, num_warps=4)
+        ctx.save_for_backward(a_c, b_c)
+        ctx.cfg = (act, float(beta_gate), float(beta_up))
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        a, b = ctx.saved_tensors
+        act, bg, bu = ctx.cfg
+        dh = dh.contiguous()
+        da, db = torch.empty_like(a), torch.empty_like(b)
+        m = a.numel()
+        if m:
+            _situ_bwd_ew[(_cdiv(m, 1024),)](a, b, dh, da, db, m, bg, bu, ACT=act, FAST=a.is_cuda,
+                                            BLOCK=1024, num_warps=4)
+        return da, db, None, None, None
+
+
+def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
+    """SiTU-GLU on Triton: h = (bg tanh(a/bg) sigmoid(a)) (bu tanh(b/bu)) (spec/OPS.md), computed in
+    float32, returned in the promoted dtype of a and b; differentiable. On the GPU tanh uses the
+    hardware approximation (relative error ~2^-11). Raises ValueError on mismatched shapes or
+    non-positive betas."""
+    if a.shape != b.shape:
+        raise ValueError(f"situ_glu: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
+    if not (beta_gate > 0 and beta_up > 0):
+        raise ValueError(f"situ_glu: beta_gate and beta_up must be > 0, got {beta_gate}, {beta_up}")
+    return _GluFn.apply(a, b, 0, beta_gate, beta_up)
+
+
+def _glu_act(a, b, activation, beta_gate, beta_up):
+    return _GluFn.apply(a, b, _ACT[activation], beta_gate, beta_up)
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch and grouped GEMMs
+# ------------------------------------------------------------------------------------------------
+class _Dispatch:
+    """Rows of the routed problem in expert order (see moe_kernels' module docstring)."""
+
+    def __init__(self, topk_idx, num_experts):
+        n, k = topk_idx.shape
+        dev = topk_idx.device
+        self.n, self.k, self.e, self.nk = n, k, num_experts, n * k
+        flat = topk_idx.reshape(-1).to(torch.int64)
+        sorted_e, perm = torch.sort(flat, stable=True)
+        self.perm = perm  # row -> flat (token, slot) index
+        self.tok = perm // k  # row -> token
+        self.offs = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=dev))  # int64
+        pos = torch.empty_like(perm)
+        pos[perm] = torch.arange(self.nk, device=dev)
+        self.pos = pos  # flat (token, slot) -> row
+        self._sched = {}
+
+    def schedule(self, bm):
+        """(tile_expert [max_tiles] int64, tile_start [E] int64, max_tiles) for tile height bm."""
+        if bm not in self._sched:
+            counts = self.offs[1:] - self.offs[:-1]
+            mt = (counts + bm - 1) // bm
+            ends = torch.cumsum(mt, 0)
+            max_tiles = max(1, _cdiv(self.nk, bm) + min(self.e, self.nk))
+            tile_expert = torch.searchsorted(ends, torch.arange(max_tiles, device=ends.device), right=True)
+            self._sched[bm] = (tile_expert, (ends - mt).contiguous(), max_tiles)
+        return self._sched[bm]
+
+
+def _tma_ok(t, block):
+    """Whether a TMA descriptor can address t: last dim contiguous, 16-byte aligned base and
+    strides, and every block dim no larger than 256 (the copy engine's box limit)."""
+    if t.dim() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    if any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
+        return False
+    return all(b_ <= 256 for b_ in block)
+
+
+def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=None, pair=0,
+        w2=None, a2=None, epi=0, save=False, c2=None, c3=None, pa=None, pb=None, wrow=None,
+        dwrow=None, act=0, bg=4.0, bu=25.0):
+    """Launch the grouped GEMM kernel (see its docstring). a: [rows, kk] (gathered through tok
+    when `gather`); w: [E, nn, kk] (w_kn False) or [E, kk, nn] (w_kn True)."""
+    cfg = _cfg(name, a)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    te, ts, mt = sched
+    n_tiles = _cdiv(nn, bn)
+    if gather:
+        a_mode, a_src, a2_src = 0, a, a
+    elif cfg.get("A_TMA") and _tma_ok(a, [bm, bk]) and (a2 is None or _tma_ok(a2, [bm, bk])):
+        a_mode = 2
+        a_src = TensorDescriptor.from_tensor(a, [bm, bk])
+        a2_src = TensorDescriptor.from_tensor(a2, [bm, bk]) if a2 is not None else a_src
+    else:
+        a_mode, a_src, a2_src = 1, a, (a2 if a2 is not None else a)
+    wblock = [1, bk, bn] if w_kn else [1, bn, bk]
+    w_desc = bool(cfg.get("W_TMA")) and _tma_ok(w, wblock) and (w2 is None or (
+        _tma_ok(w2, wblock) and w2.stride() == w.stride()))
+    if w_desc:
+        w_src = TensorDescriptor.from_tensor(w, wblock)
+        w2_src = TensorDescriptor.from_tensor(w2, wblock) if w2 is not None else w_src
+    else:
+        w_src, w2_src = w, (w2 if w2 is not None else w)
+    swk, swn = (w.stride(1), w.stride(2)) if w_kn else (w.stride(2), w.stride(1))
+    dummy = c
+    _k._grouped_gemm_kernel[(mt * n_tiles,)](
+        a_src, tok if tok is not None else offs, w_src, a2_src, w2_src,
+        c, c2 if c2 is not None else dummy, c3 if c3 is not None else dummy,
+        pa if pa is not None else dummy, pb if pb is not None else dummy,
+        wrow if wrow is not None else dummy, dwrow if dwrow is not None else dummy,
+        te, ts, offs, kk, nn, num_experts, n_tiles,
+        a.stride(0), w.stride(0), swn, swk, c.stride(0), float(bg), float(bu),
+        PAIR=pair, EPI=epi, SAVE=save, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=w_desc,
+        W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return c
+
+
+def _pregather(name, t, d):
+    """Rows t[tok[r]] in dispatch order when the kernel `name` is set to feed A through TMA."""
+    cfg = _cfg(name, t)
+    if cfg.get("A_TMA") and _tma_ok(t, [cfg["BM"], cfg["BK"]]):
+        return t.index_select(0, d.tok)
+    return None
+
+
+def _combine(y, d, wt, out_dtype):
+    n, lw = d.n, y.shape[1]
+    out = torch.empty(n, lw, dtype=out_dtype, device=y.device)
+    block = min(1024, triton.next_power_of_2(max(lw, 16)))
+    if n:
+        _k._combine_kernel[(n, _cdiv(lw, block))](
+            y, d.pos, wt if wt is not None else y, out, lw, y.stride(0), out.stride(0),
+            TOPK=d.k, WEIGHTED=wt is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, qtok=None):
+    dual = p2 is not None
+    cfg = _cfg("wgrad_dual" if dual else "wgrad", p)
+    m_tiles, n_tiles = _cdiv(mm, cfg["BM"]), _cdiv(nn, cfg["BN"])
+    _k._wgrad_kernel[(d.e * m_tiles * n_tiles,)](
+        p, p2 if dual else p, ptok if ptok is not None else d.tok,
+        pscale if pscale is not None else p, q, qtok if qtok is not None else d.tok,
+        out, out2 if dual else out, d.offs, mm, nn, m_tiles, n_tiles,
+        p.stride(0), q.stride(0), out.stride(0), out.stride(1),
+        P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
+        DUAL=dual, PREC=_prec(p.dtype), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], **_launch_cfg(cfg))
+
+
+class _ExpertsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weight, w1, w3, w2, act, bg, bu):
+        n, l = x.shape
+        e, i, _ = w1.shape
+        d = _Dispatch(topk_idx, e)
+        ctx.empty = d.nk == 0
+        if ctx.empty:
+            ctx.save_for_backward(x, topk_weight, w1, w3, w2)
+            return torch.zeros(n, l, dtype=x.dtype, device=x.device)
+        w1, w3, w2 = w1.to(x.dtype), w3.to(x.dtype), w2.to(x.dtype)
+        if w1.stride() != w3.stride():
+            w1, w3 = w1.contiguous(), w3.contiguous()
+        need_grad = any(ctx.needs_input_grad)
+        # GEMM 1 + SiTU-GLU: h = glu(x w1^T, x w3^T)   (N = I, K = l)
+        cfg = _cfg("glu_fwd", x)
+        xs = _pregather("glu_fwd", x, d)
+        h = torch.empty(d.nk, i, dtype=x.dtype, device=x.device)
+        a = torch.empty_like(h) if need_grad else None
+        b = torch.empty_like(h) if need_grad else None
+        _gg("glu_fwd", xs if xs is not None else x, w1, d.schedule(cfg["BM"]), d.offs, e, l, i, h,
+            gather=xs is None, tok=d.tok, w_kn=False, pair=1, w2=w3, epi=1, save=need_grad, c2=a,
+            c3=b, act=act, bg=bg, bu=bu)
+        # GEMM 2: y = h w2^T   (N = l, K = I)
+        y = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
+        _gg("mm", h, w2, d.schedule(_cfg("mm", x)["BM"]), d.offs, e, i, l, y, gather=False,
+            w_kn=False)
+        wt = topk_weight.float().contiguous()
+        u = _combine(y, d, wt, x.dtype)
+        del y
+        ctx.d, ctx.cfg = d, (act, bg, bu)
+        ctx.save_for_backward(x, xs, wt, w1, w3, w2, a, b, h)
+        return u
+
+    @staticmethod
+    def backward(ctx, du):
+        if ctx.empty:
+            x, tw, w1, w3, w2 = ctx.saved_tensors
+            z = torch.zeros_like
+            return z(x), None, z(tw), z(w1), z(w3), z(w2), None, None, None
+        x, xs, wt, w1, w3, w2, a, b, h = ctx.saved_tensors
+        d = ctx.d
+        act, bg, bu = ctx.cfg
+        n, l = x.shape
+        e, i, _ = w1.shape
+        need_x, _, need_wt, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:6]
+        du = du.to(x.dtype).contiguous()
+        w_rows = wt.reshape(-1)[d.perm].contiguous()  # routing weight of each sorted row
+        dx = dwt = dw1 = dw3 = dw2 = None
+        # G = du[tok] w2[e] (K = l, N = I); epilogue: d topk_weight (row sums of G h), dA, dB
+        dus = _pregather("glu_bwd", du, d)
+        da, db = torch.empty_like(a), torch.empty_like(b)
+        dwrow = torch.zeros(d.nk, dtype=torch.float32, device=x.device)
+        _gg("glu_bwd", dus if dus is not None else du, w2, d.schedule(_cfg("glu_bwd", x)["BM"]),
+            d.offs, e, l, i, da, gather=dus is None, tok=d.tok, w_kn=True, epi=2, c2=db, pa=a,
+            pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
+        if need_wt:
+            dwt = dwrow[d.pos].view(n, d.k)
+        if need_x:
+            # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
+            dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
+            _gg("dx", da, w1, d.schedule(_cfg("dx", x)["BM"]), d.offs, e, i, l, dxg, gather=False,
+                w_kn=True, pair=2, a2=db, w2=w3)
+            dx = _combine(dxg, d, None, x.dtype)
+            del dxg
+        if need_w1 or need_w3:
+            dw1 = torch.empty(e, i, l, dtype=w1.dtype, device=x.device)
+            dw3 = torch.empty(e, i, l, dtype=w3.dtype, device=x.device)
+            if xs is not None:
+                _wgrad(da, xs, d, i, l, dw1, p2=db, out2=dw3)
+            else:
+                _wgrad(da, x, d, i, l, dw1, p2=db, out2=dw3, qtok=d.tok)
+        if need_w2:
+            dw2 = torch.empty(e, l, i, dtype=w2.dtype, device=x.device)
+            if dus is not None:
+                _wgrad(dus, h, d, l, i, dw2, pscale=w_rows)
+            else:
+                _wgrad(du, h, d, l, i, dw2, ptok=d.tok, pscale=w_rows)
+        return dx, None, dwt, dw1, dw3, dw2, None, None, None
+
+
+def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", beta_gate=4.0,
+                beta_up=25.0):
+    """Routed experts on Triton (grouped GEMMs, SiTU-GLU fused), forward and backward.
+
+    ``u[n] = sum_k topk_weight[n, k] * w2[e] glu(w1[e] x_lat[n], w3[e] x_lat[n])``, e = topk_idx[n, k].
+
+    Args:
+        x_lat: [N, l] float32 / float16 / bfloat16 (the compute dtype: weights are cast to it;
+            bf16 on the GPU for speed, float32 under the interpreter);
+        topk_idx: [N, k] int64 in [0, E); topk_weight: [N, k] float (used in float32);
+        w1, w3: [E, I, l]; w2: [E, l, I] (any strides; contiguous is fastest);
+        activation: "situ" (contract default) or "silu" (plain SwiGLU, kimi_linear_48b).
+    Returns:
+        u [N, l] in x_lat's dtype. Differentiable in x_lat, topk_weight, w1, w3, w2 (weight
+        gradients in the weights' dtype, accumulated in float32). Experts with no token get
+        zero gradient; all tokens on one expert is legal; offsets are int64.
+    Raises:
+        TypeError / ValueError on wrong shapes/dtypes, out-of-range expert ids (checked on the
+        device range with one host sync), or an unknown activation.
+    """
+    _ref.check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation)
+    return _ExpertsFn.apply(x_lat.contiguous(), topk_idx, topk_weight, w1, w3, w2, _ACT[activation],
+                            float(beta_gate), float(beta_up))
+
+
+def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w_up, shared_w1,
+               shared_w3, shared_w2, *, top_k, routed_scaling=1.0, eps=1e-6, activation="situ",
+               beta_gate=4.0, beta_up=25.0):
+    """The Stable LatentMoE layer (spec/MODEL.md) with the Triton router and experts.
+
+    y = shared(x) + W_up RMSNorm(u),  u = moe_experts(W_down x, qb_route(x)), the router on the
+    full-width x. Dense projections (W_down, W_up, the shared experts' GEMMs) run through
+    torch.matmul (cuBLAS); the shared experts' activation is the Triton SiTU-GLU. Arguments,
+    shapes, the w_down=None (plain MoE) form and errors exactly as the reference ``latent_moe``.
+    Returns (y [N, d] in x's dtype, topk_idx [N, k] int64). Differentiable in x and every weight
+    (not in router_bias, a buffer).
+    """
+    where = "latent_moe"
+    _ref._check_tensor("x", x, 2, where)
+    n, dm = x.shape
+    topk_idx, topk_weight, _ = qb_route(x, router_weight, router_bias, top_k=top_k,
+                                        routed_scaling=routed_scaling)
+    if w_down is None:
+        if norm_weight is not None or w_up is not None:
+            raise ValueError(f"{where}: w_down is None, so norm_weight and w_up must be None too")
+        x_lat = x
+    else:
+        _ref._check_tensor("w_down", w_down, 2, where)
+        if w_down.shape[1] != dm:
+            raise ValueError(f"{where}: w_down must be [l, d={dm}], got {tuple(w_down.shape)}")
+        lat = w_down.shape[0]
+        _ref._check_tensor("norm_weight", norm_weight, 1, where)
+        _ref._check_tensor("w_up", w_up, 2, where)
+        if norm_weight.shape[0] != lat:
+            raise ValueError(f"{where}: norm_weight must be [l={lat}], got {tuple(norm_weight.shape)}")
+        if tuple(w_up.shape) != (dm, lat):
+            raise ValueError(f"{where}: w_up must be [d, l] = {(dm, lat)}, got {tuple(w_up.shape)}")
+        x_lat = x @ w_down.to(x.dtype).t()
+    u = moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, activation=activation,
+                    beta_gate=beta_gate, beta_up=beta_up)
+    if w_down is None:
+        y = u
+    else:
+        uf = u.float()
+        un = uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+        y = un.to(x.dtype) @ w_up.to(x.dtype).t()
+    if not (shared_w1 is None and shared_w3 is None and shared_w2 is None):
+        for name, t in (("shared_w1", shared_w1), ("shared_w3", shared_w3), ("shared_w2", shared_w2)):
+            _ref._check_tensor(name, t, 2, where)
+        i_s = shared_w1.shape[0]
+        if (tuple(shared_w1.shape) != (i_s, dm) or tuple(shared_w3.shape) != (i_s, dm)
+                or tuple(shared_w2.shape) != (dm, i_s)):
+            raise ValueError(f"{where}: shared weights must be w1, w3 [Is, d={dm}] and w2 [d, Is]; got "
+                             f"{tuple(shared_w1.shape)}, {tuple(shared_w3.shape)}, {tuple(shared_w2.shape)}")
+        hs = _glu_act(x @ shared_w1.to(x.dtype).t(), x @ shared_w3.to(x.dtype).t(), activation,
+                      beta_gate, beta_up)
+        y = y + hs @ shared_w2.to(x.dtype).t()
+    return y.to(x.dtype), topk_idx

@@ -1,0 +1,414 @@
+"""Triton kernels of the latent MoE (routing, Quantile Balancing, grouped expert GEMMs).
+
+The Python entry points, argument checks and autograd live in ``backends/triton/moe.py``; this
+module holds only ``@triton.jit`` code. Conventions shared by every kernel:
+
+* Rows of the routed problem are the N*k (token, slot) pairs, SORTED by expert ("dispatch order"):
+  rows offs[e] .. offs[e+1]-1 belong to expert e. ``tok[r]`` is the token of row r.
+* A grouped GEMM is launched on a flat 1-D grid of ``max_tiles * n_tiles`` programs:
+  program -> (m-tile t, n-tile) with the n-tile fastest, so the programs of one expert run
+  together and share its weights and its token rows through L2. ``tile_expert[t]`` names the
+  expert of m-tile t (E for the unused tail of the upper-bound grid: such programs return at
+  once) and ``tile_start[e]`` is expert e's first m-tile, so the m-tile covers rows
+  ``offs[e] + (t - tile_start[e]) * BM`` up to ``offs[e+1]`` (exclusive). No host sync is needed
+  to launch: the grid is an upper bound, ``cdiv(N k, BM) + min(E, N k)``.
+* Every row index is widened to int64 before it is multiplied by a stride, so N*k*width beyond
+  2**31 elements is fine; expert offsets (e * stride_e) are int64 too.
+"""
+import triton
+import triton.language as tl
+
+
+# ------------------------------------------------------------------------------------------------
+# elementwise helpers
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x, FAST: tl.constexpr):
+    if FAST:
+        # MUFU.TANH (max relative error about 2^-11): ample for bf16 outputs
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        ax = tl.abs(x)
+        e = tl.exp(-2.0 * ax)
+        big = (1.0 - e) / (1.0 + e)
+        x2 = ax * ax
+        small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+        t = tl.where(ax < 0.0625, small, big)
+        return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _glu_fwd(a, b, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr):
+    """ACT 0: SiTU-GLU  (bg tanh(a/bg) sigmoid(a)) (bu tanh(b/bu));  ACT 1: SwiGLU silu(a) b."""
+    sa = _sigmoid(a)
+    if ACT == 0:
+        g = beta_gate * _tanh(a / beta_gate, FAST) * sa
+        v = beta_up * _tanh(b / beta_up, FAST)
+    else:
+        g = a * sa
+        v = b
+    return g * v
+
+
+@triton.jit
+def _glu_bwd(a, b, dh, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr):
+    """Returns (h, dA, dB) for h = g(a) v(b): dA = dh v g'(a), dB = dh g v'(b)."""
+    sa = _sigmoid(a)
+    if ACT == 0:
+        tg = _tanh(a / beta_gate, FAST)
+        tb = _tanh(b / beta_up, FAST)
+        g = beta_gate * tg * sa
+        dg = (1.0 - tg * tg) * sa + g * (1.0 - sa)
+        v = beta_up * tb
+        dv = 1.0 - tb * tb
+    else:
+        g = a * sa
+        dg = sa * (1.0 + a * (1.0 - sa))
+        v = b
+        dv = 1.0
+    return g * v, dh * v * dg, dh * g * dv
+
+
+# ------------------------------------------------------------------------------------------------
+# routing
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _route_topk_kernel(logit_ptr, bias_ptr, score_ptr, idx_ptr, wt_ptr, alpha_ptr, bad_ptr,
+                       N, E, routed_scaling,
+                       K_SEL: tl.constexpr, K_PAD: tl.constexpr, FROM_LOGITS: tl.constexpr, WRITE_TOPK: tl.constexpr,
+                       WRITE_ALPHA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per row: scores = sigmoid(logits) (FROM_LOGITS) or the given scores; biased top-K_SEL by
+    repeated (max, lowest index among equals) scans, so ties go to the lower expert index exactly.
+    WRITE_TOPK: indices + renormalised unbiased weights of the first K_SEL picks.
+    WRITE_ALPHA: the K_SEL-th largest biased value (qb_update's cut-off, with K_SEL = k + 1).
+    A row with a non-finite input sets bad[row] = 1 (the host raises) and is computed on zeros."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < N
+    cmask = cols < E
+    m2 = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
+    raw = tl.load(logit_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+    finite = (raw == raw) & (tl.abs(raw) < float("inf"))
+    nbad = tl.sum((m2 & (~finite)).to(tl.int32), axis=1)
+    tl.store(bad_ptr + rows, (nbad > 0).to(tl.int32), mask=rmask)
+    raw = tl.where(finite, raw, 0.0)
+    if FROM_LOGITS:
+        s = _sigmoid(raw)
+        tl.store(score_ptr + offs, s, mask=m2)
+    else:
+        s = raw
+    bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    v = tl.where(m2, s + bias[None, :], float("-inf"))
+    kc = tl.arange(0, K_PAD)
+    picked_w = tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32)
+    picked_i = tl.zeros([BLOCK_R, K_PAD], dtype=tl.int64)
+    last = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for j in tl.static_range(K_SEL):
+        mx = tl.max(v, axis=1)
+        hit = v == mx[:, None]
+        sel = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
+        one = cols[None, :] == sel[:, None]
+        last = mx
+        if WRITE_TOPK:
+            sj = tl.sum(tl.where(one, s, 0.0), axis=1)
+            picked_w = tl.where(kc[None, :] == j, sj[:, None], picked_w)
+            picked_i = tl.where(kc[None, :] == j, sel.to(tl.int64)[:, None], picked_i)
+        v = tl.where(one, float("-inf"), v)
+    if WRITE_TOPK:
+        wsum = tl.sum(picked_w, axis=1)
+        wt = picked_w * (routed_scaling / wsum)[:, None]
+        ko = rows.to(tl.int64)[:, None] * K_SEL + kc[None, :]
+        km = rmask[:, None] & (kc[None, :] < K_SEL)
+        tl.store(idx_ptr + ko, picked_i, mask=km)
+        tl.store(wt_ptr + ko, wt, mask=km)
+    if WRITE_ALPHA:
+        tl.store(alpha_ptr + rows, last, mask=rmask)
+
+
+@triton.jit
+def _qb_count_kernel(score_ptr, alpha_ptr, cnt_ptr, N, E, q, PASS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One pass of a 4-bit-digit radix select of the (q+1)-th largest margin per expert column.
+
+    Keys: margin = score - alpha[row] mapped to an order-preserving integer in [0, 2^32).
+    The prefix of digits found by passes < PASS is rebuilt from their counts (cnt[p, e, c] =
+    #(key >= prefix_p | c << shift_p)): digit_p = the largest c whose count is >= q + 1.
+    This pass adds #(key >= prefix | c << shift) for c = 0..15 into cnt[PASS, e, c]."""
+    pid_n = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    cols = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    cmask = cols < E
+    dig = tl.arange(0, 16)
+    prefix = tl.zeros([BLOCK_E], dtype=tl.int64)
+    for p in tl.static_range(PASS):
+        c = tl.load(cnt_ptr + (p * E + cols[:, None]) * 16 + dig[None, :], mask=cmask[:, None], other=0)
+        d = tl.max(tl.where(c >= q + 1, dig[None, :], 0), axis=1)
+        prefix = prefix | (d.to(tl.int64) << (28 - 4 * p))
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    m2 = rmask[:, None] & cmask[None, :]
+    s = tl.load(score_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=m2, other=0.0)
+    al = tl.load(alpha_ptr + rows, mask=rmask, other=0.0)
+    marg = s.to(tl.float32) - al[:, None]
+    bits = marg.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
+    key = tl.where(m2, key, -1)  # padding never counts
+    for cc in tl.static_range(16):
+        t = prefix | (cc << (28 - 4 * PASS))
+        n_ge = tl.sum((key >= t[None, :]).to(tl.int32), axis=0)
+        tl.atomic_add(cnt_ptr + (PASS * E + cols) * 16 + cc, n_ge, mask=cmask)
+
+
+@triton.jit
+def _qb_finish_kernel(cnt_ptr, bhat_ptr, E, q, BLOCK_E: tl.constexpr):
+    """b_hat[e] = -(the (q+1)-th largest margin of column e), from the 8 passes' counts."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    cmask = cols < E
+    dig = tl.arange(0, 16)
+    prefix = tl.zeros([BLOCK_E], dtype=tl.int64)
+    for p in tl.static_range(8):
+        c = tl.load(cnt_ptr + (p * E + cols[:, None]) * 16 + dig[None, :], mask=cmask[:, None], other=0)
+        d = tl.max(tl.where(c >= q + 1, dig[None, :], 0), axis=1)
+        prefix = prefix | (d.to(tl.int64) << (28 - 4 * p))
+    key = (prefix - 2147483648).to(tl.int32)
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    val = bits.to(tl.float32, bitcast=True)
+    tl.store(bhat_ptr + cols, -val, mask=cmask)
+
+
+@triton.jit
+def _expert_load_kernel(idx_ptr, load_ptr, M, E, bad_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < M
+    e = tl.load(idx_ptr + offs, mask=m, other=0)
+    ok = (e >= 0) & (e < E)
+    tl.atomic_add(load_ptr + e, tl.full([BLOCK], 1, tl.int64), mask=m & ok)
+    nbad = tl.sum((m & (~ok)).to(tl.int32), axis=0)
+    tl.atomic_add(bad_ptr, nbad)
+
+
+# ------------------------------------------------------------------------------------------------
+# grouped GEMMs
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr, offs_ptr, E, BM: tl.constexpr):
+    t = pid // n_tiles
+    pid_n = pid % n_tiles
+    e = tl.load(tile_expert_ptr + t)
+    e_ok = e < E
+    e_c = tl.where(e_ok, e, 0)  # unused programs return right after this
+    m_begin = tl.load(offs_ptr + e_c) + (t - tl.load(tile_start_ptr + e_c)) * BM
+    m_end = tl.load(offs_ptr + e_c + 1)
+    m_end = tl.where(e_ok, m_end, m_begin)  # an unused program owns no row
+    return e, e_ok, pid_n, m_begin.to(tl.int64), m_end.to(tl.int64)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+        a_src, tok_ptr, w_src, a2_src, w2_src,
+        c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
+        tile_expert_ptr, tile_start_ptr, offs_ptr,
+        K, NN, E, n_tiles,
+        stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+        beta_gate, beta_up,
+        PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr, ACT: tl.constexpr,
+        FAST: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
+        PREC: tl.constexpr, EVEN_K: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One grouped GEMM over the experts; for the rows r of m-tile's expert e and n-tile cols:
+
+        acc  = A[r] . W[e]          (K-deep dot; W[e] is [NN, K] (k fastest) or [K, NN] (W_KN))
+        PAIR 1 (dual):  acc2 = A[r] . W2[e]            (one A tile against two weight tiles)
+        PAIR 2 (sum):   acc += A2[r] . W2[e]           (A2 rows are never gathered)
+
+    A rows: A_MODE 0 gathered through tok (A[r] = a[tok[r]]), 1 contiguous, 2 a TMA descriptor
+    over contiguous rows. W: pointers with (stride_we, stride_wn, stride_wk), or (W_DESC) a 3-D
+    TMA descriptor over [E, rows, cols] with zero fill outside each expert's block.
+    Epilogue EPI 0: c = acc.  EPI 1 (GLU forward): c = glu(acc, acc2) (and, when SAVE, c2 = acc,
+    c3 = acc2: the pre-activations for backward).  EPI 2 (GLU backward, acc = G = du . w2[e]):
+    dwrow[r] += sum_n G h, dH = wrow[r] G, c = dA, c2 = dB from the saved pa, pb.
+    """
+    pid = tl.program_id(0)
+    e, e_ok, pid_n, m_begin, m_end = _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr,
+                                                offs_ptr, E, BM)
+    if e >= E:
+        return
+    rows = m_begin + tl.arange(0, BM)
+    rmask = rows < m_end
+    n0 = pid_n * BN
+    cols = n0 + tl.arange(0, BN)
+    cmask = cols < NN
+    ks = tl.arange(0, BK)
+    e32 = e.to(tl.int32)
+    m32 = m_begin.to(tl.int32)
+    if A_MODE == 0:
+        arow = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        a_ptrs = a_src + arow[:, None] * stride_am + ks[None, :]
+    elif A_MODE == 1:
+        a_ptrs = a_src + rows[:, None] * stride_am + ks[None, :]
+    if PAIR == 2:
+        if A_MODE != 2:
+            a2_ptrs = a2_src + rows[:, None] * stride_am + ks[None, :]
+    if not W_DESC:
+        b_ptrs = (w_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                  + ks[:, None] * stride_wk)
+        if PAIR != 0:
+            b2_ptrs = (w2_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                       + ks[:, None] * stride_wk)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if PAIR == 1:
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kmask = (k0 + ks) < K
+        # ---- A tile(s) [BM, BK]
+        if A_MODE == 2:
+            a = a_src.load([m32, k0])
+            if PAIR == 2:
+                a2 = a2_src.load([m32, k0])
+        else:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            a_ptrs += BK
+            if PAIR == 2:
+                if EVEN_K:
+                    a2 = tl.load(a2_ptrs, mask=rmask[:, None], other=0.0)
+                else:
+                    a2 = tl.load(a2_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                a2_ptrs += BK
+        # ---- W tile(s) [BK, BN]
+        if W_DESC:
+            if W_KN:
+                b = tl.reshape(w_src.load([e32, k0, n0]), [BK, BN])
+                if PAIR != 0:
+                    b2 = tl.reshape(w2_src.load([e32, k0, n0]), [BK, BN])
+            else:
+                b = tl.trans(tl.reshape(w_src.load([e32, n0, k0]), [BN, BK]))
+                if PAIR != 0:
+                    b2 = tl.trans(tl.reshape(w2_src.load([e32, n0, k0]), [BN, BK]))
+        else:
+            if EVEN_K:
+                b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
+                if PAIR != 0:
+                    b2 = tl.load(b2_ptrs, mask=cmask[None, :], other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=cmask[None, :] & kmask[:, None], other=0.0)
+                if PAIR != 0:
+                    b2 = tl.load(b2_ptrs, mask=cmask[None, :] & kmask[:, None], other=0.0)
+            b_ptrs += BK * stride_wk
+            if PAIR != 0:
+                b2_ptrs += BK * stride_wk
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if PAIR == 1:
+            acc2 = tl.dot(a, b2, acc2, input_precision=PREC)
+        elif PAIR == 2:
+            acc = tl.dot(a2, b2, acc, input_precision=PREC)
+    o = rows[:, None] * stride_cm + cols[None, :]
+    om = rmask[:, None] & cmask[None, :]
+    if EPI == 0:
+        tl.store(c_ptr + o, acc.to(c_ptr.dtype.element_ty), mask=om)
+    elif EPI == 1:
+        if SAVE:
+            # store the pre-activations rounded to the storage dtype and compute h from those
+            # (what backward will see): fewer live registers than keeping acc and acc2 too
+            a_st = acc.to(c2_ptr.dtype.element_ty)
+            tl.store(c2_ptr + o, a_st, mask=om)
+            b_st = acc2.to(c3_ptr.dtype.element_ty)
+            tl.store(c3_ptr + o, b_st, mask=om)
+            h = _glu_fwd(a_st.to(tl.float32), b_st.to(tl.float32), beta_gate, beta_up, ACT, FAST)
+        else:
+            h = _glu_fwd(acc, acc2, beta_gate, beta_up, ACT, FAST)
+        tl.store(c_ptr + o, h.to(c_ptr.dtype.element_ty), mask=om)
+    else:
+        av = tl.load(pa_ptr + o, mask=om, other=0.0).to(tl.float32)
+        bv = tl.load(pb_ptr + o, mask=om, other=0.0).to(tl.float32)
+        wr = tl.load(wrow_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        h, da, db = _glu_bwd(av, bv, acc * wr[:, None], beta_gate, beta_up, ACT, FAST)
+        part = tl.sum(tl.where(om, acc * h, 0.0), axis=1)
+        tl.atomic_add(dwrow_ptr + rows, part, mask=rmask)
+        tl.store(c_ptr + o, da.to(c_ptr.dtype.element_ty), mask=om)
+        tl.store(c2_ptr + o, db.to(c2_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr, out2_ptr, offs_ptr,
+                  MM, NN, m_tiles, n_tiles,
+                  stride_pm, stride_qm, stride_oe, stride_om,
+                  P_GATHER: tl.constexpr, P_SCALE: tl.constexpr, Q_GATHER: tl.constexpr,
+                  DUAL: tl.constexpr, PREC: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Weight gradient of every expert: out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n]
+    (and out2[e] = P2^T Q when DUAL, sharing the Q tile), with P rows gathered/scaled
+    (P[r] = pscale[r] * p[ptok[r]]) and Q rows gathered (Q[r] = q[qtok[r]]) on request.
+    Experts with no row get an exact zero block. Grid: E * m_tiles * n_tiles, n fastest."""
+    pid = tl.program_id(0)
+    per_e = m_tiles * n_tiles
+    e = pid // per_e
+    rem = pid % per_e
+    pid_m = rem // n_tiles
+    pid_n = rem % n_tiles
+    r0 = tl.load(offs_ptr + e).to(tl.int64)
+    r1 = tl.load(offs_ptr + e + 1).to(tl.int64)
+    ms = pid_m * BM + tl.arange(0, BM)
+    ns = pid_n * BN + tl.arange(0, BN)
+    mmask = ms < MM
+    nmask = ns < NN
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if DUAL:
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(r0, r1, BK):
+        rows = k0 + kk
+        rmask = rows < r1
+        if P_GATHER:
+            prow = tl.load(ptok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            prow = rows
+        if Q_GATHER:
+            qrow = tl.load(qtok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            qrow = rows
+        pm = mmask[:, None] & rmask[None, :]
+        p = tl.load(p_ptr + prow[None, :] * stride_pm + ms[:, None], mask=pm, other=0.0)  # [BM, BK]
+        if P_SCALE:
+            sc = tl.load(pscale_ptr + rows, mask=rmask, other=0.0)
+            p = (p.to(tl.float32) * sc[None, :]).to(p_ptr.dtype.element_ty)
+        qv = tl.load(q_ptr + qrow[:, None] * stride_qm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(p, qv, acc, input_precision=PREC)
+        if DUAL:
+            p2 = tl.load(p2_ptr + prow[None, :] * stride_pm + ms[:, None], mask=pm, other=0.0)
+            acc2 = tl.dot(p2, qv, acc2, input_precision=PREC)
+    o = e.to(tl.int64) * stride_oe + ms.to(tl.int64)[:, None] * stride_om + ns[None, :]
+    om = mmask[:, None] & nmask[None, :]
+    tl.store(out_ptr + o, acc.to(out_ptr.dtype.element_ty), mask=om)
+    if DUAL:
+        tl.store(out2_ptr + o, acc2.to(out2_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, wt_ptr, out_ptr, L, stride_ym, stride_om,
+                    TOPK: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, c] = sum_j wt[t, j] * y[pos[t, j], c]  (wt = 1 when not WEIGHTED), in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = cols < L
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        r = tl.load(pos_ptr + t * TOPK + j).to(tl.int64)
+        v = tl.load(y_ptr + r * stride_ym + cols, mask=cm, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            acc += tl.load(wt_ptr + t * TOPK + j).to(tl.float32) * v
+        else:
+            acc += v
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)

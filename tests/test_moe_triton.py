@@ -1,0 +1,400 @@
+"""Triton MoE / Quantile Balancing kernels against the float32 reference (backends/reference/moe.py)
+and, for the experts, against a naive per-token loop written here.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), in float32 at small shapes with
+tiles shrunk to 16 so that every kernel runs several tiles, partial tiles and (for K not a multiple
+of 16 or unaligned widths) the pointer fallback instead of the TMA path. GPU tests (bf16, real
+sizes) carry @pytest.mark.gpu."""
+import pytest
+import torch
+
+from backends.reference import moe as ref
+from backends.triton import moe as tm
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def naive_experts(x, idx, wt, w1, w3, w2, act="situ"):
+    """u[t] = sum_j wt[t,j] w2[e] glu(w1[e] x[t], w3[e] x[t]) by a loop over (token, slot), float64."""
+    n, l = x.shape
+    out = torch.zeros(n, l, dtype=torch.float64, device=x.device)
+    xd = x.double()
+    for t in range(n):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            a = w1[e].double() @ xd[t]
+            b = w3[e].double() @ xd[t]
+            if act == "silu":
+                h = a * torch.sigmoid(a) * b
+            else:
+                h = 4.0 * torch.tanh(a / 4.0) * torch.sigmoid(a) * 25.0 * torch.tanh(b / 25.0)
+            out[t] = out[t] + wt[t, j].double() * (w2[e].double() @ h)
+    return out
+
+
+def random_routing(n, e, k, device=DEV):
+    idx = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(n)]) if n else \
+        torch.zeros(0, k, dtype=torch.long, device=device)
+    return idx, torch.rand(n, k, device=device)
+
+
+def expert_weights(e, i, l, scale=1.0, dtype=torch.float32, device=DEV):
+    w1 = torch.randn(e, i, l, device=device, dtype=dtype) * (scale / l ** 0.5)
+    w3 = torch.randn(e, i, l, device=device, dtype=dtype) * (scale / l ** 0.5)
+    w2 = torch.randn(e, l, i, device=device, dtype=dtype) * (1.0 / i ** 0.5)
+    return w1, w3, w2
+
+
+# ================================================================= routing (CPU interpreter)
+@pytest.mark.parametrize("n,d,e,k", [(1, 16, 4, 1), (63, 24, 12, 3), (100, 32, 33, 8), (65, 40, 16, 16)])
+def test_qb_route_matches_reference(n, d, e, k):
+    x = torch.randn(n, d, device=DEV)
+    w = torch.randn(e, d, device=DEV) / d ** 0.5
+    b = torch.randn(e, device=DEV) * 0.1
+    scaling = float(torch.rand(()) * 2 + 0.5)
+    idx, wt, s = tm.qb_route(x, w, b, top_k=k, routed_scaling=scaling)
+    ridx, rwt, rs = ref.qb_route(x, w, b, top_k=k, routed_scaling=scaling)
+    assert idx.dtype == torch.int64 and wt.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel_rms(s, rs) < 1e-5
+    assert torch.equal(idx, ridx)
+    assert rel_rms(wt, rwt) < 1e-5
+
+
+def test_qb_route_ties_to_lower_index():
+    e, k, n, d = 24, 5, 20, 16
+    w = torch.zeros(e, d, device=DEV)  # every score is exactly sigmoid(0)
+    b = (torch.rand(e, device=DEV) < 0.5).float() * 0.25
+    x = torch.randn(n, d, device=DEV)
+    idx, wt, _ = tm.qb_route(x, w, b, top_k=k)
+    high = [j for j in range(e) if b[j] > 0]
+    low = [j for j in range(e) if b[j] == 0]
+    expect = torch.tensor((high + low)[:k], device=DEV)
+    assert (idx == expect).all()
+    assert torch.allclose(wt, torch.full_like(wt, 1.0 / k))
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_qb_route_non_finite_row_raises(bad):
+    x = torch.randn(37, 16, device=DEV)
+    row = int(torch.randint(0, 37, ()))
+    x[row, int(torch.randint(0, 16, ()))] = float(bad)
+    with pytest.raises(ValueError, match=f"row {row} of x"):
+        tm.qb_route(x, torch.randn(6, 16, device=DEV), torch.zeros(6, device=DEV), top_k=2)
+
+
+def test_qb_route_bad_weight_and_args():
+    x = torch.randn(5, 16, device=DEV)
+    w = torch.randn(6, 16, device=DEV)
+    w[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="router weight"):
+        tm.qb_route(x, w, torch.zeros(6, device=DEV), top_k=2)
+    with pytest.raises(ValueError):
+        tm.qb_route(x, torch.randn(6, 15, device=DEV), torch.zeros(6, device=DEV), top_k=2)
+    with pytest.raises(ValueError):
+        tm.qb_route(x, torch.randn(6, 16, device=DEV), torch.zeros(6, device=DEV), top_k=7)
+
+
+def test_qb_route_gradients_match_reference():
+    n, d, e, k = 33, 16, 9, 3
+    x = torch.randn(n, d, device=DEV, requires_grad=True)
+    w = (torch.randn(e, d, device=DEV) / 4).requires_grad_()
+    b = torch.randn(e, device=DEV) * 0.1
+    gw, gs = torch.randn(n, k, device=DEV), torch.randn(n, e, device=DEV)
+    _, wt, s = tm.qb_route(x, w, b, top_k=k, routed_scaling=1.5)
+    got = torch.autograd.grad((wt * gw).sum() + (s * gs).sum(), (x, w))
+    _, rwt, rs = ref.qb_route(x, w, b, top_k=k, routed_scaling=1.5)
+    exp = torch.autograd.grad((rwt * gw).sum() + (rs * gs).sum(), (x, w))
+    for g, r in zip(got, exp):
+        assert rel_rms(g, r) < 1e-5
+
+
+# ================================================================= qb_update / load
+@pytest.mark.parametrize("n,e,k", [(1, 4, 1), (63, 12, 3), (100, 33, 8), (65, 7, 2), (5, 16, 2), (300, 40, 6)])
+@pytest.mark.parametrize("ema", [0.0, 0.6])
+def test_qb_update_matches_reference(n, e, k, ema):
+    s = torch.rand(n, e, device=DEV)
+    if n > 4:
+        s[:, 1] = s[:, 0]  # tied columns and tied scores inside rows
+        s[3] = s[2]
+    b = torch.randn(e, device=DEV) * 0.05
+    got = tm.qb_update(s, b, top_k=k, ema=ema)
+    exp = ref.qb_update(s, b, top_k=k, ema=ema)
+    assert got.dtype == torch.float32 and got.shape == (e,)
+    assert rel_rms(got, exp) < 1e-6 or torch.allclose(got, exp, atol=1e-7)
+
+
+def test_qb_update_selects_exact_quantile():
+    # the radix select must return an element of the column, exactly the (q+1)-th largest margin
+    n, e, k = 257, 20, 4
+    s = torch.rand(n, e, device=DEV)
+    b = torch.zeros(e, device=DEV)
+    got = tm.qb_update(s, b, top_k=k)
+    alpha = torch.sort(s, dim=1, descending=True).values[:, k]
+    margin = s - alpha[:, None]
+    q = n * k // e
+    b_hat = torch.stack([-torch.sort(margin[:, j], descending=True).values[q] for j in range(e)])
+    assert torch.equal(got, b_hat - b_hat.mean())
+
+
+def test_qb_update_edges_and_errors():
+    b = torch.randn(6, device=DEV)
+    assert torch.allclose(tm.qb_update(torch.rand(0, 6, device=DEV), b, top_k=2), b - b.mean())
+    assert torch.equal(tm.qb_update(torch.rand(9, 6, device=DEV), b, top_k=6), torch.zeros(6, device=DEV))
+    s = torch.rand(3, 20, device=DEV)  # q = 0
+    assert rel_rms(tm.qb_update(s, torch.zeros(20, device=DEV), top_k=2),
+                   ref.qb_update(s, torch.zeros(20, device=DEV), top_k=2)) < 1e-6
+    s = torch.rand(10, 6, device=DEV)
+    s[7, 2] = float("nan")
+    with pytest.raises(ValueError, match="row 7 "):
+        tm.qb_update(s, torch.zeros(6, device=DEV), top_k=2)
+    with pytest.raises(ValueError):
+        tm.qb_update(torch.rand(4, 6, device=DEV), torch.zeros(5, device=DEV), top_k=2)
+
+
+def test_expert_load():
+    e = 13
+    idx = torch.randint(0, e, (77, 3), device=DEV)
+    idx[:, 0] = 4  # one hot expert; some experts likely empty
+    assert torch.equal(tm.expert_load(idx, e), ref.expert_load(idx, e))
+    with pytest.raises(ValueError):
+        tm.expert_load(torch.tensor([[0, 13]], device=DEV), e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_situ_glu_forward_backward(dtype):
+    a = (torch.randn(1000, device=DEV) * 20).to(dtype).requires_grad_()
+    b = (torch.randn(1000, device=DEV) * 40).to(dtype).requires_grad_()
+    h = tm.situ_glu(a, b)
+    assert h.dtype == dtype
+    hr = ref.situ_glu(a.detach().double(), b.detach().double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert rel_rms(h, hr) < tol
+    g = torch.randn_like(h)
+    got = torch.autograd.grad((h * g).sum(), (a, b))
+    ad, bd = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    exp = torch.autograd.grad((ref.situ_glu(ad, bd) * g.double()).sum(), (ad, bd))
+    for x_, y_ in zip(got, exp):
+        assert rel_rms(x_, y_) < tol
+
+
+# ================================================================= experts
+def _check_experts(n, l, e, i, k, idx=None, wt=None, act="situ", weights=None, grads=True):
+    x = torch.randn(n, l, device=DEV, requires_grad=True)
+    if idx is None:
+        idx, wt = random_routing(n, e, k)
+    wt = wt.clone().requires_grad_()
+    w1, w3, w2 = weights if weights is not None else expert_weights(e, i, l, scale=3.0)
+    w1, w3, w2 = (w.detach().requires_grad_() for w in (w1, w3, w2))
+    u = tm.moe_experts(x, idx, wt, w1, w3, w2, activation=act)
+    assert u.shape == (n, l) and u.dtype == x.dtype
+    exp = naive_experts(x.detach(), idx, wt.detach(), w1.detach(), w3.detach(), w2.detach(), act)
+    assert rel_rms(u, exp) < 1e-5
+    if grads:
+        g = torch.randn_like(u)
+        got = torch.autograd.grad((u * g).sum(), (x, wt, w1, w3, w2))
+        ru = ref.moe_experts(x, idx, wt, w1, w3, w2, activation=act)
+        want = torch.autograd.grad((ru * g).sum(), (x, wt, w1, w3, w2))
+        for name, a_, b_ in zip(("x", "topk_weight", "w1", "w3", "w2"), got, want):
+            assert a_.shape == b_.shape, name
+            err = rel_rms(a_, b_) if b_.abs().max() > 0 else float(a_.abs().max())
+            assert err < 1e-4, (name, err)
+
+
+@pytest.mark.parametrize("n,l,e,i,k", [(1, 32, 4, 16, 1), (63, 40, 7, 24, 3), (33, 37, 5, 21, 2)])
+def test_moe_experts_matches_naive_and_reference(n, l, e, i, k):
+    # (33, 37, ..., 21): widths whose rows are not 16-byte aligned -> pointer path, partial K tiles
+    _check_experts(n, l, e, i, k)
+
+
+def test_moe_experts_silu_activation():
+    _check_experts(40, 32, 6, 16, 2, act="silu")
+
+
+def test_moe_experts_empty_experts_and_one_expert():
+    n, l, e, i = 45, 32, 9, 16
+    # all tokens on one expert (also the expert with the largest index)
+    idx = torch.full((n, 1), e - 1, dtype=torch.long, device=DEV)
+    _check_experts(n, l, e, i, 1, idx=idx, wt=torch.rand(n, 1, device=DEV))
+    # experts 0, 3 and 5 only (others empty: zero weight gradients)
+    pool = torch.tensor([0, 3, 5], device=DEV)
+    idx = torch.stack([pool[torch.randperm(3, device=DEV)[:2]] for _ in range(n)])
+    _check_experts(n, l, e, i, 2, idx=idx, wt=torch.rand(n, 2, device=DEV))
+
+
+def test_moe_experts_non_contiguous_weights():
+    n, l, e, i, k = 30, 32, 5, 16, 2
+    w1t = torch.randn(e, l, i, device=DEV) / l ** 0.5  # stored transposed; pass the [E, I, l] view
+    w3t = torch.randn(e, l, i, device=DEV) / l ** 0.5
+    w2 = torch.randn(e, l, i, device=DEV) / i ** 0.5
+    _check_experts(n, l, e, i, k, weights=(w1t.transpose(1, 2), w3t.transpose(1, 2), w2))
+
+
+def test_moe_experts_no_tokens():
+    w1, w3, w2 = expert_weights(4, 16, 32)
+    x = torch.randn(0, 32, device=DEV, requires_grad=True)
+    idx, wt = random_routing(0, 4, 2)
+    u = tm.moe_experts(x, idx, wt, w1, w3, w2)
+    assert u.shape == (0, 32)
+
+
+def test_moe_experts_bad_input():
+    w1, w3, w2 = expert_weights(4, 16, 32)
+    x = torch.randn(5, 32, device=DEV)
+    idx, wt = random_routing(5, 4, 2)
+    with pytest.raises(ValueError):
+        tm.moe_experts(x, idx + 4, wt, w1, w3, w2)
+    with pytest.raises(ValueError):
+        tm.moe_experts(x[:, :31], idx, wt, w1, w3, w2)
+    with pytest.raises(ValueError):
+        tm.moe_experts(x, idx, wt, w1, w3, w2, activation="relu")
+
+
+def test_latent_moe_matches_reference_with_grads():
+    n, d, lat, e, i, k, i_s = 37, 48, 32, 8, 16, 3, 32
+    f = lambda *s: torch.randn(*s, device=DEV)  # noqa: E731
+    x = f(n, d).requires_grad_()
+    params = [f(e, d) / 7, f(lat, d) / 7, f(e, i, lat) / 3, f(e, i, lat) / 3, f(e, lat, i) / 4,
+              torch.rand(lat, device=DEV) + 0.5, f(d, lat) / 6, f(i_s, d) / 7, f(i_s, d) / 7, f(d, i_s) / 6]
+    params = [p.requires_grad_() for p in params]
+    rb = torch.randn(e, device=DEV) * 0.1
+    rw, wd, w1, w3, w2, nw, wu, s1, s3, s2 = params
+
+    def run(mod):
+        return mod.latent_moe(x, rw, rb, wd, w1, w3, w2, nw, wu, s1, s3, s2, top_k=k, routed_scaling=2.5)
+
+    y, idx = run(tm)
+    ry, ridx = run(ref)
+    assert torch.equal(idx, ridx)
+    assert y.shape == (n, d) and rel_rms(y, ry) < 1e-5
+    g = torch.randn_like(y)
+    got = torch.autograd.grad((y * g).sum(), [x] + params)
+    want = torch.autograd.grad((ry * g).sum(), [x] + params)
+    for j, (a_, b_) in enumerate(zip(got, want)):
+        assert rel_rms(a_, b_) < 1e-4, j
+
+
+# ================================================================= Hopper code generation (CPU)
+_COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from backends.triton import moe_kernels as K
+
+fn = K._grouped_gemm_kernel
+bf = "*bf16"
+types = {n: "i32" for n in fn.arg_names}
+types.update(a_src="tensordesc<bf16[128,64]>", a2_src="tensordesc<bf16[128,64]>",
+             w_src="tensordesc<bf16[1,128,64]>", w2_src="tensordesc<bf16[1,128,64]>",
+             tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf,
+             wrow_ptr="*fp32", dwrow_ptr="*fp32", tile_expert_ptr="*i64",
+             tile_start_ptr="*i64", offs_ptr="*i64", beta_gate="fp32", beta_up="fp32")
+consts = dict(PAIR=1, EPI=1, SAVE=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True, W_KN=False,
+              PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64)
+sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+ptx = k.asm["ptx"]
+print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"),
+      "tanh", ptx.count("tanh.approx.f32"))
+"""
+
+
+def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
+    """The fused GEMM1 + SiTU kernel compiles for sm_90 (no GPU needed) to wgmma tensor-core MMAs
+    fed by TMA copies, with the SiTU in the epilogue. Runs in a subprocess without the
+    interpreter (the interpreter's kernels cannot be compiled)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = dict(zip(*[iter(out.stdout.split())] * 2))
+    assert int(counts["wgmma"]) > 0  # Hopper tensor-core MMA
+    assert int(counts["tma"]) > 0  # TMA loads of the token tile and both weight tiles
+    assert int(counts["tanh"]) > 0  # SiTU in the epilogue
+
+
+# ================================================================= GPU (bf16, real sizes)
+def _bf16_route_check(n, d, e, k):
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(e, d, device="cuda") / d ** 0.5).bfloat16()
+    b = torch.randn(e, device="cuda") * 0.05
+    idx, wt, s = tm.qb_route(x, w, b, top_k=k, routed_scaling=2.5)
+    rs = torch.sigmoid(x.double() @ w.double().t())
+    assert rel_rms(s, rs) < 1e-5
+    # selection on the kernel's own scores is exact; vs float64 scores only near-ties may differ
+    eidx = ref.biased_topk(s + b, k)
+    assert torch.equal(idx, eidx)
+    chosen = s.gather(1, idx)
+    assert rel_rms(wt, chosen / chosen.sum(1, keepdim=True) * 2.5) < 1e-6
+    return s, b
+
+
+@pytest.mark.gpu
+def test_gpu_qb_route_and_update_k3_router():
+    s, b = _bf16_route_check(4096, 7168, 896, 16)
+    got = tm.qb_update(s, b, top_k=16, ema=0.3)
+    exp = ref.qb_update(s, b, top_k=16, ema=0.3)
+    assert rel_rms(got, exp) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,l,e,i,k", [(1000, 1024, 64, 768, 8), (4097, 512, 896, 256, 16)])
+def test_gpu_moe_experts_bf16(n, l, e, i, k):
+    x = torch.randn(n, l, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    logits = torch.randn(n, e, device="cuda") + torch.linspace(-2, 2, e, device="cuda")
+    idx = ref.biased_topk(logits, k)
+    wt = torch.rand(n, k, device="cuda", requires_grad=True)
+    w1, w3, w2 = (w.bfloat16().requires_grad_() for w in expert_weights(e, i, l, scale=3.0, device="cuda"))
+    u = tm.moe_experts(x, idx, wt, w1, w3, w2)
+    ru = ref.moe_experts(x.float(), idx, wt, w1.float(), w3.float(), w2.float())
+    assert u.dtype == torch.bfloat16
+    assert rel_rms(u, ru) < 1.5e-2
+    g = torch.randn_like(ru)
+    got = torch.autograd.grad((u.float() * g).sum(), (x, wt, w1, w3, w2))
+    xf, wtf = x.detach().float().requires_grad_(), wt.detach().clone().requires_grad_()
+    wf = [w.detach().float().requires_grad_() for w in (w1, w3, w2)]
+    want = torch.autograd.grad((ref.moe_experts(xf, idx, wtf, *wf) * g).sum(), [xf, wtf] + wf)
+    for name, a_, b_ in zip(("x", "wt", "w1", "w3", "w2"), got, want):
+        assert rel_rms(a_, b_) < 2e-2, (name, rel_rms(a_, b_))
+
+
+@pytest.mark.gpu
+def test_gpu_moe_experts_int64_offsets_all_on_one_expert():
+    # N*k*l = 2^20 * 2304 > 2^31 elements: row offsets must be 64-bit; all rows on 2 experts
+    n, k, l, e, i = 65536, 16, 2304, 32, 64
+    x = torch.randn(n, l, device="cuda", dtype=torch.bfloat16)
+    idx = torch.full((n, k), 7, device="cuda", dtype=torch.long)
+    idx[:, 1:] = 30
+    wt = torch.rand(n, k, device="cuda")
+    w1, w3, w2 = (w.bfloat16() for w in expert_weights(e, i, l, scale=3.0, device="cuda"))
+    u = tm.moe_experts(x, idx, wt, w1, w3, w2)
+    sl = slice(n - 300, n)  # the last rows are the ones whose offsets overflow 32 bits
+    ru = ref.moe_experts(x[sl].float(), idx[sl], wt[sl], w1.float(), w3.float(), w2.float())
+    assert rel_rms(u[sl], ru) < 1.5e-2
+
+
+@pytest.mark.gpu
+def test_gpu_latent_moe_bf16():
+    n, d, lat, e, i, k, i_s = 2048, 1024, 512, 128, 256, 8, 512
+    f = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    x = f(n, d).bfloat16()
+    p = [f(e, d) / 32, f(lat, d) / 32, f(e, i, lat) / 8, f(e, i, lat) / 8, f(e, lat, i) / 16,
+         torch.rand(lat, device="cuda") + 0.5, f(d, lat) / 22, f(i_s, d) / 32, f(i_s, d) / 32, f(d, i_s) / 22]
+    pb = [t.bfloat16() for t in p]
+    rb = torch.randn(e, device="cuda") * 0.05
+    y, idx = tm.latent_moe(x, pb[0], rb, *pb[1:], top_k=k, routed_scaling=2.5)
+    ry, ridx = ref.latent_moe(x.float(), pb[0].float(), rb, *[t.float() for t in pb[1:]], top_k=k,
+                              routed_scaling=2.5)
+    same = (idx == ridx).all(1)  # bf16-GEMM vs float32 logits: a near-tie may flip a pick
+    assert same.float().mean() > 0.99
+    assert rel_rms(y[same], ry[same]) < 2e-2
