@@ -55,7 +55,21 @@ def _reference_table() -> dict[str, Callable]:
             x, i, w, w1, w3, w2, activation=n.attr("activation"), beta_gate=n.attr("beta_gate"),
             beta_up=n.attr("beta_up")),
         "attn_residual": attn_res,
+        "attn_residual_phase1": lambda n, *a: _phase1(R.attn_residual_phase1, n, a),
+        "attn_residual_merge": lambda n, *a: _merge(R.attn_residual_merge, n, a),
     }
+
+
+def _phase1(fn, n, args):
+    Q = n.attr("n_queries")
+    return fn(torch.stack(args[:Q]), list(args[2 * Q:]), torch.stack(args[Q:2 * Q]), eps=n.attr("eps"))
+
+
+def _merge(fn, n, args):
+    acc, m, s, q, w, *partial = args
+    i = n.attr("index")
+    return fn(acc[i], m[i], s[i], partial[0] if partial else None, q, w, eps=n.attr("eps"),
+              out_dtype=TORCH_DTYPES.get(n.attr("dtype")) if not partial else partial[0].dtype)
 
 
 def _triton_table() -> dict[str, Callable]:
@@ -69,6 +83,8 @@ def _triton_table() -> dict[str, Callable]:
                                                           gate=n.attr("gate"))
     if hasattr(T, "attn_residual"):
         table["attn_residual"] = lambda n, q, w, *s: T.attn_residual(q, list(s), w, eps=n.attr("eps"))
+        table["attn_residual_phase1"] = lambda n, *a: _phase1(T.attn_residual_phase1, n, a)
+        table["attn_residual_merge"] = lambda n, *a: _merge(T.attn_residual_merge, n, a)
     if hasattr(T, "qb_route"):
         table["qb_route"] = lambda n, x, w, b: T.qb_route(x, w, b, top_k=n.attr("top_k"),
                                                           routed_scaling=n.attr("routed_scaling"))

@@ -641,3 +641,43 @@ def flops_of(node_op: str, in_types, out_types, attrs) -> sympy.Expr:
     if od is None or od.flops is None:
         return sympy.Integer(0)
     return sympy.sympify(od.flops(in_types, out_types, attrs))
+
+
+# ---------------------------------------------------------------------------------------------
+# two-phase Block AttnRes (produced by the batch_attn_residual pass)
+def _phase1(ts, a):
+    Q = a["n_queries"]
+    qs, ws, bank = ts[:Q], ts[Q:2 * Q], ts[2 * Q:]
+    if len(qs) != Q or len(ws) != Q or not bank:
+        raise ShapeError(f"needs {Q} queries, {Q} rms weights and >= 1 bank source, got {len(ts)} inputs")
+    for x in qs + ws:
+        _attn_residual([x, x, bank[0]], a)
+    for i, s in enumerate(bank):
+        if not s.same(bank[0]):
+            raise ShapeError(f"bank source {i} is {s}, source 0 is {bank[0]}")
+    sh = bank[0].shape
+    return [TensorType("f32", (Q,) + sh), TensorType("f32", (Q,) + sh[:-1]), TensorType("f32", (Q,) + sh[:-1])]
+
+
+register("attn_residual_phase1", _phase1, n_data_inputs=3, variadic=True,
+         inputs=("*queries", "*rms_weights", "*bank"), attrs={"n_queries": REQUIRED, "eps": 1e-6},
+         flops=lambda ts, os, a: 5 * numel(ts[-1]) * (len(ts) - 2 * a["n_queries"]) * a["n_queries"],
+         doc="every pseudo-query of a block against the completed bank in one read: (acc, max, sum) per query")
+
+
+def _merge(ts, a):
+    acc, m, s, q, w, *partial = ts
+    i = a["index"]
+    if not 0 <= i < int(acc.shape[0]):
+        raise ShapeError(f"index {i} out of range for {int(acc.shape[0])} queries")
+    out = TensorType(a["dtype"], acc.shape[1:])
+    if partial and not (partial[0].rank == out.rank and all(_eq(x, y) for x, y in zip(partial[0].shape, out.shape))):
+        raise ShapeError(f"partial {partial[0]} does not match the bank's {out}")
+    return [out]
+
+
+register("attn_residual_merge", _merge, n_data_inputs=5, variadic=True,
+         inputs=("acc", "m", "s", "query", "rms_weight", "*partial"),
+         attrs={"index": REQUIRED, "eps": 1e-6, "dtype": REQUIRED},
+         flops=lambda ts, os, a: 8 * numel(os[0]),
+         doc="online-softmax merge of one query's bank result (phase 1, row index) with the in-block partial")

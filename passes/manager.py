@@ -36,11 +36,11 @@ def register_pass(name: str, stage: str | None = None):
 
 
 PIPELINES = {
-    # graph (as parsed) -> typed -> canonical (layer blocks expanded into primitive ops)
-    "default": ["verify", "infer_shapes", "canonicalize"],
+    # graph (as parsed) -> typed -> canonical (layer blocks expanded into primitive ops) -> fused
+    "default": ["verify", "infer_shapes", "canonicalize", "batch_attn_residual"],
 }
 
-STAGES = ["graph", "typed", "canonical"]
+STAGES = ["graph", "typed", "canonical", "fused"]
 
 
 class PassManager:

@@ -52,7 +52,7 @@ def test_parse_ir_fills_unknown_types():
     assert infer_shapes(g2) == g
 
 
-@pytest.mark.parametrize("stage", ["graph", "canonical"])
+@pytest.mark.parametrize("stage", ["graph", "canonical", "fused"])
 def test_golden_printed_ir(stage):
     pm = PassManager(keep_stages=True)
     pm.run(dsl.load(DATA / "toy.mtc"))
@@ -118,6 +118,7 @@ def test_pass_manager_dump_and_print_after(tmp_path, capsys):
     pm = PassManager(print_after=["canonicalize"], dump_dir=tmp_path)
     pm.run(dsl.load(DATA / "toy.mtc"))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["00-graph.mlir", "01-verify.mlir", "02-infer_shapes.mlir", "03-canonicalize.mlir"]
+    assert files == ["00-graph.mlir", "01-verify.mlir", "02-infer_shapes.mlir", "03-canonicalize.mlir",
+                     "04-batch_attn_residual.mlir"]
     assert "IR after canonicalize" in capsys.readouterr().out
-    assert [n for n, _ in pm.timings] == ["verify", "infer_shapes", "canonicalize"]
+    assert [n for n, _ in pm.timings] == ["verify", "infer_shapes", "canonicalize", "batch_attn_residual"]

@@ -1,0 +1,38 @@
+"""The batch_attn_residual pass: one phase-1 read of the bank per block, merges per sublayer, and the
+same logits as the direct form."""
+from pathlib import Path
+
+import torch
+
+import dsl
+from passes import PassManager
+
+ROOT = Path(__file__).resolve().parent.parent
+K3 = ROOT / "models" / "kimi_k3.mtc"
+
+
+def test_rewrite_structure_full_k3():
+    pm = PassManager(keep_stages=True)
+    g = pm.run(dsl.load(K3))
+    p1 = [n for n in g.nodes if n.op == "attn_residual_phase1"]
+    # 93 layers in 12-layer blocks: 8 blocks (the last of 9 layers); each block's 2 reads per layer share
+    # one phase-1 (the final mix joins the last block's)
+    assert [n.attr("n_queries") for n in p1] == [24] * 7 + [19]
+    assert [len(n.inputs) - 2 * n.attr("n_queries") for n in p1] == list(range(1, 9))   # bank sizes
+    assert not [n for n in g.nodes if n.op == "attn_residual"]
+    assert sum(n.op == "attn_residual_merge" for n in g.nodes) == 2 * 93 + 1
+    assert dsl.parse_ir(str(g)) == g
+
+
+def test_two_phase_model_equals_direct_model():
+    direct = dsl.compile(dsl.load(K3, "tiny"), passes=["verify", "infer_shapes", "canonicalize"]).eval()
+    fused = dsl.compile(dsl.load(K3, "tiny")).eval()
+    with torch.no_grad():                       # non-zero pseudo-queries so the softmax over depth matters
+        for name, p in direct.named_parameters():
+            if name.endswith("proj_weight"):
+                p.normal_(0, 1.0)
+    fused.load_state_dict(direct.state_dict())
+    assert any(n.op == "attn_residual_phase1" for n in fused.graph.nodes)
+    ids = torch.randint(0, 256, (2, 77))
+    a, b = fused(ids), direct(ids)
+    assert ((a - b).norm() / b.norm()).item() < 1e-4      # float32 rounding through 9 layers
