@@ -183,10 +183,10 @@ def test_triton_forward_fp16_batched(L, shape, onorm):
     assert _rel(out, _naive(query, sources, w, EPS, ow)) < _tol(torch.float16)
 
 
-@pytest.mark.parametrize("pf", [0, 1, 2])
-def test_triton_forward_prefetch_depths(pf, monkeypatch):
-    # every software-pipelining depth, with few programs so that prefetches cross token tiles
-    monkeypatch.setattr(T, "FWD_CONFIG", {"pf": pf, "progs_per_sm": 1, "bt": 4})
+@pytest.mark.parametrize("cfg", [{"pf": 0, "ns": 3, "qw_reg": False}, {"pf": 1}, {"pf": 2, "qw_reg": False}])
+def test_triton_forward_launch_settings(cfg, monkeypatch):
+    # every software-pipelining variant, with few programs so that prefetches cross token tiles
+    monkeypatch.setattr(T, "FWD_CONFIG", dict(cfg, progs_per_sm=1, bt=4))
     for L, n in ((1, 37), (2, 30), (5, 19)):
         query, sources, w = _inputs(L, (n, 40), torch.float32)
         out = T.attn_residual(query, sources, w)
@@ -323,16 +323,17 @@ def compile_(fn, sig, const, nw):
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw}).asm["ptx"]
 
-ptx = compile_(T._fwd_kernel, {"base": "*bf16", "offs": "*i64", "q": "*bf16", "w": "*bf16", "ow": "*bf16",
-                               "out": "*bf16", "logit_buf": "*fp32", "lse_buf": "*fp32", "N": "i32",
-                               "L": "i32", "eps": "fp32", "TPP": "i32"},
-               {"D": 7168, "BT": 1, "BD": 8192, "VEC": 8, "HAS_ONORM": True, "SAVE": False, "PF": 2}, 16)
+fsig = {"base": "*bf16", "offs": "*i64", "qw_buf": "*fp32", "ow": "*bf16", "out": "*bf16", "logit_buf": "*fp32",
+        "lse_buf": "*fp32", "N": "i32", "L": "i32", "eps": "fp32", "TPP": "i32"}
+ptx = compile_(T._fwd_kernel, fsig, {"D": 7168, "BT": 2, "BD": 8192, "VEC": 8, "HAS_ONORM": True, "SAVE": False,
+                                     "PF": 1, "NS": 1, "QW_REG": True}, 16)
 assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "forward: no 16-byte loads/stores"
-assert not re.search(r"\bld\.local|\bst\.local", ptx), "forward: local-memory traffic"
+ptx = compile_(T._fwd_kernel, fsig, {"D": 7168, "BT": 1, "BD": 8192, "VEC": 8, "HAS_ONORM": True, "SAVE": False,
+                                     "PF": 0, "NS": 3, "QW_REG": False}, 16)
+assert "cp.async" in ptx, "forward with NS=3: the source loads are not staged through shared memory"
 ptx = compile_(T._phase1_logits_kernel, {"base": "*bf16", "offs": "*i64", "qwT": "*fp32", "logit_buf": "*fp32",
-                                         "m_out": "*fp32", "s_out": "*fp32", "N": "i32", "NQP": "i32",
-                                         "L": "i32", "Q": "i32", "eps": "fp32"},
-               {"D": 7168, "BT": 64, "BK": 64, "QP": 32, "VEC": 8}, 4)
+                                         "N": "i32"},
+               {"D": 7168, "BT": 64, "BK": 64, "QP": 32, "VEC": 8, "eps": 1e-6, "NS": 4}, 4)
 assert "wgmma" in ptx, "phase 1 logits: no wgmma"
 print("OK")
 """

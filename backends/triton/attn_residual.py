@@ -54,24 +54,27 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _fwd_kernel(
     base, offs,                   # base pointer (sources' dtype) and int64 element offsets [L]
-    q, w, ow,                     # [D] query, key-norm weight, output-norm weight (ow unused if not HAS_ONORM)
+    qw_buf, ow,                   # [D] f32 query * rms_weight, output-norm weight (ow unused if not HAS_ONORM)
     out,                          # [N, D] sources' dtype
     logit_buf, lse_buf,           # [L, N] f32, [N] f32 (only written if SAVE)
     N, L, eps, TPP,               # TPP: token tiles per program (persistent loop)
     D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr,
-    HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, PF: tl.constexpr,
+    HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, PF: tl.constexpr, NS: tl.constexpr, QW_REG: tl.constexpr,
 ):
     # Program p owns the token tiles p*TPP .. p*TPP+TPP-1 and walks the (tile, source) pairs in order.
     # PF (0, 1 or 2) loads are kept in flight ahead of the pair being computed, across tile boundaries,
     # so that the memory system never idles at the end of a token (hand software-pipelining).
+    # PF == 0 with NS > 1 instead lets the compiler stage the source loads through shared memory
+    # (cp.async, NS - 1 loads in flight, no register cost). QW_REG keeps q*w in registers; without it
+    # q*w is re-read from L1 each step, which frees registers for more programs per multiprocessor.
     pid = tl.program_id(0).to(tl.int64)
     r0 = tl.arange(0, BT).to(tl.int64)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    qw = tl.load(q + cols, mask=cmask, other=0.0).to(tl.float32) * \
-        tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
-    if HAS_ONORM:
-        oww = tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)
+    if QW_REG:
+        qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
+        if HAS_ONORM:
+            oww = tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)
     t0 = pid * TPP
     if PF >= 1:
         rows_a = t0 * BT + r0
@@ -95,7 +98,9 @@ def _fwd_kernel(
         s = tl.zeros([BT], tl.float32)
         acc = tl.zeros([BT, BD], tl.float32)
         lgp = logit_buf                                                 # advances by N per source (64-bit)
-        for i in range(L):
+        for i in tl.range(0, L, num_stages=NS):
+            if not QW_REG:
+                qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
             if PF == 0:
                 off = tl.multiple_of(tl.load(offs + i), VEC)
                 x = tl.load(base + off + tile, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -132,6 +137,8 @@ def _fwd_kernel(
         if SAVE:
             tl.store(lse_buf + rows, m + tl.log(s), mask=rmask)
         if HAS_ONORM:
+            if not QW_REG:
+                oww = tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)
             ro = tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)
             o = o * ro[:, None] * oww[None, :]
         tl.store(out + tile, o.to(out.dtype.element_ty), mask=mask)
@@ -208,47 +215,41 @@ def _phase1_logits_kernel(
     base, offs,                   # bank (base + int64 element offsets [L])
     qwT,                          # [D, QP] f32: (queries * rms_weights)^T, zero-padded to QP columns
     logit_buf,                    # [L, N, QP] f32 out
-    m_out, s_out,                 # [Q, N] f32 out
-    N, NQP, L, Q, eps,            # NQP = N * QP
-    D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, VEC: tl.constexpr,
+    N,
+    D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, VEC: tl.constexpr, eps,
+    NS: tl.constexpr,
 ):
+    # program (token tile, bank source i): logits of all queries for BT tokens of source i, one read
     pid = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
     rows = pid * BT + tl.arange(0, BT).to(tl.int64)
     rmask = rows < N
     kk = tl.arange(0, BK)
     qq = tl.arange(0, QP)
-    m = tl.full([BT, QP], float("-inf"), tl.float32)
-    s = tl.zeros([BT, QP], tl.float32)
-    lgp = logit_buf                                                    # advances by N*QP per source
-    for i in range(L):
-        off = tl.multiple_of(tl.load(offs + i), VEC)
-        ptr = base + off + rows[:, None] * D
-        dots = tl.zeros([BT, QP], tl.float32)
-        ss = tl.zeros([BT], tl.float32)
-        for k0 in range(0, D, BK):
-            cols = k0 + kk
-            cm = cols < D
-            x = tl.load(ptr + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
-            b = tl.load(qwT + cols[:, None] * QP + qq[None, :], mask=cm[:, None], other=0.0)
-            ss += tl.sum(x * x, axis=1)
-            dots = tl.dot(x, b, dots, input_precision="tf32x3")
-        lg = dots * tl.rsqrt(ss / D + eps)[:, None]                 # [BT, QP]
-        m_new = tl.maximum(m, lg)
-        s = s * tl.exp(m - m_new) + tl.exp(lg - m_new)
-        m = m_new
-        tl.store(lgp + rows[:, None] * QP + qq[None, :], lg, mask=rmask[:, None])
-        lgp += NQP
-    qmask = rmask[:, None] & (qq[None, :] < Q)
-    tl.store(m_out + qq[None, :].to(tl.int64) * N + rows[:, None], m, mask=qmask)
-    tl.store(s_out + qq[None, :].to(tl.int64) * N + rows[:, None], s, mask=qmask)
+    off = tl.multiple_of(tl.load(offs + i), VEC)
+    ptr = base + off + rows[:, None] * D
+    dots = tl.zeros([BT, QP], tl.float32)
+    ss = tl.zeros([BT], tl.float32)
+    for k0 in tl.range(0, D, BK, num_stages=NS):
+        cols = k0 + kk
+        cm = cols < D
+        x = tl.load(ptr + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        b = tl.load(qwT + cols[:, None] * QP + qq[None, :], mask=cm[:, None], other=0.0)
+        ss += tl.sum(x * x, axis=1)
+        dots = tl.dot(x, b, dots, input_precision="tf32x3")
+    lg = dots * tl.rsqrt(ss / D + eps)[:, None]                     # [BT, QP]
+    dst = logit_buf + (i.to(tl.int64) * N + rows[:, None]) * QP + qq[None, :]
+    tl.store(dst, lg, mask=rmask[:, None])
 
 
 @triton.jit
 def _phase1_mix_kernel(
-    base, offs, logit_buf, m_in, acc,     # acc [Q, N, D] out (float32 or a lower precision)
+    base, offs, logit_buf,        # bank, logits [L, N, QP] f32
+    m_out, s_out,                 # [Q, N] f32 out (softmax max and sum per query and token)
+    acc,                          # [Q, N, D] out (float32 or a lower precision)
     N, NQP, L, Q,
     D: tl.constexpr, BC: tl.constexpr, QP: tl.constexpr, QB: tl.constexpr, NG: tl.constexpr,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, NS: tl.constexpr,
 ):
     # flat grid, query group fastest, so the programs that read the same bank chunk run side by side
     pid = tl.program_id(0).to(tl.int64)
@@ -260,21 +261,28 @@ def _phase1_mix_kernel(
     cm = cols < D
     qq = g * QB + tl.arange(0, QB)
     qm = qq < Q
-    mq = tl.load(m_in + qq.to(tl.int64) * N + n, mask=qm, other=0.0)      # [QB]
-    a = tl.zeros([QB, BC], tl.float32)
-    lgp = logit_buf + n * QP
-    row = n * D + cols
-    nxt = tl.load(base + tl.multiple_of(tl.load(offs), VEC) + row, mask=cm, other=0.0)
+    # the running max over the bank (logits are tiny: [L, QB] floats per token)
+    lgp = logit_buf + n * QP + qq
+    mq = tl.full([QB], float("-inf"), tl.float32)
     for i in range(L):
-        x = nxt.to(tl.float32)
-        # one load in flight ahead of the arithmetic (the loop is latency-bound otherwise)
-        offn = tl.multiple_of(tl.load(offs + tl.minimum(i + 1, L - 1)), VEC)
-        nxt = tl.load(base + offn + row, mask=cm & (i + 1 < L), other=0.0)
-        lg = tl.load(lgp + qq, mask=qm, other=0.0)
+        mq = tl.maximum(mq, tl.load(lgp, mask=qm, other=0.0))
         lgp += NQP
-        a += tl.exp(lg - mq)[:, None] * x[None, :]
+    a = tl.zeros([QB, BC], tl.float32)
+    sq = tl.zeros([QB], tl.float32)
+    row = n * D + cols
+    lgp = logit_buf + n * QP + qq
+    for i in tl.range(0, L, num_stages=NS):
+        off = tl.multiple_of(tl.load(offs + i), VEC)
+        x = tl.load(base + off + row, mask=cm, other=0.0).to(tl.float32)
+        e = tl.exp(tl.load(lgp, mask=qm, other=0.0) - mq)
+        lgp += NQP
+        sq += e
+        a += e[:, None] * x[None, :]
     dst = acc + (qq[:, None].to(tl.int64) * N + n) * D + cols[None, :]
     tl.store(dst, a.to(acc.dtype.element_ty), mask=qm[:, None] & cm[None, :])
+    stat = qm & (c == 0)
+    tl.store(m_out + qq.to(tl.int64) * N + n, mq, mask=stat)
+    tl.store(s_out + qq.to(tl.int64) * N + n, sq, mask=stat)
 
 
 @triton.jit
@@ -317,8 +325,12 @@ def _merge_kernel(
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
-#: Forward launch overrides (for the benchmark's sweep): {"num_warps": int, "pf": 0|1|2 (loads kept in
-#: flight ahead), "bt": rows per tile, "progs_per_sm": persistent programs per multiprocessor}.
+#: Forward launch settings for wide rows (d >= 2048), measured on an H200 (benchmarks/attn_residual.py
+#: --sweep): {"num_warps", "pf": 0|1|2 register prefetch depth, "ns": shared-memory pipeline stages (pf 0
+#: only), "qw_reg": keep q*w in registers, "bt": rows per tile, "progs_per_sm": persistent programs per SM,
+#: "maxnreg": register cap per thread}.
+FWD_DEFAULT: dict = {"num_warps": 16, "pf": 1, "bt": 2, "progs_per_sm": 1, "qw_reg": True}
+#: Overrides of the above (for the benchmark's sweep); empty in normal use.
 FWD_CONFIG: dict = {}
 
 
@@ -368,10 +380,16 @@ def _fwd(query, xs, w, ow, eps, save):
     base, offs, vec = _offset_table(xs, "attn_residual")
     out = torch.empty_like(xs[0])
     bt, bd, nw = _row_tile(d, n)
-    bt = FWD_CONFIG.get("bt", bt)
-    nw = FWD_CONFIG.get("num_warps", nw)
-    pf = FWD_CONFIG.get("pf", 2 if bd * bt >= 2048 else 1)
+    big = bd * bt >= 2048 and not _INTERPRET
+    cfg = dict(FWD_DEFAULT if big else {})
+    cfg.update(FWD_CONFIG)
+    bt = cfg.get("bt", bt)
+    nw = cfg.get("num_warps", nw)
+    pf = cfg.get("pf", 1)
+    ns = cfg.get("ns", 1) if pf == 0 else 1
+    qw_reg = cfg.get("qw_reg", True)
     dev = xs[0].device
+    qw = query.float() * w.float()
     if save:
         logit = torch.empty((L, n), dtype=torch.float32, device=dev)
         lse = torch.empty((n,), dtype=torch.float32, device=dev)
@@ -379,13 +397,14 @@ def _fwd(query, xs, w, ow, eps, save):
         logit = lse = out  # never touched (SAVE is False)
     if n > 0:
         n_tiles = triton.cdiv(n, bt)
-        progs = FWD_CONFIG.get("progs_per_sm", 2) * _num_sms(dev)
+        progs = cfg.get("progs_per_sm", 2) * _num_sms(dev)
         tpp = max(1, triton.cdiv(n_tiles, progs))
         grid = triton.cdiv(n_tiles, tpp)
         _fwd_kernel[(grid,)](
-            base, offs, query, w, ow if ow is not None else query, out, logit, lse,
+            base, offs, qw, ow if ow is not None else qw, out, logit, lse,
             n, L, float(eps), tpp, D=d, BT=bt, BD=bd, VEC=vec,
-            HAS_ONORM=ow is not None, SAVE=save, PF=pf, num_warps=nw)
+            HAS_ONORM=ow is not None, SAVE=save, PF=pf, NS=ns, QW_REG=qw_reg, num_warps=nw,
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return out, offs, (logit if save else None), (lse if save else None)
 
 
@@ -466,6 +485,14 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
 # two-phase form
 # ----------------------------------------------------------------------------------------------------
 
+#: Phase-1 launch settings for wide rows on the GPU: logits tile (p1_bt tokens x p1_bk columns, p1_ns
+#: pipeline stages, p1_nw warps) and mix tile (mix_bc columns x mix_qb queries, mix_ns stages, mix_nw warps).
+P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 1024, "mix_qb": 8, "mix_ns": 3,
+                    "mix_nw": 8}
+#: Overrides of the above (for the benchmark's sweep); empty in normal use.
+P1_CONFIG: dict = {}
+
+
 def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype):
     L = len(xs)
     n, d = xs[0].shape
@@ -482,18 +509,25 @@ def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype):
     if n == 0:
         return acc, m, s
     if _INTERPRET:
-        bt, bk, nw1 = 16, min(64, triton.next_power_of_2(d)), 4
+        cfg = {"p1_bt": 16, "p1_bk": min(64, triton.next_power_of_2(d)), "p1_ns": 1, "p1_nw": 4,
+               "mix_bc": min(64, triton.next_power_of_2(d)), "mix_qb": min(8, triton.next_power_of_2(Q)),
+               "mix_ns": 1, "mix_nw": 4}
     else:
-        bt, bk, nw1 = 64, 64, 4
-    _phase1_logits_kernel[(triton.cdiv(n, bt),)](
-        base, offs, qwT, logit, m, s, n, n * QP, L, Q, float(eps),
-        D=d, BT=bt, BK=bk, QP=QP, VEC=vec, num_warps=nw1, num_stages=1 if _INTERPRET else 4)
-    QB = min(8, triton.next_power_of_2(Q))
-    bc = min(triton.next_power_of_2(d), 64 if _INTERPRET else 1024)
-    nw2 = 4 if _INTERPRET else 8
-    ng = triton.cdiv(Q, QB)
+        cfg = dict(P1_DEFAULT)
+        cfg.update(P1_CONFIG)
+        cfg["mix_bc"] = min(cfg["mix_bc"], triton.next_power_of_2(d))
+        cfg["p1_bk"] = min(cfg["p1_bk"], triton.next_power_of_2(d))
+        cfg["mix_qb"] = min(cfg["mix_qb"], triton.next_power_of_2(Q))
+    bt = cfg["p1_bt"]
+    _phase1_logits_kernel[(triton.cdiv(n, bt), L)](
+        base, offs, qwT, logit, n, D=d, BT=bt, BK=cfg["p1_bk"], QP=QP, VEC=vec, eps=float(eps),
+        NS=cfg["p1_ns"], num_warps=cfg["p1_nw"])
+    qb = cfg["mix_qb"]
+    bc = cfg["mix_bc"]
+    ng = triton.cdiv(Q, qb)
     _phase1_mix_kernel[(n * triton.cdiv(d, bc) * ng,)](
-        base, offs, logit, m, acc, n, n * QP, L, Q, D=d, BC=bc, QP=QP, QB=QB, NG=ng, VEC=vec, num_warps=nw2)
+        base, offs, logit, m, s, acc, n, n * QP, L, Q, D=d, BC=bc, QP=QP, QB=qb, NG=ng, VEC=vec,
+        NS=cfg["mix_ns"], num_warps=cfg["mix_nw"])
     return acc, m, s
 
 

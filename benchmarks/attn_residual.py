@@ -1,0 +1,348 @@
+"""Benchmark: attn_residual (Block AttnRes) on the GPU, side by side with fla-core 0.6.0's fused_attnres.
+
+Sections (one process, random bf16 data, d = 7168):
+  1. the device-copy ceiling (torch copy of 4 GiB: bytes read + written over the median time);
+  2. (--sweep) a sweep of our forward's launch settings; the best is used below;
+  3. the main table: N in {16384, 65536} tokens x L in {2, 8, 16, 25} sources: median time
+     (triton.testing.do_bench), effective TB/s (bytes = every source read once + the output written
+     once), fraction of the measured copy and of 4.2 TB/s, TFLOP/s (6 flops per source element), and the
+     relative-RMS error of both kernels against a chunked float32 reference (backends.reference);
+  4. (N = 65536, L = 16: 7.5e9 source elements, past 2^32) fla's fused kernel vs fla's naive reference vs
+     the chunked float32 reference, and which stage of the naive one goes wrong;
+  5. one K3 block: 12 layers = 24 AttnRes reads of bank (B completed blocks) + the growing partial, each
+     with its fused output norm: 24 separate fla calls vs our two-phase form (one phase 1 for all 24
+     queries, then 24 merges), acc in float32 and in bf16.
+The last line is the geometric-mean speed ratio of ours over fla in the main table.
+
+Run on the GPU machine:  source .device/prelude.sh; python benchmarks/attn_residual.py [--quick] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import time
+
+import torch
+import triton
+
+T = importlib.import_module("backends.triton.attn_residual")
+R = importlib.import_module("backends.reference.attn_residual")
+
+D = 7168
+COPY_NOMINAL = 4.2e12
+LINES: list[str] = []
+
+
+def emit(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.float()
+    b = b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def chunked_reference(query, sources, w, ow=None, rows=None, chunk=2048) -> torch.Tensor:
+    """float32 reference (backends.reference) on row chunks, so that no temporary exceeds a few GB."""
+    n = sources[0].shape[0]
+    idx = torch.arange(n, device=sources[0].device) if rows is None else rows
+    outs = []
+    for i in range(0, idx.numel(), chunk):
+        r = idx[i:i + chunk]
+        outs.append(R.attn_residual(query, [s[r] for s in sources], w, output_rms_weight=ow).float())
+    return torch.cat(outs)
+
+
+def make(L, n, seed_scale=0.05):
+    sources = [(torch.randn(n, D, device="cuda") * (0.5 + 2 * torch.rand(1).item())).to(torch.bfloat16)
+               for _ in range(L)]
+    q = (torch.randn(D, device="cuda") * seed_scale).to(torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(D, device="cuda")).to(torch.bfloat16)
+    return q, sources, w
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.float16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    bw = 2 * x.numel() * 2 / t
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
+def prune_fla(fla_fused_mod, keep_all: bool) -> str:
+    k = fla_fused_mod.attnres_fwd_kernel
+    if keep_all or not hasattr(k, "configs"):
+        return "all of fla's forward autotune configs"
+    k.configs = [c for c in k.configs if c.num_warps in (8, 16) and c.num_stages == 2]
+    return (f"fla autotuned over {len(k.configs)} of its 24 forward configs (num_warps 8/16, num_stages 2; "
+            f"4 warps and 3 stages dropped to fit the device budget)")
+
+
+def sweep(n, Ls, copy_bw):
+    emit(f"\n## Sweep of our forward's launch settings (N = {n}, d = {D}, bf16)\n")
+    emit("| setting | " + " | ".join(f"L={L} TB/s" for L in Ls) + " |")
+    emit("|---|" + "---|" * len(Ls))
+    data = {L: make(L, n) for L in Ls}
+    cands = [
+        {"num_warps": 16, "pf": 1, "bt": 2, "progs_per_sm": 1, "qw_reg": True},
+        {"num_warps": 16, "pf": 0, "ns": 3, "bt": 1, "qw_reg": False, "maxnreg": 64, "progs_per_sm": 2},
+        {"num_warps": 16, "pf": 0, "ns": 4, "bt": 1, "qw_reg": False, "maxnreg": 64, "progs_per_sm": 2},
+        {"num_warps": 8, "pf": 0, "ns": 3, "bt": 1, "qw_reg": False, "maxnreg": 128, "progs_per_sm": 2},
+        {"num_warps": 8, "pf": 0, "ns": 4, "bt": 1, "qw_reg": False, "maxnreg": 128, "progs_per_sm": 2},
+        {"num_warps": 16, "pf": 1, "bt": 1, "qw_reg": True, "maxnreg": 64, "progs_per_sm": 2},
+        {"num_warps": 16, "pf": 2, "bt": 1, "qw_reg": False, "maxnreg": 64, "progs_per_sm": 2},
+        {"num_warps": 16, "pf": 0, "ns": 3, "bt": 2, "qw_reg": False, "progs_per_sm": 1},
+    ]
+    best, best_score = None, -1.0
+    for cfg in cands:
+        T.FWD_CONFIG.clear()
+        T.FWD_CONFIG.update(cfg)
+        tbs = []
+        try:
+            for L in Ls:
+                q, s, w = data[L]
+                t = bench(lambda: T.attn_residual(q, s, w))
+                tbs.append((L + 1) * n * D * 2 / t)
+        except Exception as e:  # a setting that does not compile/launch is skipped, and said so
+            emit(f"| {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
+            continue
+        score = math.exp(sum(math.log(x) for x in tbs) / len(tbs))
+        emit(f"| {cfg} | "
+             + " | ".join(f"{x / 1e12:.2f} ({x / copy_bw:.0%})" for x in tbs) + " |")
+        if score > best_score:
+            best, best_score = dict(cfg), score
+    del data
+    torch.cuda.empty_cache()
+    T.FWD_CONFIG.clear()
+    T.FWD_CONFIG.update(best)
+    emit(f"\nbest: {best} (geometric mean {best_score / 1e12:.2f} TB/s)")
+    return best
+
+
+def sweep_phase1(n, B, copy_bw):
+    Q = 24
+    emit(f"\n## Sweep of phase-1 launch settings (N = {n}, bank B = {B}, Q = {Q}, acc float32)\n")
+    emit("| setting | phase-1 ms | TB/s (bank read + acc written) |")
+    emit("|---|---|---|")
+    bank = [torch.randn(n, D, device="cuda").to(torch.bfloat16) for _ in range(B)]
+    qs = (torch.randn(Q, D, device="cuda") * 0.05)
+    ws = 1 + 0.3 * torch.randn(Q, D, device="cuda")
+    nbytes = B * n * D * 2 + Q * n * D * 4
+    cands = [{}, {"mix_bc": 512, "mix_nw": 4}, {"mix_bc": 512, "mix_qb": 32, "mix_ns": 4},
+             {"mix_ns": 4}, {"mix_bc": 2048}, {"p1_bt": 128, "p1_nw": 8, "p1_ns": 3}]
+    best, best_t = {}, float("inf")
+    for cfg in cands:
+        T.P1_CONFIG.clear()
+        T.P1_CONFIG.update(cfg)
+        try:
+            t = bench(lambda: T.attn_residual_phase1(qs, bank, ws))
+        except Exception as e:
+            emit(f"| {cfg or 'default'} | failed: {type(e).__name__}: {str(e)[:80]} | |")
+            continue
+        emit(f"| {cfg or 'default'} | {t * 1e3:.2f} | {nbytes / t / 1e12:.2f} ({nbytes / t / copy_bw:.0%}) |")
+        if t < best_t:
+            best, best_t = dict(cfg), t
+    T.P1_CONFIG.clear()
+    T.P1_CONFIG.update(best)
+    emit(f"\nbest: {best or 'default'}")
+    del bank
+    torch.cuda.empty_cache()
+
+
+def main_table(Ns, Ls, copy_bw, fla_fused, onorm=False):
+    emit(f"\n## Forward, bf16, d = {D}{', with the fused output norm' if onorm else ''}: ours vs fla "
+         f"fused_attnres\n")
+    emit("| N | L | GB moved | GFLOP | ours ms | ours TB/s | ours %copy | ours %4.2TB/s | ours TFLOP/s | "
+         "ours err | fla ms | fla TB/s | fla %copy | fla err | speed-up |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for n in Ns:
+        for L in Ls:
+            q, s, w = make(L, n)
+            ow = (1 + 0.3 * torch.randn(D, device="cuda")).to(torch.bfloat16) if onorm else None
+            nbytes = (L + 1) * n * D * 2
+            flops = 6 * L * n * D
+            out = T.attn_residual(q, s, w, output_rms_weight=ow)
+            ref = chunked_reference(q, s, w, ow)
+            err = rel(out, ref)
+            t = bench(lambda: T.attn_residual(q, s, w, output_rms_weight=ow))
+            row = (f"| {n} | {L} | {nbytes / 1e9:.2f} | {flops / 1e9:.1f} | {t * 1e3:.3f} | {nbytes / t / 1e12:.2f} | "
+                   f"{nbytes / t / copy_bw:.1%} | {nbytes / t / COPY_NOMINAL:.1%} | {flops / t / 1e12:.2f} | {err:.1e} |")
+            if fla_fused is not None:
+                fo = fla_fused(q, s, w, output_rms_weight=ow)
+                ferr = rel(fo, ref)
+                tf = bench(lambda: fla_fused(q, s, w, output_rms_weight=ow))
+                row += (f" {tf * 1e3:.3f} | {nbytes / tf / 1e12:.2f} | {nbytes / tf / copy_bw:.1%} | {ferr:.1e} | "
+                        f"{tf / t:.2f}x |")
+                ratios.append(tf / t)
+            else:
+                row += " - | - | - | - | - |"
+            emit(row)
+            del q, s, w, out, ref
+            torch.cuda.empty_cache()
+    return ratios
+
+
+def past_2_32(fla_fused, fla_naive):
+    n, L = 65536, 16
+    emit(f"\n## N = {n}, L = {L}, d = {D}: {n * L * D / 1e9:.2f}e9 source elements (2^32 = 4.29e9)\n")
+    q, s, w = make(L, n)
+    rows = torch.cat([torch.arange(4096, device="cuda"), torch.arange(n - 4096, n, device="cuda"),
+                      torch.randint(0, n, (4096,), device="cuda")])
+    ref = chunked_reference(q, s, w, rows=rows)
+    ours = T.attn_residual(q, s, w)[rows]
+    emit(f"- ours vs chunked float32 reference (12288 rows: first, last, random): rel err {rel(ours, ref):.2e}")
+    if fla_fused is None:
+        return
+    fo = fla_fused(q, s, w)
+    emit(f"- fla fused_attnres vs chunked float32 reference: rel err {rel(fo[rows], ref):.2e}")
+    torch.cuda.synchronize()
+    try:
+        no, p = fla_naive(q, s, w, return_weights=True)
+        emit(f"- fla naive_attnres vs chunked float32 reference: rel err {rel(no[rows], ref):.2e}; "
+             f"naive vs fused: {rel(no, fo):.2e}")
+        # which stage of the naive one goes wrong: its softmax weights p [L, N] against ours
+        with torch.no_grad():
+            xs = torch.stack([x[rows].float() for x in s])                       # [L, R, D]
+            lg = (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6) * (q.float() * w.float())).sum(-1)
+            p_ref = torch.softmax(lg, 0)
+        emit(f"- fla naive's softmax weights p vs a float32 recomputation on those rows: rel err "
+             f"{rel(p[:, rows], p_ref):.2e}")
+        del no, p
+        torch.cuda.empty_cache()
+        # stage by stage, as the naive reference computes them, on the full stacked tensor
+        v = torch.stack([x.view(-1, D) for x in s]).float()                     # [L, N, D] f32, 30 GB
+        k = torch.nn.functional.rms_norm(v, (D,), w.float(), 1e-6)
+        last = torch.tensor([n - 1], device="cuda")
+        k_small = torch.nn.functional.rms_norm(v[:, last], (D,), w.float(), 1e-6)
+        emit(f"- F.rms_norm on the whole [L, N, D] float32 tensor ({v.numel() / 1e9:.2f}e9 elements) vs on "
+             f"the last token only: rel err {rel(k[:, last], k_small):.2e}")
+        lg_full = torch.einsum("lnd,d->ln", k, q.float())
+        emit(f"- einsum('l n d, d -> l n') on it vs per-row: rel err "
+             f"{rel(lg_full[:, last], (k_small * q.float()).sum(-1)):.2e}")
+        del k, k_small
+        pp = lg_full.softmax(0)
+        o_full = torch.einsum("ln,lnd->nd", pp, v)
+        emit(f"- einsum('l n, l n d -> n d') vs per-row: rel err "
+             f"{rel(o_full[last], (pp[:, last, None] * v[:, last]).sum(0)):.2e}")
+        del v, lg_full, pp, o_full
+    except torch.cuda.OutOfMemoryError as e:
+        emit(f"- fla naive_attnres: out of memory ({e})")
+    torch.cuda.empty_cache()
+
+
+def block(n, Bs, fla_fused, copy_bw):
+    Q = 24
+    emit(f"\n## One K3 block: 24 AttnRes reads (12 layers), N = {n}, d = {D}, bf16, each read with its output "
+         f"norm\n")
+    emit("reads: r = 0 mixes the bank only; r >= 1 mixes bank + the in-block partial sum.\n")
+    emit("| bank B | fla 24 calls ms | ours 24 direct ms | ours two-phase (acc f32) ms | phase-1 ms (f32) | "
+         "ours two-phase (acc bf16) ms | two-phase f32 / fla | two-phase bf16 / fla | err f32 | err bf16 |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
+    for B in Bs:
+        bank = [(torch.randn(n, D, device="cuda") * (1 + i)).to(torch.bfloat16) for i in range(B)]
+        parts = [torch.randn(n, D, device="cuda").to(torch.bfloat16) for _ in range(2)]
+        qs = (torch.randn(Q, D, device="cuda") * 0.05).to(torch.bfloat16)
+        ws = (1 + 0.3 * torch.randn(Q, D, device="cuda")).to(torch.bfloat16)
+        ows = (1 + 0.3 * torch.randn(Q, D, device="cuda")).to(torch.bfloat16)
+
+        def srcs(r):
+            return bank + ([parts[r % 2]] if r else [])
+
+        def fla_block():
+            for r in range(Q):
+                fla_fused(qs[r], srcs(r), ws[r], output_rms_weight=ows[r])
+
+        def direct_block():
+            for r in range(Q):
+                T.attn_residual(qs[r], srcs(r), ws[r], output_rms_weight=ows[r])
+
+        def two_phase(acc_dtype):
+            acc, m, s = T.attn_residual_phase1(qs, bank, ws, acc_dtype=acc_dtype)
+            outs = []
+            for r in range(Q):
+                outs.append(T.attn_residual_merge(acc[r], m[r], s[r], parts[r % 2] if r else None, qs[r], ws[r],
+                                                  output_rms_weight=ows[r], out_dtype=torch.bfloat16))
+            return outs
+
+        rows = torch.randint(0, n, (2048,), device="cuda")
+        errs = []
+        for acc_dtype in (torch.float32, torch.bfloat16):
+            outs = two_phase(acc_dtype)
+            e = max(rel(outs[r][rows], chunked_reference(qs[r], srcs(r), ws[r], ows[r], rows=rows)) for r in (0, 1, 23))
+            errs.append(e)
+            del outs
+        t_fla = bench(fla_block) if fla_fused is not None else float("nan")
+        t_dir = bench(direct_block)
+        t_f32 = bench(lambda: two_phase(torch.float32))
+        t_p1 = bench(lambda: T.attn_residual_phase1(qs, bank, ws))
+        t_bf = bench(lambda: two_phase(torch.bfloat16))
+        emit(f"| {B} | {t_fla * 1e3:.2f} | {t_dir * 1e3:.2f} | {t_f32 * 1e3:.2f} | {t_p1 * 1e3:.2f} | "
+             f"{t_bf * 1e3:.2f} | {t_f32 / t_fla:.2f} | {t_bf / t_fla:.2f} | {errs[0]:.1e} | {errs[1]:.1e} |")
+        p1_bytes = B * n * D * 2 + Q * n * D * 4
+        emit(f"|  | phase 1 alone (f32 acc): {p1_bytes / 1e9:.1f} GB in {t_p1 * 1e3:.2f} ms = "
+             f"{p1_bytes / t_p1 / 1e12:.2f} TB/s ({p1_bytes / t_p1 / copy_bw:.0%} of copy) | | | | | | | | |")
+        del bank, parts
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="N = 16384 only, L in {2, 25}; no 2^32 section")
+    ap.add_argument("--sweep", action="store_true", help="sweep our forward's launch settings first, use the best")
+    ap.add_argument("--no-fla", action="store_true", help="skip the fla baseline")
+    ap.add_argument("--fla-all-configs", action="store_true", help="let fla autotune over all 24 of its configs")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: table,onorm,2e32,block")
+    ap.add_argument("--out", default="benchmarks/results/attn_residual.md", help="where to write the table")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("attn_residual benchmark: needs a CUDA GPU")
+    skip = set(a.skip.split(",")) if a.skip else set()
+    fla_fused = fla_naive = None
+    note = "fla not run"
+    if not a.no_fla:
+        import fla.ops.attnres.fused as fla_fused_mod
+        from fla.ops.attnres import fused_attnres as fla_fused, naive_attnres as fla_naive
+        note = prune_fla(fla_fused_mod, a.fla_all_configs)
+    t0 = time.time()
+    copy_bw = copy_bandwidth()
+    emit(f"# attn_residual benchmark ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+         f"triton {triton.__version__})\n")
+    emit(f"device copy (torch, 4 GiB, read + write): {copy_bw / 1e12:.2f} TB/s; nominal ceiling used: 4.2 TB/s. "
+         f"{note}.")
+    Ns = [16384] if a.quick else [16384, 65536]
+    Ls = [2, 25] if a.quick else [2, 8, 16, 25]
+    if a.sweep:
+        sweep(16384 if a.quick else 65536, [2, 8, 25], copy_bw)
+        sweep_phase1(16384, 8, copy_bw)
+    emit(f"\nour forward launch settings: {T.FWD_CONFIG or T.FWD_DEFAULT}; phase 1: {T.P1_CONFIG or T.P1_DEFAULT}")
+    ratios = []
+    if "table" not in skip:
+        ratios = main_table(Ns, Ls, copy_bw, fla_fused)
+    if "onorm" not in skip:
+        main_table([16384], [8], copy_bw, fla_fused, onorm=True)
+    if "2e32" not in skip and not a.quick:
+        past_2_32(fla_fused, fla_naive)
+    if "block" not in skip:
+        block(16384, [2, 4, 8] if not a.quick else [8], fla_fused, copy_bw)
+    emit(f"\n(total benchmark wall time {time.time() - t0:.0f} s)")
+    if ratios:
+        g = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        emit(f"\nratio vs fla fused_attnres (time fla / time ours, geometric mean over the main table): {g:.2f}x")
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
