@@ -51,7 +51,7 @@ TILE_CONFIGS = {
         "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "dx": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "glu_bwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "glu_bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "wgrad": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
         "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
     },
@@ -489,7 +489,9 @@ class _ExpertsFn(torch.autograd.Function):
         u = _combine(y, d, wt, x.dtype)
         del y
         ctx.d, ctx.cfg = d, (act, bg, bu)
-        ctx.save_for_backward(x, xs, wt, w1, w3, w2, a, b, h)
+        ctx.save_for_backward(x, wt, w1, w3, w2)
+        # intermediates kept as attributes so that backward can free each as soon as it is used
+        ctx.inter = [xs, a, b, h]
         return u
 
     @staticmethod
@@ -498,7 +500,9 @@ class _ExpertsFn(torch.autograd.Function):
             x, tw, w1, w3, w2 = ctx.saved_tensors
             z = torch.zeros_like
             return z(x), None, z(tw), z(w1), z(w3), z(w2), None, None, None
-        x, xs, wt, w1, w3, w2, a, b, h = ctx.saved_tensors
+        x, wt, w1, w3, w2 = ctx.saved_tensors
+        xs, a, b, h = ctx.inter
+        ctx.inter = None
         d = ctx.d
         act, bg, bu = ctx.cfg
         n, l = x.shape
@@ -514,8 +518,17 @@ class _ExpertsFn(torch.autograd.Function):
         _gg("glu_bwd", dus if dus is not None else du, w2, d.schedule(_cfg("glu_bwd", x)["BM"]),
             d.offs, e, l, i, da, gather=dus is None, tok=d.tok, w_kn=True, epi=2, c2=db, pa=a,
             pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
+        del a, b
         if need_wt:
             dwt = dwrow[d.pos].view(n, d.k)
+        # peak memory: free each intermediate right after its last use
+        if need_w2:
+            dw2 = torch.empty(e, l, i, dtype=w2.dtype, device=x.device)
+            if dus is not None:
+                _wgrad(dus, h, d, l, i, dw2, pscale=w_rows)
+            else:
+                _wgrad(du, h, d, l, i, dw2, ptok=d.tok, pscale=w_rows)
+        del dus, h
         if need_x:
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
             dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
@@ -530,12 +543,6 @@ class _ExpertsFn(torch.autograd.Function):
                 _wgrad(da, xs, d, i, l, dw1, p2=db, out2=dw3)
             else:
                 _wgrad(da, x, d, i, l, dw1, p2=db, out2=dw3, qtok=d.tok)
-        if need_w2:
-            dw2 = torch.empty(e, l, i, dtype=w2.dtype, device=x.device)
-            if dus is not None:
-                _wgrad(dus, h, d, l, i, dw2, pscale=w_rows)
-            else:
-                _wgrad(du, h, d, l, i, dw2, ptok=d.tok, pscale=w_rows)
         return dx, None, dwt, dw1, dw3, dw2, None, None, None
 
 
