@@ -151,7 +151,7 @@ def _dt(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_intra(qq, kk, G, bb, fast, K: tl.constexpr):
+def _chunk_intra(qq, kk, G, bb, fast, K: tl.constexpr, NEED_B: tl.constexpr):
     """T = (I + Akk)^-1, P (lower incl. diagonal, unscaled), B (strictly lower, before beta) for one chunk.
 
     qq, kk, G [64, K] float32 (rows past the chunk end: q = k = 0, G constant); bb [64]; fast: int32
@@ -189,7 +189,8 @@ def _chunk_intra(qq, kk, G, bb, fast, K: tl.constexpr):
         T_r = tl.dot(Dinv, X)
         T = _put_rows(T, T_r, r, 4, 16, 64)
         P = _put_rows(P, P_r, r, 4, 16, 64)
-        Bm = _put_rows(Bm, A_r, r, 4, 16, 64)
+        if NEED_B:
+            Bm = _put_rows(Bm, A_r, r, 4, 16, 64)
     return T, P, Bm
 
 
@@ -223,8 +224,8 @@ def _fwd_intra_kernel(q, k, v, g, beta, cstart, clen, WK, U, QG, KD, AQK, GAM, s
     rows = tl.arange(0, 64)
     dv = tl.arange(0, V)
     offv = (t0 + rows).to(tl.int64)[:, None] * (H * V) + h * V + dv[None, :]
+    T, P, Bm = _chunk_intra(qq, kk, G, bb, fast, K, False)
     vv = tl.load(v + offv, mask=rm[:, None], other=0.0).to(tl.float32)
-    T, P, Bm = _chunk_intra(qq, kk, G, bb, fast, K)
     GL = _row_of(G, rows, 63)
     eG = tl.exp(G)
     wk = tl.dot(T, kk * eG * bb[:, None])
@@ -386,7 +387,7 @@ def _bwd_intra_kernel(q, k, v, g, beta, cstart, clen, DU, DWK, DQG, DKD, DAQK, D
     dvv = tl.arange(0, V)
     offv = (t0 + rows).to(tl.int64)[:, None] * (H * V) + h * V + dvv[None, :]
     vv = tl.load(v + offv, mask=rm[:, None], other=0.0).to(tl.float32)
-    T, P, Bm = _chunk_intra(qq, kk, G, bb, fast, K)
+    T, P, Bm = _chunk_intra(qq, kk, G, bb, fast, K, True)
     dU = tl.load(DU + offv, mask=rm[:, None], other=0.0).to(tl.float32)
     dWk = tl.load(DWK + offk, mask=rm[:, None], other=0.0).to(tl.float32)
     dqg = tl.load(DQG + offk, mask=rm[:, None], other=0.0).to(tl.float32)
@@ -597,7 +598,7 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
     HB = torch.empty(max(NC, 1), H, K, V, dtype=idt, device=dev) if store_h else S_OUT
     _fwd_state_kernel[(NS, H, V // BV)](WK, U, QG, KD, AQK, GAM, o, HB, S_IN, S_OUT, tab["cstart"], tab["clen"],
                                         tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0,
-                                        STORE_O=True, STORE_H=store_h, num_warps=4, num_stages=2)
+                                        STORE_O=True, STORE_H=store_h, num_warps=8, num_stages=2)
     final = S_OUT.index_select(0, tab["last_seg"])
     saved = (WK, U, QG, KD, AQK, GAM, S_IN)
     return o.view(B, T, H, V), final, saved, (HB if store_h else None)
@@ -616,7 +617,7 @@ def _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd, 
     if not mode_bwd:
         _fwd_state_kernel[grid](WK, U, QG, KD, AQK, GAM, MD, MD, MD, MD, tab["cstart"], tab["clen"],
                                 tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BA, SW=K + V, MODE=1,
-                                STORE_O=False, STORE_H=False, num_warps=4, num_stages=2)
+                                STORE_O=False, STORE_H=False, num_warps=8, num_stages=2)
     else:
         _bwd_state_kernel[grid](WK, U, QG, KD, AQK, GAM, DO, MD, MD, MD, MD, MD, MD, MD, MD, MD,
                                 tab["cstart"], tab["clen"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V,
@@ -642,7 +643,7 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht):
     S_OUT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
     _fwd_state_kernel[(NS, H, V // BV)](WK, U, QG, KD, AQK, GAM, S_OUT, HB, S_IN, S_OUT, tab["cstart"],
                                         tab["clen"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V,
-                                        MODE=0, STORE_O=False, STORE_H=True, num_warps=4, num_stages=2)
+                                        MODE=0, STORE_O=False, STORE_H=True, num_warps=8, num_stages=2)
     do2 = do.reshape(N, H, V).contiguous()
     dS_end = _entry_states(WK, U, QG, KD, AQK, GAM, dht, tab, H, K, V, BV, dev, mode_bwd=True, DO=do2)
     DU = torch.empty(N, H, V, dtype=idt, device=dev)
