@@ -116,6 +116,11 @@ def cmd_run(args) -> int:
     from rich.table import Table
     from . import compile as mtc_compile, load
 
+    if args.target == "triton" and args.device == "cpu":
+        import os
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise MtcError("--target triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported")
+        os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels on the CPU: the interpreter
     c = Console(stderr=False)
     spec = args.spec or str(DEFAULT_SPEC)
     variant = args.variant if (args.variant or args.spec) else "tiny"
