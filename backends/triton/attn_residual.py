@@ -487,8 +487,8 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
 
 #: Phase-1 launch settings for wide rows on the GPU: logits tile (p1_bt tokens x p1_bk columns, p1_ns
 #: pipeline stages, p1_nw warps) and mix tile (mix_bc columns x mix_qb queries, mix_ns stages, mix_nw warps).
-P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 1024, "mix_qb": 8, "mix_ns": 3,
-                    "mix_nw": 8}
+P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 512, "mix_qb": 8, "mix_ns": 3,
+                    "mix_nw": 4}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 P1_CONFIG: dict = {}
 
