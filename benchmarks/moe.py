@@ -168,6 +168,39 @@ def main():
                   f"({time.time() - t_start:.0f}s)", flush=True)
         return ms
 
+    def emit(final=False):
+        """Print the table (and write --out); called after each token count, so a run cut short
+        keeps what it measured."""
+        lines = ["| impl | tokens | what | ms | TFLOP | TFLOP/s | % of 720 | TB/s (floor bytes) | % of 4.2 |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for impl, T, what, ms, fl, nb in rows:
+            if math.isnan(ms):
+                continue
+            tf = fl / ms / 1e9
+            tb = nb / ms / 1e9
+            lines.append(f"| {impl} | {T} | {what} | {ms:.2f} | {fl / 1e12:.2f} | {tf:.1f} | "
+                         f"{100 * tf / PEAK_TFLOPS:.1f}% | {tb:.2f} | {100 * tb / PEAK_TBS:.1f}% |")
+        get = {(i, T, w): ms for i, T, w, ms, _, _ in rows}
+        ratios = []
+        for T in tokens:
+            for what in ("experts fwd", "layer fwd", "experts fwd+bwd", "layer fwd+bwd"):
+                a, b = get.get(("triton", T, what)), get.get(("gmm", T, what))
+                if a and b and not math.isnan(a):
+                    ratios.append(f"{what} T={T}: {b / a:.2f}x")
+        dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)"
+        head = [f"# MoE layer benchmark ({dev_name}, torch {torch.__version__}, triton {triton.__version__})", "",
+                f"K3 MoE layer: d {d}, latent {lat}, {e} experts, top-{k}, intermediate {inter}, shared Is {i_s}, "
+                f"{str(dt).replace('torch.', '')}; median of do_bench.", ""]
+        tail = ["", *[f"- {n}" for n in notes], "",
+                "ratio vs torch._grouped_mm (time_gmm / time_triton): " + "; ".join(ratios)]
+        text = "\n".join(head + lines + tail)
+        print()
+        print(text)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as fh:
+                fh.write(text + "\n")
+
     reps = 300 if args.quick else 1000
     for T in tokens:
         print(f"== T = {T}", flush=True)
@@ -204,8 +237,6 @@ def main():
             if args.variants and not args.cpu_smoke:
                 base = {kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}
                 trials = {
-                    "glu64x128w4s4": {"glu_fwd": dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)},
-                    "glu128x128s4": {"glu_fwd": dict(num_stages=4)},
                     "glu-gather": {"glu_fwd": dict(A_TMA=False)},
                     "mm128x128s4": {"mm": dict(BN=128, num_stages=4)},
                 }
@@ -222,6 +253,7 @@ def main():
                 record(impl, T, "layer fwd", lambda: layer(x, p, k, scaling), f_exp + f_dense, lbytes, reps)
             del xl
         if args.no_bwd:
+            emit()
             continue
         # forward + backward of the layer: gradients for x and every weight (not the bias buffer),
         # returned by autograd.grad and dropped (no .grad accumulation)
@@ -247,9 +279,22 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             if record(impl, T, "experts fwd+bwd", estep, 3 * f_exp, 3 * wbytes_exp + 4 * T * lat * 2, reps * 2) and dev == "cuda":
                 notes.append(f"{impl} experts fwd+bwd T={T}: peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        if args.variants and dev == "cuda":
+            wd = tm.TILE_CONFIGS["cuda"]["wgrad_dual"]
+            wd["DUAL"] = not wd.get("DUAL", True)
+            name = "triton:wgrad-" + ("dual" if wd["DUAL"] else "split")
+
+            def vstep():
+                u = tm.moe_experts(xl, idx, wtg, leaves["w1"], leaves["w3"], leaves["w2"])
+                gr = torch.autograd.grad(u, (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu)
+                del gr, u
+
+            torch.cuda.empty_cache()
+            record(name, T, "experts fwd+bwd", vstep, 3 * f_exp, 3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
+            wd["DUAL"] = not wd["DUAL"]
         del xl, wtg, gu
         for impl in ("triton", "gmm", "loop"):
-            if impl == "loop" and T > 8192:
+            if impl == "loop" and (T > 8192 or args.quick):
                 continue
             layer = make_layer(impl, tm)
 
@@ -263,38 +308,9 @@ def main():
         del leaves, xg, inputs, gy
         if dev == "cuda":
             torch.cuda.empty_cache()
+        emit()
 
-    # ---------------------------------------------------------------- table
-    lines = ["| impl | tokens | what | ms | TFLOP | TFLOP/s | % of 720 | TB/s (floor bytes) | % of 4.2 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for impl, T, what, ms, fl, nb in rows:
-        if math.isnan(ms):
-            continue
-        tf = fl / ms / 1e9
-        tb = nb / ms / 1e9
-        lines.append(f"| {impl} | {T} | {what} | {ms:.2f} | {fl / 1e12:.2f} | {tf:.1f} | "
-                     f"{100 * tf / PEAK_TFLOPS:.1f}% | {tb:.2f} | {100 * tb / PEAK_TBS:.1f}% |")
-    get = {(i, T, w): ms for i, T, w, ms, _, _ in rows}
-    ratios = []
-    for T in tokens:
-        for what in ("experts fwd", "layer fwd", "layer fwd+bwd"):
-            a, b = get.get(("triton", T, what)), get.get(("gmm", T, what))
-            if a and b and not math.isnan(a):
-                ratios.append(f"{what} T={T}: {b / a:.2f}x")
-    dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)"
-    head = [f"# MoE layer benchmark ({dev_name}, torch {torch.__version__}, triton {triton.__version__})", "",
-            f"K3 MoE layer: d {d}, latent {lat}, {e} experts, top-{k}, intermediate {inter}, shared Is {i_s}, "
-            f"{str(dt).replace('torch.', '')}; median of do_bench.", ""]
-    tail = ["", *[f"- {n}" for n in notes], "",
-            "ratio vs torch._grouped_mm (time_gmm / time_triton): " + "; ".join(ratios)]
-    text = "\n".join(head + lines + tail)
-    print()
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-
+    emit(final=True)
 
 if __name__ == "__main__":
     main()

@@ -211,6 +211,15 @@ def test_moe_experts_matches_naive_and_reference(n, l, e, i, k):
     _check_experts(n, l, e, i, k)
 
 
+def test_moe_experts_pointer_paths_and_split_wgrad(monkeypatch):
+    # no TMA anywhere (token rows gathered through pointers in every kernel) and the weight
+    # gradients of w1 and w3 from two launches instead of the dual kernel
+    cfgs = {k_: dict(v, A_TMA=False, W_TMA=False) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
+    cfgs["wgrad_dual"]["DUAL"] = False
+    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
+    _check_experts(29, 32, 6, 16, 3)
+
+
 def test_moe_experts_silu_activation():
     _check_experts(40, 32, 6, 16, 2, act="silu")
 
@@ -292,7 +301,7 @@ types.update(a_src="tensordesc<bf16[128,64]>", a2_src="tensordesc<bf16[128,64]>"
              tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf,
              wrow_ptr="*fp32", dwrow_ptr="*fp32", tile_expert_ptr="*i64",
              tile_start_ptr="*i64", offs_ptr="*i64", beta_gate="fp32", beta_up="fp32")
-consts = dict(PAIR=1, EPI=1, SAVE=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True, W_KN=False,
+consts = dict(PAIR=1, EPI=1, SAVE=True, ROW_SCALE=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True, W_KN=False,
               PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)

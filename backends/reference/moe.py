@@ -232,10 +232,11 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
         b_hat = torch.zeros_like(b)
     else:
         biased = s + b
-        alpha = torch.sort(biased, dim=1, descending=True).values[:, top_k]  # (k+1)-th largest
+        alpha = torch.topk(biased, top_k + 1, dim=1).values[:, top_k]  # (k+1)-th largest
         margin = s - alpha[:, None]
         q = (n * top_k) // e
-        b_hat = -torch.sort(margin, dim=0, descending=True).values[q, :]  # (q+1)-th largest
+        # (q+1)-th largest of each column = its (n - q)-th smallest
+        b_hat = -torch.kthvalue(margin, n - q, dim=0).values
     b_hat = _dp_average(b_hat, dp_group)
     b_new = b_hat - b_hat.mean()
     return ema * b + (1.0 - ema) * b_new

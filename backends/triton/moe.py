@@ -388,7 +388,7 @@ def _tma_ok(t, block):
 
 def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=None, pair=0,
         w2=None, a2=None, epi=0, save=False, c2=None, c3=None, pa=None, pb=None, wrow=None,
-        dwrow=None, act=0, bg=4.0, bu=25.0):
+        dwrow=None, act=0, bg=4.0, bu=25.0, row_scale=False):
     """Launch the grouped GEMM kernel (see its docstring). a: [rows, kk] (gathered through tok
     when `gather`); w: [E, nn, kk] (w_kn False) or [E, kk, nn] (w_kn True)."""
     cfg = _cfg(name, a)
@@ -420,7 +420,7 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
         wrow if wrow is not None else dummy, dwrow if dwrow is not None else dummy,
         te, ts, offs, kk, nn, num_experts, n_tiles,
         a.stride(0), w.stride(0), swn, swk, c.stride(0), float(bg), float(bu),
-        PAIR=pair, EPI=epi, SAVE=save, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=w_desc,
+        PAIR=pair, EPI=epi, SAVE=save, ROW_SCALE=row_scale, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=w_desc,
         W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return c
@@ -472,26 +472,28 @@ class _ExpertsFn(torch.autograd.Function):
         if w1.stride() != w3.stride():
             w1, w3 = w1.contiguous(), w3.contiguous()
         need_grad = any(ctx.needs_input_grad)
-        # GEMM 1 + SiTU-GLU: h = glu(x w1^T, x w3^T)   (N = I, K = l)
+        # GEMM 1 + SiTU-GLU, scaled by the routing weight of the row:
+        #   hw[r] = p[r] glu(x[tok r] w1^T, x[tok r] w3^T)      (N = I, K = l)
         cfg = _cfg("glu_fwd", x)
         xs = _pregather("glu_fwd", x, d)
-        h = torch.empty(d.nk, i, dtype=x.dtype, device=x.device)
-        a = torch.empty_like(h) if need_grad else None
-        b = torch.empty_like(h) if need_grad else None
-        _gg("glu_fwd", xs if xs is not None else x, w1, d.schedule(cfg["BM"]), d.offs, e, l, i, h,
-            gather=xs is None, tok=d.tok, w_kn=False, pair=1, w2=w3, epi=1, save=need_grad, c2=a,
-            c3=b, act=act, bg=bg, bu=bu)
-        # GEMM 2: y = h w2^T   (N = l, K = I)
-        y = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
-        _gg("mm", h, w2, d.schedule(_cfg("mm", x)["BM"]), d.offs, e, i, l, y, gather=False,
-            w_kn=False)
         wt = topk_weight.float().contiguous()
-        u = _combine(y, d, wt, x.dtype)
+        w_rows = wt.reshape(-1)[d.perm].contiguous()  # routing weight of each sorted row
+        hw = torch.empty(d.nk, i, dtype=x.dtype, device=x.device)
+        a = torch.empty_like(hw) if need_grad else None
+        b = torch.empty_like(hw) if need_grad else None
+        _gg("glu_fwd", xs if xs is not None else x, w1, d.schedule(cfg["BM"]), d.offs, e, l, i, hw,
+            gather=xs is None, tok=d.tok, w_kn=False, pair=1, w2=w3, epi=1, save=need_grad, c2=a,
+            c3=b, wrow=w_rows, row_scale=True, act=act, bg=bg, bu=bu)
+        # GEMM 2: y = hw w2^T   (N = l, K = I); then u[t] = sum_j y[pos[t, j]]
+        y = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
+        _gg("mm", hw, w2, d.schedule(_cfg("mm", x)["BM"]), d.offs, e, i, l, y, gather=False,
+            w_kn=False)
+        u = _combine(y, d, None, x.dtype)
         del y
         ctx.d, ctx.cfg = d, (act, bg, bu)
         ctx.save_for_backward(x, wt, w1, w3, w2)
         # intermediates kept as attributes so that backward can free each as soon as it is used
-        ctx.inter = [xs, a, b, h]
+        ctx.inter = [xs, a, b, hw, w_rows]
         return u
 
     @staticmethod
@@ -501,7 +503,7 @@ class _ExpertsFn(torch.autograd.Function):
             z = torch.zeros_like
             return z(x), None, z(tw), z(w1), z(w3), z(w2), None, None, None
         x, wt, w1, w3, w2 = ctx.saved_tensors
-        xs, a, b, h = ctx.inter
+        xs, a, b, hw, w_rows = ctx.inter
         ctx.inter = None
         d = ctx.d
         act, bg, bu = ctx.cfg
@@ -509,7 +511,6 @@ class _ExpertsFn(torch.autograd.Function):
         e, i, _ = w1.shape
         need_x, _, need_wt, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:6]
         du = du.to(x.dtype).contiguous()
-        w_rows = wt.reshape(-1)[d.perm].contiguous()  # routing weight of each sorted row
         dx = dwt = dw1 = dw3 = dw2 = None
         # G = du[tok] w2[e] (K = l, N = I); epilogue: d topk_weight (row sums of G h), dA, dB
         dus = _pregather("glu_bwd", du, d)
@@ -523,12 +524,13 @@ class _ExpertsFn(torch.autograd.Function):
             dwt = dwrow[d.pos].view(n, d.k)
         # peak memory: free each intermediate right after its last use
         if need_w2:
+            # dW2[e] = sum_r du[tok r]^T (p[r] h[r]) = dus^T hw
             dw2 = torch.empty(e, l, i, dtype=w2.dtype, device=x.device)
             if dus is not None:
-                _wgrad(dus, h, d, l, i, dw2, pscale=w_rows)
+                _wgrad(dus, hw, d, l, i, dw2)
             else:
-                _wgrad(du, h, d, l, i, dw2, ptok=d.tok, pscale=w_rows)
-        del dus, h
+                _wgrad(du, hw, d, l, i, dw2, ptok=d.tok)
+        del dus, hw
         if need_x:
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
             dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
@@ -539,10 +541,12 @@ class _ExpertsFn(torch.autograd.Function):
         if need_w1 or need_w3:
             dw1 = torch.empty(e, i, l, dtype=w1.dtype, device=x.device)
             dw3 = torch.empty(e, i, l, dtype=w3.dtype, device=x.device)
-            if xs is not None:
-                _wgrad(da, xs, d, i, l, dw1, p2=db, out2=dw3)
-            else:
-                _wgrad(da, x, d, i, l, dw1, p2=db, out2=dw3, qtok=d.tok)
+            q, qtok = (xs, None) if xs is not None else (x, d.tok)
+            if _cfg("wgrad_dual", x).get("DUAL", True):
+                _wgrad(da, q, d, i, l, dw1, p2=db, out2=dw3, qtok=qtok)
+            else:  # two launches of the lighter kernel (fewer registers: 2 CTAs per SM)
+                _wgrad(da, q, d, i, l, dw1, qtok=qtok)
+                _wgrad(db, q, d, i, l, dw3, qtok=qtok)
         return dx, None, dwt, dw1, dw3, dw2, None, None, None
 
 

@@ -221,8 +221,8 @@ def _grouped_gemm_kernel(
         K, NN, E, n_tiles,
         stride_am, stride_we, stride_wn, stride_wk, stride_cm,
         beta_gate, beta_up,
-        PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr, ACT: tl.constexpr,
-        FAST: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
+        PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr, ROW_SCALE: tl.constexpr,
+        ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
         PREC: tl.constexpr, EVEN_K: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One grouped GEMM over the experts; for the rows r of m-tile's expert e and n-tile cols:
@@ -234,8 +234,8 @@ def _grouped_gemm_kernel(
     A rows: A_MODE 0 gathered through tok (A[r] = a[tok[r]]), 1 contiguous, 2 a TMA descriptor
     over contiguous rows. W: pointers with (stride_we, stride_wn, stride_wk), or (W_DESC) a 3-D
     TMA descriptor over [E, rows, cols] with zero fill outside each expert's block.
-    Epilogue EPI 0: c = acc.  EPI 1 (GLU forward): c = glu(acc, acc2) (and, when SAVE, c2 = acc,
-    c3 = acc2: the pre-activations for backward).  EPI 2 (GLU backward, acc = G = du . w2[e]):
+    Epilogue EPI 0: c = acc.  EPI 1 (GLU forward): c = glu(acc, acc2) (times wrow[r] when
+    ROW_SCALE; and, when SAVE, c2 = acc, c3 = acc2: the pre-activations for backward).  EPI 2 (GLU backward, acc = G = du . w2[e]):
     dwrow[r] += sum_n G h, dH = wrow[r] G, c = dA, c2 = dB from the saved pa, pb.
     """
     pid = tl.program_id(0)
@@ -329,6 +329,11 @@ def _grouped_gemm_kernel(
             h = _glu_fwd(a_st.to(tl.float32), b_st.to(tl.float32), beta_gate, beta_up, ACT, FAST)
         else:
             h = _glu_fwd(acc, acc2, beta_gate, beta_up, ACT, FAST)
+        if ROW_SCALE:
+            # the routing weight of each row, applied here so that the combine is a plain sum
+            # and dW2 = du^T (w h) needs no scaling in its K loop
+            wr = tl.load(wrow_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            h = h * wr[:, None]
         tl.store(c_ptr + o, h.to(c_ptr.dtype.element_ty), mask=om)
     else:
         av = tl.load(pa_ptr + o, mask=om, other=0.0).to(tl.float32)
