@@ -1,0 +1,141 @@
+"""Benchmark: mtc's Triton kda_chunk vs fla-core 0.6.0 chunk_kda (safe_gate=True, lower_bound=-5), one process.
+
+B=1, K=V=128, bf16 q/k/v/beta, float32 g from the lower-bounded sigmoid gate (g in [-5, 0)), random data.
+Times are medians of triton.testing.do_bench (CUDA events).  Columns:
+  FLOPs  nominal dense work of the chunked algorithm (C=64): forward 6CK + 4CV + 6KV per token and head
+         (intra Akk/P/Wk/U, state W/O/update); forward+backward counted as 3.5x the forward.
+  bytes  the fewest bytes a forward must move: q, k, v, beta, o in bf16 and g in float32, once each
+         (1538 B per token and head); forward+backward adds re-reading the inputs, dO and writing
+         dq, dk, dv, dbeta (bf16) and dg (float32): 4358 B per token and head.
+  TF/s, TB/s, %mm, %bw  achieved rates and their fraction of the H200 limits (bf16 matmul 720 TFLOP/s,
+         device copy 4.2 TB/s).
+  err    relative RMS difference of o between the two implementations (forward rows).
+Usage: source .device/prelude.sh; python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+MM_PEAK = 720e12
+BW_PEAK = 4.2e12
+
+
+def flops_fwd(T, H, K=128, V=128, C=64):
+    return T * H * (6 * C * K + 4 * C * V + 6 * K * V)
+
+
+def bytes_fwd(T, H, K=128, V=128):
+    return T * H * (2 * K + 2 * K + 2 * V + 4 * K + 2 + 2 * V)
+
+
+def bytes_fwdbwd(T, H, K=128, V=128):
+    return bytes_fwd(T, H, K, V) + T * H * ((2 * K + 2 * K + 2 * V + 4 * K + 2) + 2 * V
+                                            + (2 * K + 2 * K + 2 * V + 4 * K + 2))
+
+
+def make(T, H, K=128, V=128, device="cuda"):
+    q = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=device), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=device), dim=-1).bfloat16()
+    v = torch.randn(1, T, H, V, device=device).bfloat16()
+    g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, device=device) * 2)
+    beta = torch.rand(1, T, H, device=device).bfloat16()
+    return q, k, v, g, beta
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="H=16 and T in {8192, 65536} only")
+    ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    ap.add_argument("--rep", type=int, default=300, help="do_bench repetition budget in ms")
+    ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    args = ap.parse_args()
+    import triton
+    from fla.ops.kda import chunk_kda
+    from backends.triton.kda import kda_chunk
+
+    if args.quick:
+        cases = [(16, 8192), (16, 65536)]
+    else:
+        cases = [(16, 8192), (16, 65536), (16, 262144), (16, 1048576),
+                 (96, 8192), (96, 65536), (96, 262144)]
+    dev = torch.cuda.get_device_name()
+    lines = [f"# kda_chunk vs fla-core 0.6.0 chunk_kda on {dev} (B=1, K=V=128, bf16, g in [-5,0))", "",
+             "| H | T | pass | fla ms | mtc ms | speed-up | GFLOP | GB | mtc TF/s | %mm | mtc TB/s | %bw | err o |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    ratios = {}
+    for H, T in cases:
+        for mode in ("fwd", "fwd+bwd"):
+            if mode == "fwd+bwd" and (args.no_bwd or H * T > 16 * 1048576 // 2 and H == 96 or H * T > 16 * 1048576):
+                continue
+            try:
+                q, k, v, g, beta = make(T, H)
+                grad = mode == "fwd+bwd"
+                do = None
+                if grad:
+                    for t in (q, k, v, g, beta):
+                        t.requires_grad_()
+                    do = torch.randn(1, T, H, 128, device="cuda").bfloat16()
+
+                def run_fla():
+                    o, _ = chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)
+                    if grad:
+                        o.backward(do)
+                    return o
+
+                def run_mtc():
+                    o, _ = kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+                    if grad:
+                        o.backward(do)
+                    return o
+
+                with torch.no_grad() if not grad else torch.enable_grad():
+                    o1 = run_fla().detach()
+                    o2 = run_mtc().detach()
+                    err = rel(o2, o1)
+                    del o1, o2
+                    gn = [q, k, v, g, beta] if grad else None
+                    t_fla = triton.testing.do_bench(run_fla, warmup=50, rep=args.rep, grad_to_none=gn,
+                                                    return_mode="median")
+                    t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
+                                                    return_mode="median")
+            except torch.OutOfMemoryError as e:  # noqa: PERF203
+                print(f"| {H} | {T} | {mode} | OOM: {str(e)[:60]} |", flush=True)
+                continue
+            finally:
+                q = k = v = g = beta = do = None
+                torch.cuda.empty_cache()
+            fl = flops_fwd(T, H) * (3.5 if grad else 1.0)
+            by = bytes_fwdbwd(T, H) if grad else bytes_fwd(T, H)
+            tf, tb = fl / (t_mtc * 1e-3), by / (t_mtc * 1e-3)
+            line = (f"| {H} | {T} | {mode} | {t_fla:.3f} | {t_mtc:.3f} | {t_fla / t_mtc:.2f}x | {fl / 1e9:.0f} | "
+                    f"{by / 1e9:.2f} | {tf / 1e12:.1f} | {100 * tf / MM_PEAK:.1f}% | {tb / 1e12:.2f} | "
+                    f"{100 * tb / BW_PEAK:.1f}% | {err:.1e} |")
+            print(line, flush=True)
+            lines.append(line)
+            ratios[(H, T, mode)] = t_fla / t_mtc
+    gm = math.exp(sum(math.log(r) for r in ratios.values()) / max(1, len(ratios)))
+    big = ratios.get((16, 1048576, "fwd"))
+    last = (f"ratio fla/mtc (speed-up, >1 = mtc faster): geometric mean {gm:.2f}x over {len(ratios)} rows; "
+            f"min {min(ratios.values()):.2f}x; at H=16 T=1M fwd: {big:.2f}x" if big else
+            f"ratio fla/mtc (speed-up, >1 = mtc faster): geometric mean {gm:.2f}x over {len(ratios)} rows; "
+            f"min {min(ratios.values(), default=float('nan')):.2f}x")
+    lines += ["", last]
+    print("\n" + last, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
