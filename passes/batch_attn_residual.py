@@ -37,7 +37,7 @@ def _groups(g: Graph):
     return [gr for gr in groups if len(gr[1]) > 1]
 
 
-@register_pass("batch_attn_residual", stage="fused")
+@register_pass("batch_attn_residual")
 def batch_attn_residual(g: Graph) -> Graph:
     """Rewrite each block's AttnRes reads into one phase-1 kernel over the bank plus per-read merges."""
     groups = _groups(g)

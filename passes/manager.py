@@ -37,7 +37,7 @@ def register_pass(name: str, stage: str | None = None):
 
 PIPELINES = {
     # graph (as parsed) -> typed -> canonical (layer blocks expanded into primitive ops) -> fused
-    "default": ["verify", "infer_shapes", "canonicalize", "batch_attn_residual"],
+    "default": ["verify", "infer_shapes", "canonicalize", "batch_attn_residual", "fuse_tiles"],
 }
 
 STAGES = ["graph", "typed", "canonical", "fused"]

@@ -6,6 +6,7 @@ from dsl.builder import ShapeError
 from dsl.errors import MtcError
 from dsl.ir import SOURCE_OPS, Graph
 
+from .fuse_tiles import ANNOTATIONS
 from .manager import register_pass
 
 
@@ -36,7 +37,7 @@ def verify(g: Graph) -> Graph:
             od = OPS.get(n.op)
             if od is None:
                 raise MtcError(f"%{n.name}: unknown op '{n.op}'", n.loc)
-            extra = set(n.attr_dict) - set(od.attrs)
+            extra = set(n.attr_dict) - set(od.attrs) - set(ANNOTATIONS)
             if extra:
                 raise MtcError(f"%{n.name}: op '{n.op}' has no attribute '{sorted(extra)[0]}'", n.loc)
             if any(t is None for t in n.types) or not n.types:

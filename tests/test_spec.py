@@ -119,6 +119,7 @@ def test_pass_manager_dump_and_print_after(tmp_path, capsys):
     pm.run(dsl.load(DATA / "toy.mtc"))
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00-graph.mlir", "01-verify.mlir", "02-infer_shapes.mlir", "03-canonicalize.mlir",
-                     "04-batch_attn_residual.mlir"]
+                     "04-batch_attn_residual.mlir", "05-fuse_tiles.mlir"]
     assert "IR after canonicalize" in capsys.readouterr().out
-    assert [n for n, _ in pm.timings] == ["verify", "infer_shapes", "canonicalize", "batch_attn_residual"]
+    assert [n for n, _ in pm.timings] == ["verify", "infer_shapes", "canonicalize", "batch_attn_residual",
+                                              "fuse_tiles"]

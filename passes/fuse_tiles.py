@@ -1,0 +1,174 @@
+"""fuse_tiles: group each heavy op with the elementwise, normalisation and view ops around it into one
+kernel, and record the tile sizes chosen for it.
+
+The rules are data (:data:`RULES`): an anchor op, the ops its prologue may absorb (walking up its
+inputs), the ops its epilogue may absorb (walking down its single-use output), the ops that may feed an
+epilogue op from the side (e.g. the sigmoid of an output gate), and a tile-size rule. A producer is
+absorbed only when every one of its users is already in the group, so no value is computed twice.
+
+The result annotates nodes (the IR stays executable op by op):
+    fusion = "<anchor node>"   on every member of a group
+    tiles  = {...}             on the anchor: the compiler's tile choice, overridable per rule
+The lowering (passes/lower.py) turns each group into one kernel launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dsl.ir import Graph, Node
+
+from .manager import register_pass
+
+ANNOTATIONS = ("fusion", "tiles")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass
+class FusionRule:
+    name: str
+    anchor: str
+    prologue: frozenset = frozenset()
+    epilogue: frozenset = frozenset()
+    side: frozenset = frozenset()
+    tiles: Callable[[Node, dict], dict] = lambda n, nodes: {}
+    when: Callable[[Node, dict], bool] = lambda n, nodes: True
+    doc: str = ""
+
+
+def _kda_tiles(n, nodes):
+    V = int(n.types[0].shape[-1])
+    return {"chunk": 64, "sub_tile": 16, "BLOCK_V": min(64, _pow2(V)), "state": "f32"}
+
+
+def _mla_tiles(n, nodes):
+    dqk = int(nodes[n.inputs[0].node].types[n.inputs[0].index].shape[-1])
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": _pow2(dqk)}
+
+
+def _moe_tiles(n, nodes):
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "sort": "by_expert"}
+
+
+def _glu_from_dual_gemm(n, nodes):
+    a, b = (nodes[r.node] for r in n.inputs)
+    return a.op == "linear" and b.op == "linear" and a.inputs[0] == b.inputs[0]
+
+
+def _row_tiles(n, nodes):
+    d = int(n.types[0].shape[-1])
+    return {"BLOCK_D": _pow2(d), "ROWS": 2}
+
+
+VIEWS = frozenset({"reshape", "slice", "broadcast"})
+
+RULES: list[FusionRule] = [
+    FusionRule("kda", "kda_chunk",
+               prologue=frozenset({"short_conv", "silu", "l2norm", "kda_gate", "sigmoid"}) | VIEWS,
+               epilogue=frozenset({"rmsnorm", "mul"}) | VIEWS, side=frozenset({"sigmoid"}) | VIEWS,
+               tiles=_kda_tiles,
+               doc="short conv + SiLU -> L2 norm -> gate -> kda_chunk -> per-head RMSNorm * sigmoid gate"),
+    FusionRule("mla", "mla_attention", prologue=frozenset({"concat"}) | VIEWS,
+               epilogue=frozenset({"mul"}) | VIEWS, side=frozenset({"sigmoid"}) | VIEWS, tiles=_mla_tiles,
+               doc="k = [k_nope, broadcast k_rope] built in the prologue; sigmoid output gate in the epilogue"),
+    FusionRule("router", "qb_route", prologue=VIEWS, tiles=lambda n, m: {"BLOCK_N": 64, "BLOCK_E": 128},
+               doc="router GEMM + sigmoid + biased top-k (Quantile Balancing) + renormalisation"),
+    FusionRule("experts", "moe_experts", epilogue=frozenset({"rmsnorm"}), tiles=_moe_tiles,
+               doc="grouped GEMM (w1|w3) with SiTU-GLU epilogue, grouped GEMM w2, weighted combine, RMSNorm(u)"),
+    FusionRule("glu", "situ_glu", prologue=frozenset({"linear"}), when=_glu_from_dual_gemm,
+               tiles=lambda n, m: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64},
+               doc="gate and up projections in one GEMM pass with SiTU-GLU in the epilogue"),
+    FusionRule("attn_res", "attn_residual_merge", epilogue=frozenset({"rmsnorm"}), tiles=_row_tiles,
+               doc="online-softmax merge + the next sublayer's RMSNorm"),
+    FusionRule("attn_res", "attn_residual", epilogue=frozenset({"rmsnorm"}), tiles=_row_tiles,
+               doc="AttnRes over depth + the next sublayer's RMSNorm"),
+    FusionRule("attn_res_bank", "attn_residual_phase1", tiles=_row_tiles,
+               doc="every query of a block against the completed bank in one read"),
+]
+
+
+def _groups(g: Graph, rules=RULES) -> dict[str, tuple[FusionRule, list[str]]]:
+    nodes = g.node_map()
+    users = g.users()
+    owner: dict[str, str] = {}
+    groups: dict[str, tuple[FusionRule, list[str]]] = {}
+    by_anchor = {}
+    for r in rules:
+        by_anchor.setdefault(r.anchor, []).append(r)
+    for n in g.nodes:
+        for rule in by_anchor.get(n.op, ()):
+            if n.name in owner or not rule.when(n, nodes):
+                continue
+            members = {n.name}
+
+            def absorb_up(name: str, allowed: frozenset):
+                p = nodes[name]
+                if p.name in owner or p.name in members or p.op not in allowed:
+                    return
+                if not all(u in members for u in users[p.name]):
+                    return
+                members.add(p.name)
+                for r in p.inputs:
+                    absorb_up(r.node, allowed)
+
+            for r in n.inputs:
+                absorb_up(r.node, rule.prologue)
+            cur = n
+            while len(users[cur.name]) == 1:
+                c = nodes[users[cur.name][0]]
+                if c.op not in rule.epilogue or c.name in owner:
+                    break
+                members.add(c.name)
+                for r in c.inputs:
+                    if r.node not in members:
+                        absorb_up(r.node, rule.side)
+                cur = c
+            for m in members:
+                owner[m] = n.name
+            groups[n.name] = (rule, [x.name for x in g.nodes if x.name in members])
+            break
+    return groups
+
+
+@register_pass("fuse_tiles", stage="fused")
+def fuse_tiles(g: Graph) -> Graph:
+    """Group heavy ops with their prologue/epilogue ops; annotate members and the anchor's tiles."""
+    groups = _groups(g)
+    nodes = g.node_map()
+    member_of = {m: a for a, (_r, ms) in groups.items() for m in ms}
+    out = []
+    for n in g.nodes:
+        a = member_of.get(n.name)
+        if a is None:
+            out.append(n)
+            continue
+        attrs = dict(n.attr_dict)
+        attrs["fusion"] = a
+        if n.name == a:
+            attrs["tiles"] = groups[a][0].tiles(n, nodes)
+        out.append(n.replace(attrs=attrs))
+    return g.with_nodes(out)
+
+
+def describe_groups(g: Graph) -> str:
+    """A comment block listing each fusion group and what it absorbed (for `mtc ir --stage fused`)."""
+    from collections import Counter, OrderedDict
+    groups: "OrderedDict[str, list[Node]]" = OrderedDict()
+    for n in g.nodes:
+        a = n.attr("fusion")
+        if a is not None:
+            groups.setdefault(a, []).append(n)
+    lines = [f"// {len(groups)} fused kernels"]
+    kinds = Counter()
+    for a, ms in groups.items():
+        anchor = next(m for m in ms if m.name == a)
+        absorbed = Counter(m.op for m in ms if m.name != a)
+        kinds[anchor.op] += 1
+        if kinds[anchor.op] <= 2:
+            what = ", ".join(f"{op} x{c}" if c > 1 else op for op, c in absorbed.items()) or "nothing"
+            lines.append(f"//   %{a} {anchor.op} {dict(anchor.attr('tiles') or ())}: absorbs {what}")
+    lines.append("//   per anchor op: " + ", ".join(f"{k} x{v}" for k, v in kinds.items()))
+    return "\n".join(lines) + "\n"
