@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dsl.errors import MtcError
-from dsl.ir import SOURCE_OPS, Graph, Node
+from dsl.ir import SOURCE_OPS, Graph, Node, Ref
 from dsl.printer import print_graph
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64,
@@ -153,6 +153,10 @@ class CompiledModule(nn.Module):
         self._names: dict[str, str] = {}           # node name -> state-dict key
         self.routing_stats: dict[str, torch.Tensor] = {}
         self._shape_cache: dict = {}
+        self._gen: dict = {}                       # last member node -> (generated kernel, jit fn)
+        self._gen_skip: set[str] = set()
+        self.program = None                        # the kernel IR (target="triton")
+        self.kernel_source_path = None
         self.balance: str | None = "qb"
         self.balance_ema = 0.0
         self.fixed_step = 1e-3
@@ -190,10 +194,11 @@ class CompiledModule(nn.Module):
 
     # -- IR access ----------------------------------------------------------------------------
     def ir(self, stage: str = "canonical") -> str:
-        """The printed IR of one stage ("graph", "typed", "canonical", ...)."""
+        """The printed IR of one stage ("graph", "typed", "canonical", "fused", "lowered")."""
         if stage not in self.stages:
             raise MtcError(f"no IR stage '{stage}'; stages: {', '.join(self.stages)}")
-        return print_graph(self.stages[stage])
+        st = self.stages[stage]
+        return st.text() if hasattr(st, "text") else print_graph(st)
 
     def _tensor(self, key: str) -> torch.Tensor:
         *path, leaf = key.split(".")
@@ -235,12 +240,40 @@ class CompiledModule(nn.Module):
         for i, n in enumerate(ops):
             if progress is not None:
                 progress(i, len(ops))
+            if n.name in self._gen_skip:
+                continue
+            if n.name in self._gen:
+                self._run_generated(env, *self._gen[n.name])
+                continue
             args = [self._value(env, r) for r in n.inputs]
             out = self._exec(n, args, bind)
             env[n.name] = out
             if n.op == "qb_route":
                 self._after_route(n, out)
         return [self._value(env, r) for r in g.outputs]
+
+    def attach_generated(self, program, path, module, kernels) -> None:
+        """Run the generated pointwise kernels (backends/triton/codegen.py) in place of their ops."""
+        self.program, self.kernel_source_path = program, path
+        self.stages["lowered"] = program
+        for k in kernels:
+            *head, last = k.members
+            self._gen[last] = (k, getattr(module, k.name))
+            self._gen_skip.update(head)
+
+    def _run_generated(self, env, k, fn) -> None:
+        args = []
+        for ref in k.inputs:
+            name, _, idx = ref.lstrip("%").partition("#")
+            v = self._value(env, Ref(name, int(idx or 0)))
+            args.append(v.contiguous())
+        row = next(a for a, r in zip(args, k.row_inputs) if r)
+        D = row.shape[-1]
+        outs = [torch.empty_like(row) for _ in k.outputs]
+        BLOCK_D = 1 << max(0, D - 1).bit_length()
+        fn[(row.numel() // D,)](*args, *outs, D, *k.scalars.values(), BLOCK_D=BLOCK_D)
+        for ref, o in zip(k.outputs, outs):
+            env[ref.lstrip("%").partition("#")[0]] = o
 
     def _value(self, env, r):
         if r.node not in env:
@@ -295,7 +328,7 @@ class CompiledModule(nn.Module):
 
 def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype | str | None = None,
                   device: torch.device | str = "cpu", seed: int | None = 0, passes="default",
-                  print_after=(), dump_ir=None) -> CompiledModule:
+                  print_after=(), dump_ir=None, emit_dir=None) -> CompiledModule:
     """Run the pass pipeline and build a runnable module.
 
     Args:
@@ -305,6 +338,7 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         device: "cpu", "cuda", or "meta" to build the full model without allocating weights.
         seed: parameter initialisation seed (None: torch's global RNG).
         passes / print_after / dump_ir: see passes.PassManager.
+        emit_dir: (triton) write the generated kernels there instead of the cache directory.
     Raises:
         MtcError: an unknown target, or a graph that fails verification.
     """
@@ -321,4 +355,9 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     g = pm.run(graph)
     m = CompiledModule(g, dict(pm.stages), target, dtype, device, seed)
     m.pass_timings = pm.timings
+    if target == "triton" and "fused" in pm.stages and str(device) != "meta":
+        from backends.triton.codegen import write_and_load
+        from passes.lower import lower
+        program = lower(pm.stages["fused"], target)
+        m.attach_generated(program, *write_and_load(program, pm.stages["fused"], emit_dir))
     return m

@@ -25,6 +25,7 @@ examples:
   mtc stats models/kimi_k3.mtc --seq-len 1048576 --gpus 128
   mtc stats models/kimi_k3.mtc --variant small --set n_layers=24 --json
   mtc ir models/kimi_k3.mtc --variant tiny --stage canonical --print-after canonicalize
+  mtc ir models/kimi_k3.mtc --stage lowered --seq-len 1048576 --gpus 128 --slots 1024
   mtc run models/kimi_k3.mtc --variant tiny --input README.md --seq-len 256
 """
 
@@ -87,18 +88,25 @@ def cmd_stats(args) -> int:
 def cmd_ir(args) -> int:
     from passes import STAGES, PassManager
     from .printer import print_graph
-    g = _load(args)
+    stages = STAGES + ["lowered"]
     stage = args.stage
-    if stage not in STAGES:
-        raise MtcError(f"unknown stage '{stage}'; stages: {', '.join(STAGES)}")
+    if stage not in stages:
+        raise MtcError(f"unknown stage '{stage}'; stages: {', '.join(stages)}")
+    g = _load(args)
     pm = PassManager(print_after=args.print_after or (), dump_dir=args.dump_ir, keep_stages=True)
-    upto = STAGES.index(stage)
+    upto = stages.index(stage)
     if upto > 0:
-        pm.passes = [p for p in pm.passes if p.stage is None or STAGES.index(p.stage) <= upto]
+        pm.passes = [p for p in pm.passes if p.stage is None or stages.index(p.stage) <= upto]
         pm.run(g)
     else:
         pm.stages["graph"] = g
-    text = print_graph(pm.stages[stage], with_loc=not args.no_loc)
+    if stage == "lowered":
+        text = _lowered_report(args, g, pm)
+    else:
+        text = print_graph(pm.stages[stage], with_loc=not args.no_loc)
+        if stage == "fused":
+            from passes.fuse_tiles import describe_groups
+            text = describe_groups(pm.stages[stage]) + text
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.output} ({text.count(chr(10))} lines)", file=sys.stderr)
@@ -107,6 +115,29 @@ def cmd_ir(args) -> int:
     if args.timing:
         print(pm.timing_report(), file=sys.stderr)
     return 0
+
+
+def _lowered_report(args, g, pm) -> str:
+    """Kernel list, per-GPU memory plan and expert placement for `mtc ir --stage lowered`."""
+    from passes.lower import lower
+    from passes.place_experts import plan as place
+    from passes.plan_memory import plan_memory
+    t0 = time.perf_counter()
+    prog = lower(pm.stages["fused"], target=args.target)
+    out = [prog.text()]
+    counts = prog.counts()
+    out.append(f"// {len(prog.launches)} launches: " + ", ".join(f"{k} x{v}" for k, v in counts.items()))
+    out.append(f"// code cache key: {prog.cache_key()}\n")
+    T = args.seq_len or dict(g.meta_get("config", ())).get("max_seq_len", 4096)
+    mp = plan_memory(g, seq_len=T, gpus=args.gpus, checkpointing=args.checkpointing, canonical=pm.stages["canonical"])
+    out.append(mp.summary())
+    moe = [n for n in g.nodes if n.op in ("latent_moe", "moe")]
+    if moe:
+        E = moe[0].attr("experts")
+        slots = args.slots or (E if E % args.gpus == 0 else -(-E // args.gpus) * args.gpus)
+        out.append("\n" + place(None, args.gpus, num_slots=slots, num_experts=E).summary())
+    out.append(f"\n// lowering, memory plan and placement took {time.perf_counter() - t0:.2f} s")
+    return "\n".join(out) + "\n"
 
 
 def cmd_run(args) -> int:
@@ -192,6 +223,23 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    import os
+    from . import compile as mtc_compile
+    if args.target == "triton" and args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    g = _load(args)
+    m = mtc_compile(g, target=args.target, device=args.device, emit_dir=args.emit)
+    if m.program is None:
+        raise MtcError(f"target '{args.target}' generates no kernel source; use --target triton")
+    n_gen = len({k.name for k, _ in m._gen.values()})
+    print(f"{g.name}: {len(m.program.launches)} kernel launches, {len(m._gen)} of them generated "
+          f"pointwise kernels ({n_gen} distinct)")
+    print(f"kernel source: {m.kernel_source_path}")
+    print(f"kernel IR:     {Path(m.kernel_source_path).parent / 'kernel_ir.txt'}")
+    return 0
+
+
 def cmd_ops(args) -> int:
     from .ops import OPS
     for name, od in sorted(OPS.items()):
@@ -225,9 +273,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("ir", help="print the IR at a stage of the pipeline",
                        description="Stages: graph (as parsed: layer blocks, typed), typed (after "
-                                   "infer_shapes), canonical (layer blocks expanded into primitive ops).")
+                                   "infer_shapes), canonical (layer blocks expanded into primitive ops), fused "
+                                   "(two-phase AttnRes + fusion groups with tile sizes), lowered (the kernel "
+                                   "launches, the per-GPU memory plan and the expert placement).")
     _add_spec_args(s)
-    s.add_argument("--stage", default="graph", help="graph | typed | canonical")
+    s.add_argument("--stage", default="graph", help="graph | typed | canonical | fused | lowered")
+    s.add_argument("--seq-len", "-T", type=int, default=None,
+                   help="(lowered) context length for the memory plan (default: the spec's max_seq_len)")
+    s.add_argument("--gpus", type=int, default=1, help="(lowered) GPUs for the memory plan and expert placement")
+    s.add_argument("--slots", type=int, default=None,
+                   help="(lowered) physical expert slots (> experts: replicas of the hottest)")
+    s.add_argument("--checkpointing", default="layer", help="(lowered) none | layer | block | inference")
+    s.add_argument("--target", default="triton", help="(lowered) triton")
     s.add_argument("--print-after", action="append", metavar="PASS", help="also print the IR after PASS ('all')")
     s.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, one file per pass")
     s.add_argument("--timing", action="store_true", help="print per-pass timing to stderr")
@@ -249,6 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("compile", help="compile to kernels and write the generated Triton source",
+                       description="Lowers the model to the kernel IR and generates the Triton source of its "
+                                   "pointwise kernels into the cache (keyed by the printed kernel IR, target "
+                                   "and versions) or into --emit DIR; prints the paths.")
+    _add_spec_args(s)
+    s.add_argument("--target", default="triton", help="triton")
+    s.add_argument("--device", default="cpu", help="cpu (Triton interpreter) | cuda")
+    s.add_argument("--emit", metavar="DIR", help="write kernels.py and kernel_ir.txt to DIR")
+    s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("ops", help="list the ops with their signatures and semantics")
     s.add_argument("op", nargs="?", help="just this op")

@@ -1,0 +1,177 @@
+"""Code generation for the pointwise launches of the kernel IR: each chain of elementwise and row-norm
+ops (add, mul, silu, sigmoid, situ_glu, rmsnorm, l2norm) becomes one generated Triton kernel that reads
+each input once, keeps the intermediates in registers (float32) and writes only the values used outside
+the chain. One program handles one row of the last dimension.
+
+The generated file is written to a cache directory keyed by the kernel program's cache key (a hash of
+the printed kernel IR, the target and the tool versions), so sizes of symbolic dims never enter it:
+
+    $MTC_CACHE_DIR (default ~/.cache/mtc) / triton / <key> / kernels.py
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsl.ir import Graph, Ref
+
+ROW_OPS = ("add", "mul", "silu", "sigmoid", "situ_glu", "rmsnorm", "l2norm")
+
+
+@dataclass
+class GeneratedKernel:
+    name: str
+    launch: int
+    members: list[str]          # node names computed by this kernel
+    inputs: list[str]           # printed refs, in argument order
+    row_inputs: list[bool]      # True: [rows, D] operand; False: [D] vector (a norm weight)
+    outputs: list[str]          # printed refs written by the kernel
+    scalars: dict               # name -> value (eps)
+    source: str
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MTC_CACHE_DIR", Path.home() / ".cache" / "mtc"))
+
+
+def _gen_one(idx: int, launch, g: Graph) -> GeneratedKernel | None:
+    nodes = g.node_map()
+    ms = [nodes[m] for m in launch.ops]
+    if not ms or any(m.op not in ROW_OPS for m in ms):
+        return None
+    out_t = ms[-1].types[0]
+    if out_t.dtype not in ("f32", "f16", "bf16") or out_t.rank < 1:
+        return None
+    D = out_t.shape[-1]
+    if not D.is_number:
+        return None
+    names = {m.name for m in ms}
+    in_refs: list[str] = []
+    row_in: list[bool] = []
+    var: dict[str, str] = {}
+    body: list[str] = []
+    scalars: dict[str, float] = {}
+
+    def operand(r: Ref) -> str:
+        key = str(r)
+        if r.node in names:
+            return var[key]
+        t = nodes[r.node].types[r.index]
+        if key not in in_refs:
+            if t.shape == out_t.shape:
+                row = True
+            elif t.rank == 1 and t.shape[0] == D:
+                row = False
+            else:
+                raise _Unsupported(key)
+            in_refs.append(key)
+            row_in.append(row)
+            i = len(in_refs) - 1
+            off = "row * D + cols" if row else "cols"
+            body.append(f"    a{i} = tl.load(in{i} + {off}, mask=mask, other=0.0).to(tl.float32)")
+            var[key] = f"a{i}"
+        return var[key]
+
+    try:
+        for j, m in enumerate(ms):
+            x = [operand(r) for r in m.inputs]
+            t = f"t{j}"
+            if m.op == "add":
+                e = f"{x[0]} + {x[1]}"
+            elif m.op == "mul":
+                e = f"{x[0]} * {x[1]}"
+            elif m.op == "silu":
+                e = f"{x[0]} * tl.sigmoid({x[0]})"
+            elif m.op == "sigmoid":
+                e = f"tl.sigmoid({x[0]})"
+            elif m.op == "situ_glu":
+                bg, bu = float(m.attr("beta_gate")), float(m.attr("beta_up"))
+                body.append(f"    g{j} = {bg!r} * _tanh({x[0]} / {bg!r}) * tl.sigmoid({x[0]})")
+                e = f"g{j} * ({bu!r} * _tanh({x[1]} / {bu!r}))"
+            elif m.op == "rmsnorm":
+                scalars[f"eps{j}"] = float(m.attr("eps"))
+                e = f"{x[0]} * (1.0 / tl.sqrt(tl.sum({x[0]} * {x[0]}, axis=0) / D + eps{j})) * {x[1]}"
+            elif m.op == "l2norm":
+                scalars[f"eps{j}"] = float(m.attr("eps"))
+                e = f"{x[0]} * (1.0 / tl.sqrt(tl.sum({x[0]} * {x[0]}, axis=0) + eps{j}))"
+            else:  # pragma: no cover - filtered above
+                return None
+            # keep padding lanes at zero so later row reductions stay exact
+            body.append(f"    {t} = tl.where(mask, {e}, 0.0)")
+            var[str(m.out())] = t
+    except _Unsupported:
+        return None
+    outs = [r for r, _t in launch.outputs if r.split("#")[0].lstrip("%") in names]
+    name = f"pw{idx}_" + "_".join(m.op for m in ms)[:60]
+    args = [f"in{i}" for i in range(len(in_refs))] + [f"out{i}" for i in range(len(outs))] + ["D"] + list(scalars)
+    lines = ["@triton.jit", f"def {name}({', '.join(args)}, BLOCK_D: tl.constexpr):",
+             f"    # {' -> '.join(m.op for m in ms)}",
+             "    row = tl.program_id(0).to(tl.int64)",
+             "    cols = tl.arange(0, BLOCK_D)",
+             "    mask = cols < D"]
+    lines += body
+    for i, r in enumerate(outs):
+        lines.append(f"    tl.store(out{i} + row * D + cols, {var[r]}.to(out{i}.dtype.element_ty), mask=mask)")
+    return GeneratedKernel(name, launch.index, [m.name for m in ms], in_refs, row_in, outs, scalars,
+                           "\n".join(lines) + "\n")
+
+
+class _Unsupported(Exception):
+    pass
+
+
+HEADER = '''"""Generated by mtc from the kernel IR of {name} (cache key {key}). Do not edit."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2, exact in float32 for |x| < 44 (clamped: tanh is +-1 to float32 precision beyond)
+    y = tl.minimum(tl.maximum(x, -44.0), 44.0)
+    e = tl.exp2(y * 2.8853900817779268)  # 2 * log2(e)
+    return (e - 1.0) / (e + 1.0)
+
+
+'''
+
+
+def generate(program, g: Graph) -> tuple[str, list[GeneratedKernel]]:
+    """Triton source for every pointwise launch of ``program`` that the generator covers."""
+    kernels, sources, by_body = [], [], {}
+    for L in program.launches:
+        if L.kernel.startswith("triton.pointwise"):
+            k = _gen_one(len(sources), L, g)
+            if k is None:
+                continue
+            # launches with the same body share one jit function
+            body = k.source.split("\n", 3)[3]
+            sig = (k.source.split("(", 1)[1].split(")", 1)[0], body)
+            if sig in by_body:
+                k.name = by_body[sig]
+            else:
+                by_body[sig] = k.name
+                sources.append(k.source)
+            kernels.append(k)
+    key = program.cache_key()
+    src = HEADER.format(name=program.name, key=key) + "\n\n".join(sources)
+    return src, kernels
+
+
+def write_and_load(program, g: Graph, directory: Path | None = None):
+    """Write the generated source (to the cache, or ``directory``) and import it.
+
+    Returns (path, module, kernels)."""
+    src, kernels = generate(program, g)
+    d = Path(directory) if directory else cache_dir() / "triton" / program.cache_key()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "kernels.py"
+    if not path.exists() or path.read_text() != src:
+        path.write_text(src)
+    (d / "kernel_ir.txt").write_text(program.text())
+    spec = importlib.util.spec_from_file_location(f"mtc_gen_{program.cache_key()}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return path, mod, kernels
