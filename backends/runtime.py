@@ -77,7 +77,8 @@ def _triton_table() -> dict[str, Callable]:
     import backends.triton as T
     table = _reference_table()
     if hasattr(T, "kda_chunk"):
-        table["kda_chunk"] = lambda n, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=n.attr("scale"))[0]
+        table["kda_chunk"] = lambda n, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=n.attr("scale"),
+                                                                  lower_bound=n.attr("lower_bound"))[0]
     if hasattr(T, "kda_gate"):
         table["kda_gate"] = lambda n, x, a, d: T.kda_gate(x, a, d, lower_bound=n.attr("lower_bound"),
                                                           gate=n.attr("gate"))

@@ -300,8 +300,10 @@ def _kda_flops(ts, os, a, C=64):
 
 
 register("kda_chunk", _kda_chunk, n_data_inputs=5, inputs=("q", "k", "v", "g", "beta"),
-         attrs={"scale": None}, flops=_kda_flops,
-         doc="Kimi Delta Attention, chunked (chunk 64, WY representation); o in v's dtype")
+         attrs={"scale": None, "lower_bound": None}, flops=_kda_flops,
+         doc="Kimi Delta Attention, chunked (chunk 64, WY representation); o in v's dtype. lower_bound: the "
+             "gate's proven bound (g >= lower_bound), set when g comes from the sigmoid kda_gate: lets every "
+             "diagonal tile run as one dense GEMM; None = the safe path")
 
 
 def _mla_attention(ts, a):
@@ -466,7 +468,8 @@ def _kda_expand(b: GraphBuilder, inputs: list[Ref], a: dict, loc):
     f = _reshape_to(b, _lin(b, _lin(b, x, P["f_a_proj"], loc), P["f_b_proj"], loc), lead + (H, K), loc)
     g = b.call("kda_gate", f, P["A_log"], P["dt_bias"], lower_bound=a["lower_bound"], gate=a["gate"], loc=loc)
     beta = b.call("sigmoid", _lin(b, x, P["b_proj"], loc), loc=loc)
-    o = b.call("kda_chunk", q, k, v, g, beta, scale=float(K) ** -0.5, loc=loc)
+    bound = float(a["lower_bound"]) if a["gate"] == "sigmoid" else None   # g = lb * sigmoid(.) > lb
+    o = b.call("kda_chunk", q, k, v, g, beta, scale=float(K) ** -0.5, lower_bound=bound, loc=loc)
     o = b.call("rmsnorm", o, P["o_norm"], eps=a["norm_eps"], loc=loc)
     if "g_proj" in P:
         gl = _lin(b, x, P["g_proj"], loc)

@@ -41,7 +41,7 @@ graph toy(B, T) {
   %3.17 = kda_gate(%3.16, %p14, %p15) {gate = "sigmoid", lower_bound = -5.0} : f32[B, T, 2, 16]
   %3.18 = linear(%2, %p12) : f32[B, T, 2]
   %3.19 = sigmoid(%3.18) : f32[B, T, 2]
-  %3.20 = kda_chunk(%3.4, %3.9, %3.13, %3.17, %3.19) {scale = 0.25} : f32[B, T, 2, 16]
+  %3.20 = kda_chunk(%3.4, %3.9, %3.13, %3.17, %3.19) {lower_bound = -5.0, scale = 0.25} : f32[B, T, 2, 16]
   %3.21 = rmsnorm(%3.20, %p16) {eps = 1e-06} : f32[B, T, 2, 16]
   %3.22 = linear(%2, %p13) : f32[B, T, 32]
   %3.23 = sigmoid(%3.22) : f32[B, T, 32]

@@ -83,7 +83,7 @@ graph toy(B, T) {
   %3.17 = kda_gate(%3.16, %p14, %p15) {fusion = "3.20", gate = "sigmoid", lower_bound = -5.0} : f32[B, T, 2, 16]
   %3.18 = linear(%2, %p12) : f32[B, T, 2]
   %3.19 = sigmoid(%3.18) {fusion = "3.20"} : f32[B, T, 2]
-  %3.20 = kda_chunk(%3.4, %3.9, %3.13, %3.17, %3.19) {fusion = "3.20", scale = 0.25, tiles = {BLOCK_V = 16, chunk = 64, state = "f32", sub_tile = 16}} : f32[B, T, 2, 16]
+  %3.20 = kda_chunk(%3.4, %3.9, %3.13, %3.17, %3.19) {fusion = "3.20", lower_bound = -5.0, scale = 0.25, tiles = {BLOCK_V = 16, chunk = 64, state = "f32", sub_tile = 16}} : f32[B, T, 2, 16]
   %3.21 = rmsnorm(%3.20, %p16) {eps = 1e-06, fusion = "3.20"} : f32[B, T, 2, 16]
   %3.22 = linear(%2, %p13) : f32[B, T, 32]
   %3.23 = sigmoid(%3.22) {fusion = "3.20"} : f32[B, T, 32]
