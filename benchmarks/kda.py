@@ -58,12 +58,16 @@ def main():
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     ap.add_argument("--rep", type=int, default=300, help="do_bench repetition budget in ms")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
     import triton
     from fla.ops.kda import chunk_kda
     from backends.triton.kda import kda_chunk
 
-    if args.quick:
+    if args.cases:
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+    elif args.quick:
         cases = [(16, 8192), (16, 65536)]
     else:
         cases = [(16, 8192), (16, 65536), (16, 262144), (16, 1048576),

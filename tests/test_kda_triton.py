@@ -153,19 +153,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import backends.triton.kda as tk
 P, F, I = "*bf16", "*fp32", "*i32"
-sig = dict(q=P, k=P, v=P, g=F, beta=P, cstart=I, clen=I, WK=P, U=P, QG=P, KD=P, AQK=P, GAM=F,
-           scale="fp32", lb="fp32", H="i32", K="constexpr", V="constexpr", FAST="constexpr")
-ck = triton.compile(ASTSource(tk._fwd_intra_kernel, sig, dict(K=64, V=64, FAST=True)),
-                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=1))
-ptx = ck.asm["ptx"]
-assert "wgmma" in ptx or "mma.sync" in ptx, "intra kernel: no tensor-core instruction"
+def build(fn, sig, consts, nw, ns):
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=nw, num_stages=ns))
+sig = dict(q=P, k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, QG=P, KD=P, AQK=P, GAM=F,
+           scale="fp32", lb="fp32", H="i32", K="constexpr", V="constexpr", FAST="constexpr", DT="constexpr")
+ck = build(tk._fwd_intra2_kernel, sig, dict(K=128, V=128, FAST=True, DT=tk.tl.bfloat16), 8, 1)
+assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "intra kernel: no tensor-core instruction"
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+sig = dict(k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, WK=P, U=P, H="i32", K="constexpr", V="constexpr",
+           DT="constexpr")
+ck = build(tk._fwd_wu_kernel, sig, dict(K=128, V=128, DT=tk.tl.bfloat16), 8, 1)
+assert "wgmma" in ck.asm["ptx"], "w/u kernel: no wgmma"
 sig = dict(WK=P, U=P, QG=P, KD=P, AQK=P, GAM=F, O=P, HBUF=P, S_IN=F, S_OUT=F, cstart=I, clen=I,
            seg_c0=I, seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr",
            MODE="constexpr", STORE_O="constexpr", STORE_H="constexpr")
-ck = triton.compile(ASTSource(tk._fwd_state_kernel, sig,
-                              dict(K=128, V=128, BV=64, SW=128, MODE=0, STORE_O=True, STORE_H=False)),
-                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+ck = build(tk._fwd_state_kernel, sig, dict(K=128, V=128, BV=64, SW=128, MODE=0, STORE_O=True, STORE_H=False), 8, 2)
 assert "wgmma" in ck.asm["ptx"], "state kernel: no wgmma"
 print("OK")
 """

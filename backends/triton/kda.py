@@ -213,31 +213,212 @@ def _load_chunk(q, k, g, beta, t0, L, h, H, K: tl.constexpr, FAST: tl.constexpr,
     return qq, kk, G, bb, fast, offk, rm
 
 
+# ----------------------------------------------------------------------------------------------------
+# forward intra-chunk kernel, tile by tile (no 64x64 register tiles, no row extraction by reduction)
+# ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_intra_kernel(q, k, v, g, beta, cstart, clen, WK, U, QG, KD, AQK, GAM, scale, lb, H,
-                      K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    t0 = tl.load(cstart + c)
-    L = tl.load(clen + c)
-    qq, kk, G, bb, fast, offk, rm = _load_chunk(q, k, g, beta, t0, L, h, H, K, FAST, lb)
-    rows = tl.arange(0, 64)
-    dv = tl.arange(0, V)
-    offv = (t0 + rows).to(tl.int64)[:, None] * (H * V) + h * V + dv[None, :]
-    T, P, Bm = _chunk_intra(qq, kk, G, bb, fast, K, False)
-    vv = tl.load(v + offv, mask=rm[:, None], other=0.0).to(tl.float32)
-    GL = _row_of(G, rows, 63)
+def _inv16(N):
+    """(I + N)^-1 for a strictly lower-triangular N [16, 16] (float32), by recursive block doubling:
+    with T the inverse of the diagonal s-blocks, the inverse of the 2s-blocks is T - T (N restricted to
+    the lower-left s-blocks inside each 2s-block) T.  Eight 16x16 products, no per-row loop."""
+    i = tl.arange(0, 16)
+    lower1 = ((i[:, None] // 2) == (i[None, :] // 2)) & (i[:, None] > i[None, :])
+    T = tl.where(i[:, None] == i[None, :], 1.0, 0.0) - tl.where(lower1, N, 0.0)
+    for lvl in tl.static_range(1, 4):
+        m = ((i[:, None] >> (lvl + 1)) == (i[None, :] >> (lvl + 1))) & ((i[:, None] >> lvl) > (i[None, :] >> lvl))
+        Nm = tl.where(m, N, 0.0)
+        T = T - tl.dot(tl.dot(T, Nm, input_precision="ieee"), T, input_precision="ieee")
+    return T
+
+
+@triton.jit
+def _blk(ptr, t0, L, h, H, R: tl.constexpr, W: tl.constexpr):
+    """Rows R*16 .. R*16+15 of one chunk of a [N, H, W] tensor as [16, W] float32 (0 past the end)."""
+    rows = R * 16 + tl.arange(0, 16)
+    d = tl.arange(0, W)
+    off = (t0 + rows).to(tl.int64)[:, None] * (H * W) + h * W + d[None, :]
+    return tl.load(ptr + off, mask=(rows < L)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _put(ptr, x, t0, L, h, H, R: tl.constexpr, W: tl.constexpr, C0: tl.constexpr):
+    """Store x [16, CW] into rows R*16.. and columns C0.. of one chunk of a [N, H, W] tensor."""
+    rows = R * 16 + tl.arange(0, 16)
+    d = C0 + tl.arange(0, x.shape[1])
+    off = (t0 + rows).to(tl.int64)[:, None] * (H * W) + h * W + d[None, :]
+    tl.store(ptr + off, x.to(ptr.dtype.element_ty), mask=(rows < L)[:, None])
+
+
+@triton.jit
+def _gsum(g, t0, L, h, H, R: tl.constexpr, K: tl.constexpr):
+    """Sum over the 16 rows of block R of g ([K]) and the block's minimum (rows past the end read 0)."""
+    x = _blk(g, t0, L, h, H, R, K)
+    return tl.sum(x, axis=0), tl.min(tl.min(x, axis=1), axis=0)
+
+
+@triton.jit
+def _rowblock(q, k, v, g, beta, QG, KD, t0, L, h, H, cl, ch, cend, fast, scale,
+              R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
+    """Everything of row block R that needs no other block: anchored row operands, the diagonal tiles of
+    Akk (strictly lower, times beta) and P (lower incl. diagonal), and the per-token outputs.
+
+    cl, ch [K]: G at the rows before / at the end of the block; cend [K]: G at the chunk end.  Anchor
+    c = midpoint of [ch, cl] per channel when the chunk is within the bound (fast), else cl."""
+    r16 = tl.arange(0, 16)
+    gg = _blk(g, t0, L, h, H, R, K)
+    kk = _blk(k, t0, L, h, H, R, K)
+    qq = _blk(q, t0, L, h, H, R, K)
+    rows = R * 16 + r16
+    bb = tl.load(beta + (t0 + rows).to(tl.int64) * H + h, mask=rows < L, other=0.0).to(tl.float32)
+    G = cl[None, :] + tl.cumsum(gg, axis=0)
+    if FAST:
+        c = cl + 0.5 * (ch - cl) * fast.to(tl.float32)
+    else:
+        c = cl
+    er = tl.exp(G - c[None, :])
+    X = (kk * er).to(DT)
+    Q = (qq * er).to(DT)
+    if FAST:
+        if fast != 0:
+            kc = (kk * tl.exp(c[None, :] - G)).to(DT)
+            Ad = tl.dot(X, tl.trans(kc))
+            Pd = tl.dot(Q, tl.trans(kc))
+        else:
+            Ad = _diag_pair(kk, kk, G)
+            Pd = _diag_pair(qq, kk, G)
+    else:
+        Ad = _diag_pair(kk, kk, G)
+        Pd = _diag_pair(qq, kk, G)
+    Nd = tl.where(r16[:, None] > r16[None, :], Ad * bb[:, None], 0.0)
+    Pd = tl.where(r16[:, None] >= r16[None, :], Pd, 0.0)
     eG = tl.exp(G)
-    wk = tl.dot(T, kk * eG * bb[:, None])
-    uu = tl.dot(T, vv * bb[:, None])
-    tl.store(WK + offk, wk.to(WK.dtype.element_ty), mask=rm[:, None])
-    tl.store(U + offv, uu.to(U.dtype.element_ty), mask=rm[:, None])
-    tl.store(QG + offk, (qq * eG * scale).to(QG.dtype.element_ty), mask=rm[:, None])
-    tl.store(KD + offk, (kk * tl.exp(GL[None, :] - G)).to(KD.dtype.element_ty), mask=rm[:, None])
-    offa = (t0 + rows).to(tl.int64)[:, None] * (H * 64) + h * 64 + rows[None, :]
-    tl.store(AQK + offa, (P * scale).to(AQK.dtype.element_ty), mask=rm[:, None])
+    _put(QG, qq * eG * scale, t0, L, h, H, R, K, 0)
+    _put(KD, kk * tl.exp(cend[None, :] - G), t0, L, h, H, R, K, 0)
+    kend = (kk * tl.exp(ch[None, :] - G)).to(DT)          # k_j e^(G_blockend - G_j), all exponents <= 0
+    return X, Q, c, bb, Nd, Pd, kend
+
+
+@triton.jit
+def _off(X, Q, bb, kend, c, ch_j):
+    """Off-diagonal tiles (row block r, column block j < r): N_rj = beta_r (X kj^T), P_rj = Q kj^T with the
+    column operand k_j e^(c - G_j) = kend_j e^(c - G_end(j)) (both factors <= 1)."""
+    col = (kend.to(tl.float32) * tl.exp(c - ch_j)[None, :]).to(X.dtype)
+    A = tl.dot(X, tl.trans(col))
+    P = tl.dot(Q, tl.trans(col))
+    return A * bb[:, None], P
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _fwd_intra2_kernel(q, k, v, g, beta, cstart, clen, TB, QG, KD, AQK, GAM, scale, lb, H,
+                       K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
+    """One (chunk, head), in 16x16 tiles (row blocks in order): AQK = scale P (64x64, lower incl.
+    diagonal; zero above), TB = T = (I + diag(beta) Akk)^-1 (the 10 lower tiles only), QG = scale q e^G,
+    KD = k e^(G_C - G), GAM = e^(G_C).  _fwd_wu_kernel then forms Wk and U from T."""
+    c_ = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
     dk = tl.arange(0, K)
-    tl.store(GAM + (tl.cast(c, tl.int64) * H + h) * K + dk, tl.exp(GL))
+    s0, m0 = _gsum(g, t0, L, h, H, 0, K)
+    s1, m1 = _gsum(g, t0, L, h, H, 1, K)
+    s2, m2 = _gsum(g, t0, L, h, H, 2, K)
+    s3, m3 = _gsum(g, t0, L, h, H, 3, K)
+    c0 = tl.zeros([K], dtype=tl.float32)
+    c1 = s0
+    c2 = c1 + s1
+    c3 = c2 + s2
+    c4 = c3 + s3
+    if FAST:
+        gmin = tl.minimum(tl.minimum(m0, m1), tl.minimum(m2, m3))
+        fast = (gmin >= lb).to(tl.int32)
+    else:
+        fast = tl.zeros([], dtype=tl.int32)
+    tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + dk, tl.exp(c4))
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    # ---- phase 1, row block 0
+    X, Q, c, bb, N00, P00, kend0 = _rowblock(q, k, v, g, beta, QG, KD, t0, L, h, H, c0, c1, c4, fast,
+                                                     scale, 0, K, V, FAST, DT)
+    T00 = _inv16(N00)
+    _put(AQK, P00 * scale, t0, L, h, H, 0, 64, 0)
+    _put(AQK, zero, t0, L, h, H, 0, 64, 16)
+    _put(AQK, tl.zeros([16, 32], dtype=tl.float32), t0, L, h, H, 0, 64, 32)
+    # ---- row block 1
+    X, Q, c, bb, N11, P11, kend1 = _rowblock(q, k, v, g, beta, QG, KD, t0, L, h, H, c1, c2, c4, fast,
+                                                     scale, 1, K, V, FAST, DT)
+    N10, P10 = _off(X, Q, bb, kend0, c, c1)
+    T11 = _inv16(N11)
+    T10 = -_mm(T11, _mm(N10, T00))
+    _put(AQK, P10 * scale, t0, L, h, H, 1, 64, 0)
+    _put(AQK, P11 * scale, t0, L, h, H, 1, 64, 16)
+    _put(AQK, tl.zeros([16, 32], dtype=tl.float32), t0, L, h, H, 1, 64, 32)
+    # ---- row block 2
+    X, Q, c, bb, N22, P22, kend2 = _rowblock(q, k, v, g, beta, QG, KD, t0, L, h, H, c2, c3, c4, fast,
+                                                     scale, 2, K, V, FAST, DT)
+    N20, P20 = _off(X, Q, bb, kend0, c, c1)
+    N21, P21 = _off(X, Q, bb, kend1, c, c2)
+    T22 = _inv16(N22)
+    T21 = -_mm(T22, _mm(N21, T11))
+    T20 = -_mm(T22, _mm(N20, T00) + _mm(N21, T10))
+    _put(AQK, P20 * scale, t0, L, h, H, 2, 64, 0)
+    _put(AQK, P21 * scale, t0, L, h, H, 2, 64, 16)
+    _put(AQK, P22 * scale, t0, L, h, H, 2, 64, 32)
+    _put(AQK, zero, t0, L, h, H, 2, 64, 48)
+    # ---- row block 3
+    X, Q, c, bb, N33, P33, kend3 = _rowblock(q, k, v, g, beta, QG, KD, t0, L, h, H, c3, c4, c4, fast,
+                                                     scale, 3, K, V, FAST, DT)
+    N30, P30 = _off(X, Q, bb, kend0, c, c1)
+    N31, P31 = _off(X, Q, bb, kend1, c, c2)
+    N32, P32 = _off(X, Q, bb, kend2, c, c3)
+    T33 = _inv16(N33)
+    T32 = -_mm(T33, _mm(N32, T22))
+    T31 = -_mm(T33, _mm(N31, T11) + _mm(N32, T21))
+    T30 = -_mm(T33, _mm(N30, T00) + _mm(N31, T10) + _mm(N32, T20))
+    _put(AQK, P30 * scale, t0, L, h, H, 3, 64, 0)
+    _put(AQK, P31 * scale, t0, L, h, H, 3, 64, 16)
+    _put(AQK, P32 * scale, t0, L, h, H, 3, 64, 32)
+    _put(AQK, P33 * scale, t0, L, h, H, 3, 64, 48)
+    _put(TB, T00, t0, L, h, H, 0, 64, 0)
+    _put(TB, T10, t0, L, h, H, 1, 64, 0)
+    _put(TB, T11, t0, L, h, H, 1, 64, 16)
+    _put(TB, T20, t0, L, h, H, 2, 64, 0)
+    _put(TB, T21, t0, L, h, H, 2, 64, 16)
+    _put(TB, T22, t0, L, h, H, 2, 64, 32)
+    _put(TB, T30, t0, L, h, H, 3, 64, 0)
+    _put(TB, T31, t0, L, h, H, 3, 64, 16)
+    _put(TB, T32, t0, L, h, H, 3, 64, 32)
+    _put(TB, T33, t0, L, h, H, 3, 64, 48)
+
+
+@triton.jit
+def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr):
+    """One (chunk, head): Wk = T (beta k e^G), U = T (beta v) with T [64, 64] from _fwd_intra2_kernel
+    (lower block-triangular; the blocks above the diagonal are never written and are masked here)."""
+    c_ = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows = tl.arange(0, 64)
+    rm = rows < L
+    tok = (t0.to(tl.int64) * H + h)
+    bb = tl.load(beta + tok + rows * H, mask=rm, other=0.0).to(tl.float32)
+    T = tl.load(TB + tok * 64 + rows[:, None] * (H * 64) + rows[None, :],
+                mask=rm[:, None] & ((rows[None, :] // 16) <= (rows[:, None] // 16)), other=0.0)
+    T = T.to(DT)
+    pg = tl.make_block_ptr(g + tok * K, (L, K), (H * K, 1), (0, 0), (64, K), (1, 0))
+    pk = tl.make_block_ptr(k + tok * K, (L, K), (H * K, 1), (0, 0), (64, K), (1, 0))
+    pw = tl.make_block_ptr(WK + tok * K, (L, K), (H * K, 1), (0, 0), (64, K), (1, 0))
+    pv = tl.make_block_ptr(v + tok * V, (L, V), (H * V, 1), (0, 0), (64, V), (1, 0))
+    pu = tl.make_block_ptr(U + tok * V, (L, V), (H * V, 1), (0, 0), (64, V), (1, 0))
+    G = tl.cumsum(tl.load(pg, boundary_check=(0,), padding_option="zero"), axis=0)
+    kg = (tl.load(pk, boundary_check=(0,), padding_option="zero").to(tl.float32) * tl.exp(G) * bb[:, None]).to(DT)
+    tl.store(pw, tl.dot(T, kg).to(WK.dtype.element_ty), boundary_check=(0,))
+    vb = (tl.load(pv, boundary_check=(0,), padding_option="zero").to(tl.float32) * bb[:, None]).to(DT)
+    tl.store(pu, tl.dot(T, vb).to(U.dtype.element_ty), boundary_check=(0,))
 
 
 @triton.jit
@@ -590,8 +771,12 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
     AQK = torch.empty(N, H, 64, dtype=idt, device=dev)
     GAM = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
     if NC:
-        _fwd_intra_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], WK, U, QG, KD, AQK, GAM,
-                                   scale, lb, H, K=K, V=V, FAST=fast, num_warps=8, num_stages=1)
+        TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
+        _fwd_intra2_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, QG, KD, AQK, GAM,
+                                    scale, lb, H, K=K, V=V, FAST=fast, DT=_TL[idt], num_warps=8, num_stages=1)
+        _fwd_wu_kernel[(NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
+                                DT=_TL[idt], num_warps=8, num_stages=1)
+        del TB
     S_IN = _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd=False)
     o = torch.empty(N, H, V, dtype=v.dtype, device=dev)
     S_OUT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
