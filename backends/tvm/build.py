@@ -1,0 +1,134 @@
+"""Building, caching, exporting and loading the TVM kernels.
+
+    fn = get_function(kernel, "llvm")      # a callable taking torch tensors (DLPack), cached
+    path = build(kernel, "cuda")           # the exported shared library on disk (no GPU needed)
+
+Cache layout: ``$MTC_CACHE_DIR`` (default ``~/.cache/mtc``) ``/tvm/<key>/`` holds ``<name>.so`` (what
+``export_library`` wrote), ``<name>.tvmscript.py`` (the kernel's TVMScript before scheduling) and
+``<name>.scheduled.py`` (after). The key is a SHA-256 of the TVMScript text + the schedule version + the
+target (as JSON) + the TVM version: it never depends on the token count (a symbolic shape), and it can be
+formed without TVM's compiler, so a machine with only TVM's runtime (TVM_USE_RUNTIME_LIB=1) loads modules
+built elsewhere from the same cache directory. CUDA modules keep their CUDA source; TVM compiles it when
+the module is loaded (the ``tvm_callback_cuda_compile`` hook, NVRTC).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+from .kernels import SCHEDULE_VERSION, Kernel, schedule
+
+CUDA_ARCH = "sm_90"
+_LOCK = threading.Lock()
+_LOADED: dict[str, object] = {}          # cache key -> loaded runtime function (per process)
+
+
+def cache_dir() -> Path:
+    """Root of the TVM kernel cache: ``$MTC_CACHE_DIR/tvm`` (default ``~/.cache/mtc/tvm``)."""
+    return Path(os.environ.get("MTC_CACHE_DIR", Path.home() / ".cache" / "mtc")) / "tvm"
+
+
+def target_spec(kind: str) -> dict:
+    """The dict-form TVM target for a kind: ``{"kind": "llvm"}`` or
+    ``{"kind": "cuda", "arch": "sm_90", "host": {"kind": "llvm"}}``. Raises ValueError otherwise."""
+    if kind == "llvm":
+        return {"kind": "llvm"}
+    if kind == "cuda":
+        return {"kind": "cuda", "arch": CUDA_ARCH, "host": {"kind": "llvm"}}
+    raise ValueError(f"tvm backend: target kind must be 'llvm' or 'cuda', got {kind!r}")
+
+
+def _tvm_version() -> str:
+    import tvm
+    return tvm.__version__
+
+
+def cache_key(kernel: Kernel, kind: str) -> str:
+    """SHA-256 (first 24 hex digits) of TVMScript text + schedule version + target + TVM version."""
+    h = hashlib.sha256()
+    for part in (kernel.source, SCHEDULE_VERSION, json.dumps(target_spec(kind), sort_keys=True), _tvm_version()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def library_path(kernel: Kernel, kind: str) -> Path:
+    """Where the exported library of this kernel and target lives in the cache."""
+    return cache_dir() / cache_key(kernel, kind) / f"{kernel.name}.so"
+
+
+def compile_kernel(kernel: Kernel, kind: str):
+    """Schedule and ``tvm.compile`` one kernel; returns the ``tvm.runtime.Executable``."""
+    import tvm
+    mod = schedule(kernel, kind)
+    spec = target_spec(kind)
+    host = spec.pop("host", None)
+    target = tvm.target.Target(spec, host=host) if host else tvm.target.Target(spec)
+    return tvm.compile(mod, target=target), mod
+
+
+def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
+    """Make sure the exported library of ``kernel`` for ``kind`` is in the cache; return its path.
+
+    Compiles (schedule + tvm.compile + export_library) only on a cache miss or with ``force``. CUDA
+    builds need no GPU. The library is written to a temporary name and renamed, so concurrent builders
+    never see a half-written file."""
+    path = library_path(kernel, kind)
+    if path.exists() and not force:
+        return path
+    ex, mod = compile_kernel(kernel, kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.parent / f"{kernel.name}.tvmscript.py").write_text(kernel.source)
+    (path.parent / f"{kernel.name}.scheduled.py").write_text(mod.script())
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        ex.export_library(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def export(kernel: Kernel, kind: str, file_name: str | os.PathLike) -> Path:
+    """Build (or take from the cache) and copy the library to ``file_name`` for deployment; load it with
+    ``load(file_name, kernel.name)`` on a machine that has only TVM's runtime."""
+    import shutil
+    src = build(kernel, kind)
+    dst = Path(file_name)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    return dst
+
+
+def load(file_name: str | os.PathLike, name: str):
+    """Load an exported library and return its function ``name`` (runtime only; no compiler needed)."""
+    import tvm
+    mod = tvm.runtime.load_module(str(file_name))
+    return mod[name]
+
+
+def get_function(kernel: Kernel, kind: str):
+    """The callable for ``kernel`` on ``kind`` (in-process memo -> disk cache -> compile).
+
+    Call it with torch tensors (passed through DLPack, no copy): inputs then outputs, in the order of the
+    kernel's parameters. Raises ValueError for an unknown kind; TVM errors propagate."""
+    key = cache_key(kernel, kind) + kind
+    fn = _LOADED.get(key)
+    if fn is not None:
+        return fn
+    with _LOCK:
+        fn = _LOADED.get(key)
+        if fn is None:
+            fn = _LOADED[key] = load(build(kernel, kind), kernel.name)
+    return fn
+
+
+def clear_memo() -> None:
+    """Forget the loaded functions of this process (the disk cache stays); used by tests."""
+    _LOADED.clear()

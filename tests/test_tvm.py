@@ -1,0 +1,269 @@
+"""The TVM backend (backends/tvm): each TensorIR kernel against the reference op and an independent naive
+formula, at odd sizes, on fresh random inputs; the disk cache; export_library round trips; CUDA builds
+(compiled only, no GPU needed)."""
+import os
+import types
+
+import pytest
+import torch
+
+tvm = pytest.importorskip("tvm")
+
+import backends.reference as R  # noqa: E402
+import backends.tvm as V  # noqa: E402
+from backends.tvm import build as B  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    old = os.environ.get("MTC_CACHE_DIR")
+    os.environ["MTC_CACHE_DIR"] = str(tmp_path_factory.mktemp("mtc_cache"))
+    B.clear_memo()
+    yield
+    B.clear_memo()
+    if old is None:
+        os.environ.pop("MTC_CACHE_DIR", None)
+    else:
+        os.environ["MTC_CACHE_DIR"] = old
+
+
+def rel_rms(got, want):
+    got, want = got.double(), want.double()
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
+TOKENS = [1, 37, 1000]
+WIDTHS = [100, 448]          # 448 = 7168 / 16
+
+
+# ---------------------------------------------------------------------------------------------------
+# row norms
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", TOKENS)
+@pytest.mark.parametrize("d", WIDTHS)
+def test_rmsnorm(n, d):
+    x, w = torch.randn(n, d) * 3, torch.randn(d)
+    y = V.rmsnorm(x.view(1, n, d), w, eps=1e-5).view(n, d)
+    naive = torch.stack([r / torch.sqrt((r * r).sum() / d + 1e-5) * w for r in x.double()])
+    assert rel_rms(y, naive) < TOL[torch.float32]
+    assert rel_rms(y, R.rmsnorm(x, w, eps=1e-5)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("n", TOKENS)
+def test_l2norm(n):
+    x = torch.randn(n, 3, 100)
+    y = V.l2norm(x, eps=1e-6)
+    naive = x.double() / torch.sqrt((x.double() ** 2).sum(-1, keepdim=True) + 1e-6)
+    assert y.shape == x.shape and rel_rms(y, naive) < TOL[torch.float32]
+    assert rel_rms(y, R.l2norm(x, eps=1e-6)) < TOL[torch.float32]
+
+
+def test_rownorm_bf16():
+    x, w = torch.randn(37, 448).bfloat16(), torch.randn(448)
+    y = V.rmsnorm(x, w, eps=1e-6)
+    assert y.dtype == torch.bfloat16
+    assert rel_rms(y, R.rmsnorm(x, w, eps=1e-6)) < TOL[torch.bfloat16]
+    assert rel_rms(V.l2norm(x), R.l2norm(x)) < TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------------------
+# elementwise
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", TOKENS)
+def test_elementwise(n):
+    a, b = torch.randn(n, 100) * 4, torch.randn(n, 100) * 4
+    ad = a.double()
+    assert rel_rms(V.silu(a), ad / (1 + torch.exp(-ad))) < TOL[torch.float32]
+    assert rel_rms(V.sigmoid(a), 1 / (1 + torch.exp(-ad))) < TOL[torch.float32]
+    assert rel_rms(V.add(a, b), ad + b.double()) < TOL[torch.float32]
+    assert rel_rms(V.mul(a, b), ad * b.double()) < TOL[torch.float32]
+    for f in ("silu", "sigmoid"):
+        assert rel_rms(getattr(V, f)(a), getattr(R, f)(a)) < TOL[torch.float32]
+
+
+def test_binary_broadcast_and_dtype():
+    a, b = torch.randn(5, 37, 100), torch.randn(100)
+    assert rel_rms(V.mul(a, b), R.mul(a, b)) < TOL[torch.float32]
+    ab = a.bfloat16()
+    y = V.add(ab, b)                      # result in a's dtype, float32 math
+    assert y.dtype == torch.bfloat16 and rel_rms(y, R.add(ab, b)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("n", TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_situ_glu(n, dtype):
+    a, b = (torch.randn(n, 100) * 30).to(dtype), (torch.randn(n, 100) * 60).to(dtype)
+    bg, bu = 3.0, 20.0
+    h = V.situ_glu(a, b, beta_gate=bg, beta_up=bu)
+    ad, bd = a.double(), b.double()
+    naive = (bg * torch.tanh(ad / bg) / (1 + torch.exp(-ad))) * (bu * torch.tanh(bd / bu))
+    assert h.dtype == dtype and rel_rms(h, naive) < TOL[dtype]
+    assert rel_rms(h, R.situ_glu(a, b, beta_gate=bg, beta_up=bu)) < TOL[dtype]
+    assert h.abs().max().item() <= bg * bu * (1 + 1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# attn_residual, short_conv, router
+# ---------------------------------------------------------------------------------------------------
+
+def naive_attn_residual(q, srcs, w, eps):
+    q, w = q.double(), w.double()
+    xs = [s.double() for s in srcs]
+    logits = torch.stack([(q * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w).sum(-1) for x in xs])
+    p = torch.softmax(logits, dim=0)
+    return sum(p[i].unsqueeze(-1) * xs[i] for i in range(len(xs)))
+
+
+@pytest.mark.parametrize("n,d,L", [(1, 100, 1), (37, 448, 5), (1000, 100, 25), (37, 100, 64)])
+def test_attn_residual(n, d, L):
+    q, w = torch.randn(d), 1 + 0.1 * torch.randn(d)
+    srcs = [torch.randn(n, d) * (1 + i % 3) for i in range(L)]
+    y = V.attn_residual(q, srcs, w, eps=1e-6)
+    assert y.shape == (n, d)
+    assert rel_rms(y, naive_attn_residual(q, srcs, w, 1e-6)) < 1e-5
+    assert rel_rms(y, R.attn_residual(q, srcs, w, eps=1e-6)) < 1e-5
+
+
+def test_attn_residual_bf16_leading_shape_and_output_norm():
+    q, w, ow = torch.randn(448), torch.randn(448), torch.randn(448)
+    srcs = [torch.randn(2, 19, 448).bfloat16() for _ in range(4)]
+    y = V.attn_residual(q, srcs, w, eps=1e-6, output_rms_weight=ow)
+    assert y.shape == (2, 19, 448) and y.dtype == torch.bfloat16
+    assert rel_rms(y, R.attn_residual(q, srcs, w, eps=1e-6, output_rms_weight=ow)) < 2 * TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("B_,T_,C", [(1, 1, 100), (2, 37, 100), (1, 1000, 448)])
+def test_short_conv(B_, T_, C):
+    x, wt = torch.randn(B_, T_, C), torch.randn(C, 1, 4)
+    y, _ = V.short_conv(x, wt)
+    xd, wd = x.double(), wt.double()[:, 0]
+    naive = torch.zeros_like(xd)
+    for t in range(T_):
+        for j in range(4):
+            s = t - 3 + j
+            if s >= 0:
+                naive[:, t] += wd[:, j] * xd[:, s]
+    assert rel_rms(y, naive) < TOL[torch.float32]
+    assert rel_rms(y, R.short_conv(x, wt)[0]) < TOL[torch.float32]
+
+
+def test_short_conv_state():
+    x, wt = torch.randn(2, 37, 100), torch.randn(100, 1, 4)
+    st = torch.randn(2, 100, 3)
+    y, fin = V.short_conv(x, wt, initial_state=st, output_final_state=True)
+    ry, rfin = R.short_conv(x, wt, initial_state=st, output_final_state=True)
+    assert rel_rms(y, ry) < TOL[torch.float32] and torch.equal(fin, rfin)
+
+
+@pytest.mark.parametrize("n", TOKENS)
+def test_router_scores_and_route(n):
+    x, wr = torch.randn(n, 100), torch.randn(24, 100) * 0.1
+    s = V.router_scores(x, wr)
+    assert s.dtype == torch.float32 and s.shape == (n, 24)
+    assert rel_rms(s, 1 / (1 + torch.exp(-(x.double() @ wr.double().t())))) < TOL[torch.float32]
+    bias = torch.randn(24) * 0.01
+    idx, wgt, sc = V.qb_route(x, wr, bias, top_k=4, routed_scaling=2.5)
+    ridx, rwgt, _ = R.qb_route(x, wr, bias, top_k=4, routed_scaling=2.5)
+    assert (idx == ridx).float().mean() > 0.99      # float32 rounding may swap a near-tie
+    assert rel_rms(wgt.sum(-1), torch.full((n,), 2.5)) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors, op table, printed IR
+# ---------------------------------------------------------------------------------------------------
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="dtype"):
+        V.silu(torch.randn(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="disagree"):
+        V.rmsnorm(torch.randn(3, 100), torch.randn(99))
+    with pytest.raises(ValueError, match="eps"):
+        V.rmsnorm(torch.randn(3, 100), torch.randn(100), eps=0.0)
+    with pytest.raises(ValueError, match="broadcast"):
+        V.add(torch.randn(3, 5), torch.randn(4))
+    with pytest.raises(ValueError):
+        V.attn_residual(torch.randn(100), [], torch.randn(100))
+    with pytest.raises(ValueError, match="no kernel"):
+        V.kernel_for("kda_chunk")
+
+
+class _Node:
+    def __init__(self, **attrs):
+        self.attrs = attrs
+
+    def attr(self, k):
+        return self.attrs[k]
+
+
+def test_op_table_matches_reference_table():
+    from backends.runtime import _reference_table
+    ref, tab = _reference_table(), V.op_table()
+    assert set(tab) >= {"rmsnorm", "silu", "sigmoid", "mul", "add", "situ_glu", "l2norm", "attn_residual",
+                        "short_conv"}
+    x, w, b = torch.randn(37, 100), torch.randn(100), torch.randn(37, 100)
+    cases = [("rmsnorm", _Node(eps=1e-6), (x, w)), ("l2norm", _Node(eps=1e-6), (x,)), ("silu", _Node(), (x,)),
+             ("sigmoid", _Node(), (x,)), ("mul", _Node(), (x, b)), ("add", _Node(), (x, b)),
+             ("situ_glu", _Node(beta_gate=4.0, beta_up=25.0), (x, b)),
+             ("attn_residual", _Node(eps=1e-6), (torch.randn(100), w, x, b, x * b)),
+             ("short_conv", _Node(), (x.view(1, 37, 100), torch.randn(100, 1, 4)))]
+    with torch.no_grad():
+        for op, node, args in cases:
+            assert rel_rms(tab[op](node, *args), ref[op](node, *args)) < 1e-5, op
+
+
+def test_op_table_falls_back_for_autograd():
+    x = torch.randn(7, 100, requires_grad=True)
+    y = V.op_table()["silu"](_Node(), x)
+    y.sum().backward()                     # the reference op ran: a gradient exists
+    assert x.grad is not None and rel_rms(y.detach(), R.silu(x.detach())) < 1e-6
+
+
+def test_tvmscript_prints_and_parses():
+    text = V.tvmscript("rmsnorm", d=7168, eps=1e-6)
+    assert "@T.prim_func" in text and "7168" in text and "T.int64()" in text
+    from tvm.script import from_source
+    f = from_source(text)
+    assert "rmsnorm" in str(f.attrs["global_symbol"])
+    sched = V.tvmscript("rmsnorm", d=7168, eps=1e-6, scheduled="llvm")
+    assert "T.parallel" in sched and "T.vectorized" in sched
+
+
+# ---------------------------------------------------------------------------------------------------
+# cache, export, cuda builds
+# ---------------------------------------------------------------------------------------------------
+
+def test_cache_hit_does_not_compile(monkeypatch):
+    k = V.kernel_for("rmsnorm", d=123, eps=1e-6)
+    path = B.build(k, "llvm")
+    assert path.exists() and path.parent.name == B.cache_key(k, "llvm")
+    assert (path.parent / "rmsnorm.tvmscript.py").read_text() == k.source
+    B.clear_memo()
+    monkeypatch.setattr(B, "compile_kernel", lambda *a: pytest.fail("cache hit must not recompile"))
+    x, w = torch.randn(5, 123), torch.randn(123)
+    assert rel_rms(V.rmsnorm(x, w), R.rmsnorm(x, w)) < TOL[torch.float32]
+    # a different attribute is a different kernel, hence a different key
+    assert B.cache_key(V.kernel_for("rmsnorm", d=123, eps=1e-5), "llvm") != B.cache_key(k, "llvm")
+    assert B.cache_key(k, "cuda") != B.cache_key(k, "llvm")
+
+
+def test_export_and_load_roundtrip(tmp_path):
+    k = V.kernel_for("situ_glu", beta_gate=2.0, beta_up=7.0)
+    f = B.load(B.export(k, "llvm", tmp_path / "situ.so"), k.name)
+    a, b, y = torch.randn(1000), torch.randn(1000), torch.empty(1000)
+    f(a, b, y)
+    assert rel_rms(y, R.situ_glu(a, b, beta_gate=2.0, beta_up=7.0)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("op,attrs", [
+    ("rmsnorm", dict(d=7168, dtype="bfloat16")), ("l2norm", dict(d=128)), ("silu", dict(dtype="bfloat16")),
+    ("situ_glu", dict(dtype="bfloat16")), ("attn_residual", dict(d=7168, L=25, dtype="bfloat16")),
+    ("short_conv", dict(C=448, dtype="bfloat16")), ("router_scores", dict(d=448, E=96))])
+def test_cuda_build_compiles(op, attrs, tmp_path):
+    ex, mod = B.compile_kernel(V.kernel_for(op, **attrs), "cuda")
+    src = ex.mod.imports[0].inspect_source()
+    assert "__global__" in src and "threadIdx.x" in src
+    ex.export_library(str(tmp_path / f"{op}.so"))
+    assert (tmp_path / f"{op}.so").stat().st_size > 0
