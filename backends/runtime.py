@@ -72,10 +72,28 @@ def _merge(fn, n, args):
               out_dtype=TORCH_DTYPES.get(n.attr("dtype")) if not partial else partial[0].dtype)
 
 
+def sdpa_mla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True) -> torch.Tensor:
+    """MLA attention core through torch's fused SDPA (flash / memory-efficient; O(T) memory).
+
+    q, k [B, T, H, Dqk]; v [B, T, H, Dv] with Dv <= Dqk: v is zero-padded to Dqk (flash needs one head
+    dim) and the padding sliced off. Same result as backends.reference.mla_attention."""
+    import torch.nn.functional as F
+    dq, dv = q.shape[-1], v.shape[-1]
+    vp = F.pad(v, (0, dq - dv)) if dv < dq else v
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), vp.transpose(1, 2),
+                                       is_causal=causal, scale=scale)
+    return o.transpose(1, 2)[..., :dv]
+
+
 def _triton_table() -> dict[str, Callable]:
-    """The reference table with the ops that have Triton kernels swapped in."""
+    """The reference table with the ops that have Triton kernels swapped in; GEMMs and the MLA core go to
+    the vendor libraries in the activation dtype (cuBLAS, flash attention)."""
+    import torch.nn.functional as F
     import backends.triton as T
     table = _reference_table()
+    table["linear"] = lambda n, x, w: F.linear(x, w.to(x.dtype))
+    table["lm_head"] = lambda n, x, w: F.linear(x, w.to(x.dtype))
+    table["mla_attention"] = lambda n, q, k, v: sdpa_mla(q, k, v, scale=n.attr("scale"), causal=n.attr("causal"))
     if hasattr(T, "kda_chunk"):
         table["kda_chunk"] = lambda n, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=n.attr("scale"),
                                                                   lower_bound=n.attr("lower_bound"))[0]
@@ -96,7 +114,18 @@ def _triton_table() -> dict[str, Callable]:
     return table
 
 
-TARGETS: dict[str, Callable[[], dict]] = {"reference": _reference_table, "triton": _triton_table}
+def _tvm_table() -> dict[str, Callable]:
+    """The Triton table with the TVM (TensorIR) kernels swapped in for the memory-bound ops TVM covers;
+    everything else falls back to the Triton kernels. TVM kernels are forward-only: with autograd
+    recording they run the reference op."""
+    import backends.tvm as V
+    table = _triton_table()
+    table.update(V.op_table())
+    return table
+
+
+TARGETS: dict[str, Callable[[], dict]] = {"reference": _reference_table, "triton": _triton_table,
+                                          "tvm": _tvm_table}
 
 _DATA_MOVEMENT = ("reshape", "slice", "concat", "broadcast")
 
@@ -343,7 +372,7 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     Raises:
         MtcError: an unknown target, or a graph that fails verification.
     """
-    from passes import PassManager
+    from passes import PIPELINES, PassManager
     if target not in TARGETS:
         from dsl.errors import did_you_mean
         raise MtcError(f"unknown target '{target}'{did_you_mean(target, TARGETS)}; targets: {', '.join(TARGETS)}")
@@ -352,10 +381,17 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if isinstance(dtype, str):
         from dsl.ir import canon_dtype
         dtype = TORCH_DTYPES[canon_dtype(dtype)]
+    if target == "tvm" and passes == "default":
+        # TVM covers the direct attn_residual, not the two-phase kernels: keep the direct form
+        passes = [p for p in PIPELINES["default"] if p != "batch_attn_residual"]
     pm = PassManager(passes, print_after=print_after, dump_dir=dump_ir)
     g = pm.run(graph)
     m = CompiledModule(g, dict(pm.stages), target, dtype, device, seed)
     m.pass_timings = pm.timings
+    if target == "tvm" and "fused" in pm.stages:
+        from passes.lower import lower
+        m.program = lower(pm.stages["fused"], target)
+        m.stages["lowered"] = m.program
     if target == "triton" and "fused" in pm.stages and str(device) != "meta":
         from backends.triton.codegen import write_and_load
         from passes.lower import lower

@@ -88,19 +88,23 @@ def cmd_stats(args) -> int:
 def cmd_ir(args) -> int:
     from passes import STAGES, PassManager
     from .printer import print_graph
-    stages = STAGES + ["lowered"]
+    stages = STAGES + ["lowered", "tvm"]
     stage = args.stage
     if stage not in stages:
         raise MtcError(f"unknown stage '{stage}'; stages: {', '.join(stages)}")
     g = _load(args)
     pm = PassManager(print_after=args.print_after or (), dump_dir=args.dump_ir, keep_stages=True)
     upto = stages.index(stage)
+    if stage == "tvm":
+        upto = stages.index("canonical")
     if upto > 0:
         pm.passes = [p for p in pm.passes if p.stage is None or stages.index(p.stage) <= upto]
         pm.run(g)
     else:
         pm.stages["graph"] = g
-    if stage == "lowered":
+    if stage == "tvm":
+        text = _tvm_report(args, pm.stages["canonical"])
+    elif stage == "lowered":
         text = _lowered_report(args, g, pm)
     else:
         text = print_graph(pm.stages[stage], with_loc=not args.no_loc)
@@ -115,6 +119,45 @@ def cmd_ir(args) -> int:
     if args.timing:
         print(pm.timing_report(), file=sys.stderr)
     return 0
+
+
+def _tvm_report(args, g) -> str:
+    """The TVMScript of every distinct TVM kernel the model needs (target="tvm")."""
+    from backends.tvm import tvmscript
+    dt = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+    nodes = g.node_map()
+    seen: dict[str, list[str]] = {}
+    order = []
+    for n in g.nodes:
+        t = n.types[0] if n.types else None
+        if n.op not in ("rmsnorm", "l2norm", "silu", "sigmoid", "add", "mul", "situ_glu", "attn_residual",
+                        "short_conv") or t is None or t.dtype not in dt:
+            continue
+        a = {"dtype": dt[t.dtype]}
+        if n.op in ("rmsnorm", "l2norm"):
+            a.update(d=int(t.shape[-1]), eps=float(n.attr("eps")))
+            if n.op == "rmsnorm":
+                a["w_dtype"] = dt[nodes[n.inputs[1].node].types[0].dtype]
+        elif n.op == "attn_residual":
+            w = dt[nodes[n.inputs[1].node].types[0].dtype]
+            a.update(d=int(t.shape[-1]), L=len(n.inputs) - 2, eps=float(n.attr("eps")), q_dtype=w, w_dtype=w)
+        elif n.op == "short_conv":
+            wt = nodes[n.inputs[1].node].types[0]
+            a.update(C=int(wt.shape[0]), W=int(wt.shape[2]), w_dtype=dt[wt.dtype])
+        elif n.op == "situ_glu":
+            a.update(beta_gate=float(n.attr("beta_gate")), beta_up=float(n.attr("beta_up")))
+        key = repr((n.op, sorted(a.items())))
+        if key not in seen:
+            seen[key] = []
+            order.append((key, n.op, a))
+        seen[key].append(n.name)
+    out = [f"# {len(order)} distinct TVM kernels for {g.name} (target llvm / cuda sm_90)"]
+    for key, op, a in order:
+        users = seen[key]
+        out.append(f"\n# ---- {op} {a}: used by {len(users)} node(s): "
+                   f"{', '.join('%' + u for u in users[:6])}{' ...' if len(users) > 6 else ''}")
+        out.append(tvmscript(op, scheduled=args.tvm_schedule, **a))
+    return "\n".join(out) + "\n"
 
 
 def _lowered_report(args, g, pm) -> str:
@@ -277,14 +320,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(two-phase AttnRes + fusion groups with tile sizes), lowered (the kernel "
                                    "launches, the per-GPU memory plan and the expert placement).")
     _add_spec_args(s)
-    s.add_argument("--stage", default="graph", help="graph | typed | canonical | fused | lowered")
+    s.add_argument("--stage", default="graph", help="graph | typed | canonical | fused | lowered | tvm")
     s.add_argument("--seq-len", "-T", type=int, default=None,
                    help="(lowered) context length for the memory plan (default: the spec's max_seq_len)")
     s.add_argument("--gpus", type=int, default=1, help="(lowered) GPUs for the memory plan and expert placement")
     s.add_argument("--slots", type=int, default=None,
                    help="(lowered) physical expert slots (> experts: replicas of the hottest)")
     s.add_argument("--checkpointing", default="layer", help="(lowered) none | layer | block | inference")
-    s.add_argument("--target", default="triton", help="(lowered) triton")
+    s.add_argument("--target", default="triton", help="(lowered) triton | tvm")
+    s.add_argument("--tvm-schedule", default=None, help="(tvm) print the TVMScript after the llvm or cuda schedule")
     s.add_argument("--print-after", action="append", metavar="PASS", help="also print the IR after PASS ('all')")
     s.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, one file per pass")
     s.add_argument("--timing", action="store_true", help="print per-pass timing to stderr")

@@ -25,7 +25,7 @@ POINTWISE = ("silu", "sigmoid", "mul", "add", "situ_glu", "rmsnorm", "l2norm", "
 
 TEMPLATES = {
     "kda_chunk": "triton.kda_chunk",
-    "mla_attention": "reference:mla_attention",
+    "mla_attention": "library:sdpa",
     "qb_route": "triton.qb_route",
     "moe_experts": "triton.moe_experts",
     "situ_glu": "library:gemm+triton.situ_glu",
@@ -53,7 +53,7 @@ class Launch:
     def text(self) -> str:
         ins = ", ".join(f"{r}" for r, _ in self.inputs)
         outs = ", ".join(f"{r}: {t}" for r, t in self.outputs)
-        g = "[" + ", ".join(str(x).replace(" ", "") for x in self.grid) + "]" if self.grid else "library"
+        g = "[" + ", ".join(str(x).replace(" ", "") for x in self.grid) + "]" if self.grid else self.backend
         s = f"k{self.index} = {self.kernel} grid {g}"
         if self.tiles:
             s += " tiles {" + ", ".join(f"{k}={v}" for k, v in self.tiles.items()) + "}"
@@ -92,6 +92,9 @@ class KernelProgram:
         for L in self.launches:
             out[L.kernel] = out.get(L.kernel, 0) + 1
         return out
+
+
+TVM_OPS = ("rmsnorm", "l2norm", "silu", "sigmoid", "add", "mul", "situ_glu", "attn_residual", "short_conv")
 
 
 def _cdiv(a, b) -> sympy.Expr:
@@ -196,7 +199,11 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
             backend, prologue, epilogue = "triton", [], []
             tiles = {"BLOCK": 1024} if all(m.op in ("silu", "sigmoid", "mul", "add", "situ_glu") for m in ms) \
                 else {"BLOCK_D": 1 << max(0, int(anchor.types[0].shape[-1]) - 1).bit_length()}
-        grid = [] if backend == "library" else _grid(kind, anchor, types, tiles)
+        if target == "tvm" and all(m.op in TVM_OPS + VIEWS for m in ms) and backend != "library":
+            # TensorIR kernels (backends/tvm), one per op for now; the rest falls back to Triton
+            kernel, backend = "tvm[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]", "tvm"
+            prologue, epilogue = [], []
+        grid = [] if backend in ("library", "tvm") else _grid(kind, anchor, types, tiles)
         launches.append(Launch(len(launches), kernel, backend, anchor.name, [m.name for m in ms],
                                [m.op for m in ms], ins, outs, grid, tiles, prologue, epilogue))
     return KernelProgram(g.name, target, g.symbols, launches)

@@ -1,0 +1,99 @@
+"""End-to-end forward throughput of a K3-family model: mtc target="triton" vs the same model in eager
+PyTorch (reference ops, with fla-core 0.6.0's kernels where fla has them: chunk_kda, fused_attnres) and
+vs torch.compile of that eager model. One process, the same weights, bf16, B = 1.
+
+Columns: tokens/s (median of CUDA-event timings), the relative RMS difference of the logits against the
+eager+fla model, and the speed-up of mtc over each baseline (last line).
+
+Usage (GPU machine):  source .device/prelude.sh; python benchmarks/e2e.py [--variant small] [--quick]
+                      [--seq-lens 8192 65536] [--no-compile] [--out benchmarks/results/e2e.md]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def eager_fla_table():
+    """Reference ops, but GEMMs/SDPA in bf16 and fla-core's chunk_kda and fused_attnres."""
+    import torch.nn.functional as F
+    from fla.ops.attnres import fused_attnres
+    from fla.ops.kda import chunk_kda
+
+    from backends.runtime import _reference_table, sdpa_mla
+    t = _reference_table()
+    t["linear"] = lambda n, x, w: F.linear(x, w)
+    t["lm_head"] = lambda n, x, w: F.linear(x, w)
+    t["mla_attention"] = lambda n, q, k, v: sdpa_mla(q, k, v, scale=n.attr("scale"), causal=n.attr("causal"))
+    t["kda_chunk"] = lambda n, q, k, v, g, b: chunk_kda(q, k, v, g, b, scale=n.attr("scale"), safe_gate=True,
+                                                        lower_bound=n.attr("lower_bound"))[0]
+    t["attn_residual"] = lambda n, q, w, *s: fused_attnres(q, list(s), w, rms_eps=n.attr("eps"))
+    return t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", default="small")
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
+    ap.add_argument("--quick", action="store_true", help="one short length, few repeats")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--out", default=None, help="write the table (markdown) here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seq_lens = [2048]
+
+    import dsl
+    from backends import runtime
+    runtime.TARGETS["eager_fla"] = eager_fla_table
+    dev = "cuda"
+    g = dsl.load(ROOT / "models" / "kimi_k3.mtc", args.variant)
+    t0 = time.perf_counter()
+    mtc = dsl.compile(g, target="triton", dtype=torch.bfloat16, device=dev).eval()
+    eager = dsl.compile(g, target="eager_fla", dtype=torch.bfloat16, device=dev,
+                        passes=["verify", "infer_shapes", "canonicalize"]).eval()
+    eager.load_state_dict(mtc.state_dict())
+    print(f"{g.name}: {sum(p.numel() for p in mtc.parameters()) / 1e9:.2f} B parameters; compiled in "
+          f"{time.perf_counter() - t0:.1f} s; kernels: {mtc.kernel_source_path}", flush=True)
+    models = {"mtc triton": mtc, "eager + fla": eager}
+    if not args.no_compile:
+        models["torch.compile(eager + fla)"] = torch.compile(eager, dynamic=False)
+    rows = []
+    for T in args.seq_lens:
+        ids = torch.randint(0, 256, (1, T), device=dev)
+        with torch.no_grad():
+            ref = eager(ids).float()
+            for name, m in models.items():
+                for _ in range(2):
+                    out = m(ids)
+                torch.cuda.synchronize()
+                times = []
+                for _ in range(3 if args.quick else 5):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    out = m(ids)
+                    b.record()
+                    torch.cuda.synchronize()
+                    times.append(a.elapsed_time(b) / 1e3)
+                t = sorted(times)[len(times) // 2]
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                rows.append((T, name, t, T / t, err))
+                print(f"T={T:>6} {name:<28} {t * 1e3:9.1f} ms {T / t:12,.0f} tok/s  err {err:.2e}", flush=True)
+    lines = ["| T | model | ms | tokens/s | logits rel. err vs eager+fla |", "|---|---|---|---|---|"]
+    lines += [f"| {T} | {n} | {t * 1e3:.1f} | {tps:,.0f} | {e:.2e} |" for T, n, t, tps, e in rows]
+    for T in args.seq_lens:
+        r = {n: t for TT, n, t, _, _ in rows if TT == T}
+        lines.append(f"\nT={T}: mtc speed-up: " + ", ".join(f"{r[n] / r['mtc triton']:.2f}x vs {n}"
+                                                            for n in r if n != "mtc triton"))
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(f"# e2e forward, {g.name}, bf16, B=1, H200\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
