@@ -68,8 +68,9 @@ def _phase1(fn, n, args):
 def _merge(fn, n, args):
     acc, m, s, q, w, *partial = args
     i = n.attr("index")
+    # the output takes the activation dtype of the running module (that of the pseudo-query parameter)
     return fn(acc[i], m[i], s[i], partial[0] if partial else None, q, w, eps=n.attr("eps"),
-              out_dtype=TORCH_DTYPES.get(n.attr("dtype")) if not partial else partial[0].dtype)
+              out_dtype=partial[0].dtype if partial else q.dtype)
 
 
 def sdpa_mla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True) -> torch.Tensor:
@@ -200,11 +201,10 @@ class CompiledModule(nn.Module):
             key = n.attr("name")
             *path, leaf = key.split(".")
             t = n.type
-            tdt = TORCH_DTYPES.get(t.dtype, dtype)
-            if n.op == "param" and tdt.is_floating_point and t.dtype not in ("f32",):
-                tdt = dtype                           # bf16 / mxfp4 weights run in the compile dtype
-            if t.dtype == "f32":
-                tdt = torch.float32 if dtype != torch.float64 else dtype
+            if n.op == "buffer" or n.attr("pinned") or t.dtype in ("i64", "i32", "bool"):
+                tdt = TORCH_DTYPES[t.dtype]           # precision-critical (A_log, dt_bias, router bias)
+            else:
+                tdt = dtype                           # bf16 / mxfp4 / f32 weights run in the compile dtype
             shape = [int(d) for d in t.shape]
             data = torch.empty(shape, dtype=tdt, device=device)
             if str(device) != "meta":

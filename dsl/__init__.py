@@ -38,9 +38,11 @@ def load(path: str | Path, variant: str | None = None, **overrides) -> Graph:
     """Read and parse a .mtc file (see :func:`parse`)."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise MtcError(f"cannot read spec '{path}': {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise MtcError(f"spec '{path}' is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
     return parse(text, variant, file=str(path), **overrides)
 
 

@@ -85,10 +85,17 @@ class GraphBuilder:
         return n.out()
 
     def param(self, name: str, shape, init: str = "normal", *, kind: str = "param", dtype: str | None = None,
-              std: float | None = None, active: float | None = None, loc: Loc | None = None) -> Ref:
+              std: float | None = None, active: float | None = None, pinned: bool = False,
+              loc: Loc | None = None) -> Ref:
+        """A parameter (or buffer). ``pinned``: keep ``dtype`` whatever the compile dtype (precision-critical
+        tensors such as A_log, dt_bias and the router bias stay float32)."""
         if name in self._param_names:
             raise self.error(f"parameter '{name}' is defined twice", loc)
+        if dtype is not None:
+            dtype = canon_dtype(dtype, loc)
         attrs: dict[str, Any] = {"name": name, "init": init}
+        if pinned:
+            attrs["pinned"] = True
         if std is not None:
             attrs["std"] = float(std)
         if active is not None:
@@ -107,7 +114,7 @@ class GraphBuilder:
         """Emit op ``op`` on ``inputs``. Ops that own parameters (layers, embedding, rmsnorm, ...)
         create them under the state-dict prefix ``name`` when their parameter inputs are not given.
         Returns a Ref, or a tuple of Refs for multi-output ops."""
-        from .ops import OPS
+        OPS = _ops()
         if op not in OPS:
             raise self.error(f"unknown op '{op}'{did_you_mean(op, OPS)}", loc)
         od = OPS[op]
@@ -120,6 +127,16 @@ class GraphBuilder:
             raise self.error(f"op '{op}' has no attribute '{unknown[0]}'{did_you_mean(unknown[0], allowed)}; "
                              f"it takes: {', '.join(allowed) or 'none'}", loc)
         full = {}
+        for k, v in {**attrs, **pattrs}.items():
+            if v is None:
+                continue
+            want = ATTR_TYPES.get(k)
+            if want is int and (not isinstance(v, int) or isinstance(v, bool)):
+                raise self.error(f"op '{op}': attribute '{k}' must be an integer, got {v!r}", loc)
+            if want is float and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                raise self.error(f"op '{op}': attribute '{k}' must be a number, got {v!r}", loc)
+            if k.endswith("eps") and not (isinstance(v, (int, float)) and v > 0):
+                raise self.error(f"op '{op}': '{k}' must be a positive number, got {v!r}", loc)
         for k, default in od.attrs.items():
             if k in attrs:
                 full[k] = attrs[k]
@@ -145,7 +162,7 @@ class GraphBuilder:
             for s in specs:
                 pname = f"{prefix}.{s.suffix}" if prefix else s.suffix
                 inputs.append(self.param(pname, s.shape, s.init, kind=s.kind, dtype=s.dtype, std=s.std,
-                                         active=s.active, loc=loc))
+                                         active=s.active, pinned=s.dtype == "f32", loc=loc))
             in_types = [self.type(r) for r in inputs]
         try:
             out_types = od.check_and_infer(in_types, full)
@@ -157,14 +174,31 @@ class GraphBuilder:
         return tuple(n.out(i) for i in range(len(out_types)))
 
     def __getattr__(self, op: str):
-        from .ops import OPS
-        if op.startswith("_") or op not in OPS:
+        if op.startswith("_") or op not in _ops():
             raise AttributeError(op)
         return lambda *inputs, **kw: self.call(op, *inputs, **kw)
 
     def build(self, outputs: Sequence[Ref]) -> Graph:
         meta = tuple(sorted((k, v) for k, v in self.meta.items()))
         return Graph(self.name, tuple(self.nodes), tuple(outputs), self.symbols, meta)
+
+
+ATTR_TYPES = {k: int for k in (
+    "heads", "head_dim", "v_head_dim", "conv_size", "forget_rank", "gate_rank", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_dim", "qk_rope_dim", "v_dim", "inter", "experts", "top_k", "shared", "shared_inter", "latent",
+    "vocab", "dim", "out", "start", "end", "n_queries", "index")}
+ATTR_TYPES.update({k: float for k in ("lower_bound", "routed_scaling", "beta_gate", "beta_up", "scale")})
+
+
+def _ops() -> dict:
+    global _OPS
+    if _OPS is None:
+        from .ops import OPS
+        _OPS = OPS
+    return _OPS
+
+
+_OPS = None
 
 
 class _Required:

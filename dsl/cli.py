@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,13 @@ examples:
   mtc ir models/kimi_k3.mtc --stage lowered --seq-len 1048576 --gpus 128 --slots 1024
   mtc run models/kimi_k3.mtc --variant tiny --input README.md --seq-len 256
 """
+
+
+def _seed(text: str) -> int:
+    v = int(text)
+    if not 0 <= v < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2^63), got {text}")
+    return v
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -97,6 +105,8 @@ def cmd_ir(args) -> int:
     upto = stages.index(stage)
     if stage == "tvm":
         upto = stages.index("canonical")
+    if args.dump_ir or args.print_after or args.timing:
+        upto = len(STAGES) - 1            # these describe the passes: run the whole pipeline
     if upto > 0:
         pm.passes = [p for p in pm.passes if p.stage is None or stages.index(p.stage) <= upto]
         pm.run(g)
@@ -112,7 +122,10 @@ def cmd_ir(args) -> int:
             from passes.fuse_tiles import describe_groups
             text = describe_groups(pm.stages[stage]) + text
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as e:
+            raise MtcError(f"cannot write --output '{args.output}': {e.strerror}") from None
         print(f"wrote {args.output} ({text.count(chr(10))} lines)", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -183,18 +196,67 @@ def _lowered_report(args, g, pm) -> str:
     return "\n".join(out) + "\n"
 
 
+RUN_DTYPES = {"float32": "f32", "fp32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
+              "float16": "f16", "fp16": "f16", "f16": "f16"}
+
+
+def _check_device(device: str) -> None:
+    import torch
+    if device == "cpu":
+        return
+    if device.split(":")[0] != "cuda":
+        raise MtcError(f"--device must be cpu or cuda[:N], got '{device}'")
+    if not torch.cuda.is_available():
+        raise MtcError(f"--device {device}: this torch build or machine has no CUDA GPU; use --device cpu")
+
+
+def _segments(ids, T: int):
+    """Non-overlapping windows of T predicted tokens (T + 1 ids each, consecutive windows share one id);
+    the last window keeps the remainder, so every byte after the first is predicted exactly once."""
+    return [ids[s: s + T + 1] for s in range(0, len(ids) - 1, T)]
+
+
+def _check_fits(g, dtype_bytes: int, device: str) -> None:
+    """Refuse, before allocating, a model whose weights cannot fit in this machine's memory."""
+    import torch
+    n = sum(int(p.type.numel()) for p in g.params())
+    need = n * dtype_bytes
+    if device.startswith("cuda"):
+        have = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    if need > 0.8 * have:
+        from .stats import human_bytes
+        raise MtcError(f"model '{g.name}' has {n:,} parameters: {human_bytes(need)} of weights, more than this "
+                       f"{'GPU' if device != 'cpu' else 'machine'} holds ({human_bytes(have)} free); run a smaller "
+                       f"variant (--variant tiny or small), or count it with `mtc stats` / `mtc ir --stage lowered`")
+
+
 def cmd_run(args) -> int:
+    import warnings
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
     from . import compile as mtc_compile, load
 
-    if args.target == "triton" and args.device == "cpu":
-        import os
+    if args.dtype is not None and args.dtype not in RUN_DTYPES:
+        raise MtcError(f"--dtype must be one of float32, bfloat16, float16; got '{args.dtype}'")
+    dtype = RUN_DTYPES[args.dtype or "float32"]
+    _check_device(args.device)
+    if args.target not in ("reference", "triton", "tvm"):
+        raise MtcError(f"--target must be reference, triton or tvm; got '{args.target}'")
+    if args.target in ("triton", "tvm") and args.device == "cpu":
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise MtcError("--target triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported")
         os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels on the CPU: the interpreter
+        # the interpreter evaluates masked-off lanes too (exp of padding); those results are discarded
+        warnings.filterwarnings("ignore", category=RuntimeWarning)
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise MtcError(f"--json: the folder of '{args.json}' does not exist")
     c = Console(stderr=False)
     spec = args.spec or str(DEFAULT_SPEC)
     variant = args.variant if (args.variant or args.spec) else "tiny"
@@ -203,37 +265,43 @@ def cmd_run(args) -> int:
         data = text_path.read_bytes()
     except OSError as e:
         raise MtcError(f"cannot read --input '{text_path}': {e.strerror}") from None
+    data = data[: args.max_tokens]
     if len(data) < 2:
-        raise MtcError(f"--input '{text_path}' holds {len(data)} bytes; need at least 2 to predict a next token")
+        raise MtcError(f"--input '{text_path}' gives {len(data)} byte token(s) (with --max-tokens "
+                       f"{args.max_tokens}); need at least 2 to predict a next token")
     g = load(spec, variant, **_overrides(args.set))
-    t0 = time.perf_counter()
-    m = mtc_compile(g, target=args.target, dtype=args.dtype, device=args.device, seed=args.seed)
-    m.eval()
-    vocab = int(g.outputs and g.type_of(g.outputs[0]).shape[-1])
+    vocab = int(g.type_of(g.outputs[0]).shape[-1])
     if vocab < 256:
         raise MtcError(f"model '{g.name}' has a vocabulary of {vocab}; the byte-level tokenizer needs >= 256")
-    ids = torch.tensor(list(data[: args.max_tokens]), dtype=torch.long)
+    _check_fits(g, 4 if dtype == "f32" else 2, args.device)
+    t0 = time.perf_counter()
+    m = mtc_compile(g, target=args.target, dtype=dtype, device=args.device, seed=args.seed)
+    m.eval()
+    ids = torch.tensor(list(data), dtype=torch.long)
     T = args.seq_len
-    n_seq = max(1, (len(ids) - 1) // T)
-    c.print(f"[bold]{g.name}[/] ({sum(p.numel() for p in m.parameters()):,} parameters, target {args.target}) "
-            f"on {text_path.name}: {len(ids):,} byte tokens as {n_seq} sequences of <= {T}; "
-            f"compiled in {time.perf_counter() - t0:.2f} s")
+    segs = _segments(ids, T)
+    # batch windows of equal length (only the last one can be shorter)
+    batches, cur = [], []
+    for sg in segs:
+        if cur and (len(cur) == args.batch_size or len(sg) != len(cur[0])):
+            batches.append(cur)
+            cur = []
+        cur.append(sg)
+    batches.append(cur)
+    n = len(segs)
+    c.print(f"[bold]{g.name}[/] ({sum(p.numel() for p in m.parameters()):,} parameters, target {args.target}, "
+            f"{args.dtype or 'float32'}) on {text_path.name}: {len(ids):,} byte tokens in {n} window"
+            f"{'s' if n != 1 else ''} of up to {T}; compiled in {time.perf_counter() - t0:.2f} s")
     total_loss, total_tok = 0.0, 0
     loads: dict[str, torch.Tensor] = {}
     t1 = time.perf_counter()
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total} seqs"), TimeElapsedColumn(), console=c,
+                  TextColumn("{task.completed}/{task.total} windows"), TimeElapsedColumn(), console=c,
                   transient=True) as prog:
-        task = prog.add_task("forward", total=n_seq)
+        task = prog.add_task("forward", total=n)
         with torch.no_grad():
-            for s in range(0, n_seq, args.batch_size):
-                rows = []
-                for j in range(s, min(n_seq, s + args.batch_size)):
-                    seg = ids[j * T: j * T + T + 1]
-                    if len(seg) >= 2:
-                        rows.append(seg)
-                L = min(len(r) for r in rows)
-                batch = torch.stack([r[:L] for r in rows]).to(args.device)
+            for rows in batches:
+                batch = torch.stack(rows).to(args.device)
                 logits = m(batch[:, :-1])
                 if not torch.isfinite(logits).all():
                     raise MtcError("the forward pass produced non-finite logits")
@@ -250,16 +318,19 @@ def cmd_run(args) -> int:
             f"{torch.tensor(nll).exp():.2f}, over {total_tok:,} predicted tokens in {dt:.2f} s "
             f"({total_tok / dt:,.0f} tokens/s)")
     if loads:
-        t = Table(title="expert load per MoE layer (tokens routed per expert)")
-        for col in ("layer", "min", "mean", "max", "max/mean", "idle experts"):
+        t = Table(title="expert load per MoE layer (tokens routed per expert; layers numbered from 0 as in "
+                        "the state dict)")
+        t.add_column("layer", justify="right", no_wrap=True)
+        for col in ("min", "mean", "max", "max/mean", "idle experts"):
             t.add_column(col, justify="right")
         for k, v in loads.items():
             v = v.float()
-            t.add_row(k, f"{v.min():.0f}", f"{v.mean():.1f}", f"{v.max():.0f}", f"{v.max() / v.mean():.3f}",
-                      str(int((v == 0).sum())))
+            t.add_row(k.removeprefix("model.layers.").removesuffix(".block_sparse_moe"), f"{v.min():.0f}",
+                      f"{v.mean():.1f}", f"{v.max():.0f}", f"{v.max() / v.mean():.3f}", str(int((v == 0).sum())))
         c.print(t)
     if args.json:
-        out = {"model": g.name, "loss": nll, "tokens": total_tok, "seconds": dt,
+        out = {"model": g.name, "target": args.target, "dtype": args.dtype or "float32", "seq_len": T,
+               "loss": nll, "tokens": total_tok, "seconds": dt,
                "expert_load": {k: v.tolist() for k, v in loads.items()}}
         Path(args.json).write_text(json.dumps(out, indent=2))
         c.print(f"wrote {args.json}")
@@ -284,7 +355,10 @@ def cmd_compile(args) -> int:
 
 
 def cmd_ops(args) -> int:
+    from .errors import did_you_mean
     from .ops import OPS
+    if args.op and args.op not in OPS:
+        raise MtcError(f"unknown op '{args.op}'{did_you_mean(args.op, OPS)}; `mtc ops` lists them all")
     for name, od in sorted(OPS.items()):
         if args.op and name != args.op:
             continue
@@ -341,13 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "expert load. With no SPEC: the tiny K3 variant on a text shipped with mtc.")
     _add_spec_args(s, spec_optional=True)
     s.add_argument("--input", "-i", help=f"a text file (default: {DEFAULT_TEXT.relative_to(ROOT)})")
-    s.add_argument("--target", default="reference", help="reference | triton")
+    s.add_argument("--target", default="reference", help="reference | triton | tvm (on CPU: Triton interpreter)")
     s.add_argument("--seq-len", "-T", type=int, default=256, help="tokens per sequence (default 256)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default 4)")
     s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
     s.add_argument("--dtype", default=None, help="float32 (default) | bfloat16")
     s.add_argument("--device", default="cpu", help="cpu | cuda")
-    s.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
+    s.add_argument("--seed", type=_seed, default=0, help="parameter initialisation seed (0 .. 2^63-1)")
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     s.set_defaults(fn=cmd_run)
 

@@ -12,6 +12,7 @@ gradient, e.g. the Quantile Balancing router bias).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Iterable, Iterator
 
 import sympy
@@ -48,8 +49,13 @@ def dim(x) -> Dim:
     if isinstance(x, int):
         return sympy.Integer(x)
     if isinstance(x, str):
-        return sympy.sympify(x, locals={s: sympy.Symbol(s, integer=True, positive=True) for s in _names(x)})
+        return _parse_dim(x)
     raise TypeError(f"not a dimension: {x!r}")
+
+
+@lru_cache(maxsize=4096)
+def _parse_dim(x: str) -> Dim:
+    return sympy.sympify(x, locals={s: sympy.Symbol(s, integer=True, positive=True) for s in _names(x)})
 
 
 def _names(text: str) -> list[str]:

@@ -485,7 +485,8 @@ register("kda_layer", _x_only("kda_layer"), params=_kda_params, expand=_kda_expa
          attrs={"heads": REQUIRED, "head_dim": REQUIRED, "v_head_dim": 0, "conv_size": 4, "lower_bound": -5.0,
                 "gate": "sigmoid", "forget_rank": 0, "gate_rank": 0, "norm_eps": 1e-6},
          doc="KDA token mixer: projections -> short conv + SiLU -> L2 norm (q, k) -> kda_gate -> kda_chunk "
-             "-> per-head RMSNorm * sigmoid output gate -> o_proj (Kimi Linear, arXiv 2510.26692)")
+             "-> per-head RMSNorm * sigmoid output gate -> o_proj (Kimi Linear, arXiv 2510.26692). "
+             "v_head_dim 0 = head_dim; forget_rank 0 = head_dim; gate_rank 0 = full-rank output gate")
 
 
 # -- gated MLA layer

@@ -20,8 +20,8 @@ class ModelStats:
     batch: int
     gpus: int
     total_params: int
-    active_params: float                 # per token, excluding the input embedding table
-    active_params_with_embedding: float
+    active_params: int                   # per token, excluding the input embedding table
+    active_params_with_embedding: int
     flops_per_token: float               # forward pass, at seq_len (attention grows with T)
     flops_per_token_by_op: dict = field(default_factory=dict)
     weights_bytes: float = 0.0
@@ -61,6 +61,10 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         canonical = PassManager().run(graph)
     config = dict(graph.meta_get("config", ()))
     T = int(seq_len or config.get("max_seq_len", 4096))
+    if T < 1 or batch < 1 or gpus < 1:
+        from .errors import MtcError
+        raise MtcError(f"sequence length, batch and GPU count must be >= 1 (got T={T}, batch={batch}, gpus={gpus}); "
+                       f"check --seq-len or the spec's max_seq_len")
     act_bytes = DTYPES.get(config.get("dtype", "bf16"), 2)
     emb_params = {r.node for n in graph.nodes if n.op == "embedding" for r in n.inputs[1:]}
     total = 0
@@ -113,8 +117,8 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         if n.op == "embedding":
             d_model = int(n.type.shape[-1])
     return ModelStats(
-        name=graph.name, seq_len=T, batch=batch, gpus=gpus, total_params=total, active_params=active,
-        active_params_with_embedding=active + active_emb,
+        name=graph.name, seq_len=T, batch=batch, gpus=gpus, total_params=total, active_params=round(active),
+        active_params_with_embedding=round(active + active_emb),
         flops_per_token=sum(by_op.values()), flops_per_token_by_op=dict(sorted(by_op.items(), key=lambda x: -x[1])),
         weights_bytes=wbytes, kv_cache_bytes=kv, kda_state_bytes=kda_state,
         residual_stream_bytes=float(T * batch * (d_model or 0) * act_bytes), layers=layers)

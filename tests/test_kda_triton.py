@@ -166,11 +166,19 @@ sig = dict(k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, WK=P, U=P, H="i32", K=
            DT="constexpr")
 ck = build(tk._fwd_wu_kernel, sig, dict(K=128, V=128, DT=tk.tl.bfloat16), 8, 1)
 assert "wgmma" in ck.asm["ptx"], "w/u kernel: no wgmma"
-sig = dict(WK=P, U=P, QG=P, KD=P, AQK=P, GAM=F, O=P, HBUF=P, S_IN=F, S_OUT=F, cstart=I, clen=I,
-           seg_c0=I, seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr",
-           MODE="constexpr", STORE_O="constexpr", STORE_H="constexpr")
-ck = build(tk._fwd_state_kernel, sig, dict(K=128, V=128, BV=64, SW=128, MODE=0, STORE_O=True, STORE_H=False), 8, 2)
-assert "wgmma" in ck.asm["ptx"], "state kernel: no wgmma"
+sig = dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I, seg_c1=I,
+           H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr", MODE="constexpr",
+           STORE="constexpr", STORE_VN="constexpr")
+for mode, sw in ((0, 128), (1, 256)):
+    ck = build(tk._fwd_h_kernel, sig, dict(K=128, V=128, BV=32, SW=sw, MODE=mode, STORE=mode == 0,
+                                              STORE_VN=mode == 0),
+               tk.H_CFG["num_warps"], tk.H_CFG["num_stages"])
+    assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "state kernel: no tensor-core instruction"
+    assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
+sig = dict(QG=P, AQK=P, VN=P, HB=P, O=P, cstart=I, clen=I, H="i32", K="constexpr", V="constexpr",
+           BV="constexpr")
+ck = build(tk._fwd_o_kernel, sig, dict(K=128, V=128, BV=128), 4, 1)
+assert "wgmma" in ck.asm["ptx"], "o kernel: no wgmma"
 print("OK")
 """
 
