@@ -10,6 +10,9 @@ Times are medians of triton.testing.do_bench (CUDA events).  Columns:
   TF/s, TB/s, %mm, %bw  achieved rates and their fraction of the H200 limits (bf16 matmul 720 TFLOP/s,
          device copy 4.2 TB/s).
   err    relative RMS difference of o between the two implementations (forward rows).
+Diagnostics (forward): --phases prints the time of each forward phase of mtc (CUDA events at the phase
+boundaries: intra, w/u, segment maps + combine, serial state pass, o); --sweep times the mtc forward at the
+largest case for several segment counts and state-kernel launch settings (backends.triton.kda.H_CFG).
 Usage: source .device/prelude.sh; python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
 """
 from __future__ import annotations
@@ -58,12 +61,21 @@ def main():
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     ap.add_argument("--rep", type=int, default=300, help="do_bench repetition budget in ms")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    ap.add_argument("--phases", action="store_true", help="per-phase times of the mtc forward")
+    ap.add_argument("--sweep", action="store_true",
+                    help="mtc forward at the largest case over segment counts / state-kernel settings")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
     import triton
     from fla.ops.kda import chunk_kda
+    import backends.triton.kda as tk
     from backends.triton.kda import kda_chunk
+
+    def write():
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
 
     if args.cases:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
@@ -128,6 +140,18 @@ def main():
             print(line, flush=True)
             lines.append(line)
             ratios[(H, T, mode)] = t_fla / t_mtc
+            write()
+            if args.phases and mode == "fwd":
+                lines.append(f"|   | phases H={H} T={T} | " + phases(tk, kda_chunk, T, H) + " |")
+                print(lines[-1], flush=True)
+                write()
+    if args.sweep and cases:
+        H, T = max(cases, key=lambda c: c[0] * c[1])
+        lines += ["", f"sweep of the mtc forward at H={H} T={T} (ms; seg = chunks per segment, None = model):"]
+        for item in sweep(tk, kda_chunk, T, H, triton):
+            lines.append("- " + item)
+            print(lines[-1], flush=True)
+            write()
     gm = math.exp(sum(math.log(r) for r in ratios.values()) / max(1, len(ratios)))
     big = ratios.get((16, 1048576, "fwd"))
     last = (f"ratio fla/mtc (speed-up, >1 = mtc faster): geometric mean {gm:.2f}x over {len(ratios)} rows; "
@@ -136,9 +160,47 @@ def main():
             f"min {min(ratios.values(), default=float('nan')):.2f}x")
     lines += ["", last]
     print("\n" + last, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write()
+
+
+def phases(tk, kda_chunk, T, H, reps=5):
+    """Median time of each mtc forward phase (ms) over a few calls, as 'name a.bc, ...'."""
+    q, k, v, g, beta = make(T, H)
+    per = {}
+    with torch.no_grad():
+        for _ in range(reps):
+            tk.PROFILE = []
+            kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            torch.cuda.synchronize()
+            ev, tk.PROFILE = tk.PROFILE, None
+            for (_, a), (name, b) in zip(ev[:-1], ev[1:]):
+                per.setdefault(name, []).append(a.elapsed_time(b))
+    return ", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
+
+
+def sweep(tk, kda_chunk, T, H, triton):
+    """Forward times over segment lengths and state-kernel launch settings (restores H_CFG)."""
+    q, k, v, g, beta = make(T, H)
+    n = (T + 63) // 64
+    saved = dict(tk.H_CFG)
+    out = []
+    cfgs = [dict(num_warps=4, num_stages=2, ctas_per_sm=2), dict(num_warps=4, num_stages=1, ctas_per_sm=4),
+            dict(num_warps=4, num_stages=3, ctas_per_sm=1)]
+    try:
+        for cfg in cfgs:
+            tk.H_CFG.update(cfg)
+            segs = [None, 1 << 30] + ([math.ceil(n / ns) for ns in (2, 4, 8, 16, 33, 66)] if cfg is cfgs[0] else [])
+            for seg in segs:
+                with torch.no_grad():
+                    def f():
+                        return kda_chunk(q, k, v, g, beta, lower_bound=-5.0, segment_chunks=seg)
+                    f()
+                    t = triton.testing.do_bench(f, warmup=20, rep=60, return_mode="median")
+                out.append(f"{cfg}: seg={seg if seg != 1 << 30 else 'off'}: {t:.2f} ms")
+    finally:
+        tk.H_CFG.clear()
+        tk.H_CFG.update(saved)
+    return out
 
 
 if __name__ == "__main__":

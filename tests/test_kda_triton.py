@@ -57,8 +57,9 @@ def test_forward_matches_reference(T):
 
 
 def test_forward_against_token_loop_at_the_bound_segmented():
-    # every third channel random, the rest exactly at the bound; 3 segments of 1 chunk (+ a partial one)
-    B, T, H, K, V = 1, 150, 2, 16, 16
+    # every third channel random, the rest exactly at the bound; 3 segments of 1 chunk (+ a partial one);
+    # V = 64 > K: two value blocks in the state pass, and the augmented [M | D] pass has unequal halves
+    B, T, H, K, V = 1, 150, 2, 16, 64
     q, k, v, g, beta, S0 = make(B, T, H, K, V, at_bound=True)
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,
                         segment_chunks=1)
@@ -179,6 +180,10 @@ sig = dict(QG=P, AQK=P, VN=P, HB=P, O=P, cstart=I, clen=I, H="i32", K="constexpr
            BV="constexpr")
 ck = build(tk._fwd_o_kernel, sig, dict(K=128, V=128, BV=128), 4, 1)
 assert "wgmma" in ck.asm["ptx"], "o kernel: no wgmma"
+sig = dict(MD=F, S_INIT=F, S_ENTRY=F, S_FIN=F, seq_s0=I, seq_s1=I, H="i32", K="constexpr", V="constexpr",
+           BV="constexpr", HAS_INIT="constexpr", REVERSE="constexpr", PREC="constexpr")
+ck = build(tk._combine_kernel, sig, dict(K=128, V=128, BV=32, HAS_INIT=True, REVERSE=False, PREC="tf32x3"), 8, 1)
+assert "wgmma" in ck.asm["ptx"], "combine kernel: no wgmma (the float32 FMA dot spills ~14 KB)"
 print("OK")
 """
 
