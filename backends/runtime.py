@@ -170,7 +170,8 @@ class CompiledModule(nn.Module):
         routing_stats: {MoE layer prefix: int64 [E] tokens per expert} from the last forward.
         balance: "qb" (Quantile Balancing, default), "fixed" (DeepSeek-V3 step rule) or None: how the
             router bias buffers are updated after each forward in training mode (computed on batch t,
-            applied to batch t+1).
+            applied to batch t+1). balance_ema / balance_warmup: QB's ema after the first
+            balance_warmup updates of each router (ema 0 before).
     """
 
     def __init__(self, graph: Graph, stages: dict[str, Graph], target: str, dtype: torch.dtype,
@@ -189,7 +190,11 @@ class CompiledModule(nn.Module):
         self.program = None                        # the kernel IR (target="triton")
         self.kernel_source_path = None
         self.balance: str | None = "qb"
-        self.balance_ema = 0.0
+        # QB schedule (benchmarks/results/qb_balance.md): ema 0 for the first updates (converge from the
+        # initial skew), then ema 0.5 (average out one batch's quantile noise): ~1.02-1.04x the floor
+        self.balance_ema = 0.5
+        self.balance_warmup = 3
+        self._updates: dict[str, int] = {}
         self.fixed_step = 1e-3
         self.stats_hooks: list[Callable[[str, torch.Tensor], None]] = []
         gen = None
@@ -351,7 +356,10 @@ class CompiledModule(nn.Module):
             for h in self.stats_hooks:
                 h(layer, load)
             if self.training and self.balance == "qb":
-                bias.copy_(qb_update(scores, bias, top_k=n.attr("top_k"), ema=self.balance_ema))
+                step = self._updates.get(layer, 0)
+                ema = 0.0 if step < self.balance_warmup else self.balance_ema
+                bias.copy_(qb_update(scores, bias, top_k=n.attr("top_k"), ema=ema))
+                self._updates[layer] = step + 1
             elif self.training and self.balance == "fixed":
                 bias.copy_(fixed_step_update(bias, load, step=self.fixed_step))
 
