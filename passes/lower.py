@@ -23,6 +23,8 @@ GEMMS = ("linear", "lm_head")
 POINTWISE = ("silu", "sigmoid", "mul", "add", "situ_glu", "rmsnorm", "l2norm", "short_conv", "kda_gate",
              "embedding", "concat")
 
+CODEGEN_OPS = ("add", "mul", "silu", "sigmoid", "situ_glu", "rmsnorm", "l2norm")   # backends/triton/codegen.py
+
 TEMPLATES = {
     "kda_chunk": "triton.kda_chunk",
     "mla_attention": "library:sdpa",
@@ -73,7 +75,9 @@ class KernelProgram:
     launches: list[Launch]
 
     def text(self) -> str:
-        lines = [f"kernels {self.name}({', '.join(self.symbols)}) target={self.target} {{"]
+        lines = ["// prologue/epilogue: the ops each template launch absorbs (fuse_tiles). Today they still run",
+                 "// as separate ops beside the template kernel; pointwise chains run as generated kernels.",
+                 f"kernels {self.name}({', '.join(self.symbols)}) target={self.target} {{"]
         lines += ["  " + ln for L in self.launches for ln in L.text().splitlines()]
         lines.append("}")
         return "\n".join(lines) + "\n"
@@ -194,16 +198,19 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
             epilogue = [m.op for m in ms if pos[m.name] > a_pos and m.op not in VIEWS]
         elif kind in GEMMS:
             kernel, backend, prologue, epilogue = "library:gemm", "library", [], []
-        else:
+        elif all(m.op in CODEGEN_OPS for m in ms):
             kernel = "triton.pointwise[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]"
             backend, prologue, epilogue = "triton", [], []
+        else:                                # no generated kernel for it yet: the PyTorch op runs
+            kernel = "torch[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]"
+            backend, prologue, epilogue, tiles = "reference", [], [], {}
             tiles = {"BLOCK": 1024} if all(m.op in ("silu", "sigmoid", "mul", "add", "situ_glu") for m in ms) \
                 else {"BLOCK_D": 1 << max(0, int(anchor.types[0].shape[-1]) - 1).bit_length()}
         if target == "tvm" and all(m.op in TVM_OPS + VIEWS for m in ms) and backend != "library":
             # TensorIR kernels (backends/tvm), one per op for now; the rest falls back to Triton
             kernel, backend = "tvm[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]", "tvm"
             prologue, epilogue = [], []
-        grid = [] if backend in ("library", "tvm") else _grid(kind, anchor, types, tiles)
+        grid = [] if backend in ("library", "tvm", "reference") else _grid(kind, anchor, types, tiles)
         launches.append(Launch(len(launches), kernel, backend, anchor.name, [m.name for m in ms],
                                [m.op for m in ms], ins, outs, grid, tiles, prologue, epilogue))
     return KernelProgram(g.name, target, g.symbols, launches)
