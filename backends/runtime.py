@@ -12,6 +12,7 @@ Targets share parameter names and shapes, so ``load_state_dict`` moves weights b
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import sympy
@@ -264,6 +265,8 @@ class CompiledModule(nn.Module):
                                f"{getattr(x, 'shape', type(x))}")
             if t.dtype in ("i64", "i32") and x.dtype not in (torch.int64, torch.int32):
                 raise MtcError(f"input '{name}' must be integer token ids ({t}), got {x.dtype}")
+            if x.numel() == 0:
+                raise MtcError(f"input '{name}' is empty (shape {list(x.shape)}); need at least one token")
             for d, s in zip(t.shape, x.shape):
                 if isinstance(d, sympy.Symbol):
                     if bind.setdefault(d, s) != s:
@@ -364,6 +367,18 @@ class CompiledModule(nn.Module):
                 bias.copy_(fixed_step_update(bias, load, step=self.fixed_step))
 
 
+def _check_kernel_constraints(g: Graph, target: str) -> None:
+    """Shapes the Triton templates cannot take are errors at compile time, at the user's spec line."""
+    for n in g.nodes:
+        if n.op == "kda_chunk":
+            K = int(g.type_of(n.inputs[0]).shape[3])      # q [B, T, H, K]
+            V = int(n.types[0].shape[3])                  # o [B, T, H, V]
+            for name, d in (("head_dim (K)", K), ("value head_dim (V)", V)):
+                if d < 16 or d > 256 or d & (d - 1):
+                    raise MtcError(f"target '{target}': the Triton kda_chunk kernel needs {name} to be a power of "
+                                   f"two in [16, 256], got {d}; change the spec or use target='reference'", n.loc)
+
+
 def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype | str | None = None,
                   device: torch.device | str = "cpu", seed: int | None = 0, passes="default",
                   print_after=(), dump_ir=None, emit_dir=None) -> CompiledModule:
@@ -392,8 +407,13 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if target == "tvm" and passes == "default":
         # TVM covers the direct attn_residual, not the two-phase kernels: keep the direct form
         passes = [p for p in PIPELINES["default"] if p != "batch_attn_residual"]
+    if target in ("triton", "tvm") and str(device) == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise MtcError(f"target '{target}' on the CPU runs its Triton kernels under the interpreter: set "
+                       f"TRITON_INTERPRET=1 before triton is imported (mtc run does this itself)")
     pm = PassManager(passes, print_after=print_after, dump_dir=dump_ir)
     g = pm.run(graph)
+    if target in ("triton", "tvm"):
+        _check_kernel_constraints(g, target)
     m = CompiledModule(g, dict(pm.stages), target, dtype, device, seed)
     m.pass_timings = pm.timings
     if target == "tvm" and "fused" in pm.stages:

@@ -179,6 +179,8 @@ class GraphBuilder:
         return lambda *inputs, **kw: self.call(op, *inputs, **kw)
 
     def build(self, outputs: Sequence[Ref]) -> Graph:
+        if not outputs:
+            raise MtcError(f"graph '{self.name}' needs at least one output")
         meta = tuple(sorted((k, v) for k, v in self.meta.items()))
         return Graph(self.name, tuple(self.nodes), tuple(outputs), self.symbols, meta)
 

@@ -179,19 +179,27 @@ def _lowered_report(args, g, pm) -> str:
     from passes.place_experts import plan as place
     from passes.plan_memory import plan_memory
     t0 = time.perf_counter()
-    prog = lower(pm.stages["fused"], target=args.target)
+    fused = pm.stages["fused"]
+    if args.target == "tvm":             # what compile(target="tvm") runs: the direct AttnRes form
+        from passes import PassManager
+        fused = PassManager(["fuse_tiles"]).run(pm.stages["canonical"])
+    prog = lower(fused, target=args.target)
     out = [prog.text()]
     counts = prog.counts()
     out.append(f"// {len(prog.launches)} launches: " + ", ".join(f"{k} x{v}" for k, v in counts.items()))
     out.append(f"// code cache key: {prog.cache_key()}\n")
     T = args.seq_len or dict(g.meta_get("config", ())).get("max_seq_len", 4096)
-    mp = plan_memory(g, seq_len=T, gpus=args.gpus, checkpointing=args.checkpointing, canonical=pm.stages["canonical"])
-    out.append(mp.summary())
     moe = [n for n in g.nodes if n.op in ("latent_moe", "moe")]
-    if moe:
-        E = moe[0].attr("experts")
-        slots = args.slots or (E if E % args.gpus == 0 else -(-E // args.gpus) * args.gpus)
-        out.append("\n" + place(None, args.gpus, num_slots=slots, num_experts=E).summary())
+    E = moe[0].attr("experts") if moe else None
+    slots = args.slots or (None if E is None else (E if E % args.gpus == 0 else -(-E // args.gpus) * args.gpus))
+    try:
+        mp = plan_memory(g, seq_len=T, gpus=args.gpus, checkpointing=args.checkpointing,
+                         num_slots=slots, canonical=pm.stages["canonical"])
+        out.append(mp.summary())
+        if moe:
+            out.append("\n" + place(None, args.gpus, num_slots=slots, num_experts=E).summary())
+    except ValueError as e:
+        raise MtcError(str(e)) from None
     out.append(f"\n// lowering, memory plan and placement took {time.perf_counter() - t0:.2f} s")
     return "\n".join(out) + "\n"
 
@@ -338,20 +346,25 @@ def cmd_run(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    import os
-    from . import compile as mtc_compile
-    if args.target == "triton" and args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from backends.triton.codegen import write_and_load
+    from passes import PassManager
+    from passes.lower import lower
+    os.environ.setdefault("TRITON_INTERPRET", "0" if _has_cuda() else "1")
     g = _load(args)
-    m = mtc_compile(g, target=args.target, device=args.device, emit_dir=args.emit)
-    if m.program is None:
-        raise MtcError(f"target '{args.target}' generates no kernel source; use --target triton")
-    n_gen = len({k.name for k, _ in m._gen.values()})
-    print(f"{g.name}: {len(m.program.launches)} kernel launches, {len(m._gen)} of them generated "
-          f"pointwise kernels ({n_gen} distinct)")
-    print(f"kernel source: {m.kernel_source_path}")
-    print(f"kernel IR:     {Path(m.kernel_source_path).parent / 'kernel_ir.txt'}")
+    fused = PassManager().run(g)          # no weights are allocated: the full model compiles too
+    prog = lower(fused, target="triton")
+    path, _mod, kernels = write_and_load(prog, fused, args.emit)
+    n_gen = len({k.name for k in kernels})
+    print(f"{g.name}: {len(prog.launches)} kernel launches, {len(kernels)} of them generated pointwise "
+          f"kernels ({n_gen} distinct)")
+    print(f"kernel source: {path}")
+    print(f"kernel IR:     {path.parent / 'kernel_ir.txt'}")
     return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def cmd_ops(args) -> int:
@@ -392,7 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stages: graph (as parsed: layer blocks, typed), typed (after "
                                    "infer_shapes), canonical (layer blocks expanded into primitive ops), fused "
                                    "(two-phase AttnRes + fusion groups with tile sizes), lowered (the kernel "
-                                   "launches, the per-GPU memory plan and the expert placement).")
+                                   "launches, the per-GPU memory plan and the expert placement; its memory "
+                                   "layout is plan_memory's: experts split by expert parallelism, other weights "
+                                   "and the KV cache by tensor-parallel groups of up to 8, unlike `mtc stats`' "
+                                   "even split), tvm (the TVMScript of the TVM kernels).")
     _add_spec_args(s)
     s.add_argument("--stage", default="graph", help="graph | typed | canonical | fused | lowered | tvm")
     s.add_argument("--seq-len", "-T", type=int, default=None,
@@ -400,9 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus", type=int, default=1, help="(lowered) GPUs for the memory plan and expert placement")
     s.add_argument("--slots", type=int, default=None,
                    help="(lowered) physical expert slots (> experts: replicas of the hottest)")
-    s.add_argument("--checkpointing", default="layer", help="(lowered) none | layer | block | inference")
-    s.add_argument("--target", default="triton", help="(lowered) triton | tvm")
-    s.add_argument("--tvm-schedule", default=None, help="(tvm) print the TVMScript after the llvm or cuda schedule")
+    s.add_argument("--checkpointing", default="layer", choices=["none", "layer", "block", "inference"],
+                   help="(lowered) activation checkpointing for the memory plan")
+    s.add_argument("--target", default="triton", choices=["triton", "tvm"], help="(lowered) the target to lower for")
+    s.add_argument("--tvm-schedule", default=None, choices=["llvm", "cuda"],
+                   help="(tvm) print the TVMScript after the llvm or cuda schedule")
     s.add_argument("--print-after", action="append", metavar="PASS", help="also print the IR after PASS ('all')")
     s.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, one file per pass")
     s.add_argument("--timing", action="store_true", help="print per-pass timing to stderr")
@@ -430,8 +448,6 @@ def build_parser() -> argparse.ArgumentParser:
                                    "pointwise kernels into the cache (keyed by the printed kernel IR, target "
                                    "and versions) or into --emit DIR; prints the paths.")
     _add_spec_args(s)
-    s.add_argument("--target", default="triton", help="triton")
-    s.add_argument("--device", default="cpu", help="cpu (Triton interpreter) | cuda")
     s.add_argument("--emit", metavar="DIR", help="write kernels.py and kernel_ir.txt to DIR")
     s.set_defaults(fn=cmd_compile)
 

@@ -76,7 +76,8 @@ class KernelProgram:
 
     def text(self) -> str:
         lines = ["// prologue/epilogue: the ops each template launch absorbs (fuse_tiles). Today they still run",
-                 "// as separate ops beside the template kernel; pointwise chains run as generated kernels.",
+                 "// as separate ops beside the template kernel (through the target's op table: TVM kernels for",
+                 "// target=tvm); pointwise chains run as generated kernels; views (reshape, slice) are free.",
                  f"kernels {self.name}({', '.join(self.symbols)}) target={self.target} {{"]
         lines += ["  " + ln for L in self.launches for ln in L.text().splitlines()]
         lines.append("}")

@@ -71,8 +71,11 @@ class PassManager:
         from .verify import verify
         self.stages["graph"] = g
         if self.dump_dir:
-            self.dump_dir.mkdir(parents=True, exist_ok=True)
-            (self.dump_dir / "00-graph.mlir").write_text(str(g))
+            try:
+                self.dump_dir.mkdir(parents=True, exist_ok=True)
+                (self.dump_dir / "00-graph.ir").write_text(str(g))
+            except OSError as e:
+                raise MtcError(f"cannot write IR dumps to '{self.dump_dir}': {e.strerror}") from None
         for i, p in enumerate(self.passes, 1):
             t0 = time.perf_counter()
             g = p.fn(g)
@@ -85,7 +88,7 @@ class PassManager:
             if p.name in self.print_after or "all" in self.print_after:
                 self.printer(f"// ----- IR after {p.name} ({dt * 1e3:.1f} ms) -----\n{g}")
             if self.dump_dir:
-                (self.dump_dir / f"{i:02d}-{p.name}.mlir").write_text(str(g))
+                (self.dump_dir / f"{i:02d}-{p.name}.ir").write_text(str(g))
         return g
 
     def timing_report(self) -> str:

@@ -70,5 +70,29 @@ def test_run_predicts_every_token_and_honours_dtype(tmp_path):
 def test_ir_dump_with_graph_stage(tmp_path):
     r = mtc("ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "graph", "--dump-ir", str(tmp_path), "--timing")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "05-fuse_tiles.mlir").exists() and "canonicalize" in r.stderr
+    assert (tmp_path / "05-fuse_tiles.ir").exists() and "canonicalize" in r.stderr
     assert r.stdout.startswith("graph kimi_k3.tiny(B, T)")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["ir", "models/kimi_k3.mtc", "--stage", "lowered", "--gpus", "128", "--slots", "1000"], "a multiple of ep_size = 128"),
+    (["ir", "models/kimi_k3.mtc", "--stage", "lowered", "--checkpointing", "bogus"], "invalid choice"),
+    (["ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "tvm", "--tvm-schedule", "bogus"], "invalid choice"),
+    (["ir", "models/kimi_k3.mtc", "-v", "tiny", "--dump-ir", "/etc/passwd"], "cannot write IR dumps"),
+])
+def test_bad_compiler_flags(args, needle):
+    r = mtc(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_lowered_memory_plan_follows_slots():
+    out8 = mtc("ir", "models/kimi_k3.mtc", "--stage", "lowered", "--gpus", "128", "--slots", "1024").stdout
+    out7 = mtc("ir", "models/kimi_k3.mtc", "--stage", "lowered", "--gpus", "128").stdout
+    assert "routed experts (8 per MoE layer" in out8 and "routed experts (7 per MoE layer" in out7
+
+
+def test_compile_full_model_emits_kernels_without_weights(tmp_path):
+    r = mtc("compile", "models/kimi_k3.mtc", "--emit", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    src = (tmp_path / "kernels.py").read_text()
+    assert "@triton.jit" in src and "kernels kimi_k3(B, T)" in (tmp_path / "kernel_ir.txt").read_text()

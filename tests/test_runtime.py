@@ -129,3 +129,26 @@ def test_cli_main_job_runs(tmp_path):
     res = json.loads(out.read_text())
     assert math.isfinite(res["loss"]) and 4.5 < res["loss"] < 6.5 and res["model"] == "kimi_k3.tiny"
     assert "expert load" in r.stdout
+
+
+def test_triton_target_rejects_head_dims_its_kernels_cannot_take():
+    spec = """model m {
+  forward(input_ids: i64[B, T]) {
+    x = embedding(input_ids, vocab=256, dim=48)
+    y = kda_layer(x, heads=5, head_dim=7, name="l0")
+    return lm_head(y, vocab=256)
+  }
+}
+"""
+    g = dsl.parse(spec, file="m.mtc")
+    dsl.compile(g, target="reference")                     # the reference takes any width
+    with pytest.raises(dsl.MtcError, match="power of two in \\[16, 256\\], got 7") as ei:
+        dsl.compile(g, target="triton")
+    assert (ei.value.loc.line, ei.value.loc.col) == (4, 9)
+
+
+def test_empty_input_and_empty_graph_are_errors(tiny):
+    with pytest.raises(dsl.MtcError, match="is empty"):
+        tiny(torch.randint(0, 256, (1, 0)))
+    with pytest.raises(dsl.MtcError, match="at least one output"):
+        dsl.GraphBuilder("g").build([])

@@ -57,7 +57,7 @@ def test_golden_printed_ir(stage):
     pm = PassManager(keep_stages=True)
     pm.run(dsl.load(DATA / "toy.mtc"))
     got = print_graph(pm.stages[stage], with_loc=False)
-    gold = GOLDEN / f"toy.{stage}.mlir"
+    gold = GOLDEN / f"toy.{stage}.ir"
     if os.environ.get("MTC_UPDATE_GOLDEN") == "1":
         gold.write_text(got)
     assert got == gold.read_text(), f"printed IR of tests/data/toy.mtc at stage {stage} changed"
@@ -118,8 +118,8 @@ def test_pass_manager_dump_and_print_after(tmp_path, capsys):
     pm = PassManager(print_after=["canonicalize"], dump_dir=tmp_path)
     pm.run(dsl.load(DATA / "toy.mtc"))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["00-graph.mlir", "01-verify.mlir", "02-infer_shapes.mlir", "03-canonicalize.mlir",
-                     "04-batch_attn_residual.mlir", "05-fuse_tiles.mlir"]
+    assert files == ["00-graph.ir", "01-verify.ir", "02-infer_shapes.ir", "03-canonicalize.ir",
+                     "04-batch_attn_residual.ir", "05-fuse_tiles.ir"]
     assert "IR after canonicalize" in capsys.readouterr().out
     assert [n for n, _ in pm.timings] == ["verify", "infer_shapes", "canonicalize", "batch_attn_residual",
                                               "fuse_tiles"]
