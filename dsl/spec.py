@@ -83,7 +83,6 @@ class SpecModel:
     # -- config -----------------------------------------------------------------------------------
     def resolve_config(self, variant: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
         exprs = {name: (expr, loc) for name, _t, expr, loc in self.config}
-        types = {name: t for name, t, _e, _l in self.config}
         if variant is not None:
             if variant not in self.variants:
                 raise MtcError(f"model '{self.name}' has no variant '{variant}'{did_you_mean(variant, self.variants)}"
@@ -397,7 +396,7 @@ def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
         what = "end of file" if tok.type == "$END" else f"'{tok}'"
         raise MtcError(f"syntax error: unexpected {what}; expected one of {', '.join(exp)}",
                        Loc(file, e.line if e.line > 0 else text.count(chr(10)) + 1, max(e.column, 1)), text) from None
-    except lark.exceptions.UnexpectedEOF as e:
+    except lark.exceptions.UnexpectedEOF:
         raise MtcError("syntax error: unexpected end of file (a '}' missing?)",
                        Loc(file, text.count("\n") + 1, 1), text) from None
     return SpecModel(tree, file, text)

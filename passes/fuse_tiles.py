@@ -13,7 +13,7 @@ The lowering (passes/lower.py) turns each group into one kernel launch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from dsl.ir import Graph, Node

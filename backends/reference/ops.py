@@ -3,8 +3,6 @@ computed in float32, written for clarity. Each returns its result in the input's
 Semantics: ../shared/spec/OPS.md ("Other graph ops", "gated MLA attention core")."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
