@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import rmsnorm
+
 __all__ = [
     "qb_route",
     "qb_update",
@@ -368,12 +370,6 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
     return u.to(x_lat.dtype)
 
 
-def rms_norm(x, weight, eps=1e-6):
-    """RMSNorm (Zhang & Sennrich, arXiv 1910.07467, Eq. 4) in float32: x / sqrt(mean(x^2) + eps) * w."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
-
-
 def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w_up, shared_w1,
                shared_w3, shared_w2, *, top_k, routed_scaling=1.0, eps=1e-6, activation="situ",
                beta_gate=4.0, beta_up=25.0):
@@ -427,7 +423,7 @@ def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w
     if w_down is None:
         y = u
     else:
-        y = rms_norm(u, norm_weight, eps) @ w_up.float().t()
+        y = rmsnorm(u.float(), norm_weight, eps=eps).float() @ w_up.float().t()
     y = y + _shared(xf, shared_w1, shared_w3, shared_w2, d, activation, beta_gate, beta_up, where)
     return y.to(x.dtype), topk_idx
 
