@@ -14,7 +14,13 @@ Timing: triton.testing.do_bench (median, CUDA events). FLOPs: expert GEMMs 6*N*k
 forward+backward). Bytes: the weights read once (the floor for a weight-streaming layer) plus the
 token activations in and out. Limits: bf16 dense matmul ~720 TFLOP/s, device copy ~4.2 TB/s.
 
+Weight-gradient implementations (backends.triton.moe.WGRAD_IMPL "v1" / "v2"): --wgrad-compare
+times both in one run, the two weight-gradient launches alone (dW1|dW3: 4*N*k*l*I FLOPs, dW2:
+2*N*k*l*I, on random bf16 operands of the real shapes and the real routing) and the routed experts
+forward+backward with each (rows "triton:wgrad-<impl>"); it also checks that v2 matches v1.
+
 Usage: python benchmarks/moe.py [--quick] [--tokens 8192 32768] [--out benchmarks/results/moe.md]
+       python benchmarks/moe.py --wgrad-compare --no-layer --tokens 32768 8192   (v1 vs v2 only)
        python benchmarks/moe.py --cpu-smoke      (tiny shapes, checks the code paths, no timing)
 """
 import argparse
@@ -109,6 +115,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what remains after this many seconds")
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, no timing")
+    ap.add_argument("--wgrad-compare", action="store_true",
+                    help="time the weight-gradient kernels v1 and v2 side by side (alone and in experts fwd+bwd)")
+    ap.add_argument("--no-layer", action="store_true",
+                    help="with --wgrad-compare: time only the v1/v2 rows (no other effect)")
     args = ap.parse_args()
     t_start = time.time()
 
@@ -187,6 +197,14 @@ def main():
                 a, b = get.get(("triton", T, what)), get.get(("gmm", T, what))
                 if a and b and not math.isnan(a):
                     ratios.append(f"{what} T={T}: {b / a:.2f}x")
+        for T in tokens:
+            for what in ("dW1|dW3 (dual)", "dW2 (single)"):
+                a, b = get.get(("wgrad-v2", T, what)), get.get(("wgrad-v1", T, what))
+                if a and b and not math.isnan(a):
+                    ratios.append(f"[v1/v2 time] {what} T={T}: {b / a:.2f}x")
+            a, b = get.get(("triton:wgrad-v2", T, "experts fwd+bwd")), get.get(("triton:wgrad-v1", T, "experts fwd+bwd"))
+            if a and b and not math.isnan(a):
+                ratios.append(f"[v1/v2 time] experts fwd+bwd T={T}: {b / a:.2f}x")
         dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)"
         head = [f"# MoE layer benchmark ({dev_name}, torch {torch.__version__}, triton {triton.__version__})", "",
                 f"K3 MoE layer: d {d}, latent {lat}, {e} experts, top-{k}, intermediate {inter}, shared Is {i_s}, "
@@ -202,6 +220,69 @@ def main():
                 fh.write(text + "\n")
 
     reps = 300 if args.quick else 1000
+
+    def wgrad_compare(T, x):
+        """v1 vs v2 weight-gradient kernels on the real routing of x: alone, then in experts fwd+bwd."""
+        nk = T * k
+        with torch.no_grad():
+            idx, wt, _ = tm.qb_route(x, p["rw"], p["rb"], top_k=k, routed_scaling=scaling)
+            dsp = tm._Dispatch(idx, e)
+            da = rnd(nk, inter, scale=1.0)
+            db = rnd(nk, inter, scale=1.0)
+            xs = rnd(nk, lat, scale=1.0)
+            dw1 = torch.empty(e, inter, lat, device=dev, dtype=dt)
+            dw3 = torch.empty_like(dw1)
+            f_dual, f_one = 4.0 * nk * lat * inter, 2.0 * nk * lat * inter
+            b_dual = 2 * e * inter * lat * 2 + (2 * nk * inter + nk * lat) * 2
+            b_one = e * inter * lat * 2 + (nk * inter + nk * lat) * 2
+            ref_out = {}
+            for impl in ("v1", "v2"):
+                tm.WGRAD_IMPL = impl
+                try:
+                    # dW1|dW3 = [dA dB]^T xs (dual); dW2-shaped single launch: xs^T dB -> [E, l, I]
+                    record(f"wgrad-{impl}", T, "dW1|dW3 (dual)",
+                           lambda: tm._wgrad(da, xs, dsp, inter, lat, dw1, p2=db, out2=dw3), f_dual, b_dual, reps)
+                    tm._wgrad(da, xs, dsp, inter, lat, dw1, p2=db, out2=dw3)
+                    ref_out[impl] = [dw1[:, :256].float().clone(), dw3[-64:, :, :256].float().clone()]
+                    dw2 = dw1.view(e, lat, inter)
+                    record(f"wgrad-{impl}", T, "dW2 (single)",
+                           lambda: tm._wgrad(xs, db, dsp, lat, inter, dw2), f_one, b_one, reps)
+                    tm._wgrad(xs, db, dsp, lat, inter, dw2)
+                    ref_out[impl].append(dw2[:, :256].float().clone())
+                finally:
+                    tm.WGRAD_IMPL = "v1"
+            if len(ref_out) == 2:
+                errs = [rel(a_, b_) for a_, b_ in zip(ref_out["v2"], ref_out["v1"])]
+                notes.append(f"T={T}: wgrad v2 vs v1 rel-RMS (dW1 part, dW3 part, dW2 part) = "
+                             + ", ".join(f"{x_:.1e}" for x_ in errs))
+                print("  " + notes[-1], flush=True)
+            del da, db, xs, dw1, dw3, ref_out
+            xl = (x @ p["wd"].t()).requires_grad_()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        if args.no_bwd:
+            return
+        ws = {kk: p[kk].detach().requires_grad_() for kk in ("w1", "w3", "w2")}
+        wtg = wt.clone().requires_grad_()
+        gu = torch.randn(T, lat, device=dev, dtype=dt)
+        for impl in ("v1", "v2"):
+            def estep():
+                u = tm.moe_experts(xl, idx, wtg, ws["w1"], ws["w3"], ws["w2"])
+                gr = torch.autograd.grad(u, (xl, wtg, ws["w1"], ws["w3"], ws["w2"]), gu)
+                del gr, u
+
+            tm.WGRAD_IMPL = impl
+            try:
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+                record(f"triton:wgrad-{impl}", T, "experts fwd+bwd", estep, 3 * 6.0 * nk * lat * inter,
+                       3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
+            finally:
+                tm.WGRAD_IMPL = "v1"
+        del xl, wtg, gu, ws
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
     for T in tokens:
         print(f"== T = {T}", flush=True)
         x = rnd(T, d, scale=1.0)
@@ -209,6 +290,11 @@ def main():
         f_exp = 6.0 * nk * lat * inter
         f_dense = 2.0 * T * d * e + 4.0 * T * d * lat + 6.0 * T * d * i_s
         act_bytes = 2 * T * lat * 2
+        if args.wgrad_compare:
+            wgrad_compare(T, x)
+        if args.no_layer and args.wgrad_compare:
+            emit()
+            continue
         with torch.no_grad():
             idx, wt, _ = tm.qb_route(x, p["rw"], p["rb"], top_k=k, routed_scaling=scaling)
             xl = x @ p["wd"].t()

@@ -205,16 +205,24 @@ def _check_experts(n, l, e, i, k, idx=None, wt=None, act="situ", weights=None, g
             assert err < 1e-4, (name, err)
 
 
+@pytest.fixture(params=["v1", "v2"])
+def wgrad_impl(request, monkeypatch):
+    """Runs a test with each weight-gradient implementation (tm.WGRAD_IMPL)."""
+    monkeypatch.setattr(tm, "WGRAD_IMPL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("n,l,e,i,k", [(1, 32, 4, 16, 1), (63, 40, 7, 24, 3), (33, 37, 5, 21, 2)])
-def test_moe_experts_matches_naive_and_reference(n, l, e, i, k):
+def test_moe_experts_matches_naive_and_reference(n, l, e, i, k, wgrad_impl):
     # (33, 37, ..., 21): widths whose rows are not 16-byte aligned -> pointer path, partial K tiles
     _check_experts(n, l, e, i, k)
 
 
-def test_moe_experts_pointer_paths_and_split_wgrad(monkeypatch):
+def test_moe_experts_pointer_paths_and_split_wgrad(monkeypatch, wgrad_impl):
     # no TMA anywhere (token rows gathered through pointers in every kernel) and the weight
     # gradients of w1 and w3 from two launches instead of the dual kernel
-    cfgs = {k_: dict(v, A_TMA=False, W_TMA=False) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
+    cfgs = {k_: dict(v, A_TMA=False, W_TMA=False, P_TMA=False, Q_TMA=False, O_TMA=False)
+            for k_, v in tm.TILE_CONFIGS["cpu"].items()}
     cfgs["wgrad_dual"]["DUAL"] = False
     monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
     _check_experts(29, 32, 6, 16, 3)
@@ -224,7 +232,7 @@ def test_moe_experts_silu_activation():
     _check_experts(40, 32, 6, 16, 2, act="silu")
 
 
-def test_moe_experts_empty_experts_and_one_expert():
+def test_moe_experts_empty_experts_and_one_expert(wgrad_impl):
     n, l, e, i = 45, 32, 9, 16
     # all tokens on one expert (also the expert with the largest index)
     idx = torch.full((n, 1), e - 1, dtype=torch.long, device=DEV)
@@ -235,7 +243,7 @@ def test_moe_experts_empty_experts_and_one_expert():
     _check_experts(n, l, e, i, 2, idx=idx, wt=torch.rand(n, 2, device=DEV))
 
 
-def test_moe_experts_non_contiguous_weights():
+def test_moe_experts_non_contiguous_weights(wgrad_impl):
     n, l, e, i, k = 30, 32, 5, 16, 2
     w1t = torch.randn(e, l, i, device=DEV) / l ** 0.5  # stored transposed; pass the [E, I, l] view
     w3t = torch.randn(e, l, i, device=DEV) / l ** 0.5
@@ -287,6 +295,59 @@ def test_latent_moe_matches_reference_with_grads():
         assert rel_rms(a_, b_) < 1e-4, j
 
 
+def _naive_wgrad(p, q, offs, ptok=None, qtok=None):
+    """out[e] = sum over rows r of expert e of P[r]^T Q[r], a float64 loop over the experts."""
+    pp = p.double() if ptok is None else p.double()[ptok]
+    qq = q.double() if qtok is None else q.double()[qtok]
+    out = torch.zeros(offs.numel() - 1, p.shape[1], q.shape[1], dtype=torch.float64, device=p.device)
+    for e in range(offs.numel() - 1):
+        for r in range(int(offs[e]), int(offs[e + 1])):
+            out[e] += torch.outer(pp[r], qq[r])
+    return out
+
+
+@pytest.mark.parametrize("impl", ["v1", "v2"])
+@pytest.mark.parametrize("counts", [[0, 37, 0, 16, 1, 0, 50], [0, 0, 70, 0], [5, 0, 0, 0, 0, 0]])
+@pytest.mark.parametrize("tma,gather", [(True, False), (False, False), (True, True)])
+def test_wgrad_kernels_match_loop(monkeypatch, impl, counts, tma, gather):
+    """Both weight-gradient kernels on their own (dual dW1|dW3 form and single dW2 form): experts
+    with zero rows, all rows on one expert, row counts that are and are not multiples of the
+    K block (16 on CPU), widths with partial tiles; TMA descriptors on and off, gathered rows."""
+    monkeypatch.setattr(tm, "WGRAD_IMPL", impl)
+    cfgs = {k_: dict(v, P_TMA=tma, Q_TMA=tma, O_TMA=tma) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
+    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
+    offs = torch.tensor([0] + counts, device=DEV).cumsum(0)
+    rows, e = int(offs[-1]), len(counts)
+    mm, nn = 36, 20  # partial 16-wide tiles; float32 rows are 16-byte aligned (TMA allowed)
+
+    class D:  # the two fields of _Dispatch the launchers read
+        pass
+
+    d = D()
+    d.e, d.offs = e, offs
+    d.tok = torch.randint(0, max(rows, 1), (rows,), device=DEV)
+    p, p2 = torch.randn(rows, mm, device=DEV), torch.randn(rows, mm, device=DEV)
+    q = torch.randn(rows, nn, device=DEV)
+    out, out2 = (torch.full((e, mm, nn), float("nan"), device=DEV) for _ in range(2))
+    qtok = d.tok if gather else None
+    tm._wgrad(p, q, d, mm, nn, out, p2=p2, out2=out2, qtok=qtok)
+    assert rel_rms(out, _naive_wgrad(p, q, offs, qtok=qtok)) < 1e-5
+    assert rel_rms(out2, _naive_wgrad(p2, q, offs, qtok=qtok)) < 1e-5
+    ptok = d.tok if gather else None
+    out = torch.full((e, mm, nn), float("nan"), device=DEV)
+    tm._wgrad(p, q, d, mm, nn, out, ptok=ptok)
+    assert rel_rms(out, _naive_wgrad(p, q, offs, ptok=ptok)) < 1e-5
+    for j, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(out[j], torch.zeros_like(out[j])), j  # exact zeros, no NaN left
+
+
+def test_wgrad_impl_switch_rejects_unknown(monkeypatch):
+    monkeypatch.setattr(tm, "WGRAD_IMPL", "v3")
+    with pytest.raises(ValueError, match="WGRAD_IMPL"):
+        _check_experts(5, 32, 4, 16, 2)
+
+
 # ================================================================= Hopper code generation (CPU)
 _COMPILE_SCRIPT = r"""
 import triton
@@ -330,6 +391,56 @@ def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
     assert int(counts["wgmma"]) > 0  # Hopper tensor-core MMA
     assert int(counts["tma"]) > 0  # TMA loads of the token tile and both weight tiles
     assert int(counts["tanh"]) > 0  # SiTU in the epilogue
+
+
+_COMPILE_WGRAD_V2 = r"""
+import os, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from backends.triton import moe_kernels as K
+
+fn = K._wgrad_v2_kernel
+bf = "*bf16"
+types = {n: "i32" for n in fn.arg_names}
+types.update(p_src="tensordesc<bf16[64,128]>", p2_src="tensordesc<bf16[64,128]>",
+             q_src="tensordesc<bf16[64,128]>", p_ptr=bf, p2_ptr=bf, q_ptr=bf, ptok_ptr="*i64",
+             qtok_ptr="*i64", offs_ptr="*i64", o_dst=bf, o2_dst=bf)
+consts = dict(P_DESC=True, Q_DESC=True, O_DESC=False, P_GATHER=False, Q_GATHER=False, DUAL=True,
+              PREC="tf32", BM=128, BN=128, BK=64)
+sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+ptx = k.asm["ptx"]
+d = tempfile.mkdtemp()
+open(os.path.join(d, "k.ptx"), "w").write(ptx)
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+r = subprocess.run([ptxas, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
+                   capture_output=True, text=True)
+spill = sum(int(w) for line in r.stderr.splitlines() if "spill" in line
+            for w, nxt in zip(line.split(), line.split()[1:]) if nxt == "bytes" and w.isdigit())
+print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"), "spill", spill,
+      "rc", r.returncode)
+"""
+
+
+def test_wgrad_v2_compiles_to_wgmma_and_tma_without_spills_for_hopper():
+    """The v2 dual weight-gradient kernel (dW1|dW3 shape, the default GPU tile config) compiles
+    for sm_90 to wgmma MMAs fed by TMA loads, and ptxas -v reports no spilled bytes."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_WGRAD_V2], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = dict(zip(*[iter(out.stdout.split())] * 2))
+    assert int(counts["rc"]) == 0
+    assert int(counts["wgmma"]) > 0
+    assert int(counts["tma"]) > 0
+    assert int(counts["spill"]) == 0
 
 
 # ================================================================= GPU (bf16, real sizes)

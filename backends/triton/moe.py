@@ -15,7 +15,8 @@ Pipeline of ``moe_experts`` (forward):
 Backward (torch.autograd.Function): one grouped GEMM du w2 with the activation's derivative and
 d topk_weight (a row sum of G * h) in its epilogue; dx through one grouped GEMM over both
 [dA dB] [w1; w3]; the weight gradients by a grouped "K = tokens of the expert" GEMM (dw1 and dw3
-share the x tile). No host synchronisation in the GEMM path: the grids are upper bounds and the
+share the x tile), one of two kernels chosen by the module attribute WGRAD_IMPL ("v1" default,
+"v2" persistent + TMA; see the comment at its definition). No host synchronisation in the GEMM path: the grids are upper bounds and the
 schedule lives on the device; the argument checks read back the expert-id range (moe_experts) and
 the non-finite-row flags (qb_route) once per call.
 
@@ -54,10 +55,27 @@ TILE_CONFIGS = {
         "glu_bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "wgrad": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
         "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+        # WGRAD_IMPL "v2" (persistent, TMA): PROGS_PER_SM programs per SM; P_TMA / Q_TMA / O_TMA
+        # choose descriptors (else pointers) for the token-side operands and the output
+        # (maxnreg 128: 2 x 8 warps fit an SM's registers; ptxas then spills ~60 bytes, sm_90)
+        "wgrad2": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=2, maxnreg=128,
+                       P_TMA=True, Q_TMA=True, O_TMA=False),
+        "wgrad2_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=1,
+                            P_TMA=True, Q_TMA=True, O_TMA=False),
     },
-    "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1, A_TMA=True, W_TMA=True)
-            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "wgrad", "wgrad_dual")},
+    "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1, A_TMA=True, W_TMA=True,
+                       P_TMA=True, Q_TMA=True, O_TMA=True, NUM_PROGS=3)
+            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "wgrad", "wgrad_dual", "wgrad2",
+                         "wgrad2_dual")},
 }
+
+# Which weight-gradient kernels (dW1|dW3 and dW2) the backward of moe_experts runs:
+#   "v1": _wgrad_kernel, one program per (expert, m-tile, n-tile), pointer loads (measured in
+#         benchmarks/results/moe.md);
+#   "v2": _wgrad_v2_kernel, persistent grid, TMA descriptors for the token-side operands with a
+#         peeled masked tail block per expert (configs "wgrad2" / "wgrad2_dual"). Not yet timed.
+# Tests and benchmarks may set this module attribute.
+WGRAD_IMPL = "v1"
 
 _ACT = {"situ": 0, "silu": 1}
 
@@ -446,6 +464,11 @@ def _combine(y, d, wt, out_dtype):
 
 
 def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, qtok=None):
+    """out[e] = P_e^T Q_e (and out2[e] = P2_e^T Q_e) over each expert's rows; see the kernels."""
+    if WGRAD_IMPL not in ("v1", "v2"):
+        raise ValueError(f"moe_experts: WGRAD_IMPL must be 'v1' or 'v2', got {WGRAD_IMPL!r}")
+    if WGRAD_IMPL == "v2" and pscale is None:
+        return _wgrad_v2(p, q, d, mm, nn, out, p2=p2, out2=out2, ptok=ptok, qtok=qtok)
     dual = p2 is not None
     cfg = _cfg("wgrad_dual" if dual else "wgrad", p)
     m_tiles, n_tiles = _cdiv(mm, cfg["BM"]), _cdiv(nn, cfg["BN"])
@@ -456,6 +479,58 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
         DUAL=dual, PREC=_prec(p.dtype), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], **_launch_cfg(cfg))
+
+
+_NUM_SMS = {}
+
+
+def _num_sms(t):
+    if not t.is_cuda:
+        return 1
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _NUM_SMS[dev]
+
+
+def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None):
+    """Launch _wgrad_v2_kernel (persistent, TMA where the operands allow it)."""
+    dual = p2 is not None
+    cfg = _cfg("wgrad2_dual" if dual else "wgrad2", p)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    m_tiles, n_tiles = _cdiv(mm, bm), _cdiv(nn, bn)
+    total = d.e * m_tiles * n_tiles
+    nprog = cfg.get("NUM_PROGS") or _num_sms(p) * cfg.get("PROGS_PER_SM", 1)
+    nprog = max(1, min(nprog, total))
+    p2_ = p2 if dual else p
+    p_desc = (ptok is None and cfg.get("P_TMA") and _tma_ok(p, [bk, bm]) and _tma_ok(p2_, [bk, bm])
+              and p2_.stride() == p.stride())
+    q_desc = qtok is None and cfg.get("Q_TMA") and _tma_ok(q, [bk, bn])
+    out2_ = out2 if dual else out
+    o_desc = (cfg.get("O_TMA") and _tma_ok(out, [1, bm, bn]) and _tma_ok(out2_, [1, bm, bn])
+              and out2_.stride() == out.stride())
+    if p_desc:
+        p_src = TensorDescriptor.from_tensor(p, [bk, bm])
+        p2_src = TensorDescriptor.from_tensor(p2_, [bk, bm]) if dual else p_src
+    else:
+        p_src, p2_src = p, p2_
+    q_src = TensorDescriptor.from_tensor(q, [bk, bn]) if q_desc else q
+    if o_desc:
+        o_dst = TensorDescriptor.from_tensor(out, [1, bm, bn])
+        o2_dst = TensorDescriptor.from_tensor(out2_, [1, bm, bn]) if dual else o_dst
+    else:
+        o_dst, o2_dst = out, out2_
+    launch = _launch_cfg(cfg)
+    if p.is_cuda and cfg.get("maxnreg"):
+        launch["maxnreg"] = cfg["maxnreg"]
+    _k._wgrad_v2_kernel[(nprog,)](
+        p_src, p2_src, q_src, p, p2_, ptok if ptok is not None else d.tok, q,
+        qtok if qtok is not None else d.tok, o_dst, o2_dst, d.offs,
+        mm, nn, d.e, m_tiles, n_tiles, nprog,
+        p.stride(0), q.stride(0), out.stride(0), out.stride(1),
+        P_DESC=bool(p_desc), Q_DESC=bool(q_desc), O_DESC=bool(o_desc),
+        P_GATHER=ptok is not None, Q_GATHER=qtok is not None,
+        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=bk, **launch)
 
 
 class _ExpertsFn(torch.autograd.Function):

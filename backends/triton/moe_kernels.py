@@ -402,6 +402,121 @@ def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr,
 
 
 @triton.jit
+def _wgrad_p_tile(p_ptr, ptok_ptr, k0, kk, rmask, ms, mmask, stride_pm, P_GATHER: tl.constexpr):
+    """[BM, BK] tile P[k0 + kk, ms]^T through masked pointer loads (rows with rmask False read 0).
+    Without a gather the 64-bit part of the address is the scalar row k0 and the per-element
+    offsets are 32-bit (BK * stride_pm < 2**31), which keeps the tile's addresses in few registers."""
+    if P_GATHER:
+        prow = tl.load(ptok_ptr + k0 + kk, mask=rmask, other=0).to(tl.int64)
+        ptrs = p_ptr + prow[None, :] * stride_pm + ms[:, None]
+    else:
+        ptrs = (p_ptr + k0 * stride_pm) + (kk[None, :] * stride_pm + ms[:, None])
+    return tl.load(ptrs, mask=mmask[:, None] & rmask[None, :], other=0.0)
+
+
+@triton.jit
+def _wgrad_q_tile(q_ptr, qtok_ptr, k0, kk, rmask, ns, nmask, stride_qm, Q_GATHER: tl.constexpr):
+    """[BK, BN] tile Q[k0 + kk, ns] through masked pointer loads (as _wgrad_p_tile)."""
+    if Q_GATHER:
+        qrow = tl.load(qtok_ptr + k0 + kk, mask=rmask, other=0).to(tl.int64)
+        ptrs = q_ptr + qrow[:, None] * stride_qm + ns[None, :]
+    else:
+        ptrs = (q_ptr + k0 * stride_qm) + (kk[:, None] * stride_qm + ns[None, :])
+    return tl.load(ptrs, mask=rmask[:, None] & nmask[None, :], other=0.0)
+
+
+@triton.jit
+def _wgrad_v2_kernel(p_src, p2_src, q_src, p_ptr, p2_ptr, ptok_ptr, q_ptr, qtok_ptr, o_dst, o2_dst, offs_ptr,
+                     MM, NN, E, m_tiles, n_tiles, num_progs,
+                     stride_pm, stride_qm, stride_oe, stride_om,
+                     P_DESC: tl.constexpr, Q_DESC: tl.constexpr, O_DESC: tl.constexpr,
+                     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr,
+                     DUAL: tl.constexpr, PREC: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Weight gradient of every expert, second implementation ("v2"); same result as
+    ``_wgrad_kernel``:  out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n]  (out2[e] = P2^T Q when
+    DUAL, sharing the Q tile), P[r] = p[ptok[r]] when P_GATHER, Q[r] = q[qtok[r]] when Q_GATHER.
+
+    * Persistent: num_progs programs (a few per SM) walk the E * m_tiles * n_tiles output tiles
+      with stride num_progs; tile order expert-major, then m, then n (fastest), so the programs
+      running together work on one expert and share its P and Q rows through L2.
+    * K loop = the expert's rows. The full BK-row blocks are read through 2-D TMA descriptors
+      (P_DESC: p_src is a descriptor over p [rows, MM] with block [BK, BM], transposed in shared
+      memory for the MMA; Q_DESC likewise over q [rows, NN] with block [BK, BN]); the one partial
+      block at the end of the expert is peeled off and read through masked pointer loads, so no
+      row of the next expert enters the sum (TMA can only zero-fill outside the whole tensor).
+      A gathered operand (P_GATHER / Q_GATHER) or one not addressable by TMA is read through
+      pointers in the main loop too. p_ptr, p2_ptr, q_ptr are always the plain tensors (the
+      descriptor slots then hold them too).
+    * Output: O_DESC: 3-D TMA descriptors over out [E, MM, NN] with block [1, BM, BN] (the copy
+      engine clips the edges); otherwise masked pointer stores. Experts with no row store zeros.
+    """
+    pid = tl.program_id(0)
+    per_e = m_tiles * n_tiles
+    total = E * per_e
+    kk = tl.arange(0, BK)
+    for tile in range(pid, total, num_progs):
+        e = tile // per_e
+        rem = tile % per_e
+        pid_m = rem // n_tiles
+        pid_n = rem % n_tiles
+        m0 = pid_m * BM
+        n0 = pid_n * BN
+        r0 = tl.load(offs_ptr + e).to(tl.int64)
+        r1 = tl.load(offs_ptr + e + 1).to(tl.int64)
+        n_full = (r1 - r0) // BK
+        ms = m0 + tl.arange(0, BM)
+        ns = n0 + tl.arange(0, BN)
+        mmask = ms < MM
+        nmask = ns < NN
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if DUAL:
+            acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+        # ---- full blocks: every row belongs to expert e
+        for kb in range(0, n_full):
+            k0 = r0 + kb * BK
+            if Q_DESC:
+                qv = q_src.load([k0.to(tl.int32), n0])
+            else:
+                qv = _wgrad_q_tile(q_ptr, qtok_ptr, k0, kk, kk < BK, ns, nmask, stride_qm, Q_GATHER)
+            if P_DESC:
+                pv = tl.trans(p_src.load([k0.to(tl.int32), m0]))
+                if DUAL:
+                    pv2 = tl.trans(p2_src.load([k0.to(tl.int32), m0]))
+            else:
+                pv = _wgrad_p_tile(p_ptr, ptok_ptr, k0, kk, kk < BK, ms, mmask, stride_pm, P_GATHER)
+                if DUAL:
+                    pv2 = _wgrad_p_tile(p2_ptr, ptok_ptr, k0, kk, kk < BK, ms, mmask, stride_pm, P_GATHER)
+            acc = tl.dot(pv, qv, acc, input_precision=PREC)
+            if DUAL:
+                acc2 = tl.dot(pv2, qv, acc2, input_precision=PREC)
+        # ---- the partial block at the end of the expert (masked pointer loads)
+        k0 = r0 + n_full * BK
+        if k0 < r1:
+            rmask = (k0 + kk) < r1
+            qv = _wgrad_q_tile(q_ptr, qtok_ptr, k0, kk, rmask, ns, nmask, stride_qm, Q_GATHER)
+            pv = _wgrad_p_tile(p_ptr, ptok_ptr, k0, kk, rmask, ms, mmask, stride_pm, P_GATHER)
+            acc = tl.dot(pv, qv, acc, input_precision=PREC)
+            if DUAL:
+                pv2 = _wgrad_p_tile(p2_ptr, ptok_ptr, k0, kk, rmask, ms, mmask, stride_pm, P_GATHER)
+                acc2 = tl.dot(pv2, qv, acc2, input_precision=PREC)
+        # ---- epilogue
+        if O_DESC:
+            e32 = e.to(tl.int32)
+            o_dst.store([e32, m0, n0], tl.reshape(acc.to(o_dst.dtype), [1, BM, BN]))
+            if DUAL:
+                o2_dst.store([e32, m0, n0], tl.reshape(acc2.to(o2_dst.dtype), [1, BM, BN]))
+        else:
+            # 64-bit scalar base, 32-bit offsets inside the tile (BM * stride_om < 2**31)
+            base = e.to(tl.int64) * stride_oe + m0.to(tl.int64) * stride_om
+            o = tl.arange(0, BM)[:, None] * stride_om + ns[None, :]
+            om = mmask[:, None] & nmask[None, :]
+            tl.store(o_dst + base + o, acc.to(o_dst.dtype.element_ty), mask=om)
+            if DUAL:
+                tl.store(o2_dst + base + o, acc2.to(o2_dst.dtype.element_ty), mask=om)
+
+
+@triton.jit
 def _combine_kernel(y_ptr, pos_ptr, wt_ptr, out_ptr, L, stride_ym, stride_om,
                     TOPK: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
     """out[t, c] = sum_j wt[t, j] * y[pos[t, j], c]  (wt = 1 when not WEIGHTED), in float32."""
