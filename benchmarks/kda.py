@@ -13,6 +13,10 @@ Times are medians of triton.testing.do_bench (CUDA events).  Columns:
 Diagnostics (forward): --phases prints the time of each forward phase of mtc (CUDA events at the phase
 boundaries: intra, w/u, segment maps + combine, serial state pass, o); --sweep times the mtc forward at the
 largest case for several segment counts and state-kernel launch settings (backends.triton.kda.H_CFG).
+--intra v2,v3 times each listed forward intra-chunk implementation (backends.triton.kda.INTRA_IMPL: v2 =
+_fwd_intra2_kernel + _fwd_wu_kernel, v3 = _fwd_intra3_kernel) against the same fla time, one row each;
+--intra3-sweep times the v3 forward (and its intra phase) at the largest case over launch settings
+(backends.triton.kda.INTRA3_CFG: channel slice BK, value slice BV, warps, split into two launches).
 Usage: source .device/prelude.sh; python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
 """
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 
 import torch
 
@@ -64,9 +67,16 @@ def main():
     ap.add_argument("--phases", action="store_true", help="per-phase times of the mtc forward")
     ap.add_argument("--sweep", action="store_true",
                     help="mtc forward at the largest case over segment counts / state-kernel settings")
+    ap.add_argument("--intra", default="v2",
+                    help="comma-separated forward intra implementations to time, e.g. v2,v3 (default v2)")
+    ap.add_argument("--intra3-sweep", action="store_true",
+                    help="v3 forward at the largest case over INTRA3_CFG launch settings")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
+    intras = [x.strip() for x in args.intra.split(",") if x.strip()]
+    if not intras or any(x not in ("v2", "v3") for x in intras):
+        ap.error(f"--intra: expected a comma-separated subset of v2,v3, got {args.intra!r}")
     import triton
     from fla.ops.kda import chunk_kda
     import backends.triton.kda as tk
@@ -90,6 +100,7 @@ def main():
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     ratios = {}
+    default_intra = tk.INTRA_IMPL
     for H, T in cases:
         for mode in ("fwd", "fwd+bwd"):
             if mode == "fwd+bwd" and (args.no_bwd or H * T > 16 * 1048576 // 2 and H == 96 or H * T > 16 * 1048576):
@@ -115,36 +126,50 @@ def main():
                         o.backward(do)
                     return o
 
+                res = {}
                 with torch.no_grad() if not grad else torch.enable_grad():
-                    o1 = run_fla().detach()
-                    o2 = run_mtc().detach()
-                    err = rel(o2, o1)
-                    del o1, o2
                     gn = [q, k, v, g, beta] if grad else None
+                    o1 = run_fla().detach()
                     t_fla = triton.testing.do_bench(run_fla, warmup=50, rep=args.rep, grad_to_none=gn,
                                                     return_mode="median")
-                    t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
-                                                    return_mode="median")
+                    for impl in intras:
+                        tk.INTRA_IMPL = impl
+                        o2 = run_mtc().detach()
+                        err = rel(o2, o1)
+                        del o2
+                        t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
+                                                        return_mode="median")
+                        res[impl] = (t_mtc, err)
+                    del o1
             except torch.OutOfMemoryError as e:  # noqa: PERF203
                 print(f"| {H} | {T} | {mode} | OOM: {str(e)[:60]} |", flush=True)
                 continue
             finally:
+                tk.INTRA_IMPL = default_intra
                 q = k = v = g = beta = do = None
                 torch.cuda.empty_cache()
             fl = flops_fwd(T, H) * (3.5 if grad else 1.0)
             by = bytes_fwdbwd(T, H) if grad else bytes_fwd(T, H)
-            tf, tb = fl / (t_mtc * 1e-3), by / (t_mtc * 1e-3)
-            line = (f"| {H} | {T} | {mode} | {t_fla:.3f} | {t_mtc:.3f} | {t_fla / t_mtc:.2f}x | {fl / 1e9:.0f} | "
-                    f"{by / 1e9:.2f} | {tf / 1e12:.1f} | {100 * tf / MM_PEAK:.1f}% | {tb / 1e12:.2f} | "
-                    f"{100 * tb / BW_PEAK:.1f}% | {err:.1e} |")
-            print(line, flush=True)
-            lines.append(line)
-            ratios[(H, T, mode)] = t_fla / t_mtc
-            write()
-            if args.phases and mode == "fwd":
-                lines.append(f"|   | phases H={H} T={T} | " + phases(tk, kda_chunk, T, H) + " |")
-                print(lines[-1], flush=True)
+            for impl, (t_mtc, err) in res.items():
+                tf, tb = fl / (t_mtc * 1e-3), by / (t_mtc * 1e-3)
+                tag = f" [{impl}]" if len(intras) > 1 else ""
+                line = (f"| {H} | {T} | {mode}{tag} | {t_fla:.3f} | {t_mtc:.3f} | {t_fla / t_mtc:.2f}x | "
+                        f"{fl / 1e9:.0f} | {by / 1e9:.2f} | {tf / 1e12:.1f} | {100 * tf / MM_PEAK:.1f}% | "
+                        f"{tb / 1e12:.2f} | {100 * tb / BW_PEAK:.1f}% | {err:.1e} |")
+                print(line, flush=True)
+                lines.append(line)
+                ratios[(H, T, mode, impl)] = t_fla / t_mtc
                 write()
+            if args.phases and mode == "fwd":
+                for impl in intras:
+                    tk.INTRA_IMPL = impl
+                    try:
+                        ph = phases(tk, kda_chunk, T, H)
+                    finally:
+                        tk.INTRA_IMPL = default_intra
+                    lines.append(f"|   | phases{' ' + impl if len(intras) > 1 else ''} H={H} T={T} | {ph} |")
+                    print(lines[-1], flush=True)
+                    write()
     if args.sweep and cases:
         H, T = max(cases, key=lambda c: c[0] * c[1])
         lines += ["", f"sweep of the mtc forward at H={H} T={T} (ms; seg = chunks per segment, None = model):"]
@@ -152,12 +177,21 @@ def main():
             lines.append("- " + item)
             print(lines[-1], flush=True)
             write()
-    gm = math.exp(sum(math.log(r) for r in ratios.values()) / max(1, len(ratios)))
-    big = ratios.get((16, 1048576, "fwd"))
-    last = (f"ratio fla/mtc (speed-up, >1 = mtc faster): geometric mean {gm:.2f}x over {len(ratios)} rows; "
-            f"min {min(ratios.values()):.2f}x; at H=16 T=1M fwd: {big:.2f}x" if big else
-            f"ratio fla/mtc (speed-up, >1 = mtc faster): geometric mean {gm:.2f}x over {len(ratios)} rows; "
-            f"min {min(ratios.values(), default=float('nan')):.2f}x")
+    if args.intra3_sweep and cases:
+        H, T = max(cases, key=lambda c: c[0] * c[1])
+        lines += ["", f"v3 launch settings at H={H} T={T} (forward ms; intra phase ms):"]
+        for item in intra3_sweep(tk, kda_chunk, T, H, triton):
+            lines.append("- " + item)
+            print(lines[-1], flush=True)
+            write()
+    parts = []
+    for impl in intras:
+        rs = [r for key, r in ratios.items() if key[3] == impl]
+        gm = math.exp(sum(math.log(r) for r in rs) / max(1, len(rs)))
+        big = ratios.get((16, 1048576, "fwd", impl))
+        parts.append(f"{impl}: geometric mean {gm:.2f}x over {len(rs)} rows, min {min(rs, default=float('nan')):.2f}x"
+                     + (f", at H=16 T=1M fwd {big:.2f}x" if big else ""))
+    last = "ratio fla/mtc (speed-up, >1 = mtc faster): " + "; ".join(parts)
     lines += ["", last]
     print("\n" + last, flush=True)
     write()
@@ -176,6 +210,32 @@ def phases(tk, kda_chunk, T, H, reps=5):
             for (_, a), (name, b) in zip(ev[:-1], ev[1:]):
                 per.setdefault(name, []).append(a.elapsed_time(b))
     return ", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
+
+
+def intra3_sweep(tk, kda_chunk, T, H, triton):
+    """v3 forward times over INTRA3_CFG launch settings (restores INTRA3_CFG and INTRA_IMPL)."""
+    q, k, v, g, beta = make(T, H)
+    saved, saved_impl = dict(tk.INTRA3_CFG), tk.INTRA_IMPL
+    out = []
+    cfgs = [dict(BK=32, BV=32, num_warps=4, split=False), dict(BK=64, BV=64, num_warps=4, split=False),
+            dict(BK=32, BV=32, num_warps=8, split=False), dict(BK=32, BV=32, num_warps=4, split=True),
+            dict(BK=64, BV=64, num_warps=8, split=True), dict(BK=16, BV=32, num_warps=4, split=False)]
+    try:
+        tk.INTRA_IMPL = "v3"
+        for cfg in cfgs:
+            tk.INTRA3_CFG.update(cfg)
+            with torch.no_grad():
+                def f():
+                    return kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+                f()
+                t = triton.testing.do_bench(f, warmup=20, rep=60, return_mode="median")
+            ph = phases(tk, kda_chunk, T, H)
+            out.append(f"{cfg}: {t:.2f} ms; {ph}")
+    finally:
+        tk.INTRA3_CFG.clear()
+        tk.INTRA3_CFG.update(saved)
+        tk.INTRA_IMPL = saved_impl
+    return out
 
 
 def sweep(tk, kda_chunk, T, H, triton):

@@ -30,6 +30,15 @@ def naive(q, k, v, g, beta, scale, S0):
     return (torch.stack(outs, 0) if outs else None), S
 
 
+@pytest.fixture(params=["v2", "v3"])
+def impl(request, monkeypatch):
+    """Run the test with each forward intra-chunk implementation (tk.INTRA_IMPL); v3 with the smallest
+    channel/value slices so that its slice loops run more than once."""
+    monkeypatch.setattr(tk, "INTRA_IMPL", request.param)
+    monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16))
+    return request.param
+
+
 def make(B, T, H, K, V, gate="sigmoid", at_bound=False, dtype=torch.float32, device="cpu"):
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
@@ -46,7 +55,7 @@ def make(B, T, H, K, V, gate="sigmoid", at_bound=False, dtype=torch.float32, dev
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 100, 1000])
-def test_forward_matches_reference(T):
+def test_forward_matches_reference(T, impl):
     B, H, K, V = (1, 1, 16, 16) if T == 1000 else (2, 2, 16, 32)
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
     for lb in (None, -5.0):
@@ -56,7 +65,7 @@ def test_forward_matches_reference(T):
         assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
 
 
-def test_forward_against_token_loop_at_the_bound_segmented():
+def test_forward_against_token_loop_at_the_bound_segmented(impl):
     # every third channel random, the rest exactly at the bound; 3 segments of 1 chunk (+ a partial one);
     # V = 64 > K: two value blocks in the state pass, and the augmented [M | D] pass has unequal halves
     B, T, H, K, V = 1, 150, 2, 16, 64
@@ -67,7 +76,7 @@ def test_forward_against_token_loop_at_the_bound_segmented():
     assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
 
 
-def test_bound_violation_is_caught_not_assumed():
+def test_bound_violation_is_caught_not_assumed(impl):
     # promise lower_bound=-5 but feed g down to -40 in one chunk: the per-chunk check takes the safe path
     B, T, H, K, V = 1, 130, 1, 16, 16
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
@@ -78,7 +87,7 @@ def test_bound_violation_is_caught_not_assumed():
     assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
 
 
-def test_softplus_gate_strong_decay():
+def test_softplus_gate_strong_decay(impl):
     B, T, H, K, V = 1, 80, 1, 16, 16
     q, k, v, _, beta, S0 = make(B, T, H, K, V)
     g = -torch.rand(B, T, H, K) * 60          # far below any bound: cumulative sums overflow exp if misused
@@ -87,7 +96,7 @@ def test_softplus_gate_strong_decay():
     assert torch.isfinite(o).all() and rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
 
 
-def test_cu_seqlens_uneven():
+def test_cu_seqlens_uneven(impl):
     lens = [1, 64, 37, 0, 65, 3]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     T, H, K, V = int(cu[-1]), 2, 16, 16
@@ -103,8 +112,10 @@ def test_cu_seqlens_uneven():
         assert rel_rms(S[n], S_n) < 2e-5
 
 
-@pytest.mark.parametrize("lb,seg,gate", [(None, None, "sigmoid"), (-5.0, 1, "sigmoid"), (None, 1, "softplus")])
-def test_gradients_match_reference_autograd(lb, seg, gate):
+@pytest.mark.parametrize("lb,seg,gate,intra", [(None, None, "sigmoid", "v2"), (-5.0, 1, "sigmoid", "v2"),
+                                               (None, 1, "softplus", "v2"), (-5.0, None, "sigmoid", "v3")])
+def test_gradients_match_reference_autograd(lb, seg, gate, intra, monkeypatch):
+    monkeypatch.setattr(tk, "INTRA_IMPL", intra)
     B, T, H, K, V = 1, 100, 2, 16, 16
     ins = [t.requires_grad_() for t in make(B, T, H, K, V, gate=gate)]
     do, dS = torch.randn(B, T, H, V), torch.randn(B, H, K, V)
@@ -115,6 +126,21 @@ def test_gradients_match_reference_autograd(lb, seg, gate):
     gr = torch.autograd.grad((o_r * do).sum() + (S_r * dS).sum(), ins)
     for name, a, b in zip("q k v g beta h0".split(), gx, gr):
         assert rel_rms(a, b) < 5e-5, name
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_intra3_channel_slices_and_per_block_bound_check(split, monkeypatch):
+    # K = 64 in slices of 16: the gate breaks the promised bound only in channels 20..40 (slices 1 and 2)
+    # of rows 70..90 (chunk 1, row blocks 0 and 1), so fast and safe diagonal tiles mix inside one chunk
+    monkeypatch.setattr(tk, "INTRA_IMPL", "v3")
+    monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16, split=split))
+    B, T, H, K, V = 1, 150, 1, 64, 32
+    q, k, v, g, beta, S0 = make(B, T, H, K, V, at_bound=True)
+    g[:, 70:90, :, 20:40] = -30.0 * torch.rand(1, 20, H, 20)
+    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+    o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
+    assert torch.isfinite(o).all()
+    assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
 
 
 def test_gate_and_step():
@@ -143,6 +169,10 @@ def test_errors():
         tk.kda_chunk(q[..., :12], k[..., :12], v, g[..., :12], beta)
     with pytest.raises(TypeError, match="one dtype"):
         tk.kda_chunk(q, k.double(), v, g, beta)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tk, "INTRA_IMPL", "v4")
+        with pytest.raises(ValueError, match="INTRA_IMPL"):
+            tk.kda_chunk(q, k, v, g, beta)
     with pytest.raises(ValueError, match="B == 1"):
         q2, k2, v2, g2, b2, _ = make(2, 10, 1, 16, 16)
         tk.kda_chunk(q2, k2, v2, g2, b2, cu_seqlens=torch.tensor([0, 10], dtype=torch.int32))
@@ -167,6 +197,15 @@ sig = dict(k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, WK=P, U=P, H="i32", K=
            DT="constexpr")
 ck = build(tk._fwd_wu_kernel, sig, dict(K=128, V=128, DT=tk.tl.bfloat16), 8, 1)
 assert "wgmma" in ck.asm["ptx"], "w/u kernel: no wgmma"
+sig = dict(q=P, k=P, v=P, g=F, beta=P, cstart=I, clen=I, WK=P, U=P, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
+           lb="fp32", H="i32", K="constexpr", V="constexpr", BK="constexpr", BV="constexpr", FAST="constexpr",
+           DT="constexpr", PART="constexpr")
+for part in ((1, 2) if tk.INTRA3_CFG["split"] else (0,)):
+    ck = build(tk._fwd_intra3_kernel, sig, dict(K=128, V=128, BK=tk.INTRA3_CFG["BK"], BV=tk.INTRA3_CFG["BV"],
+                                                FAST=True, DT=tk.tl.bfloat16, PART=part),
+               tk.INTRA3_CFG["num_warps"], tk.INTRA3_CFG["num_stages"])
+    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "intra3 kernel: no tensor-core instruction"
+    assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 sig = dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I, seg_c1=I,
            H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr", MODE="constexpr",
            STORE="constexpr", STORE_VN="constexpr")

@@ -17,6 +17,11 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
    <= 0) and the diagonal 16x16 tile is summed token pair by token pair with exponents G_i - G_j <= 0.
    (I + Akk)^-1 by forward substitution on the 16x16 diagonal blocks and blocked merges (dots); then
    Wk = T diag(beta) (K e^G), U = T diag(beta) V, and the decayed operands q e^G, k e^(G_C - G), e^(G_C).
+   ``INTRA_IMPL = "v3"`` (default "v2") runs ``_fwd_intra3_kernel`` instead of ``_fwd_intra_kernel``'s
+   successors ``_fwd_intra2_kernel`` + ``_fwd_wu_kernel``: one program per (chunk, head) with 4 warps, the
+   channels in slices of BK, Akk and P accumulated as four 16-row strips [16, 64] (an mma tile with 16 rows
+   spreads its columns over the warps; 16x16 tiles are replicated in every warp), the bound checked per row
+   block and channel slice, T formed strip by strip, and Wk, U written directly (no float32 T buffer).
 2. ``_fwd_h_kernel`` (serial over the chunks of a segment; grid V/BV x heads x segments, BV = 32, 4
    warps, the state a K x BV float32 register tile): per chunk it stores the chunk-entry state h_c to
    HB [N_chunks, H, K, V] (input dtype), forms W = U - Wk S (stored as VN, the "new values"), and updates
@@ -423,6 +428,191 @@ def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V
     tl.store(pw, tl.dot(T, kg).to(WK.dtype.element_ty), boundary_check=(0,))
     vb = (tl.load(pv, boundary_check=(0,), padding_option="zero").to(tl.float32) * bb[:, None]).to(DT)
     tl.store(pu, tl.dot(T, vb).to(U.dtype.element_ty), boundary_check=(0,))
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward intra-chunk kernel v3: 16-row strips [16, 64] (no 16x16 accumulators), channels in slices of BK,
+# the w/u step merged in (no float32 T scratch)
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _blk3(ptr, t0, L, h, H, R: tl.constexpr, W: tl.constexpr, c0, BW: tl.constexpr):
+    """Rows R*16 .. R*16+15, columns c0 .. c0+BW-1 of one chunk of a [N, H, W] tensor as [16, BW] float32
+    (0 past the chunk end)."""
+    rows = R * 16 + tl.arange(0, 16)
+    d = c0 + tl.arange(0, BW)
+    base = ptr + (t0.to(tl.int64) * H + h) * W          # 64-bit scalar base, 32-bit offsets in the chunk
+    return tl.load(base + rows[:, None] * (H * W) + d[None, :], mask=(rows < L)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _put3(ptr, x, t0, L, h, H, R: tl.constexpr, W: tl.constexpr, c0):
+    """Store x [16, BW] into rows R*16.. and columns c0.. of one chunk of a [N, H, W] tensor."""
+    rows = R * 16 + tl.arange(0, 16)
+    d = c0 + tl.arange(0, x.shape[1])
+    base = ptr + (t0.to(tl.int64) * H + h) * W
+    tl.store(base + rows[:, None] * (H * W) + d[None, :], x.to(ptr.dtype.element_ty), mask=(rows < L)[:, None])
+
+
+@triton.jit
+def _chunk3(ptr, t0, L, h, H, W: tl.constexpr, c0, BW: tl.constexpr):
+    """The 64 rows, columns c0 .. c0+BW-1 of one chunk of a [N, H, W] tensor as [64, BW] float32."""
+    rows = tl.arange(0, 64)
+    d = c0 + tl.arange(0, BW)
+    base = ptr + (t0.to(tl.int64) * H + h) * W          # 64-bit scalar base, 32-bit offsets in the chunk
+    return tl.load(base + rows[:, None] * (H * W) + d[None, :], mask=(rows < L)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _put_chunk3(ptr, x, t0, L, h, H, W: tl.constexpr, c0):
+    rows = tl.arange(0, 64)
+    d = c0 + tl.arange(0, x.shape[1])
+    base = ptr + (t0.to(tl.int64) * H + h) * W
+    tl.store(base + rows[:, None] * (H * W) + d[None, :], x.to(ptr.dtype.element_ty), mask=(rows < L)[:, None])
+
+
+@triton.jit
+def _strip3(q, k, g, QG, kk64, G64, cl, t0, L, h, H, ks, lb, scale, R: tl.constexpr, K: tl.constexpr,
+            BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr, DO_A: tl.constexpr, DO_P: tl.constexpr):
+    """Row block R, channels ks .. ks+BK-1: this slice's contribution to the strips Akk[R] and P[R] ([16, 64]
+    float32, every column block, unmasked) and G at the block end; stores QG = scale q e^G (DO_P).
+
+    Row operand x_i e^(G_i - c), column operand k_j e^(c - G_j) (kk64, G64: the chunk's k and G [64, BK]).
+    The anchor c is the block's middle row when FAST and this block's slice of the gate is >= lb (checked
+    here, per row block and channel slice): one dense dot then covers the diagonal tile as well, every
+    exponent within 8 |lb| <= 80; otherwise c = G before the block (all exponents <= 0), the dot covers the
+    earlier column blocks only and the diagonal tile is summed token pair by token pair."""
+    gg = _blk3(g, t0, L, h, H, R, K, ks, BK)
+    kk = _blk3(k, t0, L, h, H, R, K, ks, BK)
+    if DO_P:
+        qq = _blk3(q, t0, L, h, H, R, K, ks, BK)
+    else:
+        qq = kk
+    G = _get_rows(G64, R, 4, 16, BK)             # the rows of G64 (exactly: one scan feeds both operands)
+    ch = _row_of(G, tl.arange(0, 16), 15)
+    if FAST:
+        fr = (tl.min(tl.min(gg, axis=1), axis=0) >= lb).to(tl.int32)
+    else:
+        fr = tl.zeros([], dtype=tl.int32)
+    c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+    er = tl.exp(G - c[None, :])
+    lim = R * 16 + 16 * fr
+    rows64 = tl.arange(0, 64)
+    col = (kk64 * tl.exp(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")))).to(DT)
+    a = tl.zeros([16, 64], dtype=tl.float32)
+    p = tl.zeros([16, 64], dtype=tl.float32)
+    if DO_A:
+        a = tl.dot((kk * er).to(DT), tl.trans(col))
+    if DO_P:
+        p = tl.dot((qq * er).to(DT), tl.trans(col))
+        _put3(QG, qq * tl.exp(G) * scale, t0, L, h, H, R, K, ks)
+    if fr == 0:
+        if DO_A:
+            a = _add_cols(a, _diag_pair(kk, kk, G), R, 16, 4, 16)
+        if DO_P:
+            p = _add_cols(p, _diag_pair(qq, kk, G), R, 16, 4, 16)
+    return a, p, ch
+
+
+@triton.jit
+def _beta16(beta, t0, L, h, H, R: tl.constexpr):
+    rows = R * 16 + tl.arange(0, 16)
+    return tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tstrip(Dinv, Er, acc):
+    """Row strip of T: Dinv (E_r - acc), acc = sum_{j<r} N_rj T_j (float32)."""
+    return tl.dot(Dinv, Er - acc, input_precision="ieee")
+
+
+@triton.jit
+def _fwd_intra3_kernel(q, k, v, g, beta, cstart, clen, WK, U, QG, KD, AQK, GAM, scale, lb, H,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       FAST: tl.constexpr, DT: tl.constexpr, PART: tl.constexpr):
+    """One (chunk, head): the intra-chunk matrices and the w/u step in one program (no float32 T scratch),
+    everything in 16-row strips [16, 64] (an mma tile of 16 rows spreads its 64 columns over the warps;
+    16x16 accumulators would be replicated in every warp).
+
+    Pass 1 over channel slices of BK: accumulates the strips Akk[r] and P[r] (r = 0..3, float32) from dots
+    with DT operands (_strip3), stores QG = scale q e^G and GAM = e^(G_C).  Then AQK = scale P (lower incl.
+    diagonal, zero above) and, by blocked forward substitution on strips, T = (I + diag(beta) Akk)^-1:
+    T[r] = (I + N_rr)^-1 (E_r - sum_{j<r} N_rj T[j]).  Pass 2 over channel slices: WK = T (beta k e^G) and
+    KD = k e^(G_C - G); pass 3 over value slices of BV: U = T (beta v), one [16, 64] x [64, B] dot per strip.
+
+    PART = 0: everything in one program; PART = 1: only the Akk side (T, WK, KD, U); PART = 2: only the P
+    side (AQK, QG, GAM); two launches with PART = 1 and 2 give the same outputs with half the live strips."""
+    DO_A: tl.constexpr = PART != 2
+    DO_P: tl.constexpr = PART != 1
+    c_ = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    z = tl.zeros([16, 64], dtype=tl.float32)
+    A0, A1, A2, A3, P0, P1, P2, P3 = z, z, z, z, z, z, z, z
+    for ks in range(0, K, BK):
+        kk64 = _chunk3(k, t0, L, h, H, K, ks, BK)
+        G64 = tl.cumsum(_chunk3(g, t0, L, h, H, K, ks, BK), axis=0)
+        c0 = tl.zeros([BK], dtype=tl.float32)
+        a, p, c1 = _strip3(q, k, g, QG, kk64, G64, c0, t0, L, h, H, ks, lb, scale, 0, K, BK, FAST, DT, DO_A, DO_P)
+        A0 += a
+        P0 += p
+        a, p, c2 = _strip3(q, k, g, QG, kk64, G64, c1, t0, L, h, H, ks, lb, scale, 1, K, BK, FAST, DT, DO_A, DO_P)
+        A1 += a
+        P1 += p
+        a, p, c3 = _strip3(q, k, g, QG, kk64, G64, c2, t0, L, h, H, ks, lb, scale, 2, K, BK, FAST, DT, DO_A, DO_P)
+        A2 += a
+        P2 += p
+        a, p, c4 = _strip3(q, k, g, QG, kk64, G64, c3, t0, L, h, H, ks, lb, scale, 3, K, BK, FAST, DT, DO_A, DO_P)
+        A3 += a
+        P3 += p
+        if DO_P:
+            tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + ks + tl.arange(0, BK), tl.exp(c4))
+    r16 = tl.arange(0, 16)
+    cols = tl.arange(0, 64)
+    if DO_P:
+        _put3(AQK, tl.where(cols[None, :] <= r16[:, None], P0, 0.0) * scale, t0, L, h, H, 0, 64, 0)
+        _put3(AQK, tl.where(cols[None, :] <= 16 + r16[:, None], P1, 0.0) * scale, t0, L, h, H, 1, 64, 0)
+        _put3(AQK, tl.where(cols[None, :] <= 32 + r16[:, None], P2, 0.0) * scale, t0, L, h, H, 2, 64, 0)
+        _put3(AQK, tl.where(cols[None, :] <= 48 + r16[:, None], P3, 0.0) * scale, t0, L, h, H, 3, 64, 0)
+    if DO_A:
+        b0 = _beta16(beta, t0, L, h, H, 0)
+        b1 = _beta16(beta, t0, L, h, H, 1)
+        b2 = _beta16(beta, t0, L, h, H, 2)
+        b3 = _beta16(beta, t0, L, h, H, 3)
+        N0 = tl.where(cols[None, :] < r16[:, None], A0, 0.0) * b0[:, None]
+        N1 = tl.where(cols[None, :] < 16 + r16[:, None], A1, 0.0) * b1[:, None]
+        N2 = tl.where(cols[None, :] < 32 + r16[:, None], A2, 0.0) * b2[:, None]
+        N3 = tl.where(cols[None, :] < 48 + r16[:, None], A3, 0.0) * b3[:, None]
+        T0 = _add_cols(z, _inv16(_get_cols(N0, 0, 16, 4, 16)), 0, 16, 4, 16)
+        acc = _mm(_get_cols(N1, 0, 16, 4, 16), T0)
+        T1 = _tstrip(_inv16(_get_cols(N1, 1, 16, 4, 16)), tl.where(cols[None, :] == 16 + r16[:, None], 1.0, 0.0),
+                     acc)
+        acc = _mm(_get_cols(N2, 0, 16, 4, 16), T0) + _mm(_get_cols(N2, 1, 16, 4, 16), T1)
+        T2 = _tstrip(_inv16(_get_cols(N2, 2, 16, 4, 16)), tl.where(cols[None, :] == 32 + r16[:, None], 1.0, 0.0),
+                     acc)
+        acc = _mm(_get_cols(N3, 0, 16, 4, 16), T0) + _mm(_get_cols(N3, 1, 16, 4, 16), T1) + \
+            _mm(_get_cols(N3, 2, 16, 4, 16), T2)
+        T3 = _tstrip(_inv16(_get_cols(N3, 3, 16, 4, 16)), tl.where(cols[None, :] == 48 + r16[:, None], 1.0, 0.0),
+                     acc)
+        S0, S1, S2, S3 = T0.to(DT), T1.to(DT), T2.to(DT), T3.to(DT)
+        rows64 = tl.arange(0, 64)
+        bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows64 * H, mask=rows64 < L, other=0.0).to(tl.float32)
+        for ks in range(0, K, BK):
+            kk64 = _chunk3(k, t0, L, h, H, K, ks, BK)
+            G64 = tl.cumsum(_chunk3(g, t0, L, h, H, K, ks, BK), axis=0)
+            GC = tl.sum(tl.where(rows64[:, None] == 63, G64, 0.0), axis=0)
+            _put_chunk3(KD, kk64 * tl.exp(GC[None, :] - G64), t0, L, h, H, K, ks)
+            x = (kk64 * tl.exp(G64) * bb[:, None]).to(DT)
+            _put3(WK, tl.dot(S0, x), t0, L, h, H, 0, K, ks)
+            _put3(WK, tl.dot(S1, x), t0, L, h, H, 1, K, ks)
+            _put3(WK, tl.dot(S2, x), t0, L, h, H, 2, K, ks)
+            _put3(WK, tl.dot(S3, x), t0, L, h, H, 3, K, ks)
+        for vs in range(0, V, BV):
+            y = (_chunk3(v, t0, L, h, H, V, vs, BV) * bb[:, None]).to(DT)
+            _put3(U, tl.dot(S0, y), t0, L, h, H, 0, V, vs)
+            _put3(U, tl.dot(S1, y), t0, L, h, H, 1, V, vs)
+            _put3(U, tl.dot(S2, y), t0, L, h, H, 2, V, vs)
+            _put3(U, tl.dot(S3, y), t0, L, h, H, 3, V, vs)
 
 
 @triton.jit
@@ -832,7 +1022,18 @@ def _mark(name):
         PROFILE.append((name, e))
 
 
+# which forward intra-chunk implementation _fwd runs: "v2" = _fwd_intra2_kernel + _fwd_wu_kernel (measured on
+# the H200, see benchmarks/results/kda.md), "v3" = _fwd_intra3_kernel (channel-sliced, w/u merged in; not yet
+# measured).  Both give the same results up to rounding; the benchmark's --intra flag times both.
+INTRA_IMPL = "v2"
+# launch configuration of _fwd_intra3_kernel: channel slice BK, value slice BV (powers of two >= 16); split =
+# two launches (the Akk side with T, WK, KD, U, then the P side with AQK, QG, GAM) instead of one
+INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False)
+
+
 def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
+    if INTRA_IMPL not in ("v2", "v3"):
+        raise ValueError(f"backends.triton.kda.INTRA_IMPL must be 'v2' or 'v3', got {INTRA_IMPL!r}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B * T
@@ -847,7 +1048,15 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
     AQK = torch.empty(N, H, 64, dtype=idt, device=dev)
     GAM = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
     _mark("start")
-    if NC:
+    if NC and INTRA_IMPL == "v3":
+        for part in ((1, 2) if INTRA3_CFG["split"] else (0,)):
+            _fwd_intra3_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], WK, U, QG, KD, AQK, GAM,
+                                        scale, lb, H, K=K, V=V, BK=min(K, INTRA3_CFG["BK"]),
+                                        BV=min(V, INTRA3_CFG["BV"]), FAST=fast, DT=_TL[idt], PART=part,
+                                        num_warps=INTRA3_CFG["num_warps"], num_stages=INTRA3_CFG["num_stages"])
+        _mark("intra")
+        _mark("w/u")
+    elif NC:
         TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         _fwd_intra2_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, QG, KD, AQK, GAM,
                                     scale, lb, H, K=K, V=V, FAST=fast, DT=_TL[idt], num_warps=8, num_stages=1)
