@@ -217,9 +217,10 @@ def intra3_sweep(tk, kda_chunk, T, H, triton):
     q, k, v, g, beta = make(T, H)
     saved, saved_impl = dict(tk.INTRA3_CFG), tk.INTRA_IMPL
     out = []
-    cfgs = [dict(BK=32, BV=32, num_warps=4, split=False), dict(BK=64, BV=64, num_warps=4, split=False),
-            dict(BK=32, BV=32, num_warps=8, split=False), dict(BK=32, BV=32, num_warps=4, split=True),
-            dict(BK=64, BV=64, num_warps=8, split=True), dict(BK=16, BV=32, num_warps=4, split=False)]
+    base = dict(BK=32, BV=32, num_warps=4, split=False, maxnreg=None)
+    cfgs = [dict(base), dict(base, BK=64, BV=64), dict(base, num_warps=8), dict(base, split=True),
+            dict(base, maxnreg=168), dict(base, maxnreg=128), dict(base, split=True, maxnreg=168),
+            dict(base, BK=64, BV=64, num_warps=8, split=True), dict(base, BK=16)]
     try:
         tk.INTRA_IMPL = "v3"
         for cfg in cfgs:

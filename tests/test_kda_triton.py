@@ -242,20 +242,23 @@ def test_hopper_compile_uses_tensor_cores():
 
 # ------------------------------------------------------------------ GPU (bf16, real sizes)
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,seg", [(4, None), (4, 8)])
-def test_gpu_bf16_t4096(H, seg):
+@pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3")])
+def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
+    monkeypatch.setattr(tk, "INTRA_IMPL", intra)
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,
                         segment_chunks=seg)
     o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     eo, es = rel_rms(o, o_r), rel_rms(S, S_r)
-    print(f"\nGPU bf16 T=4096 H={H} seg={seg}: rel RMS o {eo:.2e}, final state {es:.2e}")
+    print(f"\nGPU bf16 T=4096 H={H} seg={seg} intra={intra}: rel RMS o {eo:.2e}, final state {es:.2e}")
     assert eo < 5e-3 and es < 5e-3
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_grad():
+@pytest.mark.parametrize("intra", ["v2", "v3"])
+def test_gpu_bf16_grad(intra, monkeypatch):
+    monkeypatch.setattr(tk, "INTRA_IMPL", intra)
     B, T, H, K, V = 1, 1024, 2, 128, 128
     ins = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     ins = [t.requires_grad_() for t in ins]
@@ -266,5 +269,5 @@ def test_gpu_bf16_grad():
     o_r, S_r = R.kda_chunk(*f32[:5], initial_state=f32[5], output_final_state=True)
     gr = torch.autograd.grad((o_r * do).sum() + S_r.sum(), f32)
     errs = {n: rel_rms(a, b) for n, a, b in zip("q k v g beta h0".split(), gx, gr)}
-    print("\nGPU bf16 grad rel RMS:", {n: f"{e:.1e}" for n, e in errs.items()})
+    print(f"\nGPU bf16 grad rel RMS ({intra}):", {n: f"{e:.1e}" for n, e in errs.items()})
     assert all(e < 3e-2 for e in errs.values()), errs

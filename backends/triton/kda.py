@@ -17,8 +17,8 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
    <= 0) and the diagonal 16x16 tile is summed token pair by token pair with exponents G_i - G_j <= 0.
    (I + Akk)^-1 by forward substitution on the 16x16 diagonal blocks and blocked merges (dots); then
    Wk = T diag(beta) (K e^G), U = T diag(beta) V, and the decayed operands q e^G, k e^(G_C - G), e^(G_C).
-   ``INTRA_IMPL = "v3"`` (default "v2") runs ``_fwd_intra3_kernel`` instead of ``_fwd_intra_kernel``'s
-   successors ``_fwd_intra2_kernel`` + ``_fwd_wu_kernel``: one program per (chunk, head) with 4 warps, the
+   ``INTRA_IMPL = "v3"`` (default "v2") runs ``_fwd_intra3_kernel`` instead of ``_fwd_intra2_kernel`` +
+   ``_fwd_wu_kernel`` (the current successors of step 1): one program per (chunk, head) with 4 warps, the
    channels in slices of BK, Akk and P accumulated as four 16-row strips [16, 64] (an mma tile with 16 rows
    spreads its columns over the warps; 16x16 tiles are replicated in every warp), the bound checked per row
    block and channel slice, T formed strip by strip, and Wk, U written directly (no float32 T buffer).
@@ -1027,8 +1027,15 @@ def _mark(name):
 # measured).  Both give the same results up to rounding; the benchmark's --intra flag times both.
 INTRA_IMPL = "v2"
 # launch configuration of _fwd_intra3_kernel: channel slice BK, value slice BV (powers of two >= 16); split =
-# two launches (the Akk side with T, WK, KD, U, then the P side with AQK, QG, GAM) instead of one
-INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False)
+# two launches (the Akk side with T, WK, KD, U, then the P side with AQK, QG, GAM) instead of one; maxnreg =
+# a register cap per thread for ptxas (None: none; ptxas -v for sm_90a at the defaults: 255 registers, 0-20 B
+# of spill stores, i.e. 2 CTAs of 4 warps per SM; a cap of 168 allows 3, 128 allows 4, at the cost of spills)
+INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False, maxnreg=None)
+
+
+def _maxnreg(n):
+    """Launch option dict for a register cap (ptxas maxnreg; dropped under the interpreter)."""
+    return {} if n is None or _interpret() else dict(maxnreg=int(n))
 
 
 def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
@@ -1053,7 +1060,8 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
             _fwd_intra3_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], WK, U, QG, KD, AQK, GAM,
                                         scale, lb, H, K=K, V=V, BK=min(K, INTRA3_CFG["BK"]),
                                         BV=min(V, INTRA3_CFG["BV"]), FAST=fast, DT=_TL[idt], PART=part,
-                                        num_warps=INTRA3_CFG["num_warps"], num_stages=INTRA3_CFG["num_stages"])
+                                        num_warps=INTRA3_CFG["num_warps"], num_stages=INTRA3_CFG["num_stages"],
+                                        **_maxnreg(INTRA3_CFG.get("maxnreg")))
         _mark("intra")
         _mark("w/u")
     elif NC:
