@@ -36,6 +36,21 @@ def eager_fla_table():
     return t
 
 
+def _time(m, ids, dev) -> float:
+    """Seconds for one forward: CUDA events on the GPU, a wall clock on the CPU."""
+    if dev == "cpu":
+        t = time.perf_counter()
+        m(ids)
+        return time.perf_counter() - t
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    m(ids)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", default="small")
@@ -43,18 +58,26 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="one short length, few repeats")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="check this script's control flow on the CPU: tiny variant, float32, Triton interpreter, "
+                         "reference ops in place of fla, no torch.compile (numbers meaningless)")
     args = ap.parse_args(argv)
     if args.quick:
         args.seq_lens = [2048]
+    if args.cpu_smoke:
+        import os
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.variant, args.seq_lens, args.no_compile = "tiny", [64], True
 
     import dsl
     from backends import runtime
-    runtime.TARGETS["eager_fla"] = eager_fla_table
-    dev = "cuda"
+    runtime.TARGETS["eager_fla"] = runtime._reference_table if args.cpu_smoke else eager_fla_table
+    dev = "cpu" if args.cpu_smoke else "cuda"
+    dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
     g = dsl.load(ROOT / "models" / "kimi_k3.mtc", args.variant)
     t0 = time.perf_counter()
-    mtc = dsl.compile(g, target="triton", dtype=torch.bfloat16, device=dev).eval()
-    eager = dsl.compile(g, target="eager_fla", dtype=torch.bfloat16, device=dev,
+    mtc = dsl.compile(g, target="triton", dtype=dtype, device=dev).eval()
+    eager = dsl.compile(g, target="eager_fla", dtype=dtype, device=dev,
                         passes=["verify", "infer_shapes", "canonicalize"]).eval()
     eager.load_state_dict(mtc.state_dict())
     print(f"{g.name}: {sum(p.numel() for p in mtc.parameters()) / 1e9:.2f} B parameters; compiled in "
@@ -68,17 +91,11 @@ def main(argv=None):
         with torch.no_grad():
             ref = eager(ids).float()
             for name, m in models.items():
-                for _ in range(2):
+                for _ in range(1 if args.cpu_smoke else 2):
                     out = m(ids)
-                torch.cuda.synchronize()
                 times = []
-                for _ in range(3 if args.quick else 5):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    out = m(ids)
-                    b.record()
-                    torch.cuda.synchronize()
-                    times.append(a.elapsed_time(b) / 1e3)
+                for _ in range(1 if args.cpu_smoke else 3 if args.quick else 5):
+                    times.append(_time(m, ids, dev))
                 t = sorted(times)[len(times) // 2]
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 rows.append((T, name, t, T / t, err))
