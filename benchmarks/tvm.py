@@ -1,0 +1,417 @@
+"""Benchmark: the TVM backend's kernels (backends/tvm) on the H200, built here, run there with TVM's runtime only.
+
+Two phases, on two machines (issue 7: compile once, deploy without the compiler):
+
+1. ``python benchmarks/tvm.py --export [DIR]`` on the build machine (the full TVM, no GPU needed):
+   builds the TVM kernels of the K3 memory-bound groups for ``{"kind": "cuda", "arch": "sm_90"}``
+   (backends/tvm/build.py: schedule + tvm.compile + export_library, through the on-disk cache) and copies
+   each exported library into DIR (default ``.device/tvm_kernels``; ``.device/`` is git-ignored and
+   carried to the GPU machine with carry=[".device"]), with ``manifest.json`` (op, attributes, dtypes,
+   exported symbol, target, TVM version, size). Fails if the libraries exceed 30 MB in all.
+   Groups (bf16, K3 widths, spec/MODEL.md): rmsnorm d=7168; situ_glu at the dense FFN width 33792;
+   attn_residual d=7168 with L in {2, 8, 16, 25}; short_conv C=12288 (KDA q/k/v, 96 x 128) W=4;
+   l2norm d=128 (one KDA head).
+
+2. ``python benchmarks/tvm.py --run [DIR]`` on the GPU machine, after ``source .device/prelude.sh``
+   (runtime-only TVM: TVM_USE_RUNTIME_LIB=1, no tvm.compile; the CUDA source inside each module is
+   compiled by NVRTC for sm_90 when it is loaded). For every module of the manifest: load it
+   (``backends.tvm.build.load``), call it on CUDA torch tensors through DLPack on torch's stream, check it
+   against backends.reference at real sizes (N = 16384 tokens; relative RMS error), and time it
+   (triton.testing.do_bench, median) in the same process next to the Triton kernel of the same group:
+     rmsnorm, l2norm  a row-norm kernel of exactly the form backends/triton/codegen.py generates for a
+                      pointwise launch (one program per row, BLOCK_D = next power of two, launched as
+                      backends/runtime.py launches generated kernels), defined below;
+     situ_glu         backends.triton.moe.situ_glu (the project's Triton kernel);
+     attn_residual    backends.triton.attn_residual.attn_residual (one-pass online-softmax kernel);
+     short_conv       a tiled causal depthwise-conv Triton kernel defined below (the project has none).
+   The floor is the memory-traffic floor: bytes read + written once / 4.2 TB/s (device copy). The table
+   (op, shape, MB moved, TVM ms, Triton ms, floor ms, TVM/Triton, TVM TB/s, %copy BW of both, errors)
+   ends with the geometric-mean TVM/Triton time ratio (target: within 1.25x).
+   The process exits with status 1 if any error is over its tolerance (bf16: 1e-2).
+
+``--cpu-smoke`` (with either phase) exercises the same path without a GPU: --export builds
+``{"kind": "llvm"}`` float32 modules at the same widths into DIR (default ``.device/tvm_kernels_cpu``),
+and --run loads them, calls them on CPU tensors at a tiny token count, compares them with the reference,
+and runs the Triton kernels under TRITON_INTERPRET=1 (timings then mean nothing).
+
+GPU run (one command; results come back under $OUT):
+  source .device/prelude.sh; PYTHONUNBUFFERED=1 python benchmarks/tvm.py --run .device/tvm_kernels \
+      --out $OUT/tvm.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# this file is named tvm.py: drop its own folder from the import path, or `import tvm` would import it
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+COPY_NOMINAL = 4.2e12              # H200 device copy, bytes / s (read + written)
+SIZE_LIMIT = 30 * 1024 * 1024      # exported libraries, all together
+EPS = 1e-6
+BETA_GATE, BETA_UP = 4.0, 25.0
+D_MODEL = 7168
+FFN_DENSE = 33792                  # dense-layer SiTU-GLU intermediate (spec/MODEL.md)
+CONV_C, CONV_W = 12288, 4          # KDA q/k/v short conv: 96 heads x 128, width 4
+HEAD_DIM = 128
+HEADS = 96
+ATTN_LS = (2, 8, 16, 25)
+TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}
+LINES: list[str] = []
+
+
+def emit(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the groups (pure Python: the same list drives both phases)
+# ----------------------------------------------------------------------------------------------------
+
+def groups(dtype: str) -> list[dict]:
+    """The kernel specialisations to export: key (file stem), op, and the attributes of
+    ``backends.tvm.kernel_for`` (all dtypes = ``dtype``)."""
+    g = [
+        {"key": "rmsnorm_d7168", "op": "rmsnorm",
+         "attrs": {"d": D_MODEL, "eps": EPS, "dtype": dtype, "w_dtype": dtype}},
+        {"key": "situ_glu", "op": "situ_glu",
+         "attrs": {"dtype": dtype, "b_dtype": dtype, "out_dtype": dtype, "beta_gate": BETA_GATE, "beta_up": BETA_UP}},
+    ]
+    for L in ATTN_LS:
+        g.append({"key": f"attn_residual_d7168_L{L}", "op": "attn_residual",
+                  "attrs": {"d": D_MODEL, "L": L, "eps": EPS, "dtype": dtype, "q_dtype": dtype, "w_dtype": dtype}})
+    g.append({"key": f"short_conv_C{CONV_C}_W{CONV_W}", "op": "short_conv",
+              "attrs": {"C": CONV_C, "W": CONV_W, "dtype": dtype, "w_dtype": dtype}})
+    g.append({"key": "l2norm_d128", "op": "l2norm", "attrs": {"d": HEAD_DIM, "eps": EPS, "dtype": dtype}})
+    return g
+
+
+# ----------------------------------------------------------------------------------------------------
+# phase 1: export
+# ----------------------------------------------------------------------------------------------------
+
+def do_export(out_dir: Path, kind: str, dtype: str) -> None:
+    import tvm
+    from backends.tvm import kernel_for
+    from backends.tvm.build import export, target_spec
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries, total = [], 0
+    for g in groups(dtype):
+        k = kernel_for(g["op"], **dict(g["attrs"]))
+        t0 = time.perf_counter()
+        path = export(k, kind, out_dir / f"{g['key']}.so")
+        size = path.stat().st_size
+        total += size
+        entries.append({**g, "file": path.name, "symbol": k.name, "bytes": size})
+        print(f"  {g['key']:<28} -> {path}  {size / 1024:.0f} KiB  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    manifest = {"kind": kind, "target": target_spec(kind), "tvm_version": tvm.__version__, "dtype": dtype,
+                "total_bytes": total, "modules": entries}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"{len(entries)} modules, {total / 2**20:.2f} MiB in all, manifest {out_dir / 'manifest.json'}")
+    if total > SIZE_LIMIT:
+        raise SystemExit(f"exported libraries take {total / 2**20:.1f} MiB, over the {SIZE_LIMIT / 2**20:.0f} MiB "
+                         f"limit for a carried .device folder")
+
+
+# ----------------------------------------------------------------------------------------------------
+# phase 2: Triton counterparts defined here (see the module docstring for why)
+# ----------------------------------------------------------------------------------------------------
+
+def _triton_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rownorm_kernel(x, w, y, D, eps, HAS_W: tl.constexpr, MEAN: tl.constexpr, BLOCK_D: tl.constexpr):
+        # the form of backends/triton/codegen.py's generated rmsnorm / l2norm launch: one row per program
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        a = tl.load(x + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        ss = tl.sum(a * a, axis=0)
+        if MEAN:
+            ss = ss / D
+        r = a * (1.0 / tl.sqrt(ss + eps))
+        if HAS_W:
+            r = r * tl.load(w + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y + row * D + cols, r.to(y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def short_conv_kernel(x, w, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        # y[b, t, c] = sum_j w[c, j] x[b, t - W + 1 + j, c]; a [BT, BC] tile per program, float32 sums
+        b = tl.program_id(2).to(tl.int64)
+        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = c < C
+        base = b * T * C
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            tt = t - (W - 1 - j)
+            m = ((tt >= 0) & (tt < T))[:, None] & cm[None, :]
+            xv = tl.load(x + base + tt[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+            wv = tl.load(w + c * W + j, mask=cm, other=0.0).to(tl.float32)
+            acc += xv * wv[None, :]
+        m = (t < T)[:, None] & cm[None, :]
+        tl.store(y + base + t[:, None] * C + c[None, :], acc.to(y.dtype.element_ty), mask=m)
+
+    return rownorm_kernel, short_conv_kernel
+
+
+def triton_rownorm(kern, x, w, mean: bool):
+    import torch
+    D = x.shape[-1]
+    y = torch.empty_like(x)
+    kern[(x.numel() // D,)](x, w if w is not None else x, y, D, EPS, HAS_W=w is not None, MEAN=mean,
+                            BLOCK_D=1 << max(0, D - 1).bit_length())
+    return y
+
+
+def triton_short_conv(kern, x, w):
+    import torch
+    import triton
+    B, T, C = x.shape
+    W = w.shape[-1]
+    y = torch.empty_like(x)
+    BT, BC = 16, 256
+    kern[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](x, w, y, T, C, W=W, BT=BT, BC=BC, num_warps=4)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------
+# phase 2: run
+# ----------------------------------------------------------------------------------------------------
+
+def rel_rms(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_case(entry: dict, n: int, dev, tdt):
+    """Inputs, the TVM call (fn -> output), the Triton call, the reference, bytes moved, shape text."""
+    import torch
+    from backends import reference as R
+    import importlib
+    TA = importlib.import_module("backends.triton.attn_residual")   # the package re-exports a same-named function
+    TM = importlib.import_module("backends.triton.moe")
+    rownorm_k, conv_k = TRITON
+    op, a = entry["op"], entry["attrs"]
+    el = torch.empty((), dtype=tdt).element_size()
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev) * scale).to(tdt)
+
+    if op in ("rmsnorm", "l2norm"):
+        d = a["d"]
+        rows = n if op == "rmsnorm" else n * HEADS
+        x = rnd(rows, d, scale=2.0)
+        w = (1 + 0.3 * torch.randn(d, device=dev)).to(tdt) if op == "rmsnorm" else None
+        ins = (x, w) if w is not None else (x,)
+        out = torch.empty_like(x)
+        tvm_args = (*ins, out)
+        trit = lambda: triton_rownorm(rownorm_k, x, w, mean=op == "rmsnorm")  # noqa: E731
+        ref = lambda: torch.cat([(R.rmsnorm(x[i:i + 4096], w, eps=EPS) if w is not None else  # noqa: E731
+                                  R.l2norm(x[i:i + 4096], eps=EPS)).float() for i in range(0, rows, 4096)])
+        nbytes = 2 * x.numel() * el + (d * el if w is not None else 0)
+        shape = f"[{rows}, {d}]"
+    elif op == "situ_glu":
+        m = FFN_DENSE if dev.type == "cuda" else 64 + 3
+        ga, ub = rnd(n, m, scale=3.0), rnd(n, m, scale=3.0)
+        out = torch.empty_like(ga)
+        tvm_args = (ga.view(-1), ub.view(-1), out.view(-1))
+        trit = lambda: TM.situ_glu(ga, ub, beta_gate=BETA_GATE, beta_up=BETA_UP)  # noqa: E731
+        ref = lambda: torch.cat([R.situ_glu(ga[i:i + 2048], ub[i:i + 2048], beta_gate=BETA_GATE,  # noqa: E731
+                                            beta_up=BETA_UP).float() for i in range(0, n, 2048)])
+        nbytes = 3 * ga.numel() * el
+        shape = f"[{n}, {m}]"
+    elif op == "attn_residual":
+        d, L = a["d"], a["L"]
+        srcs = [rnd(n, d, scale=0.5 + 2 * torch.rand(1).item()) for _ in range(L)]
+        q = rnd(d, scale=0.05)
+        w = (1 + 0.3 * torch.randn(d, device=dev)).to(tdt)
+        out = torch.empty_like(srcs[0])
+        tvm_args = (q, w, *srcs, out)
+        trit = lambda: TA.attn_residual(q, srcs, w, eps=EPS)  # noqa: E731
+        ref = lambda: torch.cat([R.attn_residual(q, [s[i:i + 2048] for s in srcs], w, eps=EPS).float()  # noqa: E731
+                                 for i in range(0, n, 2048)])
+        nbytes = (L + 1) * n * d * el + 2 * d * el
+        shape = f"L={L} x [{n}, {d}]"
+    elif op == "short_conv":
+        C, W = a["C"], a["W"]
+        x = rnd(1, n, C, scale=2.0)
+        w = rnd(C, W, scale=0.5)
+        out = torch.empty_like(x)
+        tvm_args = (x, w, out)
+        trit = lambda: triton_short_conv(conv_k, x, w)  # noqa: E731
+        ref = lambda: R.short_conv(x, w)[0].float()  # noqa: E731
+        nbytes = 2 * x.numel() * el + w.numel() * el
+        shape = f"[1, {n}, {C}] W={W}"
+    else:
+        raise ValueError(f"manifest entry {entry.get('key')!r}: unknown op {op!r}")
+    return tvm_args, out, trit, ref, nbytes, shape
+
+
+def timer(dev):
+    if dev.type == "cuda":
+        import triton
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+    def cpu_time(fn, reps=3):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    return cpu_time
+
+
+def copy_bandwidth() -> float:
+    import torch
+    import triton
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.float16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    t = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=100, return_mode="median") * 1e-3
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2 * 1024 ** 3 * 2 / t
+
+
+def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None) -> int:
+    import torch
+    from backends.tvm.build import load
+
+    global TRITON
+    manifest = json.loads((in_dir / "manifest.json").read_text())
+    want = "llvm" if cpu else "cuda"
+    if manifest["kind"] != want:
+        raise SystemExit(f"{in_dir}: modules were built for {manifest['kind']!r}, this run needs {want!r} "
+                         f"(export with{'' if cpu else 'out'} --cpu-smoke)")
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit("--run needs a CUDA device (use --cpu-smoke to exercise the path on the CPU)")
+    dev = torch.device("cpu" if cpu else "cuda")
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[manifest["dtype"]]
+    tol = TOL[manifest["dtype"]]
+    TRITON = _triton_kernels()
+    bench = timer(dev)
+    import tvm
+    emit(f"# TVM kernels (runtime-only load) vs Triton, {manifest['dtype']}, N = {n} tokens")
+    emit()
+    emit(f"TVM {tvm.__version__} (modules built with {manifest['tvm_version']} for {manifest['target']}); "
+         f"TVM_USE_RUNTIME_LIB={os.environ.get('TVM_USE_RUNTIME_LIB', '')}; torch {torch.__version__}; "
+         f"device {torch.cuda.get_device_name() if not cpu else 'cpu (smoke: timings mean nothing)'}")
+    if not cpu and not quick:
+        emit(f"measured device copy (2 GiB fp16, read + written): {copy_bandwidth() / 1e12:.2f} TB/s; "
+             f"the floor below uses {COPY_NOMINAL / 1e12:.1f} TB/s")
+    emit()
+    emit("| op | shape | MB moved | TVM ms | Triton ms | floor ms | TVM/Triton | TVM TB/s | TVM %copy BW "
+         "| Triton %copy BW | TVM err | Triton err | load s |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ratios, bad = [], []
+    entries = manifest["modules"]
+    if quick:
+        entries = [e for e in entries if e["op"] != "attn_residual" or e["attrs"]["L"] in (2, 16)]
+    for e in entries:
+        t0 = time.perf_counter()
+        fn = load(in_dir / e["file"], e["symbol"])
+        tvm_args, out, trit, ref, nbytes, shape = make_case(e, n, dev, tdt)
+
+        if cpu:
+            call = lambda: fn(*tvm_args)  # noqa: E731
+        else:
+            import tvm_ffi
+
+            def call():
+                with tvm_ffi.use_torch_stream():        # launch on torch's current stream
+                    fn(*tvm_args)
+        with torch.no_grad():
+            call()                                       # first call: on CUDA, NVRTC compiles the module
+            if not cpu:
+                torch.cuda.synchronize()
+            load_s = time.perf_counter() - t0
+            r = ref()
+            err_tvm = rel_rms(out, r)
+            y_tr = trit()
+            err_tr = rel_rms(y_tr, r)
+            del r, y_tr
+            t_tvm = bench(call)
+            t_tr = bench(trit)
+        floor = nbytes / COPY_NOMINAL
+        ratio = t_tvm / t_tr
+        ratios.append(ratio)
+        for who, err in (("TVM", err_tvm), ("Triton", err_tr)):
+            if not err <= tol:
+                bad.append(f"{e['key']}: {who} error {err:.2e} over {tol:.0e}")
+        emit(f"| {e['op']} | {shape} | {nbytes / 1e6:.1f} | {t_tvm * 1e3:.3f} | {t_tr * 1e3:.3f} | "
+             f"{floor * 1e3:.3f} | {ratio:.2f} | {nbytes / t_tvm / 1e12:.2f} | {100 * floor / t_tvm:.0f}% | "
+             f"{100 * floor / t_tr:.0f}% | {err_tvm:.1e} | {err_tr:.1e} | {load_s:.2f} |")
+        del tvm_args, out
+        if not cpu:
+            torch.cuda.empty_cache()
+    emit()
+    for b in bad:
+        emit(f"ERROR over tolerance: {b}")
+    gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    emit(f"geometric-mean TVM/Triton time ratio over {len(ratios)} kernels: {gm:.2f}x "
+         f"(target <= 1.25x: {'met' if gm <= 1.25 else 'NOT met'})")
+    if out_md is not None:
+        out_md.parent.mkdir(parents=True, exist_ok=True)
+        out_md.write_text("\n".join(LINES) + "\n")
+        print(f"table written to {out_md}")
+    return 1 if bad else 0
+
+
+TRITON = None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description="TVM kernels built here (phase 1, --export, full TVM, no GPU) and run on the H200 with "
+                    "TVM's runtime only (phase 2, --run, after `source .device/prelude.sh`), timed against "
+                    "the Triton kernel of the same group and the memory-traffic floor (bytes / 4.2 TB/s). "
+                    "GPU: source .device/prelude.sh; python benchmarks/tvm.py --run .device/tvm_kernels "
+                    "--out $OUT/tvm.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ph = p.add_mutually_exclusive_group(required=True)
+    ph.add_argument("--export", nargs="?", const="", metavar="DIR",
+                    help="phase 1: build the cuda sm_90 modules and export_library them into DIR "
+                         "(default .device/tvm_kernels; .device/tvm_kernels_cpu with --cpu-smoke) + manifest.json")
+    ph.add_argument("--run", nargs="?", const="", metavar="DIR",
+                    help="phase 2: load the exported modules of DIR (runtime only), check them against the "
+                         "reference and time them next to Triton")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="no GPU: export llvm float32 modules / run them on the CPU at a tiny token count, "
+                        "Triton under TRITON_INTERPRET=1")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="token count N for --run (default 16384; 8192 with --quick; 37 with --cpu-smoke)")
+    p.add_argument("--quick", action="store_true",
+                   help="--run: N = 8192, attn_residual only at L in {2, 16}, no copy-bandwidth measurement")
+    p.add_argument("--out", type=Path, default=None,
+                   help="--run: also write the table to this markdown file (on the GPU machine: $OUT/tvm.md; "
+                        "commit it as benchmarks/results/tvm.md)")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"             # before triton is imported
+    if args.export is not None:
+        d = Path(args.export or (".device/tvm_kernels_cpu" if args.cpu_smoke else ".device/tvm_kernels"))
+        do_export(d, "llvm" if args.cpu_smoke else "cuda", "float32" if args.cpu_smoke else "bfloat16")
+        return 0
+    d = Path(args.run or (".device/tvm_kernels_cpu" if args.cpu_smoke else ".device/tvm_kernels"))
+    n = args.tokens or (37 if args.cpu_smoke else 8192 if args.quick else 16384)
+    if n < 1:
+        raise SystemExit(f"--tokens must be >= 1, got {n}")
+    return do_run(d, args.cpu_smoke, n, args.quick, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
