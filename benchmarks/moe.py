@@ -14,7 +14,7 @@ Timing: triton.testing.do_bench (median, CUDA events). FLOPs: expert GEMMs 6*N*k
 forward+backward). Bytes: the weights read once (the floor for a weight-streaming layer) plus the
 token activations in and out. Limits: bf16 dense matmul ~720 TFLOP/s, device copy ~4.2 TB/s.
 
-Weight-gradient implementations (backends.triton.moe.WGRAD_IMPL "v1" / "v2"): --wgrad-compare
+Weight-gradient implementations (backends.triton.moe.WGRAD_IMPL "auto" (default) / "v1" / "v2"): --wgrad-compare
 times both in one run, the two weight-gradient launches alone (dW1|dW3: 4*N*k*l*I FLOPs, dW2:
 2*N*k*l*I, on random bf16 operands of the real shapes and the real routing) and the routed experts
 forward+backward with each (rows "triton:wgrad-<impl>"); it also checks that v2 matches v1.
@@ -125,6 +125,7 @@ def main():
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from backends.triton import moe as tm  # noqa: E402  (after TRITON_INTERPRET)
+    wgrad_default = tm.WGRAD_IMPL
     import triton  # noqa: E402
 
     dev = "cpu" if args.cpu_smoke else "cuda"
@@ -250,7 +251,7 @@ def main():
                     tm._wgrad(xs, db, dsp, lat, inter, dw2)
                     ref_out[impl].append(dw2[:, :256].float().clone())
                 finally:
-                    tm.WGRAD_IMPL = "v1"
+                    tm.WGRAD_IMPL = wgrad_default
             if len(ref_out) == 2:
                 errs = [rel(a_, b_) for a_, b_ in zip(ref_out["v2"], ref_out["v1"])]
                 notes.append(f"T={T}: wgrad v2 vs v1 rel-RMS (dW1 part, dW3 part, dW2 part) = "
@@ -278,7 +279,7 @@ def main():
                 record(f"triton:wgrad-{impl}", T, "experts fwd+bwd", estep, 3 * 6.0 * nk * lat * inter,
                        3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
             finally:
-                tm.WGRAD_IMPL = "v1"
+                tm.WGRAD_IMPL = wgrad_default
         del xl, wtg, gu, ws
         if dev == "cuda":
             torch.cuda.empty_cache()

@@ -15,8 +15,8 @@ Pipeline of ``moe_experts`` (forward):
 Backward (torch.autograd.Function): one grouped GEMM du w2 with the activation's derivative and
 d topk_weight (a row sum of G * h) in its epilogue; dx through one grouped GEMM over both
 [dA dB] [w1; w3]; the weight gradients by a grouped "K = tokens of the expert" GEMM (dw1 and dw3
-share the x tile), one of two kernels chosen by the module attribute WGRAD_IMPL ("v1" default,
-"v2" persistent + TMA; see the comment at its definition). No host synchronisation in the GEMM path: the grids are upper bounds and the
+share the x tile), one of two kernels chosen by the module attribute WGRAD_IMPL ("auto" default: v2
+when the experts average >= 256 rows, else v1; "v1"; "v2" persistent + TMA; see its definition). No host synchronisation in the GEMM path: the grids are upper bounds and the
 schedule lives on the device; the argument checks read back the expert-id range (moe_experts) and
 the non-finite-row flags (qb_route) once per call.
 
@@ -73,9 +73,13 @@ TILE_CONFIGS = {
 #   "v1": _wgrad_kernel, one program per (expert, m-tile, n-tile), pointer loads (measured in
 #         benchmarks/results/moe.md);
 #   "v2": _wgrad_v2_kernel, persistent grid, TMA descriptors for the token-side operands with a
-#         peeled masked tail block per expert (configs "wgrad2" / "wgrad2_dual"). Not yet timed.
-# Tests and benchmarks may set this module attribute.
-WGRAD_IMPL = "v1"
+#         peeled masked tail block per expert (configs "wgrad2" / "wgrad2_dual");
+#   "auto" (default): v2 when the experts average at least WGRAD_V2_MIN_ROWS rows (N * k / E), else v1.
+# Measured on the H200 (K3 layer, benchmarks/moe.py --wgrad-compare, 2026-11-29): at 32768 tokens (585 rows per
+# expert) v2 took 49.9 / 26.1 ms (dW1|dW3 / dW2) against v1's 54.2 / 28.9; at 8192 tokens (146 rows) 28.2 / 12.4
+# against 26.7 / 12.8, so v1 stays below the threshold.  Tests and benchmarks may set this module attribute.
+WGRAD_IMPL = "auto"
+WGRAD_V2_MIN_ROWS = 256
 
 _ACT = {"situ": 0, "silu": 1}
 
@@ -465,9 +469,12 @@ def _combine(y, d, wt, out_dtype):
 
 def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, qtok=None):
     """out[e] = P_e^T Q_e (and out2[e] = P2_e^T Q_e) over each expert's rows; see the kernels."""
-    if WGRAD_IMPL not in ("v1", "v2"):
-        raise ValueError(f"moe_experts: WGRAD_IMPL must be 'v1' or 'v2', got {WGRAD_IMPL!r}")
-    if WGRAD_IMPL == "v2" and pscale is None:
+    if WGRAD_IMPL not in ("auto", "v1", "v2"):
+        raise ValueError(f"moe_experts: WGRAD_IMPL must be 'auto', 'v1' or 'v2', got {WGRAD_IMPL!r}")
+    impl = WGRAD_IMPL
+    if impl == "auto":
+        impl = "v2" if d.nk >= WGRAD_V2_MIN_ROWS * max(d.e, 1) else "v1"
+    if impl == "v2" and pscale is None:
         return _wgrad_v2(p, q, d, mm, nn, out, p2=p2, out2=out2, ptok=ptok, qtok=qtok)
     dual = p2 is not None
     cfg = _cfg("wgrad_dual" if dual else "wgrad", p)
