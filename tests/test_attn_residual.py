@@ -183,14 +183,32 @@ def test_triton_forward_fp16_batched(L, shape, onorm):
     assert _rel(out, _naive(query, sources, w, EPS, ow)) < _tol(torch.float16)
 
 
-@pytest.mark.parametrize("cfg", [{"pf": 0, "ns": 3, "qw_reg": False}, {"pf": 1}, {"pf": 2, "qw_reg": False}])
+@pytest.mark.parametrize("cfg", [{"pf": 0, "ns": 3, "qw_reg": False}, {"pf": 1}, {"pf": 2, "qw_reg": False},
+                                 {"impl": "v2", "bl": 1, "ns": 3}, {"impl": "v2", "bl": 2, "ns": 2},
+                                 {"impl": "v2", "bl": 4, "ns": 1, "progs_per_sm": 0, "bt": 2}])
 def test_triton_forward_launch_settings(cfg, monkeypatch):
-    # every software-pipelining variant, with few programs so that prefetches cross token tiles
-    monkeypatch.setattr(T, "FWD_CONFIG", dict(cfg, progs_per_sm=1, bt=4))
-    for L, n in ((1, 37), (2, 30), (5, 19)):
+    # every software-pipelining variant, with few programs so that prefetches (v1) and the flat
+    # (tile, source block) loop (v2) cross token tiles; v2 with L not a multiple of its source block bl
+    monkeypatch.setattr(T, "FWD_CONFIG", dict({"progs_per_sm": 1, "bt": 4}, **cfg))
+    for L, n, onorm in ((1, 37, False), (2, 30, True), (5, 19, False), (7, 3, True)):
         query, sources, w = _inputs(L, (n, 40), torch.float32)
-        out = T.attn_residual(query, sources, w)
-        assert _rel(out, _naive(query, sources, w)) < _tol(torch.float32)
+        ow = torch.randn(40) if onorm else None
+        out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+        assert _rel(out, _naive(query, sources, w, EPS, ow)) < _tol(torch.float32)
+
+
+def test_triton_forward_v2_backward(monkeypatch):
+    # the v2 forward also saves the logits and log-sum-exp that the backward reads
+    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v2", "bl": 2, "ns": 2, "progs_per_sm": 1, "bt": 2})
+    L, n, d = 5, 23, 40
+    query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=0.5)
+    gy = torch.randn(n, d)
+    got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o),
+                 query, sources, w, None, gy)
+    want = _grads(lambda q, s, w_, e, o: _naive(q, s, w_, e, o), query.double(), [s.double() for s in sources],
+                  w.double(), None, gy.double())
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 1e-4
 
 
 def test_triton_forward_views_and_aliases():
@@ -247,9 +265,11 @@ def test_triton_backward_aliased_source():
     assert _rel(gx, hx) < 1e-4 and _rel(gyy, hy) < 1e-4
 
 
+@pytest.mark.parametrize("mix", ["v1", "v2"])
 @pytest.mark.parametrize("Q,B,n,dtype", [(1, 1, 20, torch.float32), (5, 3, 100, torch.float32),
                                          (24, 8, 37, torch.float32), (3, 25, 17, torch.float16)])
-def test_triton_phase1_matches_naive(Q, B, n, dtype):
+def test_triton_phase1_matches_naive(Q, B, n, dtype, mix, monkeypatch):
+    monkeypatch.setattr(T, "P1_CONFIG", {"mix_impl": mix})
     d = 48
     bank = [torch.randn(n, d).mul_(1 + i % 3).to(dtype) for i in range(B)]
     queries = torch.randn(Q, d)
@@ -335,6 +355,23 @@ ptx = compile_(T._phase1_logits_kernel, {"base": "*bf16", "offs": "*i64", "qwT":
                                          "N": "i32"},
                {"D": 7168, "BT": 64, "BK": 64, "QP": 32, "VEC": 8, "eps": 1e-6, "NS": 4}, 4)
 assert "wgmma" in ptx, "phase 1 logits: no wgmma"
+f2sig = dict(fsig, NB="i32")
+f2sig = {k: f2sig[k] for k in ("base", "offs", "qw_buf", "ow", "out", "logit_buf", "lse_buf", "N", "L", "NB", "eps",
+                               "TPP")}
+for bt, bl, ns, nw in ((1, 1, 4, 16), (1, 2, 3, 16), (2, 1, 3, 16), (1, 1, 4, 8), (1, 2, 1, 16)):
+    ptx = compile_(T._fwd2_kernel, f2sig, {"D": 7168, "BT": bt, "BD": 8192, "BL": bl, "VEC": 8, "HAS_ONORM": True,
+                                           "SAVE": True, "NS": ns}, nw)
+    assert "st.global.v4.b32" in ptx, ("forward v2: no 16-byte stores", bt, bl, ns)
+    assert ("cp.async" in ptx) == (ns > 1), ("forward v2: shared-memory staging iff NS > 1", bt, bl, ns)
+    assert ns > 1 or "ld.global.v4.b32" in ptx, ("forward v2: no 16-byte loads", bt, bl, ns)
+msig = {"base": "*bf16", "offs": "*i64", "wts": "*fp32", "acc": "*fp32", "N": "i32", "NQP": "i32", "L": "i32",
+        "Q": "i32"}
+for acc_t in ("*fp32", "*bf16"):
+    ptx = compile_(T._phase1_mix2_kernel, dict(msig, acc=acc_t),
+                   {"D": 7168, "BC": 1024, "QP": 32, "QB": 8, "NG": 3, "VEC": 8, "NS": 3}, 8)
+    assert "cp.async" in ptx and "st.global.v4.b32" in ptx, "phase 1 mix v2: loads not staged / narrow stores"
+compile_(T._phase1_stats_kernel, {"logit_buf": "*fp32", "m_out": "*fp32", "s_out": "*fp32", "N": "i32",
+                                  "NQP": "i32", "L": "i32", "Q": "i32"}, {"QP": 32, "BN": 64, "NS": 2}, 4)
 print("OK")
 """
 

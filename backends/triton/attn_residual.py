@@ -145,6 +145,70 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _fwd2_kernel(
+    base, offs,                   # base pointer (sources' dtype) and int64 element offsets [L]
+    qw_buf, ow,                   # [D] f32 query * rms_weight, output-norm weight (ow unused if not HAS_ONORM)
+    out,                          # [N, D] sources' dtype
+    logit_buf, lse_buf,           # [L, N] f32, [N] f32 (only written if SAVE)
+    N, L, NB, eps, TPP,           # NB = cdiv(L, BL) source blocks; TPP: token tiles per program
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
+    HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, NS: tl.constexpr,
+):
+    # Same math as _fwd_kernel, another schedule. Program p owns the token tiles p*TPP .. p*TPP+TPP-1 and
+    # walks ONE flat loop over the (tile, source block) pairs, so the compiler's software pipeline
+    # (tl.range num_stages: cp.async into shared memory, NS - 1 steps in flight) runs across tile
+    # boundaries instead of draining at the end of every token tile (which costs most at small L).
+    # Each step loads BL sources of the BT rows at once ([BL, BT, BD]) and reduces their BL*BT logits
+    # together, so one cross-warp reduction round (the serial part of the online softmax) serves BL
+    # sources. The running state is reset arithmetically at the first block of a tile (alpha = 0).
+    pid = tl.program_id(0).to(tl.int64)
+    r0 = tl.arange(0, BT).to(tl.int64)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    ll = tl.arange(0, BL)
+    qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
+    m = tl.full([BT], float("-inf"), tl.float32)
+    s = tl.zeros([BT], tl.float32)
+    acc = tl.zeros([BT, BD], tl.float32)
+    t0 = pid * TPP
+    for k in tl.range(0, TPP * NB, num_stages=NS):
+        tt = k // NB
+        j = k - tt * NB
+        rows = (t0 + tt) * BT + r0                                      # [BT] int64
+        rmask = rows < N
+        src = j * BL + ll                                               # [BL]
+        smask = src < L
+        off = tl.multiple_of(tl.load(offs + src, mask=smask, other=0), VEC)
+        tile = rows[:, None] * D + cols[None, :]                        # [BT, BD] int64
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(base + off[:, None, None] + tile[None, :, :], mask=smask[:, None, None] & mask[None, :, :],
+                    other=0.0, eviction_policy="evict_first").to(tl.float32)   # [BL, BT, BD]
+        ss = tl.sum(x * x, axis=2)                                      # [BL, BT]
+        dot = tl.sum(x * qw[None, None, :], axis=2)
+        lg = dot * tl.rsqrt(ss / D + eps)
+        lgm = tl.where(smask[:, None], lg, float("-inf"))
+        m_old = tl.where(j == 0, float("-inf"), m)                      # a new tile starts: reset
+        m_new = tl.maximum(m_old, tl.max(lgm, axis=0))
+        alpha = tl.exp(m_old - m_new)                                   # 0 at the first block of a tile
+        p = tl.exp(lgm - m_new[None, :])                                # [BL, BT]
+        s = s * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * x, axis=0)
+        m = m_new
+        if SAVE:
+            tl.store(logit_buf + src[:, None].to(tl.int64) * N + rows[None, :], lg,
+                     mask=smask[:, None] & rmask[None, :])
+        if j == NB - 1:
+            o = acc / s[:, None]
+            if SAVE:
+                tl.store(lse_buf + rows, m + tl.log(s), mask=rmask)
+            if HAS_ONORM:
+                oww = tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)
+                ro = tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)
+                o = o * ro[:, None] * oww[None, :]
+            tl.store(out + tile, o.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _bwd_kernel(
     base, offs, dx,               # sources (base + offsets), dx [L, N, D] sources' dtype (stacked grads)
     q, w, ow, dy,                 # dy [N, D]
@@ -286,6 +350,69 @@ def _phase1_mix_kernel(
 
 
 @triton.jit
+def _phase1_stats_kernel(
+    logit_buf,                    # [L, N, QP] f32: logits in, softmax numerators exp(logit - m) out (in place)
+    m_out, s_out,                 # [Q, N] f32 out (softmax max and sum per query and token)
+    N, NQP, L, Q,
+    QP: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr,
+):
+    # the softmax statistics over the bank, once per (token, query), so that the mix kernel needs no
+    # max loop and no exp: [BN tokens, QP queries] per program, two passes over the L logit planes
+    pid = tl.program_id(0).to(tl.int64)
+    nn = pid * BN + tl.arange(0, BN).to(tl.int64)
+    qq = tl.arange(0, QP)
+    mask = (nn < N)[:, None] & (qq < Q)[None, :]
+    ptr = logit_buf + nn[:, None] * QP + qq[None, :]
+    mq = tl.full([BN, QP], float("-inf"), tl.float32)
+    p = ptr
+    for i in tl.range(0, L, num_stages=NS):
+        mq = tl.maximum(mq, tl.load(p, mask=mask, other=0.0))
+        p += NQP                                                    # 64-bit pointer arithmetic
+    sq = tl.zeros([BN, QP], tl.float32)
+    p = ptr
+    for i in tl.range(0, L, num_stages=NS):
+        e = tl.exp(tl.load(p, mask=mask, other=0.0) - mq)
+        tl.store(p, e, mask=mask)
+        sq += e
+        p += NQP
+    dst = qq[None, :].to(tl.int64) * N + nn[:, None]
+    tl.store(m_out + dst, mq, mask=mask)
+    tl.store(s_out + dst, sq, mask=mask)
+
+
+@triton.jit
+def _phase1_mix2_kernel(
+    base, offs, wts,              # bank, softmax numerators [L, N, QP] f32 (from _phase1_stats_kernel)
+    acc,                          # [Q, N, D] out (float32 or a lower precision)
+    N, NQP, L, Q,
+    D: tl.constexpr, BC: tl.constexpr, QP: tl.constexpr, QB: tl.constexpr, NG: tl.constexpr,
+    VEC: tl.constexpr, NS: tl.constexpr,
+):
+    # acc_q = sum_i wts[i, n, q] x_i over one (token, d-chunk, query group) tile: a single pipelined loop
+    # of independent loads (no max loop, no exp), query group fastest in the flat grid
+    pid = tl.program_id(0).to(tl.int64)
+    NC: tl.constexpr = (D + BC - 1) // BC
+    g = pid % NG
+    c = (pid // NG) % NC
+    n = pid // (NG * NC)
+    cols = c * BC + tl.arange(0, BC)
+    cm = cols < D
+    qq = g * QB + tl.arange(0, QB)
+    qm = qq < Q
+    a = tl.zeros([QB, BC], tl.float32)
+    row = n * D + cols
+    wp = wts + n * QP + qq
+    for i in tl.range(0, L, num_stages=NS):
+        off = tl.multiple_of(tl.load(offs + i), VEC)
+        x = tl.load(base + off + row, mask=cm, other=0.0).to(tl.float32)
+        e = tl.load(wp, mask=qm, other=0.0)
+        wp += NQP
+        a += e[:, None] * x[None, :]
+    dst = acc + (qq[:, None].to(tl.int64) * N + n) * D + cols[None, :]
+    tl.store(dst, a.to(acc.dtype.element_ty), mask=qm[:, None] & cm[None, :])
+
+
+@triton.jit
 def _merge_kernel(
     acc, m_in, s_in, part, q, w, ow, out,
     N, eps,
@@ -326,9 +453,11 @@ def _merge_kernel(
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 #: Forward launch settings for wide rows (d >= 2048), measured on an H200 (benchmarks/attn_residual.py
-#: --sweep): {"num_warps", "pf": 0|1|2 register prefetch depth, "ns": shared-memory pipeline stages (pf 0
-#: only), "qw_reg": keep q*w in registers, "bt": rows per tile, "progs_per_sm": persistent programs per SM,
-#: "maxnreg": register cap per thread}.
+#: --sweep): {"impl": "v1" (_fwd_kernel, default) or "v2" (_fwd2_kernel), "num_warps", "bt": rows per tile,
+#: "progs_per_sm": persistent programs per SM (v2: 0 = one program per tile, no persistent loop),
+#: "maxnreg": register cap per thread; v1 only: "pf": 0|1|2 register prefetch depth, "ns": shared-memory
+#: pipeline stages (pf 0 only), "qw_reg": keep q*w in registers; v2 only: "bl": sources loaded and reduced
+#: per step, "ns": pipeline stages of its flat (tile, source block) loop}.
 FWD_DEFAULT: dict = {"num_warps": 16, "pf": 1, "bt": 2, "progs_per_sm": 1, "qw_reg": True}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 FWD_CONFIG: dict = {}
@@ -395,7 +524,18 @@ def _fwd(query, xs, w, ow, eps, save):
         lse = torch.empty((n,), dtype=torch.float32, device=dev)
     else:
         logit = lse = out  # never touched (SAVE is False)
-    if n > 0:
+    if n > 0 and cfg.get("impl", "v1") == "v2":
+        n_tiles = triton.cdiv(n, bt)
+        pps = cfg.get("progs_per_sm", 2)
+        tpp = max(1, triton.cdiv(n_tiles, pps * _num_sms(dev))) if pps > 0 else 1
+        grid = triton.cdiv(n_tiles, tpp)
+        bl = cfg.get("bl", 1)
+        _fwd2_kernel[(grid,)](
+            base, offs, qw, ow if ow is not None else qw, out, logit, lse,
+            n, L, triton.cdiv(L, bl), float(eps), tpp, D=d, BT=bt, BD=bd, BL=bl, VEC=vec,
+            HAS_ONORM=ow is not None, SAVE=save, NS=cfg.get("ns", 1), num_warps=nw,
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+    elif n > 0:
         n_tiles = triton.cdiv(n, bt)
         progs = cfg.get("progs_per_sm", 2) * _num_sms(dev)
         tpp = max(1, triton.cdiv(n_tiles, progs))
@@ -486,7 +626,10 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
 # ----------------------------------------------------------------------------------------------------
 
 #: Phase-1 launch settings for wide rows on the GPU: logits tile (p1_bt tokens x p1_bk columns, p1_ns
-#: pipeline stages, p1_nw warps) and mix tile (mix_bc columns x mix_qb queries, mix_ns stages, mix_nw warps).
+#: pipeline stages, p1_nw warps) and mix tile (mix_bc columns x mix_qb queries, mix_ns stages, mix_nw warps);
+#: "mix_impl": "v1" (_phase1_mix_kernel: each mix program finds the max over the bank itself, a serial loop
+#: of logit loads, then exps) or "v2" (_phase1_stats_kernel computes m, s and exp(logit - m) once per
+#: token and query, in place of the logits; _phase1_mix2_kernel is then one loop of independent loads).
 P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 512, "mix_qb": 8, "mix_ns": 3,
                     "mix_nw": 4}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
@@ -511,7 +654,8 @@ def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype):
     if _INTERPRET:
         cfg = {"p1_bt": 16, "p1_bk": min(64, triton.next_power_of_2(d)), "p1_ns": 1, "p1_nw": 4,
                "mix_bc": min(64, triton.next_power_of_2(d)), "mix_qb": min(8, triton.next_power_of_2(Q)),
-               "mix_ns": 1, "mix_nw": 4}
+               "mix_ns": 1, "mix_nw": 4,
+               "mix_impl": P1_CONFIG.get("mix_impl", P1_DEFAULT.get("mix_impl", "v1"))}
     else:
         cfg = dict(P1_DEFAULT)
         cfg.update(P1_CONFIG)
@@ -525,6 +669,14 @@ def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype):
     qb = cfg["mix_qb"]
     bc = cfg["mix_bc"]
     ng = triton.cdiv(Q, qb)
+    if cfg.get("mix_impl", "v1") == "v2":
+        bn = 16 if _INTERPRET else 64
+        _phase1_stats_kernel[(triton.cdiv(n, bn),)](logit, m, s, n, n * QP, L, Q, QP=QP, BN=bn,
+                                                   NS=1 if _INTERPRET else 2, num_warps=4)
+        _phase1_mix2_kernel[(n * triton.cdiv(d, bc) * ng,)](
+            base, offs, logit, acc, n, n * QP, L, Q, D=d, BC=bc, QP=QP, QB=qb, NG=ng, VEC=vec,
+            NS=cfg["mix_ns"], num_warps=cfg["mix_nw"])
+        return acc, m, s
     _phase1_mix_kernel[(n * triton.cdiv(d, bc) * ng,)](
         base, offs, logit, m, s, acc, n, n * QP, L, Q, D=d, BC=bc, QP=QP, QB=qb, NG=ng, VEC=vec,
         NS=cfg["mix_ns"], num_warps=cfg["mix_nw"])
