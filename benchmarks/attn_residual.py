@@ -35,11 +35,15 @@ R = importlib.import_module("backends.reference.attn_residual")
 D = 7168
 COPY_NOMINAL = 4.2e12
 LINES: list[str] = []
+OUT_PATH: list[str] = []      # where the table goes; rewritten after every line, so a run cut short keeps its part
 
 
 def emit(line: str = "") -> None:
     print(line, flush=True)
     LINES.append(line)
+    if OUT_PATH:
+        with open(OUT_PATH[0], "w") as f:
+            f.write("\n".join(LINES) + "\n")
 
 
 def bench(fn) -> float:
@@ -110,7 +114,12 @@ def sweep(n, Ls, copy_bw):
         {"impl": "v2", "num_warps": 16, "bt": 2, "bl": 1, "ns": 3, "progs_per_sm": 1},      # 119 / 0
         {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2, "maxnreg": 128},  # 128 / 0
         {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "maxnreg": 64},  # 64 / 24
+        # q*w re-read each step (the pipeliner then stages it through shared memory too: 98 KB here)
+        {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "maxnreg": 64,
+         "qw_reg": False},                                                                  # 64 / 0
         {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1},       # 202 / 0
+        {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 1, "qw_reg": False},  # 128 / 0
+        {"impl": "v2", "num_warps": 16, "bt": 2, "bl": 2, "ns": 2, "progs_per_sm": 1, "qw_reg": False},  # 128 / 0
         {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 1, "progs_per_sm": 0},      # 104 / 0, fla-like grid
     ]
     best, best_score = None, -1.0
@@ -344,6 +353,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("attn_residual benchmark: needs a CUDA GPU")
     skip = set(a.skip.split(",")) if a.skip else set()
+    if a.out:
+        OUT_PATH.append(a.out)
     fla_fused = fla_naive = None
     note = "fla not run"
     if not a.no_fla:
@@ -376,9 +387,6 @@ def main(argv=None):
     if ratios:
         g = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         emit(f"\nratio vs fla fused_attnres (time fla / time ours, geometric mean over the main table): {g:.2f}x")
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(LINES) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ The Triton kernels run under TRITON_INTERPRET=1 on CPU (set by conftest.py), in 
 sizes; the `gpu` tests run in bf16 at the model's size (d = 7168) on the device machine.
 """
 import importlib
-import math
 
 import pytest
 import torch
@@ -184,7 +183,7 @@ def test_triton_forward_fp16_batched(L, shape, onorm):
 
 
 @pytest.mark.parametrize("cfg", [{"pf": 0, "ns": 3, "qw_reg": False}, {"pf": 1}, {"pf": 2, "qw_reg": False},
-                                 {"impl": "v2", "bl": 1, "ns": 3}, {"impl": "v2", "bl": 2, "ns": 2},
+                                 {"impl": "v2", "bl": 1, "ns": 3}, {"impl": "v2", "bl": 2, "ns": 2, "qw_reg": False},
                                  {"impl": "v2", "bl": 4, "ns": 1, "progs_per_sm": 0, "bt": 2}])
 def test_triton_forward_launch_settings(cfg, monkeypatch):
     # every software-pipelining variant, with few programs so that prefetches (v1) and the flat
@@ -358,9 +357,10 @@ assert "wgmma" in ptx, "phase 1 logits: no wgmma"
 f2sig = dict(fsig, NB="i32")
 f2sig = {k: f2sig[k] for k in ("base", "offs", "qw_buf", "ow", "out", "logit_buf", "lse_buf", "N", "L", "NB", "eps",
                                "TPP")}
-for bt, bl, ns, nw in ((1, 1, 4, 16), (1, 2, 3, 16), (2, 1, 3, 16), (1, 1, 4, 8), (1, 2, 1, 16)):
+for bt, bl, ns, nw, qr in ((1, 1, 4, 16, True), (1, 2, 3, 16, True), (2, 1, 3, 16, True), (1, 1, 4, 8, True),
+                           (1, 2, 1, 16, True), (2, 2, 2, 16, False)):
     ptx = compile_(T._fwd2_kernel, f2sig, {"D": 7168, "BT": bt, "BD": 8192, "BL": bl, "VEC": 8, "HAS_ONORM": True,
-                                           "SAVE": True, "NS": ns}, nw)
+                                           "SAVE": True, "NS": ns, "QW_REG": qr}, nw)
     assert "st.global.v4.b32" in ptx, ("forward v2: no 16-byte stores", bt, bl, ns)
     assert ("cp.async" in ptx) == (ns > 1), ("forward v2: shared-memory staging iff NS > 1", bt, bl, ns)
     assert ns > 1 or "ld.global.v4.b32" in ptx, ("forward v2: no 16-byte loads", bt, bl, ns)
@@ -416,6 +416,29 @@ def test_gpu_forward_bf16(L, onorm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [{"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1},
+                                 {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2,
+                                  "maxnreg": 128},
+                                 {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 1, "progs_per_sm": 0}])
+def test_gpu_forward_v2_bf16(cfg, monkeypatch):
+    # the v2 schedules at the model's size, L = 3 (not a multiple of bl = 2), forward and the saved logits
+    monkeypatch.setattr(T, "FWD_CONFIG", cfg)
+    n, d, L = 16384 + 17, 7168, 3
+    query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
+    ow = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+    rows = torch.arange(n, device="cuda")
+    assert _rel(out, _naive_rows(query, sources, w, ow, rows)) < _tol(torch.bfloat16)
+    small = [s[:1000 + 3] for s in sources]
+    gy = torch.randn(1003, d, device="cuda")
+    got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o), query, small, w, None, gy)
+    want = _grads(lambda q, s, w_, e, o: _naive(q, s, w_, e, o), query.double(), [s.double() for s in small],
+                  w.double(), None, gy.double())
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 2e-2
+
+
+@pytest.mark.gpu
 def test_gpu_forward_past_2_32_elements():
     # N = 65536, L = 16, d = 7168: 7.5e9 source elements, every offset past 2^32 must be right
     n, d, L = 65536, 7168, 16
@@ -441,8 +464,10 @@ def test_gpu_backward_bf16(onorm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["v1", "v2"])
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_two_phase_bf16(acc_dtype):
+def test_gpu_two_phase_bf16(acc_dtype, mix, monkeypatch):
+    monkeypatch.setattr(T, "P1_CONFIG", {"mix_impl": mix})
     n, d, Q, B = 4096 + 5, 7168, 24, 8
     bank = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * (1 + i) for i in range(B)]
     partial = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)

@@ -13,6 +13,12 @@ Kernels (all accumulate in float32, all index with int64, so tensors past 2^31/2
   sum ``s`` and the weighted sum live in registers; the optional output RMSNorm is applied before the
   single store. The sources are reached through a table of int64 element offsets from one base
   pointer, so L is a runtime value (1 .. any) and nothing is specialised on it.
+* ``_fwd2_kernel`` (launch setting ``impl: "v2"``): the same math with another schedule for bandwidth:
+  one flat loop over (token tile, block of BL sources) pairs per persistent program, software-pipelined
+  by the compiler (cp.async into shared memory, NS - 1 steps in flight, across tile boundaries), and the
+  BL logits of a step reduced together, so the serial part of the online softmax (a row reduction, then
+  the rescale) is paid once per BL sources. Little's law: ~4.2 TB/s x ~1 us needs ~32 KB in flight per
+  SM; one step of one row and one source is 14 KB at d = 7168 (bf16).
 * ``_bwd_kernel``: recomputes the mix from the saved logits and log-sum-exp (one read of the sources),
   then one more read of every source to write every source's gradient; per-program partial sums of
   d(query*rms_weight) and d(output_rms_weight) are reduced on the host side.
@@ -23,6 +29,8 @@ Kernels (all accumulate in float32, all index with int64, so tensors past 2^31/2
   block against every bank source come from one read of the bank with a tensor-core product
   [tokens, d] x [d, Q] (3xTF32, float32-accurate), together with the running max/sum; the weighted sums
   acc_q = sum_i exp(logit_qi - m_q) x_i are then formed per (token, d-chunk) tile.
+  With ``mix_impl: "v2"``, ``_phase1_stats_kernel`` turns the logits into m, s and exp(logit - m) once per
+  (token, query), and ``_phase1_mix2_kernel`` is then a single pipelined loop of independent loads.
 * ``_merge_kernel``: the online-softmax merge of one query's bank result with the in-block partial source
   (plus the fused output RMSNorm).
 
@@ -152,7 +160,7 @@ def _fwd2_kernel(
     logit_buf, lse_buf,           # [L, N] f32, [N] f32 (only written if SAVE)
     N, L, NB, eps, TPP,           # NB = cdiv(L, BL) source blocks; TPP: token tiles per program
     D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
-    HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, NS: tl.constexpr,
+    HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, NS: tl.constexpr, QW_REG: tl.constexpr,
 ):
     # Same math as _fwd_kernel, another schedule. Program p owns the token tiles p*TPP .. p*TPP+TPP-1 and
     # walks ONE flat loop over the (tile, source block) pairs, so the compiler's software pipeline
@@ -161,12 +169,15 @@ def _fwd2_kernel(
     # Each step loads BL sources of the BT rows at once ([BL, BT, BD]) and reduces their BL*BT logits
     # together, so one cross-warp reduction round (the serial part of the online softmax) serves BL
     # sources. The running state is reset arithmetically at the first block of a tile (alpha = 0).
+    # QW_REG keeps q*w in registers; without it q*w is re-read (L1 hits) every step, which frees
+    # D / (32 * num_warps) registers per thread for a second program per multiprocessor.
     pid = tl.program_id(0).to(tl.int64)
     r0 = tl.arange(0, BT).to(tl.int64)
     cols = tl.arange(0, BD)
     cmask = cols < D
     ll = tl.arange(0, BL)
-    qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
+    if QW_REG:
+        qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
     m = tl.full([BT], float("-inf"), tl.float32)
     s = tl.zeros([BT], tl.float32)
     acc = tl.zeros([BT, BD], tl.float32)
@@ -183,6 +194,8 @@ def _fwd2_kernel(
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(base + off[:, None, None] + tile[None, :, :], mask=smask[:, None, None] & mask[None, :, :],
                     other=0.0, eviction_policy="evict_first").to(tl.float32)   # [BL, BT, BD]
+        if not QW_REG:
+            qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
         ss = tl.sum(x * x, axis=2)                                      # [BL, BT]
         dot = tl.sum(x * qw[None, None, :], axis=2)
         lg = dot * tl.rsqrt(ss / D + eps)
@@ -533,7 +546,7 @@ def _fwd(query, xs, w, ow, eps, save):
         _fwd2_kernel[(grid,)](
             base, offs, qw, ow if ow is not None else qw, out, logit, lse,
             n, L, triton.cdiv(L, bl), float(eps), tpp, D=d, BT=bt, BD=bd, BL=bl, VEC=vec,
-            HAS_ONORM=ow is not None, SAVE=save, NS=cfg.get("ns", 1), num_warps=nw,
+            HAS_ONORM=ow is not None, SAVE=save, NS=cfg.get("ns", 1), QW_REG=cfg.get("qw_reg", True), num_warps=nw,
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     elif n > 0:
         n_tiles = triton.cdiv(n, bt)
