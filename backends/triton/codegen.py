@@ -1,7 +1,13 @@
 """Code generation for the pointwise launches of the kernel IR: each chain of elementwise and row-norm
 ops (add, mul, silu, sigmoid, situ_glu, rmsnorm, l2norm) becomes one generated Triton kernel that reads
 each input once, keeps the intermediates in registers (float32) and writes only the values used outside
-the chain. One program handles one row of the last dimension.
+the chain. One program handles a [ROWS, BLOCK_D] tile: ROWS whole rows of the last dimension (ROWS = 1
+for wide rows; several rows when the row is short, e.g. the d = 128 l2norm of KDA, so that one program
+still moves a useful amount of data: see ``launch_config`` / ``launch``).
+
+Generated signature: ``(in..., out..., D, scalars..., BLOCK_D: constexpr, N=2**62, ROWS: constexpr = 1)``
+with N the number of rows; the defaults keep the one-row-per-program launch ``fn[(rows,)](..., BLOCK_D=)``
+valid, ``launch(k, fn, args, outs)`` uses the tiled one.
 
 The generated file is written to a cache directory keyed by the kernel program's cache key (a hash of
 the printed kernel IR, the target and the tool versions), so sizes of symbolic dims never enter it:
@@ -69,8 +75,10 @@ def _gen_one(idx: int, launch, g: Graph) -> GeneratedKernel | None:
             in_refs.append(key)
             row_in.append(row)
             i = len(in_refs) - 1
-            off = "row * D + cols" if row else "cols"
-            body.append(f"    a{i} = tl.load(in{i} + {off}, mask=mask, other=0.0).to(tl.float32)")
+            if row:
+                body.append(f"    a{i} = tl.load(in{i} + offs, mask=mask, other=0.0).to(tl.float32)")
+            else:   # a [D] vector (norm weight): one [1, BLOCK_D] row, broadcast over the tile's rows
+                body.append(f"    a{i} = tl.load(in{i} + cols[None, :], mask=cmask, other=0.0).to(tl.float32)")
             var[key] = f"a{i}"
         return var[key]
 
@@ -92,10 +100,10 @@ def _gen_one(idx: int, launch, g: Graph) -> GeneratedKernel | None:
                 e = f"g{j} * ({bu!r} * _tanh({x[1]} / {bu!r}))"
             elif m.op == "rmsnorm":
                 scalars[f"eps{j}"] = float(m.attr("eps"))
-                e = f"{x[0]} * (1.0 / tl.sqrt(tl.sum({x[0]} * {x[0]}, axis=0) / D + eps{j})) * {x[1]}"
+                e = f"{x[0]} * (1.0 / tl.sqrt(tl.sum({x[0]} * {x[0]}, axis=1)[:, None] / D + eps{j})) * {x[1]}"
             elif m.op == "l2norm":
                 scalars[f"eps{j}"] = float(m.attr("eps"))
-                e = f"{x[0]} * (1.0 / tl.sqrt(tl.sum({x[0]} * {x[0]}, axis=0) + eps{j}))"
+                e = f"{x[0]} * (1.0 / tl.sqrt(tl.sum({x[0]} * {x[0]}, axis=1)[:, None] + eps{j}))"
             else:  # pragma: no cover - filtered above
                 return None
             # keep padding lanes at zero so later row reductions stay exact
@@ -106,20 +114,54 @@ def _gen_one(idx: int, launch, g: Graph) -> GeneratedKernel | None:
     outs = [r for r, _t in launch.outputs if r.split("#")[0].lstrip("%") in names]
     name = f"pw{idx}_" + "_".join(m.op for m in ms)[:60]
     args = [f"in{i}" for i in range(len(in_refs))] + [f"out{i}" for i in range(len(outs))] + ["D"] + list(scalars)
-    lines = ["@triton.jit", f"def {name}({', '.join(args)}, BLOCK_D: tl.constexpr):",
+    lines = ["@triton.jit",
+             f"def {name}({', '.join(args)}, BLOCK_D: tl.constexpr, N={N_DEFAULT}, ROWS: tl.constexpr = 1):",
              f"    # {' -> '.join(m.op for m in ms)}",
-             "    row = tl.program_id(0).to(tl.int64)",
+             "    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)",
              "    cols = tl.arange(0, BLOCK_D)",
-             "    mask = cols < D"]
+             "    cmask = (cols < D)[None, :]",
+             "    mask = (rows < N)[:, None] & cmask",
+             "    offs = rows[:, None] * D + cols[None, :]"]
     lines += body
     for i, r in enumerate(outs):
-        lines.append(f"    tl.store(out{i} + row * D + cols, {var[r]}.to(out{i}.dtype.element_ty), mask=mask)")
+        lines.append(f"    tl.store(out{i} + offs, {var[r]}.to(out{i}.dtype.element_ty), mask=mask)")
     return GeneratedKernel(name, launch.index, [m.name for m in ms], in_refs, row_in, outs, scalars,
                            "\n".join(lines) + "\n")
 
 
 class _Unsupported(Exception):
     pass
+
+
+N_DEFAULT = 1 << 62          # the row count assumed by a launch that does not pass N (one row per program)
+TILE_ELEMS = 4096            # elements of one program's [ROWS, BLOCK_D] tile when rows are short
+
+
+def launch_config(n_rows: int, D: int) -> dict:
+    """Grid and meta-parameters for a generated kernel over ``n_rows`` rows of width ``D``.
+
+    BLOCK_D = next power of two >= D; ROWS = TILE_ELEMS // BLOCK_D rows per program (at least 1, at
+    most the next power of two >= n_rows), so wide rows keep one row per program and short rows are
+    tiled. Returns {"grid": (programs,), "BLOCK_D": ..., "ROWS": ..., "N": n_rows}.
+    Raises ValueError for n_rows < 0 or D < 1."""
+    if n_rows < 0 or D < 1:
+        raise ValueError(f"generated kernel launch: need n_rows >= 0 and D >= 1, got {n_rows}, {D}")
+    block_d = 1 << max(0, D - 1).bit_length()
+    rows = max(1, min(TILE_ELEMS // block_d, 1 << max(0, n_rows - 1).bit_length()))
+    return {"grid": (max(1, -(-n_rows // rows)),), "BLOCK_D": block_d, "ROWS": rows, "N": n_rows}
+
+
+def launch(k: GeneratedKernel, fn, args: list, outs: list) -> None:
+    """Launch generated kernel ``fn`` (of ``k``) on contiguous ``args`` (in ``k.inputs`` order) writing
+    ``outs`` (allocated by the caller, shaped like the row operands): the tiled launch of
+    ``launch_config``. The runtime's one-row-per-program launch gives the same values."""
+    row = next(a for a, r in zip(args, k.row_inputs) if r)
+    D = row.shape[-1]
+    n_rows = row.numel() // D
+    if n_rows == 0:
+        return
+    c = launch_config(n_rows, D)
+    fn[c["grid"]](*args, *outs, D, *k.scalars.values(), BLOCK_D=c["BLOCK_D"], N=c["N"], ROWS=c["ROWS"])
 
 
 HEADER = '''"""Generated by mtc from the kernel IR of {name} (cache key {key}). Do not edit."""

@@ -97,27 +97,37 @@ def kernel_for(op: str, **a) -> _K.Kernel:
     """The kernel specialisation for ``op`` with compile-time attributes ``a``.
 
     rmsnorm: d, eps, dtype, w_dtype; l2norm: d, eps, dtype; silu / sigmoid: dtype; add / mul: dtype,
-    b_dtype; situ_glu: dtype, b_dtype, out_dtype, beta_gate, beta_up; attn_residual: d, L, eps, dtype,
-    q_dtype, w_dtype; short_conv: C, W, dtype, w_dtype; router_scores: d, E, dtype, w_dtype. Dtypes are
+    b_dtype; situ_glu: dtype, b_dtype, out_dtype, beta_gate, beta_up (the elementwise ops also take the
+    layout / schedule attributes vec, threads, unroll: see kernels.elementwise_source); attn_residual: d, L, eps, dtype,
+    q_dtype, w_dtype (the row kernels also take the cuda schedule attributes threads and,
+    for the norms, rows); short_conv: C, W, dtype, w_dtype (and vec, threads, tile_t); router_scores: d, E, dtype, w_dtype. Dtypes are
     "float32" / "float16" / "bfloat16" (default float32; out_dtype defaults to dtype).
     Raises ValueError for an unknown op or attribute, TypeError for an unsupported dtype."""
     dt = a.pop("dtype", "float32")
+    if op in ("silu", "sigmoid", "add", "mul", "situ_glu"):
+        ew = {k: int(a.pop(k)) for k in ("vec", "threads", "unroll") if k in a}
     if op in ("silu", "sigmoid"):
-        k = _K.elementwise_source(op, (dt,), dt)
+        k = _K.elementwise_source(op, (dt,), dt, **ew)
     elif op in ("add", "mul"):
-        k = _K.elementwise_source(op, (dt, a.pop("b_dtype", dt)), dt)
+        k = _K.elementwise_source(op, (dt, a.pop("b_dtype", dt)), dt, **ew)
     elif op == "situ_glu":
         k = _K.elementwise_source(op, (dt, a.pop("b_dtype", dt)), a.pop("out_dtype", dt),
-                                  beta_gate=a.pop("beta_gate", 4.0), beta_up=a.pop("beta_up", 25.0))
-    elif op == "rmsnorm":
-        k = _K.rownorm_source("rmsnorm", int(a.pop("d")), dt, a.pop("w_dtype", "float32"), dt, a.pop("eps", 1e-6))
-    elif op == "l2norm":
-        k = _K.rownorm_source("l2norm", int(a.pop("d")), dt, None, dt, a.pop("eps", 1e-6))
-    elif op == "attn_residual":
-        k = _K.attn_residual_source(int(a.pop("d")), int(a.pop("L")), dt, a.pop("q_dtype", "float32"),
-                                    a.pop("w_dtype", "float32"), a.pop("eps", 1e-6))
+                                  beta_gate=a.pop("beta_gate", 4.0), beta_up=a.pop("beta_up", 25.0), **ew)
+    elif op in ("rmsnorm", "l2norm", "attn_residual"):
+        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows") if k_ in a}
+        if op == "rmsnorm":
+            k = _K.rownorm_source("rmsnorm", int(a.pop("d")), dt, a.pop("w_dtype", "float32"), dt,
+                                  a.pop("eps", 1e-6), **rs)
+        elif op == "l2norm":
+            k = _K.rownorm_source("l2norm", int(a.pop("d")), dt, None, dt, a.pop("eps", 1e-6), **rs)
+        else:
+            if "rows" in rs:
+                raise ValueError("tvm backend: attn_residual takes no 'rows' attribute (one row per block)")
+            k = _K.attn_residual_source(int(a.pop("d")), int(a.pop("L")), dt, a.pop("q_dtype", "float32"),
+                                        a.pop("w_dtype", "float32"), a.pop("eps", 1e-6), **rs)
     elif op == "short_conv":
-        k = _K.short_conv_source(int(a.pop("C")), int(a.pop("W", 4)), dt, a.pop("w_dtype", dt), dt)
+        sc = {k_: int(a.pop(k_)) for k_ in ("vec", "threads", "tile_t") if k_ in a}
+        k = _K.short_conv_source(int(a.pop("C")), int(a.pop("W", 4)), dt, a.pop("w_dtype", dt), dt, **sc)
     elif op == "router_scores":
         k = _K.router_source(int(a.pop("d")), int(a.pop("E")), dt, a.pop("w_dtype", dt))
     else:
@@ -177,13 +187,32 @@ def l2norm(x: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     return y
 
 
+def _vec(kind: str, *ts: torch.Tensor) -> int:
+    """Lanes per 128-bit access on cuda (8 for 16-bit data, 4 with any float32 tensor); 1 on the CPU."""
+    return 1 if kind == "llvm" else 16 // max(t.element_size() for t in ts)
+
+
+def _elementwise(op: str, kind: str, ins: list, y: torch.Tensor, **attrs) -> None:
+    """Run an elementwise kernel over flat contiguous tensors: the first n - n % vec elements as
+    [n / vec, vec] rows (whole-vector accesses), the rest with the vec = 1 kernel."""
+    flat = [t.contiguous().view(-1) for t in ins]
+    yf = y.view(-1)
+    n = yf.numel()
+    vec = _vec(kind, *flat, yf)
+    body = n - n % vec
+    if body:
+        _call(kernel_for(op, vec=vec, **attrs), kind, *[t[:body].view(-1, vec) for t in flat], yf[:body].view(-1, vec))
+    if body < n:
+        _call(kernel_for(op, vec=1, **attrs), kind, *[t[body:].view(-1, 1) for t in flat], yf[body:].view(-1, 1))
+
+
 def _unary(op: str, x: torch.Tensor) -> torch.Tensor:
     where = f"tvm {op}"
     dt = _dt(x, "x", where)
     kind = _kind(x, where=where)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel():
-        _call(kernel_for(op, dtype=dt), kind, x.contiguous().view(-1), y.view(-1))
+        _elementwise(op, kind, [x], y, dtype=dt)
     return y
 
 
@@ -210,8 +239,7 @@ def _binary(op: str, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | 
     y = torch.empty(a.shape, dtype=out_dtype, device=a.device)
     if y.numel():
         extra = {"out_dtype": _DT[out_dtype]} if op == "situ_glu" else {}
-        _call(kernel_for(op, dtype=adt, b_dtype=bdt, **extra, **attrs), kind,
-              a.contiguous().view(-1), b.contiguous().view(-1), y.view(-1))
+        _elementwise(op, kind, [a, b], y, dtype=adt, b_dtype=bdt, **extra, **attrs)
     return y
 
 

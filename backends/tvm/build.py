@@ -48,9 +48,11 @@ def _tvm_version() -> str:
 
 
 def cache_key(kernel: Kernel, kind: str) -> str:
-    """SHA-256 (first 24 hex digits) of TVMScript text + schedule version + target + TVM version."""
+    """SHA-256 (first 24 hex digits) of the TVMScript text for ``kind`` + schedule version + schedule
+    parameters + target + TVM version."""
     h = hashlib.sha256()
-    for part in (kernel.source, SCHEDULE_VERSION, json.dumps(target_spec(kind), sort_keys=True), _tvm_version()):
+    for part in (kernel.text(kind), SCHEDULE_VERSION, repr(tuple(kernel.sched)),
+                 json.dumps(target_spec(kind), sort_keys=True), _tvm_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
@@ -82,7 +84,7 @@ def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
         return path
     ex, mod = compile_kernel(kernel, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
-    (path.parent / f"{kernel.name}.tvmscript.py").write_text(kernel.source)
+    (path.parent / f"{kernel.name}.tvmscript.py").write_text(kernel.text(kind))
     (path.parent / f"{kernel.name}.scheduled.py").write_text(mod.script())
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)

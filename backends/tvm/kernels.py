@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULE_VERSION = "1"          # bump when a schedule below changes (part of every cache key)
+SCHEDULE_VERSION = "2"          # bump when a schedule below changes (part of every cache key)
 
 DTYPES = ("float32", "float16", "bfloat16")
 CUDA_THREADS = 256              # threads per block for the hidden / element dimension on cuda
@@ -40,6 +40,16 @@ class Kernel:
     family: str
     source: str
     info: dict = field(default_factory=dict, compare=False, hash=False)
+    cuda_source: str | None = None      # the text built for cuda when it differs (fast-math intrinsics)
+    sched: tuple = ()                   # schedule parameters ((name, value), ...): part of the cache key
+
+    def text(self, kind: str) -> str:
+        """The TVMScript built for target ``kind`` ("llvm" or "cuda")."""
+        return self.cuda_source if (kind == "cuda" and self.cuda_source is not None) else self.source
+
+    def param(self, name: str, default):
+        """One schedule parameter (``sched``), or ``default``."""
+        return dict(self.sched).get(name, default)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -76,63 +86,102 @@ def _header(name: str, params: list[str]) -> str:
 # elementwise: silu, sigmoid, add, mul, situ_glu over a flat buffer of n elements
 # ----------------------------------------------------------------------------------------------------
 
+def _exp(x: str, fast: bool) -> str:
+    """exp(x) in float32: ``T.exp`` (portable), or CUDA's ``__expf`` (MUFU.EX2 based, ~2 ulp) when fast."""
+    return f'T.call_pure_extern("float32", "__expf", {x})' if fast else f"T.exp({x})"
+
+
+def _div(a: str, b: str, fast: bool) -> str:
+    """a / b in float32: IEEE division (portable), or CUDA's ``__fdividef`` (a * rcp(b), ~2 ulp) when fast."""
+    return f'T.call_pure_extern("float32", "__fdividef", {a}, {b})' if fast else f"({a} / {b})"
+
+
+def _sigmoid(x: str, fast: bool) -> str:
+    # 1 / (1 + exp(-x)): exp overflows to inf for x < -88, giving exactly 0
+    return _div("T.float32(1)", f"(T.float32(1) + {_exp(f'(T.float32(0) - {x})', fast)})", fast)
+
+
+def _tanh_scaled(x: str, beta: float, fast: bool) -> str:
+    """tanh(x / beta) = 1 - 2 / (exp(2 x / beta) + 1) (exp overflow -> +-1 exactly; absolute error ~1e-7)."""
+    e = _exp(f"{x} * {_c(2.0 / beta)}", fast)
+    return f"(T.float32(1) - {_div('T.float32(2)', f'({e} + T.float32(1))', fast)})"
+
+
 _UNARY = {
-    "silu": lambda a: f"{a} * T.sigmoid({a})",
-    "sigmoid": lambda a: f"T.sigmoid({a})",
+    "silu": lambda a, f: f"{a} * {_sigmoid(a, f)}",
+    "sigmoid": lambda a, f: _sigmoid(a, f),
 }
 _BINARY = {
-    "add": lambda a, b: f"{a} + {b}",
-    "mul": lambda a, b: f"{a} * {b}",
+    "add": lambda a, b, f: f"{a} + {b}",
+    "mul": lambda a, b, f: f"{a} * {b}",
 }
 
 
 def elementwise_source(op: str, in_dtypes: tuple[str, ...], out_dtype: str, *, beta_gate: float = 4.0,
-                       beta_up: float = 25.0) -> Kernel:
-    """y[i] = f(a[i] (, b[i])) over n (symbolic) elements, float32 math.
+                       beta_up: float = 25.0, vec: int = 1, threads: int = 256, unroll: int = 1) -> Kernel:
+    """y[i, j] = f(a[i, j] (, b[i, j])) over buffers [m, vec] (m symbolic; the caller views a flat tensor
+    of m * vec elements as [m, vec]), float32 math.
 
     op: "silu" (x * sigmoid(x), Elfwing et al. 2018), "sigmoid", "add", "mul", or "situ_glu"
     (h = (beta_gate * tanh(a / beta_gate) * sigmoid(a)) * (beta_up * tanh(b / beta_up)), spec/OPS.md).
-    """
+    tanh(y) is computed as 1 - 2 / (exp(2y) + 1) and sigmoid(x) as 1 / (1 + exp(-x)); the cuda text uses
+    CUDA's __expf / __fdividef for them (fast-math, relative error ~1e-6, like Triton's kernels), the
+    portable (llvm) text T.exp and IEEE division.
+    vec: lanes per row, the width of one 128-bit access on cuda (8 for 16-bit, 4 for float32 data);
+    threads, unroll: the cuda schedule (threads per block, rows per thread)."""
     arity = 1 if op in _UNARY else 2
     if op not in _UNARY and op not in _BINARY and op != "situ_glu":
         raise ValueError(f"tvm elementwise: unknown op {op!r}")
     if len(in_dtypes) != arity:
         raise ValueError(f"tvm elementwise: {op} takes {arity} inputs, got {len(in_dtypes)} dtypes")
+    if vec not in (1, 2, 4, 8):
+        raise ValueError(f"tvm elementwise: vec must be 1, 2, 4 or 8, got {vec}")
     for i, dt in enumerate(in_dtypes):
         _check_dtype(dt, f"{op} input {i}")
     _check_dtype(out_dtype, f"{op} output")
+    if op == "situ_glu" and not (beta_gate > 0 and beta_up > 0):
+        raise ValueError(f"situ_glu: beta_gate and beta_up must be > 0, got {beta_gate}, {beta_up}")
     names = ["A", "B"][:arity]
-    loads = [_f32(f"{n}[vi]", dt) for n, dt in zip(names, in_dtypes)]
-    if op in _UNARY:
-        expr = _UNARY[op](loads[0])
-    elif op in _BINARY:
-        expr = _BINARY[op](*loads)
-    else:
-        if not (beta_gate > 0 and beta_up > 0):
-            raise ValueError(f"situ_glu: beta_gate and beta_up must be > 0, got {beta_gate}, {beta_up}")
-        a, b = loads
-        expr = (f"({_c(beta_gate)} * T.tanh({a} / {_c(beta_gate)}) * T.sigmoid({a})) * "
-                f"({_c(beta_up)} * T.tanh({b} / {_c(beta_up)}))")
-    name = op
-    src = _header(name, [f"{n.lower()}_h" for n in names] + ["y_h"])
-    src += "    n = T.int64()\n"
-    for n, dt in zip(names, in_dtypes):
-        src += f'    {n} = T.match_buffer({n.lower()}_h, (n,), "{dt}")\n'
-    src += f'    Y = T.match_buffer(y_h, (n,), "{out_dtype}")\n'
-    src += ("    for i in range(n):\n"
-            '        with T.sblock("y"):\n'
-            "            vi = T.axis.spatial(n, i)\n"
-            f"            Y[vi] = {_store(expr, out_dtype)}\n")
-    return Kernel(name, "elementwise", src, {})
+    loads = [_f32(f"{n}[vi, vj]", dt) for n, dt in zip(names, in_dtypes)]
+
+    def text(fast: bool) -> str:
+        if op in _UNARY:
+            expr = _UNARY[op](loads[0], fast)
+        elif op in _BINARY:
+            expr = _BINARY[op](*loads, fast)
+        else:
+            a, b = loads
+            expr = (f"({_c(beta_gate)} * {_tanh_scaled(a, beta_gate, fast)} * {_sigmoid(a, fast)}) * "
+                    f"({_c(beta_up)} * {_tanh_scaled(b, beta_up, fast)})")
+        src = _header(op, [f"{n.lower()}_h" for n in names] + ["y_h"])
+        src += "    m = T.int64()\n"
+        for n, dt in zip(names, in_dtypes):
+            src += f'    {n} = T.match_buffer({n.lower()}_h, (m, {vec}), "{dt}")\n'
+        src += f'    Y = T.match_buffer(y_h, (m, {vec}), "{out_dtype}")\n'
+        src += (f"    for i, j in T.grid(m, {vec}):\n"
+                '        with T.sblock("y"):\n'
+                '            vi, vj = T.axis.remap("SS", [i, j])\n'
+                f"            Y[vi, vj] = {_store(expr, out_dtype)}\n")
+        return src
+
+    portable, cuda = text(False), text(True)
+    return Kernel(op, "elementwise", portable, {"arity": arity, "vec": vec},
+                  cuda_source=cuda if cuda != portable else None,
+                  sched=(("threads", threads), ("unroll", unroll)))
 
 
 # ----------------------------------------------------------------------------------------------------
 # row norms: rmsnorm (mean, weight) and l2norm (sum, no weight) over rows of width d
 # ----------------------------------------------------------------------------------------------------
 
-def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dtype: str, eps: float) -> Kernel:
+def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dtype: str, eps: float, *,
+                   threads: int | None = None, rows: int | None = None) -> Kernel:
     """rmsnorm: y = x * rsqrt(mean_d(x^2) + eps) * w (Zhang & Sennrich 2019, eq. 4);
-    l2norm: y = x * rsqrt(sum_d(x^2) + eps). x, y [n, d] (n symbolic), w [d]; float32 math."""
+    l2norm: y = x * rsqrt(sum_d(x^2) + eps). x, y [n, d] (n symbolic), w [d]; float32 math.
+
+    cuda schedule: ``rows`` rows per block (threadIdx.y), ``threads`` threads along a row (threadIdx.x).
+    Defaults: d >= 1024: one row of 256 threads per block; smaller d: one warp per row (32 threads, or
+    fewer for d < 32) and 256 / 32 = 8 rows per block, so that a block still moves a useful amount."""
     if kind not in ("rmsnorm", "l2norm"):
         raise ValueError(f"tvm rownorm: unknown kind {kind!r}")
     if d < 1:
@@ -163,21 +212,38 @@ def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dty
             '        with T.sblock("norm"):\n'
             '            vi, vk = T.axis.remap("SS", [i, k])\n'
             f"            Y[vi, vk] = {_store(expr, out_dtype)}\n")
-    return Kernel(kind, "rownorm", src, {"d": d, "reductions": ["sumsq"], "row_blocks": [], "out": "norm"})
+    if threads is None:
+        threads = CUDA_THREADS if d >= 1024 else min(32, 1 << max(0, d - 1).bit_length())
+    if rows is None:
+        rows = max(1, CUDA_THREADS // threads) if d < 1024 else 1
+    if threads < 1 or rows < 1 or threads * rows > 1024:
+        raise ValueError(f"{kind}: cuda schedule threads = {threads} x rows = {rows} must be >= 1 and <= 1024")
+    return Kernel(kind, "rownorm", src, {"d": d, "reductions": ["sumsq"], "row_blocks": [], "out": "norm"},
+                  sched=(("threads", threads), ("rows", rows)))
 
 
 # ----------------------------------------------------------------------------------------------------
 # attn_residual: softmax over L sources of <query, RMSNorm(source)>, then the weighted sum of sources
 # ----------------------------------------------------------------------------------------------------
 
-def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float) -> Kernel:
+def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
+                         threads: int = 256) -> Kernel:
     """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), per token row i:
 
         ss_l = sum_d s_l[i]^2,  dot_l = sum_d query * rms_weight * s_l[i]
         logit_l = dot_l * rsqrt(ss_l / d + eps)          (= <query, RMSNorm(s_l[i]; rms_weight, eps)>)
         p = softmax_l(logit) in float32,  y[i] = sum_l p_l s_l[i]   (sources' dtype)
 
-    The L sources are L separate buffers (no stacking copy); L, d are compile-time constants."""
+    computed in ONE pass over the sources with the online softmax (Milakov & Gimelshein 2018, alg. 3):
+    with m_0 = logit_0, z_0 = 1, a_0 = s_0 and for l >= 1
+
+        m_l = max(m_{l-1}, logit_l),  alpha_l = exp(m_{l-1} - m_l),  beta_l = exp(logit_l - m_l)
+        z_l = z_{l-1} alpha_l + beta_l,  a_l = a_{l-1} alpha_l + beta_l s_l,   y = a_{L-1} / z_{L-1}
+
+    so each source row is consumed (sums, then the accumulator update) right after it is read, and the
+    accumulator a_l lives in registers on cuda. L = 1 gives y = s_0 (a softmax over one logit is 1).
+    The L sources are L separate buffers (no stacking copy); L, d are compile-time constants.
+    threads: cuda threads per row (one row per block)."""
     if L < 1:
         raise ValueError(f"attn_residual: needs at least one source, got L = {L}")
     if d < 1:
@@ -192,14 +258,26 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
     for l in range(L):
         src += f'    S{l} = T.match_buffer(s{l}_h, (n, {d}), "{src_dtype}")\n'
     src += f'    Y = T.match_buffer(y_h, (n, {d}), "{src_dtype}")\n'
-    for l in range(L):
-        src += f'    SS{l} = T.sblock_alloc_buffer((n,), "float32")\n'
-        src += f'    DT{l} = T.sblock_alloc_buffer((n,), "float32")\n'
-    src += f'    LG = T.sblock_alloc_buffer((n, {L}), "float32")\n'
-    src += '    MX = T.sblock_alloc_buffer((n,), "float32")\n'
-    src += '    Z = T.sblock_alloc_buffer((n,), "float32")\n'
+    if L > 1:
+        for l in range(L):
+            for nm in ("SS", "DT", "LG", "M"):
+                src += f'    {nm}{l} = T.sblock_alloc_buffer((n,), "float32")\n'
+            if l:
+                for nm in ("AL", "BE", "Z"):
+                    src += f'    {nm}{l} = T.sblock_alloc_buffer((n,), "float32")\n'
+                if l < L - 1:
+                    src += f'    A{l} = T.sblock_alloc_buffer((n, {d}), "float32")\n'
+
+    def row(name, expr):
+        return (f"    for i in range(n):\n"
+                f'        with T.sblock("{name}"):\n'
+                "            vi = T.axis.spatial(n, i)\n"
+                f"            {expr}\n")
+
     qw = f"{_f32('Q[vk]', q_dtype)} * {_f32('W[vk]', w_dtype)}"
-    for l in range(L):
+    reductions, row_blocks, accs, order = [], [], [], []
+    out = _f32("S0[vi, vk]", src_dtype)
+    for l in range(L if L > 1 else 0):
         s = _f32(f"S{l}[vi, vk]", src_dtype)
         src += (f"    for i, k in T.grid(n, {d}):\n"
                 f'        with T.sblock("ss{l}"):\n'
@@ -213,44 +291,51 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
                 "            with T.init():\n"
                 f"                DT{l}[vi] = T.float32(0)\n"
                 f"            DT{l}[vi] = DT{l}[vi] + {qw} * {s}\n")
-    # logit of source vl: a select over the L per-row scalars (lazy if_then_else; O(L) per logit)
-    sel = f"DT{L - 1}[vi] * T.rsqrt(SS{L - 1}[vi] / {_c(d)} + {_c(eps)})"
-    for l in reversed(range(L - 1)):
-        sel = f"T.if_then_else(vl == {l}, DT{l}[vi] * T.rsqrt(SS{l}[vi] / {_c(d)} + {_c(eps)}), {sel})"
-    src += (f"    for i, l in T.grid(n, {L}):\n"
-            '        with T.sblock("logits"):\n'
-            '            vi, vl = T.axis.remap("SS", [i, l])\n'
-            f"            LG[vi, vl] = {sel}\n")
-    src += (f"    for i, l in T.grid(n, {L}):\n"
-            '        with T.sblock("max"):\n'
-            '            vi, vl = T.axis.remap("SR", [i, l])\n'
-            "            with T.init():\n"
-            '                MX[vi] = T.min_value("float32")\n'
-            "            MX[vi] = T.max(MX[vi], LG[vi, vl])\n")
-    src += (f"    for i, l in T.grid(n, {L}):\n"
-            '        with T.sblock("sum"):\n'
-            '            vi, vl = T.axis.remap("SR", [i, l])\n'
-            "            with T.init():\n"
-            "                Z[vi] = T.float32(0)\n"
-            "            Z[vi] = Z[vi] + T.exp(LG[vi, vl] - MX[vi])\n")
-    mix = " + ".join(f"T.exp(LG[vi, {l}] - MX[vi]) * {_f32(f'S{l}[vi, vk]', src_dtype)}" for l in range(L))
+        reductions += [f"ss{l}", f"dot{l}"]
+        src += row(f"lg{l}", f"LG{l}[vi] = DT{l}[vi] * T.rsqrt(SS{l}[vi] / {_c(d)} + {_c(eps)})")
+        order += [f"ss{l}", f"dot{l}", f"lg{l}"]
+        if l == 0:
+            src += row("m0", "M0[vi] = LG0[vi]")
+            row_blocks += ["lg0", "m0"]
+            order.append("m0")
+            continue
+        src += row(f"m{l}", f"M{l}[vi] = T.max(M{l - 1}[vi], LG{l}[vi])")
+        src += row(f"al{l}", f"AL{l}[vi] = T.exp(M{l - 1}[vi] - M{l}[vi])")
+        src += row(f"be{l}", f"BE{l}[vi] = T.exp(LG{l}[vi] - M{l}[vi])")
+        zprev = "T.float32(1)" if l == 1 else f"Z{l - 1}[vi]"
+        src += row(f"z{l}", f"Z{l}[vi] = {zprev} * AL{l}[vi] + BE{l}[vi]")
+        row_blocks += [f"lg{l}", f"m{l}", f"al{l}", f"be{l}", f"z{l}"]
+        order += [f"m{l}", f"al{l}", f"be{l}", f"z{l}"]
+        aprev = _f32("S0[vi, vk]", src_dtype) if l == 1 else f"A{l - 1}[vi, vk]"
+        upd = f"{aprev} * AL{l}[vi] + BE{l}[vi] * {s}"
+        if l < L - 1:
+            src += (f"    for i, k in T.grid(n, {d}):\n"
+                    f'        with T.sblock("a{l}"):\n'
+                    '            vi, vk = T.axis.remap("SS", [i, k])\n'
+                    f"            A{l}[vi, vk] = {upd}\n")
+            accs.append(f"a{l}")
+            order.append(f"a{l}")
+        else:
+            out = f"({upd}) / Z{l}[vi]"
     src += (f"    for i, k in T.grid(n, {d}):\n"
             '        with T.sblock("out"):\n'
             '            vi, vk = T.axis.remap("SS", [i, k])\n'
-            f"            Y[vi, vk] = {_store(f'({mix}) / Z[vi]', src_dtype)}\n")
-    reductions = [b for l in range(L) for b in (f"ss{l}", f"dot{l}")]
+            f"            Y[vi, vk] = {_store(out, src_dtype)}\n")
     return Kernel("attn_residual", "attn_residual", src,
-                  {"d": d, "L": L, "reductions": reductions, "row_blocks": ["logits", "max", "sum"], "out": "out"})
+                  {"d": d, "L": L, "reductions": reductions, "row_blocks": row_blocks, "accs": accs,
+                   "order": order, "out": "out"}, sched=(("threads", threads),))
 
 
 # ----------------------------------------------------------------------------------------------------
 # short_conv: causal depthwise convolution over time
 # ----------------------------------------------------------------------------------------------------
 
-def short_conv_source(C: int, W: int, x_dtype: str, w_dtype: str, out_dtype: str) -> Kernel:
+def short_conv_source(C: int, W: int, x_dtype: str, w_dtype: str, out_dtype: str, *, vec: int = 8,
+                      threads: int = 128, tile_t: int = 8) -> Kernel:
     """y[b, t, c] = sum_{j<W} w[c, j] * x[b, t - W + 1 + j, c], x taken as 0 before t = 0 (causal
     depthwise conv, as backends/reference short_conv with no initial state). x, y [B, T, C] with B, T
-    symbolic; w [C, W]; float32 math."""
+    symbolic; w [C, W]; float32 math. vec, threads, tile_t: the cuda schedule (channels per thread access,
+    threads per block, time steps per thread)."""
     if C < 1 or W < 1:
         raise ValueError(f"short_conv: channels and width must be >= 1, got C = {C}, W = {W}")
     _check_dtype(x_dtype, "short_conv x")
@@ -271,7 +356,8 @@ def short_conv_source(C: int, W: int, x_dtype: str, w_dtype: str, out_dtype: str
             '        with T.sblock("conv"):\n'
             '            vb, vt, vc = T.axis.remap("SSS", [ib, it, ic])\n'
             f"            Y[vb, vt, vc] = {_store(' + '.join(terms), out_dtype)}\n")
-    return Kernel("short_conv", "short_conv", src, {"C": C, "W": W})
+    return Kernel("short_conv", "short_conv", src, {"C": C, "W": W},
+                  sched=(("vec", vec), ("threads", threads), ("tile_t", tile_t)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -308,10 +394,10 @@ def router_source(d: int, E: int, x_dtype: str, w_dtype: str) -> Kernel:
 # schedules
 # ----------------------------------------------------------------------------------------------------
 
-def parse(kernel: Kernel):
-    """The PrimFunc of a kernel's TVMScript text (needs TVM's compiler library)."""
+def parse(kernel: Kernel, kind: str = "llvm"):
+    """The PrimFunc of a kernel's TVMScript text for ``kind`` (needs TVM's compiler library)."""
     from tvm.script import from_source
-    return from_source(kernel.source)
+    return from_source(kernel.text(kind))
 
 
 def schedule(kernel: Kernel, kind: str):
@@ -319,30 +405,49 @@ def schedule(kernel: Kernel, kind: str):
     import tvm.s_tir
     if kind not in ("llvm", "cuda"):
         raise ValueError(f"tvm schedule: kind must be 'llvm' or 'cuda', got {kind!r}")
-    sch = tvm.s_tir.Schedule(parse(kernel))
+    sch = tvm.s_tir.Schedule(parse(kernel, kind))
     fn = {"elementwise": _sched_elementwise, "rownorm": _sched_rows, "attn_residual": _sched_rows,
           "short_conv": _sched_short_conv, "router": _sched_router}[kernel.family]
-    fn(sch, kernel.info, kind)
+    fn(sch, {**kernel.info, **dict(kernel.sched)}, kind)
     return sch.mod
 
 
 def _sched_elementwise(sch, info, kind):
-    (i,) = sch.get_loops(sch.get_sblock("y"))
+    blk = sch.get_sblock("y")
+    i, j = sch.get_loops(blk)
     if kind == "llvm":
-        io, ii, iv = sch.split(i, [None, CPU_ELEMS_PER_TASK // CPU_VECTOR, CPU_VECTOR])
+        f = sch.fuse(i, j)
+        io, ii, iv = sch.split(f, [None, CPU_ELEMS_PER_TASK // CPU_VECTOR, CPU_VECTOR])
         sch.parallel(io)
         sch.vectorize(iv)
-    else:
-        io, ii = sch.split(i, [None, CUDA_THREADS])
-        sch.bind(io, "blockIdx.x")
-        sch.bind(ii, "threadIdx.x")
+        return
+    # cuda: one [vec] row = one 128-bit access per thread; `unroll` rows per thread, strided by the block
+    # so that each access instruction of a warp stays contiguous (coalesced)
+    threads, unroll = info["threads"], info["unroll"]
+    io, iu, it = sch.split(i, [None, unroll, threads])
+    sch.bind(io, "blockIdx.x")
+    sch.bind(it, "threadIdx.x")
+    if info["vec"] > 1:
+        # stage through registers so that loads and stores are whole vectors; the math stays scalar
+        # float32 (TVM's float32x8 vector code is not valid CUDA)
+        for k in range(info["arity"]):
+            c = sch.cache_read(blk, k, "local")
+            sch.compute_at(c, it)
+            sch.vectorize(sch.get_loops(c)[-1])
+        w = sch.cache_write(blk, 0, "local")
+        sch.reverse_compute_at(w, it)
+        sch.vectorize(sch.get_loops(w)[-1])
+        sch.unroll(sch.get_loops(blk)[-1])
+    if unroll > 1:
+        sch.unroll(iu)
 
 
 def _sched_rows(sch, info, kind):
     """Row-wise kernels: the output block's row loop carries every per-row producer (compute_at)."""
     out = sch.get_sblock(info["out"])
     i, k = sch.get_loops(out)
-    producers = list(info["reductions"]) + list(info["row_blocks"])
+    producers = list(info.get("order") or (list(info["reductions"]) + list(info["row_blocks"])))
+    accs = set(info.get("accs", ()))
     if kind == "llvm":
         io, ii = sch.split(i, [None, 4])        # 4 rows per task: fewer, larger parallel tasks
         sch.parallel(io)
@@ -354,35 +459,77 @@ def _sched_rows(sch, info, kind):
             sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
         for name in producers:
             sch.set_scope(sch.get_sblock(name), 0, "local")
+        return
+    d = info["d"]
+    threads = info.get("threads", CUDA_THREADS)
+    rows = info.get("rows", 1)
+    tx = min(threads, d)
+    if rows > 1:
+        # several rows per block (small d): threadIdx.y picks the row, threadIdx.x walks it; the per-row
+        # sums are then warp all-reduces (no shared memory when tx <= 32)
+        io, iy = sch.split(i, [None, rows])
+        sch.bind(io, "blockIdx.x")
+        sch.bind(iy, "threadIdx.y")
+        row = iy
     else:
         sch.bind(i, "blockIdx.x")
-        ko, kt = sch.split(k, [None, CUDA_THREADS])
-        sch.bind(kt, "threadIdx.x")
-        for name in reversed(producers):
-            sch.compute_at(sch.get_sblock(name), i, preserve_unit_loops=True)
-        for name in info["reductions"]:
-            b = sch.get_sblock(name)
-            loops = sch.get_loops(b)
-            _, rt = sch.split(loops[-1], [None, CUDA_THREADS])
-            sch.bind(rt, "threadIdx.x")
-            sch.set_scope(b, 0, "local")       # all-reduce result lands in every thread's registers
-        for name in info["row_blocks"]:        # a few float32 per row: every thread computes them
-            sch.set_scope(sch.get_sblock(name), 0, "local")
+        row = i
+    ko, kt = sch.split(sch.get_loops(out)[-1], [None, tx])
+    sch.bind(kt, "threadIdx.x")
+    # each producer at the FIRST legal point of the row body, last producer first: the row body then runs
+    # the blocks in program order (for attn_residual: source l's sums, its row scalars and the
+    # accumulator update before source l + 1 is read), not all sums first
+    for name in reversed(producers):
+        sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True, index=-2 if accs else -1)
+    for name in info["reductions"]:
+        b = sch.get_sblock(name)
+        _, rt = sch.split(sch.get_loops(b)[-1], [None, tx])
+        sch.bind(rt, "threadIdx.x")
+        sch.set_scope(b, 0, "local")           # all-reduce result lands in every thread's registers
+    for name in info["row_blocks"]:            # a few float32 per row: every thread computes them
+        sch.set_scope(sch.get_sblock(name), 0, "local")
+    for name in accs:                          # the row accumulator: d / tx float32 per thread, same
+        b = sch.get_sblock(name)               # thread -> element map as the output, unrolled (registers)
+        ao, at = sch.split(sch.get_loops(b)[-1], [None, tx])
+        sch.bind(at, "threadIdx.x")
+        sch.set_scope(b, 0, "local")
+        sch.unroll(ao)
+    if accs:
+        sch.unroll(ko)
 
 
 def _sched_short_conv(sch, info, kind):
-    ib, it, ic = sch.get_loops(sch.get_sblock("conv"))
-    bt = sch.fuse(ib, it)
+    blk = sch.get_sblock("conv")
+    ib, it, ic = sch.get_loops(blk)
     if kind == "llvm":
+        bt = sch.fuse(ib, it)
         o, inner = sch.split(bt, [None, 16])
         sch.parallel(o)
         _, cv = sch.split(ic, [None, CPU_VECTOR])
         sch.vectorize(cv)
-    else:
-        f = sch.fuse(bt, ic)
-        o, inner = sch.split(f, [None, CUDA_THREADS])
-        sch.bind(o, "blockIdx.x")
-        sch.bind(inner, "threadIdx.x")
+        return
+    # cuda: a block covers `tile_t` time steps x (threads * vec) channels; each thread walks its time
+    # steps serially (unrolled: the W-1 inputs it shares with the previous step stay in L1 / registers)
+    # over `vec` contiguous channels (one 128-bit access when vec * element size = 16 bytes)
+    C, vec, threads, tt = info["C"], info["vec"], info["threads"], info["tile_t"]
+    if C % vec:
+        vec = 1
+    cvecs = C // vec
+    threads = min(threads, cvecs)
+    to, ti = sch.split(it, [None, tt])
+    co, cv = sch.split(ic, [None, vec])
+    cb, ct = sch.split(co, [None, threads])
+    sch.reorder(ib, to, cb, ct, ti, cv)
+    sch.bind(to, "blockIdx.x")      # a grid axis each: no division by the symbolic T in the index math
+    sch.bind(cb, "blockIdx.y")
+    sch.bind(ib, "blockIdx.z")      # B <= 65535
+    sch.bind(ct, "threadIdx.x")
+    if vec > 1:
+        x_local = sch.cache_write(blk, 0, "local")
+        sch.reverse_compute_at(x_local, ti)
+        sch.vectorize(sch.get_loops(x_local)[-1])
+        sch.unroll(cv)
+    sch.unroll(ti)
 
 
 def _sched_router(sch, info, kind):
