@@ -439,6 +439,17 @@ def test_gpu_forward_v2_bf16(cfg, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_forward_v2_float32_fits(monkeypatch):
+    # a v2 setting sized for bf16 (4 sources x 3 stages) on float32 rows of 7168: stages are cut to fit
+    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 4, "ns": 4,
+                                          "progs_per_sm": 1, "qw_reg": False})
+    n, d, L = 1000 + 3, 7168, 6
+    query, sources, w = _inputs(L, (n, d), torch.float32, device="cuda", scale_q=0.05)
+    out = T.attn_residual(query, sources, w)
+    assert _rel(out, _naive(query, sources, w)) < _tol(torch.float32)
+
+
+@pytest.mark.gpu
 def test_gpu_forward_past_2_32_elements():
     # N = 65536, L = 16, d = 7168: 7.5e9 source elements, every offset past 2^32 must be right
     n, d, L = 65536, 7168, 16

@@ -543,10 +543,16 @@ def _fwd(query, xs, w, ow, eps, save):
         tpp = max(1, triton.cdiv(n_tiles, pps * _num_sms(dev))) if pps > 0 else 1
         grid = triton.cdiv(n_tiles, tpp)
         bl = cfg.get("bl", 1)
+        qw_reg = cfg.get("qw_reg", True)
+        ns = cfg.get("ns", 1)
+        # the pipeline keeps ns - 1 steps in shared memory (plus q*w when it is re-read): settings chosen
+        # for bf16 would not fit for float32 sources, so fewer stages then (the same result)
+        while ns > 1 and (ns - 1) * (bl * bt * bd * xs[0].element_size() + (0 if qw_reg else 4 * bd)) > 200 * 1024:
+            ns -= 1
         _fwd2_kernel[(grid,)](
             base, offs, qw, ow if ow is not None else qw, out, logit, lse,
             n, L, triton.cdiv(L, bl), float(eps), tpp, D=d, BT=bt, BD=bd, BL=bl, VEC=vec,
-            HAS_ONORM=ow is not None, SAVE=save, NS=cfg.get("ns", 1), QW_REG=cfg.get("qw_reg", True), num_warps=nw,
+            HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg, num_warps=nw,
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     elif n > 0:
         n_tiles = triton.cdiv(n, bt)
@@ -647,6 +653,9 @@ P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 
                     "mix_nw": 4}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 P1_CONFIG: dict = {}
+#: Launch-setting overrides of the merge kernel for wide rows ({"bt": rows per program, "num_warps"}), for
+#: the benchmark's sweep; empty = _row_tile's choice (1 row of 7168, 8 warps).
+MERGE_CONFIG: dict = {}
 
 
 def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype):
@@ -770,6 +779,9 @@ class _MergeFn(torch.autograd.Function):
         out = torch.empty((n, d), dtype=out_dtype, device=acc.device)
         if n > 0:
             bt, bd, nw = _row_tile(d, n)
+            if bd * bt >= 2048 and not _INTERPRET:
+                bt = MERGE_CONFIG.get("bt", bt)
+                nw = MERGE_CONFIG.get("num_warps", nw)
             _merge_kernel[(triton.cdiv(n, bt),)](
                 acc, m, s, partial if partial is not None else acc, query, w,
                 ow if ow is not None else query, out, n, float(eps),
