@@ -113,7 +113,7 @@ def sweep(n, Ls, copy_bw):
         {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 4, "progs_per_sm": 1},      # 126 / 0
         {"impl": "v2", "num_warps": 16, "bt": 2, "bl": 1, "ns": 3, "progs_per_sm": 1},      # 119 / 0
         {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2, "maxnreg": 128},  # 128 / 0
-        {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "maxnreg": 64},  # 64 / 24
+        {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "maxnreg": 64},  # 64 / 0 (24 with onorm)
         # q*w re-read each step (the pipeliner then stages it through shared memory too: 98 KB here)
         {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "maxnreg": 64,
          "qw_reg": False},                                                                  # 64 / 0
@@ -121,6 +121,10 @@ def sweep(n, Ls, copy_bw):
         {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 1, "qw_reg": False},  # 128 / 0
         {"impl": "v2", "num_warps": 16, "bt": 2, "bl": 2, "ns": 2, "progs_per_sm": 1, "qw_reg": False},  # 128 / 0
         {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 1, "progs_per_sm": 0},      # 104 / 0, fla-like grid
+        # 4 warps: 56 columns a thread, cheaper cross-warp reductions (the serial part of each step)
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2},       # 255 / 0
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 2, "progs_per_sm": 2},       # 253 / 0
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 1, "progs_per_sm": 0},       # 255 / 0, fla-like grid
     ]
     best, best_score = None, -1.0
     for cfg in cands:
@@ -195,6 +199,10 @@ def sweep_phase1(n, B, copy_bw):
     T.P1_CONFIG.clear()
     T.P1_CONFIG.update(best)
     emit(f"\nbest (geometric mean of both acc dtypes): {best or 'default'}")
+    xs = [b.view(-1, D) for b in bank]
+    t_lg = bench(lambda: T._phase1_launch(qs, xs, ws, 1e-6, torch.float32, logits_only=True))
+    emit(f"of which the logits kernel (tensor-core [tokens, d] x [d, Q], one read of the bank): {t_lg * 1e3:.2f} ms "
+         f"= {B * n * D * 2 / t_lg / 1e12:.2f} TB/s of bank read")
     # the 24 merges of a block (acc bf16, the partial for reads 1..23, output norm), per merge setting
     acc, m, s = T.attn_residual_phase1(qs, bank, ws, acc_dtype=torch.bfloat16)
     part = torch.randn(n, D, device="cuda").to(torch.bfloat16)
@@ -226,7 +234,7 @@ def sweep_phase1(n, B, copy_bw):
     T.MERGE_CONFIG.clear()
     T.MERGE_CONFIG.update(mbest)
     emit(f"\nbest merge setting: {mbest or 'default'}")
-    bank = want = acc = m = s = part = ref = None  # free
+    bank = xs = want = acc = m = s = part = ref = None  # free
     torch.cuda.empty_cache()
     return best, mbest
 

@@ -183,7 +183,7 @@ def test_triton_forward_fp16_batched(L, shape, onorm):
 
 
 @pytest.mark.parametrize("cfg", [{"pf": 0, "ns": 3, "qw_reg": False}, {"pf": 1}, {"pf": 2, "qw_reg": False},
-                                 {"impl": "v2", "bl": 1, "ns": 3}, {"impl": "v2", "bl": 2, "ns": 2, "qw_reg": False},
+                                 {"impl": "v2", "bl": 1, "ns": 3, "maxnreg": 64}, {"impl": "v2", "bl": 2, "ns": 2, "qw_reg": False},
                                  {"impl": "v2", "bl": 4, "ns": 1, "progs_per_sm": 0, "bt": 2}])
 def test_triton_forward_launch_settings(cfg, monkeypatch):
     # every software-pipelining variant, with few programs so that prefetches (v1) and the flat
@@ -360,7 +360,7 @@ f2sig = {k: f2sig[k] for k in ("base", "offs", "qw_buf", "ow", "out", "logit_buf
 for bt, bl, ns, nw, qr in ((1, 1, 4, 16, True), (1, 2, 3, 16, True), (2, 1, 3, 16, True), (1, 1, 4, 8, True),
                            (1, 2, 1, 16, True), (2, 2, 2, 16, False)):
     ptx = compile_(T._fwd2_kernel, f2sig, {"D": 7168, "BT": bt, "BD": 8192, "BL": bl, "VEC": 8, "HAS_ONORM": True,
-                                           "SAVE": True, "NS": ns, "QW_REG": qr}, nw)
+                                           "SAVE": True, "NS": ns, "QW_REG": qr, "OW_REG": qr}, nw)
     assert "st.global.v4.b32" in ptx, ("forward v2: no 16-byte stores", bt, bl, ns)
     assert ("cp.async" in ptx) == (ns > 1), ("forward v2: shared-memory staging iff NS > 1", bt, bl, ns)
     assert ns > 1 or "ld.global.v4.b32" in ptx, ("forward v2: no 16-byte loads", bt, bl, ns)
