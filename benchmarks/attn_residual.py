@@ -17,6 +17,8 @@ Sections (one process, random bf16 data, d = 7168):
 The last line is the geometric-mean speed ratio of ours over fla in the main table.
 
 Run on the GPU machine:  source .device/prelude.sh; python benchmarks/attn_residual.py [--quick] [--sweep]
+The one-run decision of the launch settings (forward sweep at N = 65536, phase 1, merges; ~2 min):
+  source .device/prelude.sh; python benchmarks/attn_residual.py --sweep --quick --out $OUT/attn_residual.md
 """
 from __future__ import annotations
 
@@ -375,6 +377,14 @@ def block(n, Bs, fla_fused, copy_bw):
              f"{p1_bytes / t_p1 / 1e12:.2f} TB/s ({p1_bytes / t_p1 / copy_bw:.0%} of copy); with acc bf16: "
              f"{(p1_bytes - Q * n * D * 2) / 1e9:.1f} GB in {t_p1b * 1e3:.2f} ms = "
              f"{(p1_bytes - Q * n * D * 2) / t_p1b / 1e12:.2f} TB/s | | | | | | | | |")
+        # bytes moved, in units of one [N, d] bf16 tensor U: 24 direct reads (= fla) read 24B + 23 sources
+        # and write 24 outputs; two-phase: bank B + acc written and read back 24 + 24 (x2 in float32) +
+        # 23 partials + 24 outputs. Their ratio is the time ratio at equal bandwidth (the floor).
+        u_dir, u_f32, u_bf = 24 * B + 47, B + 143, B + 95
+        emit(f"|  | bytes (U = {n * D * 2 / 1e9:.3f} GB): 24 direct / fla {u_dir} U, two-phase f32 {u_f32} U "
+             f"({u_f32 / u_dir:.2f} of fla's), bf16 {u_bf} U ({u_bf / u_dir:.2f}); effective TB/s: fla "
+             f"{u_dir * n * D * 2 / t_fla / 1e12:.2f}, direct {u_dir * n * D * 2 / t_dir / 1e12:.2f}, two-phase f32 "
+             f"{u_f32 * n * D * 2 / t_f32 / 1e12:.2f}, bf16 {u_bf * n * D * 2 / t_bf / 1e12:.2f} | | | | | | | | |")
         bank = parts = None  # free
         torch.cuda.empty_cache()
 
