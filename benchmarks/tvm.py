@@ -81,11 +81,11 @@ def emit(line: str = "") -> None:
 # schedule variants per group (the first is the default of backends/tvm; --run times all of them and
 # prints the best per group): attribute overrides for kernel_for
 VARIANTS = {
-    "rmsnorm": [{}, {"threads": 512}, {"threads": 1024}],
+    "rmsnorm": [{}, {"threads": 448}, {"vec": 1, "threads": 256}],
     "situ_glu": [{}, {"unroll": 2}, {"threads": 128, "unroll": 4}],
-    "attn_residual": [{}, {"threads": 512}, {"threads": 1024}],
+    "attn_residual": [{}, {"prefetch": 4}, {"threads": 448, "prefetch": 3}, {"vec": 1, "threads": 256}],
     "short_conv": [{}, {"vec": 1, "threads": 256, "tile_t": 8}, {"vec": 8, "threads": 64, "tile_t": 16}],
-    "l2norm": [{}, {"threads": 32, "rows": 16}, {"threads": 16, "rows": 16}],
+    "l2norm": [{}, {"rows": 32}, {"vec": 1, "threads": 32, "rows": 8}],
 }
 
 

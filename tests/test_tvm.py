@@ -2,7 +2,6 @@
 formula, at odd sizes, on fresh random inputs; the disk cache; export_library round trips; CUDA builds
 (compiled only, no GPU needed)."""
 import os
-import types
 
 import pytest
 import torch
@@ -295,6 +294,11 @@ def test_cuda_schedules_in_source():
     assert "uint4" in cuda("short_conv", C=448, dtype="bfloat16")
     src = cuda("l2norm", d=128, dtype="bfloat16")
     assert "threadIdx.y" in src and "__syncthreads" not in src        # one warp per row: shuffles only
-    src = cuda("attn_residual", d=448, L=4, dtype="bfloat16", threads=64)
+    src = cuda("attn_residual", d=448, L=4, dtype="bfloat16", threads=64)          # scalar schedule
     first = [src.index(f"S{l}_ptr[") for l in range(4)]
     assert first == sorted(first)                                     # source l read before source l + 1
+    src = cuda("attn_residual", d=512, L=6, dtype="bfloat16", prefetch=2)        # vector schedule
+    loads = [src.index(f"*(uint4*)(S{l}_ptr") for l in range(6)]
+    assert loads == sorted(loads) and src.count("*(uint4*)(S3_ptr") == 1           # each row read once
+    sync_before = [src[:i].count("__syncthreads") for i in loads]
+    assert sync_before[:3] == [0, 0, 0] and sync_before[3] > 0                       # 3 sources in flight

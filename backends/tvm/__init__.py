@@ -99,8 +99,8 @@ def kernel_for(op: str, **a) -> _K.Kernel:
     rmsnorm: d, eps, dtype, w_dtype; l2norm: d, eps, dtype; silu / sigmoid: dtype; add / mul: dtype,
     b_dtype; situ_glu: dtype, b_dtype, out_dtype, beta_gate, beta_up (the elementwise ops also take the
     layout / schedule attributes vec, threads, unroll: see kernels.elementwise_source); attn_residual: d, L, eps, dtype,
-    q_dtype, w_dtype (the row kernels also take the cuda schedule attributes threads and,
-    for the norms, rows); short_conv: C, W, dtype, w_dtype (and vec, threads, tile_t); router_scores: d, E, dtype, w_dtype. Dtypes are
+    q_dtype, w_dtype (the row kernels also take the cuda schedule attributes threads, vec,
+    for the norms rows, for attn_residual prefetch); short_conv: C, W, dtype, w_dtype (and vec, threads, tile_t); router_scores: d, E, dtype, w_dtype. Dtypes are
     "float32" / "float16" / "bfloat16" (default float32; out_dtype defaults to dtype).
     Raises ValueError for an unknown op or attribute, TypeError for an unsupported dtype."""
     dt = a.pop("dtype", "float32")
@@ -114,15 +114,17 @@ def kernel_for(op: str, **a) -> _K.Kernel:
         k = _K.elementwise_source(op, (dt, a.pop("b_dtype", dt)), a.pop("out_dtype", dt),
                                   beta_gate=a.pop("beta_gate", 4.0), beta_up=a.pop("beta_up", 25.0), **ew)
     elif op in ("rmsnorm", "l2norm", "attn_residual"):
-        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows") if k_ in a}
+        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows", "vec", "prefetch") if k_ in a}
+        if op != "attn_residual" and "prefetch" in rs:
+            raise ValueError(f"tvm backend: {op} takes no 'prefetch' attribute")
+        if op == "attn_residual" and "rows" in rs:
+            raise ValueError("tvm backend: attn_residual takes no 'rows' attribute (one row per block)")
         if op == "rmsnorm":
             k = _K.rownorm_source("rmsnorm", int(a.pop("d")), dt, a.pop("w_dtype", "float32"), dt,
                                   a.pop("eps", 1e-6), **rs)
         elif op == "l2norm":
             k = _K.rownorm_source("l2norm", int(a.pop("d")), dt, None, dt, a.pop("eps", 1e-6), **rs)
         else:
-            if "rows" in rs:
-                raise ValueError("tvm backend: attn_residual takes no 'rows' attribute (one row per block)")
             k = _K.attn_residual_source(int(a.pop("d")), int(a.pop("L")), dt, a.pop("q_dtype", "float32"),
                                         a.pop("w_dtype", "float32"), a.pop("eps", 1e-6), **rs)
     elif op == "short_conv":
@@ -310,7 +312,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     C, W = w.shape
     if x.dim() != 3 or x.shape[-1] != C:
         raise ValueError(f"{where}: x must be [B, T, {C}], got {list(x.shape)}")
-    B, Tn = x.shape[0], x.shape[1]
+    B = x.shape[0]
     kind = _kind(x, w, where=where)
     xin, skip = x, 0
     if initial_state is not None:

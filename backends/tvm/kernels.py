@@ -174,14 +174,37 @@ def elementwise_source(op: str, in_dtypes: tuple[str, ...], out_dtype: str, *, b
 # row norms: rmsnorm (mean, weight) and l2norm (sum, no weight) over rows of width d
 # ----------------------------------------------------------------------------------------------------
 
+def _row_threads(d: int, vec: int) -> int:
+    """Default threads along a row for the vectorised row schedule: all d / vec vectors of the row at
+    once when that is <= 1024 threads (a multiple of 32, or a single sub-warp for short rows), else the
+    largest multiple of 32 <= 1024 dividing d / vec; 0 when none fits (then the scalar schedule runs)."""
+    if d % vec:
+        return 0
+    nv = d // vec
+    if nv <= 32 and nv & (nv - 1) == 0:
+        return nv
+    best = 0
+    for t in range(32, 1025, 32):
+        if nv % t == 0:
+            best = t
+    return best
+
+
+def _lanes(*dtypes: str) -> int:
+    """Elements of one 128-bit access for the widest of these dtypes."""
+    return 16 // max(4 if dt == "float32" else 2 for dt in dtypes if dt)
+
+
 def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dtype: str, eps: float, *,
-                   threads: int | None = None, rows: int | None = None) -> Kernel:
+                   threads: int | None = None, rows: int | None = None, vec: int | None = None) -> Kernel:
     """rmsnorm: y = x * rsqrt(mean_d(x^2) + eps) * w (Zhang & Sennrich 2019, eq. 4);
     l2norm: y = x * rsqrt(sum_d(x^2) + eps). x, y [n, d] (n symbolic), w [d]; float32 math.
 
-    cuda schedule: ``rows`` rows per block (threadIdx.y), ``threads`` threads along a row (threadIdx.x).
-    Defaults: d >= 1024: one row of 256 threads per block; smaller d: one warp per row (32 threads, or
-    fewer for d < 32) and 256 / 32 = 8 rows per block, so that a block still moves a useful amount."""
+    cuda schedule: ``rows`` rows per block (threadIdx.y), ``threads`` threads along a row (threadIdx.x),
+    ``vec`` elements per 128-bit access (vec > 1 and threads * vec dividing d: the vectorised schedule,
+    see _sched_rows_vec; vec = 1: scalar accesses). Defaults: vec = 8 for 16-bit data (4 for float32),
+    threads = d / vec when that fits in a block (_row_threads), rows so that a block has ~256 threads;
+    without a vectorised fit: d >= 1024 one row of 256 threads, else one warp per row, 8 rows."""
     if kind not in ("rmsnorm", "l2norm"):
         raise ValueError(f"tvm rownorm: unknown kind {kind!r}")
     if d < 1:
@@ -212,14 +235,22 @@ def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dty
             '        with T.sblock("norm"):\n'
             '            vi, vk = T.axis.remap("SS", [i, k])\n'
             f"            Y[vi, vk] = {_store(expr, out_dtype)}\n")
+    if vec is None:
+        vec = _lanes(x_dtype, out_dtype)
     if threads is None:
-        threads = CUDA_THREADS if d >= 1024 else min(32, 1 << max(0, d - 1).bit_length())
+        threads = _row_threads(d, vec) if vec > 1 else 0
+        if not threads:
+            vec = 1
+            threads = CUDA_THREADS if d >= 1024 else min(32, 1 << max(0, d - 1).bit_length())
     if rows is None:
-        rows = max(1, CUDA_THREADS // threads) if d < 1024 else 1
+        rows = max(1, CUDA_THREADS // threads)
     if threads < 1 or rows < 1 or threads * rows > 1024:
         raise ValueError(f"{kind}: cuda schedule threads = {threads} x rows = {rows} must be >= 1 and <= 1024")
-    return Kernel(kind, "rownorm", src, {"d": d, "reductions": ["sumsq"], "row_blocks": [], "out": "norm"},
-                  sched=(("threads", threads), ("rows", rows)))
+    sources = {"X": ["sumsq", "norm"]} | ({"W": ["norm"]} if kind == "rmsnorm" else {})
+    return Kernel(kind, "rownorm", src, {"d": d, "reductions": ["sumsq"], "row_blocks": [], "out": "norm",
+                                         "sources": sources, "first_use": {"X": "sumsq"},
+                                         "vectors": ["W"] if kind == "rmsnorm" else [], "order": ["sumsq"]},
+                  sched=(("threads", threads), ("rows", rows), ("vec", vec)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -227,7 +258,7 @@ def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dty
 # ----------------------------------------------------------------------------------------------------
 
 def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
-                         threads: int = 256) -> Kernel:
+                         threads: int | None = None, vec: int | None = None, prefetch: int = 2) -> Kernel:
     """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), per token row i:
 
         ss_l = sum_d s_l[i]^2,  dot_l = sum_d query * rms_weight * s_l[i]
@@ -243,7 +274,10 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
     so each source row is consumed (sums, then the accumulator update) right after it is read, and the
     accumulator a_l lives in registers on cuda. L = 1 gives y = s_0 (a softmax over one logit is 1).
     The L sources are L separate buffers (no stacking copy); L, d are compile-time constants.
-    threads: cuda threads per row (one row per block)."""
+    cuda schedule (one row per block): threads per row, vec elements per 128-bit access (defaults as for
+    rownorm_source: vec = 8 for 16-bit sources, threads = d / vec when <= 1024 (896 at d = 7168): each
+    source row is then read once, with 128-bit loads, into registers); prefetch: the load of source l is
+    issued with source l - prefetch (more bytes in flight; costs registers)."""
     if L < 1:
         raise ValueError(f"attn_residual: needs at least one source, got L = {L}")
     if d < 1:
@@ -321,9 +355,25 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
             '        with T.sblock("out"):\n'
             '            vi, vk = T.axis.remap("SS", [i, k])\n'
             f"            Y[vi, vk] = {_store(out, src_dtype)}\n")
+    if vec is None:
+        vec = _lanes(src_dtype)
+    if threads is None:
+        threads = _row_threads(d, vec) if vec > 1 else 0
+        if not threads:
+            vec, threads = 1, CUDA_THREADS
+    if L == 1:
+        sources, first_use, vectors = {"S0": ["out"]}, {}, ["S0"]
+    else:
+        sources = {"Q": [f"dot{l}" for l in range(L)], "W": [f"dot{l}" for l in range(L)]}
+        for l in range(L):
+            cons = [f"ss{l}", f"dot{l}"]
+            cons.append(f"a{l}" if 0 < l < L - 1 else "out" if l == L - 1 else ("a1" if L > 2 else "out"))
+            sources[f"S{l}"] = cons
+        first_use, vectors = {f"S{l}": f"ss{l}" for l in range(L)}, ["Q", "W"]
     return Kernel("attn_residual", "attn_residual", src,
                   {"d": d, "L": L, "reductions": reductions, "row_blocks": row_blocks, "accs": accs,
-                   "order": order, "out": "out"}, sched=(("threads", threads),))
+                   "order": order, "out": "out", "sources": sources, "first_use": first_use,
+                   "vectors": vectors}, sched=(("threads", threads), ("vec", vec), ("prefetch", prefetch)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -461,6 +511,8 @@ def _sched_rows(sch, info, kind):
             sch.set_scope(sch.get_sblock(name), 0, "local")
         return
     d = info["d"]
+    if info.get("vec", 1) > 1 and d % (info.get("threads", CUDA_THREADS) * info["vec"]) == 0:
+        return _sched_rows_vec(sch, info)
     threads = info.get("threads", CUDA_THREADS)
     rows = info.get("rows", 1)
     tx = min(threads, d)
@@ -496,6 +548,75 @@ def _sched_rows(sch, info, kind):
         sch.unroll(ao)
     if accs:
         sch.unroll(ko)
+
+
+def _sched_rows_vec(sch, info):
+    """cuda row kernels with whole-vector accesses: every source row (and the [d] vectors) is loaded once
+    into registers with 128-bit loads (``cache_read`` to "local", ``vec`` lanes per load), every reader
+    of it (the sums, the accumulator, the output) takes it from there, and the output row is staged in
+    registers and stored with 128-bit stores. Thread kt of a row owns elements ko * tx * vec + kt * vec +
+    [0, vec) for ko < d / (tx * vec): the same map for every block of the row, so the per-thread
+    pieces stay in registers (all their loops unrolled: constant indices)."""
+    vec = info["vec"]
+    tx, rows = info.get("threads", CUDA_THREADS), info.get("rows", 1)
+    accs = list(info.get("accs", ()))
+    out = sch.get_sblock(info["out"])
+    wb = sch.cache_write(out, 0, "local")            # out computes into registers, wb stores them
+    i, k = sch.get_loops(wb)
+    if rows > 1:
+        io, iy = sch.split(i, [None, rows])
+        sch.bind(io, "blockIdx.x")
+        sch.bind(iy, "threadIdx.y")
+        row = iy
+    else:
+        sch.bind(i, "blockIdx.x")
+        row = i
+
+    def tile(block, reduce=False, vectorize=False):
+        ko, kt, kv = sch.split(sch.get_loops(block)[-1], [None, tx, vec])
+        if reduce:
+            sch.reorder(ko, kv, kt)                  # thread loop innermost: in-thread sums, then all-reduce
+        sch.bind(kt, "threadIdx.x")
+        if vectorize:
+            sch.vectorize(kv)
+        else:
+            sch.unroll(kv)
+        sch.unroll(ko)
+
+    tile(wb, vectorize=True)
+    caches = {}
+    for buf, consumers in info["sources"].items():
+        caches[buf] = sch.cache_read(consumers[0], buf, "local", consumer_blocks=list(consumers))
+    # program order: [caches of the [d] vectors] + per step [cache of its source, its blocks] + [out]
+    # with prefetch P the load of a source is issued P sources ahead of its first use (software
+    # pipelining: P + 1 source rows in flight per block, as the all-reduces between sources are
+    # barriers that loads do not cross)
+    pf = info.get("prefetch", 0)
+    anchors = [n for n in info["order"] if n in info["first_use"].values()]
+    ahead = {}
+    for buf, first in info["first_use"].items():
+        j = anchors.index(first)
+        ahead.setdefault(anchors[max(0, j - pf)], []).append(buf)
+    order = [caches[b] for b in info.get("vectors", ())]
+    for name in info["order"]:
+        order += [caches[b] for b in ahead.get(name, ())]
+        order.append(sch.get_sblock(name))
+    order.append(out)
+    for b in reversed(order):                        # first legal point, last block first: program order
+        sch.compute_at(b, row, preserve_unit_loops=True, index=-2)
+    for c in caches.values():
+        tile(c, vectorize=True)
+    for name in info["reductions"]:
+        b = sch.get_sblock(name)
+        tile(b, reduce=True)
+        sch.set_scope(b, 0, "local")
+    for name in info["row_blocks"]:
+        sch.set_scope(sch.get_sblock(name), 0, "local")
+    for name in accs:
+        b = sch.get_sblock(name)
+        tile(b)
+        sch.set_scope(b, 0, "local")
+    tile(out)
 
 
 def _sched_short_conv(sch, info, kind):
