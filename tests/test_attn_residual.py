@@ -450,8 +450,11 @@ def test_gpu_forward_v2_float32_fits(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_forward_past_2_32_elements():
+@pytest.mark.parametrize("cfg", [{}, {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1}],
+                         ids=["default", "v2"])
+def test_gpu_forward_past_2_32_elements(cfg, monkeypatch):
     # N = 65536, L = 16, d = 7168: 7.5e9 source elements, every offset past 2^32 must be right
+    monkeypatch.setattr(T, "FWD_CONFIG", cfg)
     n, d, L = 65536, 7168, 16
     query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
     out = T.attn_residual(query, sources, w)
