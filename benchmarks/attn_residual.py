@@ -422,7 +422,7 @@ def main(argv=None):
         fbest = sweep(a.sweep_n, [2, 8, 25], copy_bw)
         pbest, mbest = sweep_phase1(16384, 8, copy_bw)
         emit(f"\nSWEEP RESULT: forward FWD_DEFAULT <- {fbest}; phase 1 P1_DEFAULT updated with "
-             f"{pbest or '{} (default)'}; MERGE_CONFIG <- {mbest or '{} (default)'}")
+             f"{pbest or '{} (default)'}; MERGE_DEFAULT <- {mbest or '{} (default)'}")
     emit(f"\nour forward launch settings: {T.FWD_CONFIG or T.FWD_DEFAULT}; phase 1: {T.P1_CONFIG or T.P1_DEFAULT}; "
          f"merge: {T.MERGE_CONFIG or 'default'}")
     ratios = []

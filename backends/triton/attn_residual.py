@@ -660,8 +660,10 @@ P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 
                     "mix_nw": 4}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 P1_CONFIG: dict = {}
-#: Launch-setting overrides of the merge kernel for wide rows ({"bt": rows per program, "num_warps"}), for
-#: the benchmark's sweep; empty = _row_tile's choice (1 row of 7168, 8 warps).
+#: Merge-kernel launch settings for wide rows ({"bt": rows per program, "num_warps"}); empty = _row_tile's
+#: choice (1 row of 7168, 8 warps), the measured one.
+MERGE_DEFAULT: dict = {}
+#: Overrides of the above (for the benchmark's sweep); empty in normal use.
 MERGE_CONFIG: dict = {}
 
 
@@ -790,8 +792,10 @@ class _MergeFn(torch.autograd.Function):
         if n > 0:
             bt, bd, nw = _row_tile(d, n)
             if bd * bt >= 2048 and not _INTERPRET:
-                bt = MERGE_CONFIG.get("bt", bt)
-                nw = MERGE_CONFIG.get("num_warps", nw)
+                mcfg = dict(MERGE_DEFAULT)
+                mcfg.update(MERGE_CONFIG)
+                bt = mcfg.get("bt", bt)
+                nw = mcfg.get("num_warps", nw)
             _merge_kernel[(triton.cdiv(n, bt),)](
                 acc, m, s, partial if partial is not None else acc, query, w,
                 ow if ow is not None else query, out, n, float(eps),
