@@ -13,8 +13,9 @@ Times are medians of triton.testing.do_bench (CUDA events).  Columns:
 Diagnostics (forward): --phases prints the time of each forward phase of mtc (CUDA events at the phase
 boundaries: intra, w/u, segment maps + combine, serial state pass, o); --sweep times the mtc forward at the
 largest case for several segment counts and state-kernel launch settings (backends.triton.kda.H_CFG).
---intra v2,v3 times each listed forward intra-chunk implementation (backends.triton.kda.INTRA_IMPL: v2 =
-_fwd_intra2_kernel + _fwd_wu_kernel, v3 = _fwd_intra3_kernel) against the same fla time, one row each;
+--intra v2,v3,v4 times each listed forward intra-chunk implementation (backends.triton.kda.INTRA_IMPL: v2 =
+_fwd_intra2_kernel + _fwd_wu_kernel, v3 = _fwd_intra3_kernel, v4 = _fwd_strip4_kernel + _fwd_solve4_kernel +
+_fwd_wu_kernel) against the same fla time, one row each; --intra4-sweep likewise for v4 (INTRA4_CFG);
 --intra3-sweep times the v3 forward (and its intra phase) at the largest case over launch settings
 (backends.triton.kda.INTRA3_CFG: channel slice BK, value slice BV, warps, split into two launches).
 Usage: source .device/prelude.sh; python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
@@ -67,16 +68,18 @@ def main():
     ap.add_argument("--phases", action="store_true", help="per-phase times of the mtc forward")
     ap.add_argument("--sweep", action="store_true",
                     help="mtc forward at the largest case over segment counts / state-kernel settings")
-    ap.add_argument("--intra", default="v2",
-                    help="comma-separated forward intra implementations to time, e.g. v2,v3 (default v2)")
+    ap.add_argument("--intra", default="v4",
+                    help="comma-separated forward intra implementations to time, e.g. v2,v4 (default v4)")
     ap.add_argument("--intra3-sweep", action="store_true",
                     help="v3 forward at the largest case over INTRA3_CFG launch settings")
+    ap.add_argument("--intra4-sweep", action="store_true",
+                    help="v4 forward at the largest case over INTRA4_CFG launch settings")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
     intras = [x.strip() for x in args.intra.split(",") if x.strip()]
-    if not intras or any(x not in ("v2", "v3") for x in intras):
-        ap.error(f"--intra: expected a comma-separated subset of v2,v3, got {args.intra!r}")
+    if not intras or any(x not in ("v2", "v3", "v4") for x in intras):
+        ap.error(f"--intra: expected a comma-separated subset of v2,v3,v4, got {args.intra!r}")
     import triton
     from fla.ops.kda import chunk_kda
     import backends.triton.kda as tk
@@ -177,10 +180,12 @@ def main():
             lines.append("- " + item)
             print(lines[-1], flush=True)
             write()
-    if args.intra3_sweep and cases:
+    for impl, on in (("v3", args.intra3_sweep), ("v4", args.intra4_sweep)):
+        if not (on and cases):
+            continue
         H, T = max(cases, key=lambda c: c[0] * c[1])
-        lines += ["", f"v3 launch settings at H={H} T={T} (forward ms; intra phase ms):"]
-        for item in intra3_sweep(tk, kda_chunk, T, H, triton):
+        lines += ["", f"{impl} launch settings at H={H} T={T} (forward ms; phase ms):"]
+        for item in intra3_sweep(tk, kda_chunk, T, H, triton, impl):
             lines.append("- " + item)
             print(lines[-1], flush=True)
             write()
@@ -212,19 +217,28 @@ def phases(tk, kda_chunk, T, H, reps=5):
     return ", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
 
 
-def intra3_sweep(tk, kda_chunk, T, H, triton):
-    """v3 forward times over INTRA3_CFG launch settings (restores INTRA3_CFG and INTRA_IMPL)."""
+def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
+    """Forward times of intra implementation impl ("v3" or "v4") over its launch settings (INTRA3_CFG /
+    INTRA4_CFG; restores them and INTRA_IMPL)."""
     q, k, v, g, beta = make(T, H)
-    saved, saved_impl = dict(tk.INTRA3_CFG), tk.INTRA_IMPL
+    table = tk.INTRA3_CFG if impl == "v3" else tk.INTRA4_CFG
+    saved, saved_impl = dict(table), tk.INTRA_IMPL
     out = []
-    base = dict(BK=32, BV=32, num_warps=4, split=False, maxnreg=None)
-    cfgs = [dict(base), dict(base, BK=64, BV=64), dict(base, num_warps=8), dict(base, split=True),
-            dict(base, maxnreg=168), dict(base, maxnreg=128), dict(base, split=True, maxnreg=168),
-            dict(base, BK=64, BV=64, num_warps=8, split=True), dict(base, BK=16)]
+    if impl == "v3":
+        base = dict(BK=32, BV=32, num_warps=4, split=False, maxnreg=None)
+        cfgs = [dict(base), dict(base, BK=64, BV=64), dict(base, num_warps=8), dict(base, split=True),
+                dict(base, maxnreg=168), dict(base, maxnreg=128), dict(base, split=True, maxnreg=168),
+                dict(base, BK=64, BV=64, num_warps=8, split=True), dict(base, BK=16)]
+    else:
+        base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
+        cfgs = [dict(base), dict(base, tiles=True), dict(base, tiles=True, maxnreg=128),
+                dict(base, tiles=True, nw_strip=2), dict(base, tiles=True, nw_strip=2, maxnreg=128),
+                dict(base, nw_strip=2, maxnreg=128), dict(base, nw_solve=2), dict(base, nw_wu=8),
+                dict(base, tiles=True, BK=32, nw_strip=2)]
     try:
-        tk.INTRA_IMPL = "v3"
+        tk.INTRA_IMPL = impl
         for cfg in cfgs:
-            tk.INTRA3_CFG.update(cfg)
+            table.update(cfg)
             with torch.no_grad():
                 def f():
                     return kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
@@ -233,8 +247,8 @@ def intra3_sweep(tk, kda_chunk, T, H, triton):
             ph = phases(tk, kda_chunk, T, H)
             out.append(f"{cfg}: {t:.2f} ms; {ph}")
     finally:
-        tk.INTRA3_CFG.clear()
-        tk.INTRA3_CFG.update(saved)
+        table.clear()
+        table.update(saved)
         tk.INTRA_IMPL = saved_impl
     return out
 

@@ -30,12 +30,14 @@ def naive(q, k, v, g, beta, scale, S0):
     return (torch.stack(outs, 0) if outs else None), S
 
 
-@pytest.fixture(params=["v2", "v3"])
+@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles"])
 def impl(request, monkeypatch):
-    """Run the test with each forward intra-chunk implementation (tk.INTRA_IMPL); v3 with the smallest
-    channel/value slices so that its slice loops run more than once."""
-    monkeypatch.setattr(tk, "INTRA_IMPL", request.param)
+    """Run the test with each forward intra-chunk implementation (tk.INTRA_IMPL; "v4-tiles": v4 with
+    _fwd_tiles4_kernel); v3 and v4 with the smallest channel/value slices so that their slice loops run
+    more than once."""
+    monkeypatch.setattr(tk, "INTRA_IMPL", request.param.split("-")[0])
     monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16))
+    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=request.param.endswith("tiles")))
     return request.param
 
 
@@ -113,7 +115,8 @@ def test_cu_seqlens_uneven(impl):
 
 
 @pytest.mark.parametrize("lb,seg,gate,intra", [(None, None, "sigmoid", "v2"), (-5.0, 1, "sigmoid", "v2"),
-                                               (None, 1, "softplus", "v2"), (-5.0, None, "sigmoid", "v3")])
+                                               (None, 1, "softplus", "v2"), (-5.0, None, "sigmoid", "v3"),
+                                               (-5.0, None, "sigmoid", "v4"), (None, 1, "softplus", "v4")])
 def test_gradients_match_reference_autograd(lb, seg, gate, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra)
     B, T, H, K, V = 1, 100, 2, 16, 16
@@ -128,12 +131,14 @@ def test_gradients_match_reference_autograd(lb, seg, gate, intra, monkeypatch):
         assert rel_rms(a, b) < 5e-5, name
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", [False, True, "v4", "v4-tiles"])
 def test_intra3_channel_slices_and_per_block_bound_check(split, monkeypatch):
     # K = 64 in slices of 16: the gate breaks the promised bound only in channels 20..40 (slices 1 and 2)
     # of rows 70..90 (chunk 1, row blocks 0 and 1), so fast and safe diagonal tiles mix inside one chunk
-    monkeypatch.setattr(tk, "INTRA_IMPL", "v3")
-    monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16, split=split))
+    # (split = "v4": the same through the v4 kernels, whose strip programs check the bound per slice too)
+    monkeypatch.setattr(tk, "INTRA_IMPL", split[:2] if isinstance(split, str) else "v3")
+    monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16, split=bool(split)))
+    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=split == "v4-tiles"))
     B, T, H, K, V = 1, 150, 1, 64, 32
     q, k, v, g, beta, S0 = make(B, T, H, K, V, at_bound=True)
     g[:, 70:90, :, 20:40] = -30.0 * torch.rand(1, 20, H, 20)
@@ -170,7 +175,7 @@ def test_errors():
     with pytest.raises(TypeError, match="one dtype"):
         tk.kda_chunk(q, k.double(), v, g, beta)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tk, "INTRA_IMPL", "v4")
+        mp.setattr(tk, "INTRA_IMPL", "v9")
         with pytest.raises(ValueError, match="INTRA_IMPL"):
             tk.kda_chunk(q, k, v, g, beta)
     with pytest.raises(ValueError, match="B == 1"):
@@ -206,6 +211,15 @@ for part in ((1, 2) if tk.INTRA3_CFG["split"] else (0,)):
                tk.INTRA3_CFG["num_warps"], tk.INTRA3_CFG["num_stages"])
     assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "intra3 kernel: no tensor-core instruction"
     assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+cfg4 = tk.INTRA4_CFG
+sig = dict(q=P, k=P, g=F, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32", lb="fp32",
+           H="i32", K="constexpr", BK="constexpr", FAST="constexpr", DT="constexpr")
+for fn in (tk._fwd_strip4_kernel, tk._fwd_tiles4_kernel):
+    ck = build(fn, sig, dict(K=128, BK=cfg4["BK"], FAST=True, DT=tk.tl.bfloat16), cfg4["nw_strip"], cfg4["ns_strip"])
+    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v4 strip kernel: no tensor-core instruction"
+    assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32"), {}, cfg4["nw_solve"], 1)
+assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 sig = dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I, seg_c1=I,
            H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr", MODE="constexpr",
            STORE="constexpr", STORE_VN="constexpr")
@@ -242,9 +256,11 @@ def test_hopper_compile_uses_tensor_cores():
 
 # ------------------------------------------------------------------ GPU (bf16, real sizes)
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3")])
+@pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3"),
+                                         (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
-    monkeypatch.setattr(tk, "INTRA_IMPL", intra)
+    monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
+    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,
@@ -256,9 +272,10 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("intra", ["v2", "v3"])
+@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles"])
 def test_gpu_bf16_grad(intra, monkeypatch):
-    monkeypatch.setattr(tk, "INTRA_IMPL", intra)
+    monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
+    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
     B, T, H, K, V = 1, 1024, 2, 128, 128
     ins = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     ins = [t.requires_grad_() for t in ins]

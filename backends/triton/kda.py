@@ -17,7 +17,7 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
    <= 0) and the diagonal 16x16 tile is summed token pair by token pair with exponents G_i - G_j <= 0.
    (I + Akk)^-1 by forward substitution on the 16x16 diagonal blocks and blocked merges (dots); then
    Wk = T diag(beta) (K e^G), U = T diag(beta) V, and the decayed operands q e^G, k e^(G_C - G), e^(G_C).
-   ``INTRA_IMPL = "v3"`` (default "v2") runs ``_fwd_intra3_kernel`` instead of ``_fwd_intra2_kernel`` +
+   ``INTRA_IMPL = "v3"`` runs ``_fwd_intra3_kernel`` instead of ``_fwd_intra2_kernel`` +
    ``_fwd_wu_kernel`` (the current successors of step 1): one program per (chunk, head) with 4 warps, the
    channels in slices of BK, Akk and P accumulated as four 16-row strips [16, 64] (an mma tile with 16 rows
    spreads its columns over the warps; 16x16 tiles are replicated in every warp), the bound checked per row
@@ -615,6 +615,229 @@ def _fwd_intra3_kernel(q, k, v, g, beta, cstart, clen, WK, U, QG, KD, AQK, GAM, 
             _put3(U, tl.dot(S3, y), t0, L, h, H, 3, V, vs)
 
 
+# ----------------------------------------------------------------------------------------------------
+# forward intra-chunk v4: three small kernels with many programs in flight instead of one heavy program
+#   _fwd_strip4_kernel  (chunk, head, row block r), 2 warps: the strips Akk[r], P[r] [16, 64]
+#   _fwd_solve4_kernel  (chunk, head), 1 warp: T = (I + N)^-1 on 16x16 tiles (no replicated mma tiles)
+#   _fwd_wu_kernel      (chunk, head): Wk = T (beta k e^G), U = T (beta v), [64, 64] x [64, K] dots
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
+                       K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
+    """One (chunk, head, row block R): NB[rows of R] = diag(beta) Akk (strictly lower, float32, 64 columns),
+    AQK[rows of R] = scale P (lower incl. diagonal), QG = scale q e^G and KD = k e^(G_C - G) for the rows of R,
+    GAM = e^(G_C) (R = 0 only).
+
+    Per channel slice of BK: the chunk's k and g [64, BK] (L2-resident; four programs share them), G = the
+    in-chunk cumulative gate.  The anchor c of row block R is the middle of its G range when FAST and the
+    block's slice of g is >= lb (checked here): row operand x_i e^(G_i - c), column operand k_j e^(c - G_j),
+    one dense [16, BK] x [BK, 64] dot covers every causal tile of the strip, the diagonal one included, all
+    exponents within 8 |lb|.  Otherwise c = G before the block (exponents <= 0), the dot covers the earlier
+    blocks and the diagonal tile is summed token pair by token pair (_diag_pair)."""
+    c_ = tl.program_id(0)
+    h = tl.program_id(1)
+    R = tl.program_id(2)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows64 = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    rows = R * 16 + r16
+    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
+    m64 = (rows64 < L)[:, None]
+    mr = (rows < L)[:, None]
+    a = tl.zeros([16, 64], dtype=tl.float32)
+    p = tl.zeros([16, 64], dtype=tl.float32)
+    for ks in range(0, K, BK):
+        d = ks + tl.arange(0, BK)
+        o64 = rows64[:, None] * (H * K) + d[None, :]
+        orr = rows[:, None] * (H * K) + d[None, :]
+        g64 = tl.load(g + base + o64, mask=m64, other=0.0).to(tl.float32)
+        k64 = tl.load(k + base + o64, mask=m64, other=0.0).to(tl.float32)
+        gr = tl.load(g + base + orr, mask=mr, other=0.0).to(tl.float32)
+        kr = tl.load(k + base + orr, mask=mr, other=0.0).to(tl.float32)
+        qr = tl.load(q + base + orr, mask=mr, other=0.0).to(tl.float32)
+        # one scan feeds every G below (row and column operands agree to the last bit: the exponents of
+        # the diagonal entries are exactly 0 and no rounding mismatch enters the decay ratios)
+        G64 = tl.cumsum(g64, axis=0)
+        cl = tl.sum(tl.where(rows64[:, None] == R * 16 - 1, G64, 0.0), axis=0)
+        Gr = _get_rows(G64, R, 4, 16, BK)
+        ch = tl.sum(tl.where(rows64[:, None] == R * 16 + 15, G64, 0.0), axis=0)
+        GC = tl.sum(tl.where(rows64[:, None] == 63, G64, 0.0), axis=0)
+        if FAST:
+            fr = (tl.min(tl.min(gr, axis=1), axis=0) >= lb).to(tl.int32)
+        else:
+            fr = tl.zeros([], dtype=tl.int32)
+        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+        er = tl.exp(Gr - c[None, :])
+        lim = R * 16 + 16 * fr
+        col = (k64 * tl.exp(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")))).to(DT)
+        a += tl.dot((kr * er).to(DT), tl.trans(col))
+        p += tl.dot((qr * er).to(DT), tl.trans(col))
+        if fr == 0:
+            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
+            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+        eG = tl.exp(Gr)
+        tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
+        tl.store(KD + base + orr, (kr * tl.exp(GC[None, :] - Gr)).to(KD.dtype.element_ty), mask=mr)
+        if R == 0:
+            tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
+    bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
+    cols = tl.arange(0, 64)
+    ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
+    tl.store(NB + ob, tl.where(cols[None, :] < rows[:, None], a, 0.0) * bb[:, None], mask=mr)
+    tl.store(AQK + ob, (tl.where(cols[None, :] <= rows[:, None], p, 0.0) * scale).to(AQK.dtype.element_ty),
+             mask=mr)
+
+
+@triton.jit
+def _fwd_tiles4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
+                       K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
+    """Same outputs as _fwd_strip4_kernel (one (chunk, head, row block R)), with only [16, BK] operand tiles
+    and [16, 16] accumulators (the diagonal tile and the column blocks 0..2 before it), to keep registers
+    low (ptxas, sm_90, BK 16, 1 warp: no [64, BK] tiles in registers).  Per channel slice: the gate prefix
+    before R (block sums), the anchor c as in _fwd_strip4_kernel, then per column block j < R one
+    [16, BK] x [BK, 16] dot with the column operand k_j e^(c - G_j) (exponents <= 0) and the diagonal tile
+    dense (bound holds) or token pair by token pair (_diag_pair)."""
+    c_ = tl.program_id(0)
+    h = tl.program_id(1)
+    R = tl.program_id(2)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    r16 = tl.arange(0, 16)
+    rows = R * 16 + r16
+    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
+    mr = (rows < L)[:, None]
+    aD = tl.zeros([16, 16], dtype=tl.float32)
+    pD = tl.zeros([16, 16], dtype=tl.float32)
+    a0 = tl.zeros([16, 16], dtype=tl.float32)
+    a1 = tl.zeros([16, 16], dtype=tl.float32)
+    a2 = tl.zeros([16, 16], dtype=tl.float32)
+    p0 = tl.zeros([16, 16], dtype=tl.float32)
+    p1 = tl.zeros([16, 16], dtype=tl.float32)
+    p2 = tl.zeros([16, 16], dtype=tl.float32)
+    for ks in range(0, K, BK):
+        d = ks + tl.arange(0, BK)
+        orr = rows[:, None] * (H * K) + d[None, :]
+        cl = tl.zeros([BK], dtype=tl.float32)
+        for j in tl.static_range(3):
+            if j < R:
+                rj = j * 16 + r16
+                oj = rj[:, None] * (H * K) + d[None, :]
+                cl += tl.sum(tl.load(g + base + oj, mask=(rj < L)[:, None], other=0.0).to(tl.float32), axis=0)
+        gr = tl.load(g + base + orr, mask=mr, other=0.0).to(tl.float32)
+        kr = tl.load(k + base + orr, mask=mr, other=0.0).to(tl.float32)
+        qr = tl.load(q + base + orr, mask=mr, other=0.0).to(tl.float32)
+        Gr = cl[None, :] + tl.cumsum(gr, axis=0)
+        ch = cl + tl.sum(gr, axis=0)
+        if FAST:
+            fr = (tl.min(tl.min(gr, axis=1), axis=0) >= lb).to(tl.int32)
+        else:
+            fr = tl.zeros([], dtype=tl.int32)
+        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+        er = tl.exp(Gr - c[None, :])
+        X = (kr * er).to(DT)
+        Q = (qr * er).to(DT)
+        if fr != 0:
+            colR = (kr * tl.exp(c[None, :] - Gr)).to(DT)
+            aD += tl.dot(X, tl.trans(colR))
+            pD += tl.dot(Q, tl.trans(colR))
+        else:
+            aD += _diag_pair(kr, kr, Gr)
+            pD += _diag_pair(qr, kr, Gr)
+        pre = tl.zeros([BK], dtype=tl.float32)
+        for j in tl.static_range(3):
+            if j < R:
+                rj = j * 16 + r16
+                oj = rj[:, None] * (H * K) + d[None, :]
+                gj = tl.load(g + base + oj, mask=(rj < L)[:, None], other=0.0).to(tl.float32)
+                kj = tl.load(k + base + oj, mask=(rj < L)[:, None], other=0.0).to(tl.float32)
+                col = (kj * tl.exp(c[None, :] - pre[None, :] - tl.cumsum(gj, axis=0))).to(DT)
+                pre += tl.sum(gj, axis=0)
+                if j == 0:
+                    a0 += tl.dot(X, tl.trans(col))
+                    p0 += tl.dot(Q, tl.trans(col))
+                elif j == 1:
+                    a1 += tl.dot(X, tl.trans(col))
+                    p1 += tl.dot(Q, tl.trans(col))
+                else:
+                    a2 += tl.dot(X, tl.trans(col))
+                    p2 += tl.dot(Q, tl.trans(col))
+        tl.store(QG + base + orr, (qr * tl.exp(Gr) * scale).to(QG.dtype.element_ty), mask=mr)
+        # G at the chunk end: the rest of the chunk's gate after block R
+        GC = ch
+        for j in tl.static_range(1, 4):
+            if j > R:
+                rj = j * 16 + r16
+                oj = rj[:, None] * (H * K) + d[None, :]
+                GC += tl.sum(tl.load(g + base + oj, mask=(rj < L)[:, None], other=0.0).to(tl.float32), axis=0)
+        tl.store(KD + base + orr, (kr * tl.exp(GC[None, :] - Gr)).to(KD.dtype.element_ty), mask=mr)
+        if R == 0:
+            tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
+    bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
+    ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + r16[None, :]
+    ty = AQK.dtype.element_ty
+    tl.store(NB + ob + R * 16, tl.where(r16[None, :] < r16[:, None], aD, 0.0) * bb[:, None], mask=mr)
+    tl.store(AQK + ob + R * 16, (tl.where(r16[None, :] <= r16[:, None], pD, 0.0) * scale).to(ty), mask=mr)
+    if R > 0:
+        tl.store(NB + ob, a0 * bb[:, None], mask=mr)
+        tl.store(AQK + ob, (p0 * scale).to(ty), mask=mr)
+    if R > 1:
+        tl.store(NB + ob + 16, a1 * bb[:, None], mask=mr)
+        tl.store(AQK + ob + 16, (p1 * scale).to(ty), mask=mr)
+    if R > 2:
+        tl.store(NB + ob + 32, a2 * bb[:, None], mask=mr)
+        tl.store(AQK + ob + 32, (p2 * scale).to(ty), mask=mr)
+    zero = tl.zeros([16, 16], dtype=ty)
+    for j in tl.static_range(1, 4):
+        if j > R:
+            tl.store(AQK + ob + j * 16, zero, mask=mr)
+
+
+@triton.jit
+def _tile16(ptr, t0, L, h, H, R: tl.constexpr, C: tl.constexpr):
+    """The 16x16 tile (row block R, column block C) of one chunk of a [N, H, 64] float32 tensor."""
+    r16 = tl.arange(0, 16)
+    rows = R * 16 + r16
+    off = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + C * 16 + r16[None, :]
+    return tl.load(ptr + off, mask=(rows < L)[:, None], other=0.0)
+
+
+@triton.jit
+def _fwd_solve4_kernel(NB, cstart, clen, TB, H):
+    """One (chunk, head): TB = T = (I + N)^-1 (float32, the 10 lower 16x16 tiles) from N = NB, by inverting
+    the diagonal tiles (_inv16) and blocked forward substitution T_rj = -T_rr sum_{j<=m<r} N_rm T_mj."""
+    c_ = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    T00 = _inv16(_tile16(NB, t0, L, h, H, 0, 0))
+    T11 = _inv16(_tile16(NB, t0, L, h, H, 1, 1))
+    N10 = _tile16(NB, t0, L, h, H, 1, 0)
+    T10 = -_mm(T11, _mm(N10, T00))
+    _put(TB, T00, t0, L, h, H, 0, 64, 0)
+    _put(TB, T10, t0, L, h, H, 1, 64, 0)
+    _put(TB, T11, t0, L, h, H, 1, 64, 16)
+    T22 = _inv16(_tile16(NB, t0, L, h, H, 2, 2))
+    N21 = _tile16(NB, t0, L, h, H, 2, 1)
+    N20 = _tile16(NB, t0, L, h, H, 2, 0)
+    T21 = -_mm(T22, _mm(N21, T11))
+    T20 = -_mm(T22, _mm(N20, T00) + _mm(N21, T10))
+    _put(TB, T20, t0, L, h, H, 2, 64, 0)
+    _put(TB, T21, t0, L, h, H, 2, 64, 16)
+    _put(TB, T22, t0, L, h, H, 2, 64, 32)
+    T33 = _inv16(_tile16(NB, t0, L, h, H, 3, 3))
+    N32 = _tile16(NB, t0, L, h, H, 3, 2)
+    N31 = _tile16(NB, t0, L, h, H, 3, 1)
+    N30 = _tile16(NB, t0, L, h, H, 3, 0)
+    T32 = -_mm(T33, _mm(N32, T22))
+    T31 = -_mm(T33, _mm(N31, T11) + _mm(N32, T21))
+    T30 = -_mm(T33, _mm(N30, T00) + _mm(N31, T10) + _mm(N32, T20))
+    _put(TB, T30, t0, L, h, H, 3, 64, 0)
+    _put(TB, T31, t0, L, h, H, 3, 64, 16)
+    _put(TB, T32, t0, L, h, H, 3, 64, 32)
+    _put(TB, T33, t0, L, h, H, 3, 64, 48)
+
+
 @triton.jit
 def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SW: tl.constexpr,
@@ -1022,15 +1245,22 @@ def _mark(name):
         PROFILE.append((name, e))
 
 
-# which forward intra-chunk implementation _fwd runs: "v2" = _fwd_intra2_kernel + _fwd_wu_kernel (measured on
-# the H200, see benchmarks/results/kda.md), "v3" = _fwd_intra3_kernel (channel-sliced, w/u merged in; not yet
-# measured).  Both give the same results up to rounding; the benchmark's --intra flag times both.
-INTRA_IMPL = "v2"
+# which forward intra-chunk implementation _fwd runs: "v4" (default) = _fwd_strip4_kernel (or _fwd_tiles4_kernel)
+# + _fwd_solve4_kernel + _fwd_wu_kernel; "v2" = _fwd_intra2_kernel + _fwd_wu_kernel; "v3" = _fwd_intra3_kernel
+# (channel-sliced, w/u merged in).  All give the same results up to rounding; the benchmark's --intra flag times
+# them side by side (H200, H=16, T=1M forward: v2 106.7 ms, v3 96-127 ms by setting, v4 82.1 ms).
+INTRA_IMPL = "v4"
 # launch configuration of _fwd_intra3_kernel: channel slice BK, value slice BV (powers of two >= 16); split =
 # two launches (the Akk side with T, WK, KD, U, then the P side with AQK, QG, GAM) instead of one; maxnreg =
 # a register cap per thread for ptxas (None: none; ptxas -v for sm_90a at the defaults: 255 registers, 0-20 B
 # of spill stores, i.e. 2 CTAs of 4 warps per SM; a cap of 168 allows 3, 128 allows 4, at the cost of spills)
 INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False, maxnreg=None)
+# launch configuration of the v4 kernels: channel slice BK and warps of _fwd_strip4_kernel, warps of
+# _fwd_solve4_kernel and of _fwd_wu_kernel
+# (tiles: _fwd_tiles4_kernel in place of _fwd_strip4_kernel; maxnreg: register cap of that kernel)
+# (defaults: the best of benchmarks/kda.py --intra4-sweep on the H200, 2026-11-29: intra+solve 42.4 ms at
+# H=16, T=1M against 49.4 at BK=32 / 2 warps and 67.1 for v2's intra kernel)
+INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
 
 
 def _maxnreg(n):
@@ -1039,8 +1269,8 @@ def _maxnreg(n):
 
 
 def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
-    if INTRA_IMPL not in ("v2", "v3"):
-        raise ValueError(f"backends.triton.kda.INTRA_IMPL must be 'v2' or 'v3', got {INTRA_IMPL!r}")
+    if INTRA_IMPL not in ("v2", "v3", "v4"):
+        raise ValueError(f"backends.triton.kda.INTRA_IMPL must be 'v2', 'v3' or 'v4', got {INTRA_IMPL!r}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B * T
@@ -1064,6 +1294,22 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
                                         **_maxnreg(INTRA3_CFG.get("maxnreg")))
         _mark("intra")
         _mark("w/u")
+    elif NC and INTRA_IMPL == "v4":
+        cfg = INTRA4_CFG
+        NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
+        strip = _fwd_tiles4_kernel if cfg.get("tiles") else _fwd_strip4_kernel
+        strip[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb,
+                                       H, K=K, BK=min(K, cfg["BK"]), FAST=fast, DT=_TL[idt],
+                                       num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
+                                       **_maxnreg(cfg.get("maxnreg")))
+        TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
+        _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, num_warps=cfg["nw_solve"],
+                                    num_stages=1)
+        del NBUF
+        _mark("intra")
+        _fwd_wu_kernel[(NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
+                                DT=_TL[idt], num_warps=cfg["nw_wu"], num_stages=1)
+        del TB
     elif NC:
         TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         _fwd_intra2_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, QG, KD, AQK, GAM,
