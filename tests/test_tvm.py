@@ -291,7 +291,8 @@ def test_cuda_schedules_in_source():
     k = V.kernel_for("situ_glu", dtype="bfloat16", vec=8)
     assert "__expf" in k.text("cuda") and "__expf" not in k.text("llvm")
     assert "uint4" in cuda("situ_glu", dtype="bfloat16", vec=8)
-    assert "uint4" in cuda("short_conv", C=448, dtype="bfloat16")
+    assert "uint4" in cuda("short_conv", C=448, dtype="bfloat16", vec=8)
+    assert "blockIdx.z" in cuda("short_conv", C=448, dtype="bfloat16")     # B, T tiles, C tiles: 3-D grid
     src = cuda("l2norm", d=128, dtype="bfloat16")
     assert "threadIdx.y" in src and "__syncthreads" not in src        # one warp per row: shuffles only
     src = cuda("attn_residual", d=448, L=4, dtype="bfloat16", threads=64)          # scalar schedule

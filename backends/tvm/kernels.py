@@ -380,12 +380,14 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
 # short_conv: causal depthwise convolution over time
 # ----------------------------------------------------------------------------------------------------
 
-def short_conv_source(C: int, W: int, x_dtype: str, w_dtype: str, out_dtype: str, *, vec: int = 8,
-                      threads: int = 128, tile_t: int = 8) -> Kernel:
+def short_conv_source(C: int, W: int, x_dtype: str, w_dtype: str, out_dtype: str, *, vec: int = 1,
+                      threads: int = 256, tile_t: int = 8) -> Kernel:
     """y[b, t, c] = sum_{j<W} w[c, j] * x[b, t - W + 1 + j, c], x taken as 0 before t = 0 (causal
     depthwise conv, as backends/reference short_conv with no initial state). x, y [B, T, C] with B, T
-    symbolic; w [C, W]; float32 math. vec, threads, tile_t: the cuda schedule (channels per thread access,
-    threads per block, time steps per thread)."""
+    symbolic; w [C, W]; float32 math. vec, threads, tile_t: the cuda schedule (contiguous channels per
+    thread, threads per block, time steps per thread). The x loads carry a per-tap guard, so they stay
+    scalar: vec = 1 (default) keeps every warp load contiguous (lane i -> channel i); vec > 1 stores
+    whole vectors but spreads each warp load over vec times more cache lines."""
     if C < 1 or W < 1:
         raise ValueError(f"short_conv: channels and width must be >= 1, got C = {C}, W = {W}")
     _check_dtype(x_dtype, "short_conv x")
@@ -651,6 +653,19 @@ def _sched_short_conv(sch, info, kind):
         sch.vectorize(sch.get_loops(x_local)[-1])
         sch.unroll(cv)
     sch.unroll(ti)
+    # the thread's vec x W weights: loaded once (contiguous: one vector load when they fill 8 or 16 bytes)
+    wl = sch.cache_read(blk, "Wt", "local")
+    sch.compute_at(wl, ct, preserve_unit_loops=True)
+    lw = sch.get_loops(wl)
+    f = sch.fuse(lw[-2], lw[-1])
+    nw = vec * info["W"]
+    lanes = 8 if nw % 8 == 0 else 4 if nw % 4 == 0 else 1
+    if lanes > 1:
+        fo, fv = sch.split(f, [None, lanes])
+        sch.vectorize(fv)
+        sch.unroll(fo)
+    else:
+        sch.unroll(f)
 
 
 def _sched_router(sch, info, kind):
