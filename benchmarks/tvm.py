@@ -73,9 +73,14 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}
 LINES: list[str] = []
 
 
+OUT_MD: list = []                 # the --out file, rewritten after every line (a run cut short keeps its part)
+
+
 def emit(line: str = "") -> None:
     print(line, flush=True)
     LINES.append(line)
+    if OUT_MD:
+        OUT_MD[0].write_text("\n".join(LINES) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -362,9 +367,18 @@ def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None) ->
     entries = manifest["modules"]
     if quick:
         entries = [e for e in entries if e["op"] != "attn_residual" or e["attrs"]["L"] in (2, 16)]
+    if out_md is not None:
+        out_md.parent.mkdir(parents=True, exist_ok=True)
+        OUT_MD[:] = [out_md]
     for e in entries:
         t0 = time.perf_counter()
-        fn = load(in_dir / e["file"], e["symbol"])
+        try:
+            fn = load(in_dir / e["file"], e["symbol"])
+        except Exception as exc:          # a module that does not load (e.g. NVRTC) must not end the run
+            msg = " ".join(str(exc).split())[-300:]
+            emit(f"| {e['op']} | {e.get('variant', 'default')} | LOAD FAILED: {msg} |")
+            bad.append(f"{e['key']}: load failed")
+            continue
         tvm_args, out, trit, ref, nbytes, shape = make_case(e, n, dev, tdt)
 
         if cpu:
@@ -375,10 +389,17 @@ def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None) ->
             def call():
                 with tvm_ffi.use_torch_stream():        # launch on torch's current stream
                     fn(*tvm_args)
+        try:
+            with torch.no_grad():
+                call()                                   # first call: on CUDA, NVRTC compiles the module
+                if not cpu:
+                    torch.cuda.synchronize()
+        except Exception as exc:
+            msg = " ".join(str(exc).split())[-300:]
+            emit(f"| {e['op']} | {e.get('variant', 'default')} | {shape} | FIRST CALL FAILED: {msg} |")
+            bad.append(f"{e['key']}: first call failed")
+            continue
         with torch.no_grad():
-            call()                                       # first call: on CUDA, NVRTC compiles the module
-            if not cpu:
-                torch.cuda.synchronize()
             load_s = time.perf_counter() - t0
             r = ref()
             err_tvm = rel_rms(out, r)
