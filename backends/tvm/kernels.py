@@ -101,12 +101,6 @@ def _sigmoid(x: str, fast: bool) -> str:
     return _div("T.float32(1)", f"(T.float32(1) + {_exp(f'(T.float32(0) - {x})', fast)})", fast)
 
 
-def _tanh_scaled(x: str, beta: float, fast: bool) -> str:
-    """tanh(x / beta) = 1 - 2 / (exp(2 x / beta) + 1) (exp overflow -> +-1 exactly; absolute error ~1e-7)."""
-    e = _exp(f"{x} * {_c(2.0 / beta)}", fast)
-    return f"(T.float32(1) - {_div('T.float32(2)', f'({e} + T.float32(1))', fast)})"
-
-
 def _situ_glu_expr(a: str, b: str, bg: float, bu: float, fast: bool) -> str:
     """SiTU-GLU h = (bg tanh(a / bg) sigmoid(a)) (bu tanh(b / bu)) with three exponentials and ONE
     division: with p = exp(2a / bg), s = exp(a), v = exp(2b / bu),
@@ -145,9 +139,9 @@ def elementwise_source(op: str, in_dtypes: tuple[str, ...], out_dtype: str, *, b
 
     op: "silu" (x * sigmoid(x), Elfwing et al. 2018), "sigmoid", "add", "mul", or "situ_glu"
     (h = (beta_gate * tanh(a / beta_gate) * sigmoid(a)) * (beta_up * tanh(b / beta_up)), spec/OPS.md).
-    tanh(y) is computed as 1 - 2 / (exp(2y) + 1) and sigmoid(x) as 1 / (1 + exp(-x)); the cuda text uses
-    CUDA's __expf / __fdividef for them (fast-math, relative error ~1e-6, like Triton's kernels), the
-    portable (llvm) text T.exp and IEEE division.
+    sigmoid(x) is computed as 1 / (1 + exp(-x)), situ_glu as in _situ_glu_expr (three exponentials, one
+    division); the cuda text uses CUDA's __expf / __fdividef for them (fast-math, relative error ~1e-6,
+    like Triton's kernels), the portable (llvm) text T.exp and IEEE division.
     vec: lanes per row, the width of one 128-bit access on cuda (8 for 16-bit, 4 for float32 data);
     threads, unroll: the cuda schedule (threads per block, rows per thread)."""
     arity = 1 if op in _UNARY else 2
