@@ -571,7 +571,10 @@ def _sched_rows_vec(sch, info):
     of it (the sums, the accumulator, the output) takes it from there, and the output row is staged in
     registers and stored with 128-bit stores. Thread kt of a row owns elements ko * tx * vec + kt * vec +
     [0, vec) for ko < d / (tx * vec): the same map for every block of the row, so the per-thread
-    pieces stay in registers (all their loops unrolled: constant indices)."""
+    pieces stay in registers (all their loops unrolled: constant indices). Keep d / (tx * vec) <= 2: TVM
+    compacts a thread's strided piece to its bounding box ((d / (tx vec) - 1) tx vec + vec elements) and
+    at 4 vectors per thread (d = 7168, tx = 224) nvcc leaves that array in local memory (10.9 KB stack,
+    ptxas), while 1 or 2 vectors per thread stay in registers."""
     vec = info["vec"]
     tx, rows = info.get("threads", CUDA_THREADS), info.get("rows", 1)
     accs = list(info.get("accs", ()))
