@@ -61,9 +61,16 @@ def _reference_table() -> dict[str, Callable]:
     }
 
 
-def _phase1(fn, n, args):
+def _phase1(fn, n, args, **kw):
     Q = n.attr("n_queries")
-    return fn(torch.stack(args[:Q]), list(args[2 * Q:]), torch.stack(args[Q:2 * Q]), eps=n.attr("eps"))
+    return fn(torch.stack(args[:Q]), list(args[2 * Q:]), torch.stack(args[Q:2 * Q]), eps=n.attr("eps"), **kw)
+
+
+def _phase1_acc_dtype(bank_dtype):
+    """Accumulator dtype of the Triton phase 1: the bank's dtype for bf16/fp16 banks (halves the bytes of the
+    acc write and the merges' reads: one K3 block at 0.47 of 24 fla calls against 0.61 with float32, relative
+    error 2.8e-3, H200, benchmarks/results/attn_residual.md), float32 otherwise.  m and s stay float32."""
+    return bank_dtype if bank_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _merge(fn, n, args):
@@ -104,7 +111,8 @@ def _triton_table() -> dict[str, Callable]:
                                                           gate=n.attr("gate"))
     if hasattr(T, "attn_residual"):
         table["attn_residual"] = lambda n, q, w, *s: T.attn_residual(q, list(s), w, eps=n.attr("eps"))
-        table["attn_residual_phase1"] = lambda n, *a: _phase1(T.attn_residual_phase1, n, a)
+        table["attn_residual_phase1"] = lambda n, *a: _phase1(T.attn_residual_phase1, n, a,
+                                                              acc_dtype=_phase1_acc_dtype(a[-1].dtype))
         table["attn_residual_merge"] = lambda n, *a: _merge(T.attn_residual_merge, n, a)
     if hasattr(T, "qb_route"):
         table["qb_route"] = lambda n, x, w, b: T.qb_route(x, w, b, top_k=n.attr("top_k"),
@@ -305,11 +313,10 @@ class CompiledModule(nn.Module):
             name, _, idx = ref.lstrip("%").partition("#")
             v = self._value(env, Ref(name, int(idx or 0)))
             args.append(v.contiguous())
+        from backends.triton.codegen import launch
         row = next(a for a, r in zip(args, k.row_inputs) if r)
-        D = row.shape[-1]
         outs = [torch.empty_like(row) for _ in k.outputs]
-        BLOCK_D = 1 << max(0, D - 1).bit_length()
-        fn[(row.numel() // D,)](*args, *outs, D, *k.scalars.values(), BLOCK_D=BLOCK_D)
+        launch(k, fn, args, outs)          # several rows per program when rows are short
         for ref, o in zip(k.outputs, outs):
             env[ref.lstrip("%").partition("#")[0]] = o
 

@@ -477,7 +477,9 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 #: "maxnreg": register cap per thread; v1 only: "pf": 0|1|2 register prefetch depth, "ns": shared-memory
 #: pipeline stages (pf 0 only), "qw_reg": keep q*w in registers; v2 only: "bl": sources loaded and reduced
 #: per step, "ns": pipeline stages of its flat (tile, source block) loop}.
-FWD_DEFAULT: dict = {"num_warps": 16, "pf": 1, "bt": 2, "progs_per_sm": 1, "qw_reg": True}
+#: (H200, 2026-11-29, N = 65536: v2 with 4 warps, 3 stages, 2 programs per SM reached 3.58 / 3.81 / 3.78 TB/s
+#: at L = 2 / 8 / 25, 84-89% of the 4.28 TB/s copy; the v1 setting before it 2.61 / 2.92 / 3.12)
+FWD_DEFAULT: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 FWD_CONFIG: dict = {}
 
@@ -656,8 +658,9 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
 #: "mix_impl": "v1" (_phase1_mix_kernel: each mix program finds the max over the bank itself, a serial loop
 #: of logit loads, then exps) or "v2" (_phase1_stats_kernel computes m, s and exp(logit - m) once per
 #: token and query, in place of the logits; _phase1_mix2_kernel is then one loop of independent loads).
-P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 512, "mix_qb": 8, "mix_ns": 3,
-                    "mix_nw": 4}
+#: (H200 sweep, 2026-11-29: mix v2 with 1024 columns, 7.19 / 5.75 ms with f32 / bf16 acc against 7.35 / 6.55)
+P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 1024, "mix_qb": 8, "mix_ns": 3,
+                    "mix_nw": 4, "mix_impl": "v2"}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 P1_CONFIG: dict = {}
 #: Merge-kernel launch settings for wide rows ({"bt": rows per program, "num_warps"}); empty = _row_tile's
