@@ -126,6 +126,35 @@ def test_attn_residual(n, d, L):
     assert rel_rms(y, R.attn_residual(q, srcs, w, eps=1e-6)) < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["twopass", "onepass"])
+@pytest.mark.parametrize("n,d,L", [(1, 100, 1), (37, 100, 2), (63, 448, 9)])
+def test_attn_residual_impls_llvm(impl, n, d, L):
+    """Both implementations (the default two-pass one and the one-pass variant), called through their
+    kernels directly, on large logits (the softmax is peaked, exp underflows for most sources)."""
+    q, w = torch.randn(d) * 3, 1 + 0.1 * torch.randn(d)
+    srcs = [torch.randn(n, d) * (0.5 + 2 * torch.rand(1).item()) for _ in range(L)]
+    k = V.kernel_for("attn_residual", d=d, L=L, eps=1e-6, impl=impl)
+    assert dict(k.sched)["impl"] == impl
+    y = torch.empty(n, d)
+    B.get_function(k, "llvm")(q, w, *srcs, y)
+    assert rel_rms(y, naive_attn_residual(q, srcs, w, 1e-6)) < 1e-5
+
+
+def test_attn_residual_default_is_the_measured_kernel():
+    """target="tvm" and the default export use impl "twopass" (the b963733 kernel, measured correct on
+    the H200); the one-pass kernel is only a named variant, with its own cache key."""
+    k = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16")
+    assert dict(k.sched)["impl"] == "twopass" and "LG[vi, vl]" in k.source and "Z[vi]" in k.source
+    k1 = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="onepass")
+    assert B.cache_key(k, "cuda") != B.cache_key(k1, "cuda")
+    with pytest.raises(ValueError, match="twopass"):
+        V.kernel_for("attn_residual", d=7168, L=8, threads=448)
+    with pytest.raises(ValueError, match="impl"):
+        V.kernel_for("attn_residual", d=7168, L=8, impl="bogus")
+    with pytest.raises(ValueError, match="impl"):
+        V.kernel_for("rmsnorm", d=7168, impl="onepass")
+
+
 def test_attn_residual_bf16_leading_shape_and_output_norm():
     q, w, ow = torch.randn(448), torch.randn(448), torch.randn(448)
     srcs = [torch.randn(2, 19, 448).bfloat16() for _ in range(4)]
@@ -295,10 +324,10 @@ def test_cuda_schedules_in_source():
     assert "blockIdx.z" in cuda("short_conv", C=448, dtype="bfloat16")     # B, T tiles, C tiles: 3-D grid
     src = cuda("l2norm", d=128, dtype="bfloat16")
     assert "threadIdx.y" in src and "__syncthreads" not in src        # one warp per row: shuffles only
-    src = cuda("attn_residual", d=448, L=4, dtype="bfloat16", threads=64)          # scalar schedule
+    src = cuda("attn_residual", d=448, L=4, dtype="bfloat16", impl="onepass", threads=64)  # scalar schedule
     first = [src.index(f"S{l}_ptr[") for l in range(4)]
     assert first == sorted(first)                                     # source l read before source l + 1
-    src = cuda("attn_residual", d=512, L=6, dtype="bfloat16", prefetch=2)        # vector schedule
+    src = cuda("attn_residual", d=512, L=6, dtype="bfloat16", impl="onepass", prefetch=2)  # vector schedule
     loads = [src.index(f"*(uint4*)(S{l}_ptr") for l in range(6)]
     assert loads == sorted(loads) and src.count("*(uint4*)(S3_ptr") == 1           # each row read once
     sync_before = [src[:i].count("__syncthreads") for i in loads]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULE_VERSION = "2"          # bump when a schedule below changes (part of every cache key)
+SCHEDULE_VERSION = "3"          # bump when a schedule below changes (part of every cache key)
 
 DTYPES = ("float32", "float16", "bfloat16")
 CUDA_THREADS = 256              # threads per block for the hidden / element dimension on cuda
@@ -270,8 +270,114 @@ def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dty
 # attn_residual: softmax over L sources of <query, RMSNorm(source)>, then the weighted sum of sources
 # ----------------------------------------------------------------------------------------------------
 
+ATTN_RESIDUAL_IMPLS = ("twopass", "onepass")   # the first is the default
+
+
 def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
-                         threads: int | None = None, vec: int | None = None, prefetch: int = 2) -> Kernel:
+                         impl: str = "twopass", threads: int | None = None, vec: int | None = None,
+                         prefetch: int | None = None) -> Kernel:
+    """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual): the kernel of implementation ``impl``.
+
+    impl = "twopass" (default; the kernel of commit b963733, measured CORRECT on the H200: relative RMS
+    error 2.0e-05..3.7e-05 in bf16 at d = 7168, L = 2..25; benchmarks/results/tvm.md): all 2L row sums
+    first, then the softmax over the L logits, then the weighted sum re-reading the sources; cuda: one
+    row per block of 256 threads. Takes no schedule attributes.
+    impl = "onepass": the one-pass online-softmax kernel (_attn_residual_onepass_source; schedule
+    attributes threads, vec, prefetch). Its cuda build gave WRONG results (nan / inf) on the H200 in
+    every variant; see _attn_residual_onepass_source for the fix made since, which is UNVERIFIED on the
+    GPU. Its llvm build passes the CPU tests.
+    Raises ValueError for an unknown impl, or schedule attributes given to "twopass"."""
+    if impl == "twopass":
+        given = [n for n, v in (("threads", threads), ("vec", vec), ("prefetch", prefetch)) if v is not None]
+        if given:
+            raise ValueError(f"attn_residual: impl 'twopass' takes no schedule attribute(s) {', '.join(given)} "
+                             f"(they belong to impl='onepass')")
+        return _attn_residual_twopass_source(d, L, src_dtype, q_dtype, w_dtype, eps)
+    if impl == "onepass":
+        return _attn_residual_onepass_source(d, L, src_dtype, q_dtype, w_dtype, eps, threads=threads, vec=vec,
+                                             prefetch=2 if prefetch is None else prefetch)
+    raise ValueError(f"attn_residual: unknown impl {impl!r}; one of {ATTN_RESIDUAL_IMPLS}")
+
+
+def _attn_residual_twopass_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str,
+                                  eps: float) -> Kernel:
+    """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), per token row i:
+
+        ss_l = sum_d s_l[i]^2,  dot_l = sum_d query * rms_weight * s_l[i]
+        logit_l = dot_l * rsqrt(ss_l / d + eps)          (= <query, RMSNorm(s_l[i]; rms_weight, eps)>)
+        p = softmax_l(logit) in float32,  y[i] = sum_l p_l s_l[i]   (sources' dtype)
+
+    The TVMScript of commit b963733 (restored unchanged: the kernel measured correct on the H200). The L
+    sources are L separate buffers (no stacking copy); L, d are compile-time constants. Scheduled by
+    _sched_attn_residual_twopass."""
+    if L < 1:
+        raise ValueError(f"attn_residual: needs at least one source, got L = {L}")
+    if d < 1:
+        raise ValueError(f"attn_residual: the hidden size d must be >= 1, got {d}")
+    for dt, what in ((src_dtype, "sources"), (q_dtype, "query"), (w_dtype, "rms_weight")):
+        _check_dtype(dt, f"attn_residual {what}")
+    params = ["q_h", "w_h"] + [f"s{l}_h" for l in range(L)] + ["y_h"]
+    src = _header("attn_residual", params)
+    src += "    n = T.int64()\n"
+    src += f'    Q = T.match_buffer(q_h, ({d},), "{q_dtype}")\n'
+    src += f'    W = T.match_buffer(w_h, ({d},), "{w_dtype}")\n'
+    for l in range(L):
+        src += f'    S{l} = T.match_buffer(s{l}_h, (n, {d}), "{src_dtype}")\n'
+    src += f'    Y = T.match_buffer(y_h, (n, {d}), "{src_dtype}")\n'
+    for l in range(L):
+        src += f'    SS{l} = T.sblock_alloc_buffer((n,), "float32")\n'
+        src += f'    DT{l} = T.sblock_alloc_buffer((n,), "float32")\n'
+    src += f'    LG = T.sblock_alloc_buffer((n, {L}), "float32")\n'
+    src += '    MX = T.sblock_alloc_buffer((n,), "float32")\n'
+    src += '    Z = T.sblock_alloc_buffer((n,), "float32")\n'
+    qw = f"{_f32('Q[vk]', q_dtype)} * {_f32('W[vk]', w_dtype)}"
+    for l in range(L):
+        s = _f32(f"S{l}[vi, vk]", src_dtype)
+        src += (f"    for i, k in T.grid(n, {d}):\n"
+                f'        with T.sblock("ss{l}"):\n'
+                '            vi, vk = T.axis.remap("SR", [i, k])\n'
+                "            with T.init():\n"
+                f"                SS{l}[vi] = T.float32(0)\n"
+                f"            SS{l}[vi] = SS{l}[vi] + {s} * {s}\n")
+        src += (f"    for i, k in T.grid(n, {d}):\n"
+                f'        with T.sblock("dot{l}"):\n'
+                '            vi, vk = T.axis.remap("SR", [i, k])\n'
+                "            with T.init():\n"
+                f"                DT{l}[vi] = T.float32(0)\n"
+                f"            DT{l}[vi] = DT{l}[vi] + {qw} * {s}\n")
+    # logit of source vl: a select over the L per-row scalars (lazy if_then_else; O(L) per logit)
+    sel = f"DT{L - 1}[vi] * T.rsqrt(SS{L - 1}[vi] / {_c(d)} + {_c(eps)})"
+    for l in reversed(range(L - 1)):
+        sel = f"T.if_then_else(vl == {l}, DT{l}[vi] * T.rsqrt(SS{l}[vi] / {_c(d)} + {_c(eps)}), {sel})"
+    src += (f"    for i, l in T.grid(n, {L}):\n"
+            '        with T.sblock("logits"):\n'
+            '            vi, vl = T.axis.remap("SS", [i, l])\n'
+            f"            LG[vi, vl] = {sel}\n")
+    src += (f"    for i, l in T.grid(n, {L}):\n"
+            '        with T.sblock("max"):\n'
+            '            vi, vl = T.axis.remap("SR", [i, l])\n'
+            "            with T.init():\n"
+            '                MX[vi] = T.min_value("float32")\n'
+            "            MX[vi] = T.max(MX[vi], LG[vi, vl])\n")
+    src += (f"    for i, l in T.grid(n, {L}):\n"
+            '        with T.sblock("sum"):\n'
+            '            vi, vl = T.axis.remap("SR", [i, l])\n'
+            "            with T.init():\n"
+            "                Z[vi] = T.float32(0)\n"
+            "            Z[vi] = Z[vi] + T.exp(LG[vi, vl] - MX[vi])\n")
+    mix = " + ".join(f"T.exp(LG[vi, {l}] - MX[vi]) * {_f32(f'S{l}[vi, vk]', src_dtype)}" for l in range(L))
+    src += (f"    for i, k in T.grid(n, {d}):\n"
+            '        with T.sblock("out"):\n'
+            '            vi, vk = T.axis.remap("SS", [i, k])\n'
+            f"            Y[vi, vk] = {_store(f'({mix}) / Z[vi]', src_dtype)}\n")
+    reductions = [b for l in range(L) for b in (f"ss{l}", f"dot{l}")]
+    return Kernel("attn_residual", "attn_residual", src,
+                  {"d": d, "L": L, "reductions": reductions, "row_blocks": ["logits", "max", "sum"], "out": "out",
+                   "impl": "twopass"}, sched=(("impl", "twopass"),))
+
+
+def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
+                                  threads: int | None = None, vec: int | None = None, prefetch: int = 2) -> Kernel:
     """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), per token row i:
 
         ss_l = sum_d s_l[i]^2,  dot_l = sum_d query * rms_weight * s_l[i]
@@ -386,7 +492,8 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
     return Kernel("attn_residual", "attn_residual", src,
                   {"d": d, "L": L, "reductions": reductions, "row_blocks": row_blocks, "accs": accs,
                    "order": order, "out": "out", "sources": sources, "first_use": first_use,
-                   "vectors": vectors}, sched=(("threads", threads), ("vec", vec), ("prefetch", prefetch)))
+                   "vectors": vectors, "impl": "onepass"},
+                  sched=(("impl", "onepass"), ("threads", threads), ("vec", vec), ("prefetch", prefetch)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -471,10 +578,53 @@ def schedule(kernel: Kernel, kind: str):
     if kind not in ("llvm", "cuda"):
         raise ValueError(f"tvm schedule: kind must be 'llvm' or 'cuda', got {kind!r}")
     sch = tvm.s_tir.Schedule(parse(kernel, kind))
-    fn = {"elementwise": _sched_elementwise, "rownorm": _sched_rows, "attn_residual": _sched_rows,
+    fn = {"elementwise": _sched_elementwise, "rownorm": _sched_rows, "attn_residual": _sched_attn_residual,
           "short_conv": _sched_short_conv, "router": _sched_router}[kernel.family]
     fn(sch, {**kernel.info, **dict(kernel.sched)}, kind)
     return sch.mod
+
+
+def _sched_attn_residual(sch, info, kind):
+    """attn_residual: the restored b963733 schedule for impl "twopass", the row schedule for "onepass"."""
+    if info.get("impl") == "twopass":
+        return _sched_attn_residual_twopass(sch, info, kind)
+    return _sched_rows(sch, info, kind)
+
+
+def _sched_attn_residual_twopass(sch, info, kind):
+    """The schedule of commit b963733 for the two-pass attn_residual kernel, unchanged (measured correct
+    on the H200). llvm: 4 rows per parallel task, the row's sums and scalars computed under the row loop
+    into thread-local buffers, the output vectorised by 8. cuda: one row per block (blockIdx.x), 256
+    threads along d (threadIdx.x); the 2L row sums become cross-thread all-reduces whose results land in
+    every thread's registers; the logits / max / sum over L are computed redundantly by every thread."""
+    out = sch.get_sblock(info["out"])
+    i, k = sch.get_loops(out)
+    producers = list(info["reductions"]) + list(info["row_blocks"])
+    if kind == "llvm":
+        io, ii = sch.split(i, [None, 4])
+        sch.parallel(io)
+        row = ii
+        _, _, k = sch.get_loops(out)
+        ko, kv = sch.split(k, [None, CPU_VECTOR])
+        sch.vectorize(kv)
+        for name in reversed(producers):
+            sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
+        for name in producers:
+            sch.set_scope(sch.get_sblock(name), 0, "local")
+    else:
+        sch.bind(i, "blockIdx.x")
+        ko, kt = sch.split(k, [None, CUDA_THREADS])
+        sch.bind(kt, "threadIdx.x")
+        for name in reversed(producers):
+            sch.compute_at(sch.get_sblock(name), i, preserve_unit_loops=True)
+        for name in info["reductions"]:
+            b = sch.get_sblock(name)
+            loops = sch.get_loops(b)
+            _, rt = sch.split(loops[-1], [None, CUDA_THREADS])
+            sch.bind(rt, "threadIdx.x")
+            sch.set_scope(b, 0, "local")
+        for name in info["row_blocks"]:
+            sch.set_scope(sch.get_sblock(name), 0, "local")
 
 
 def _sched_elementwise(sch, info, kind):
