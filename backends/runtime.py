@@ -73,12 +73,12 @@ def _phase1_acc_dtype(bank_dtype):
     return bank_dtype if bank_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _merge(fn, n, args):
+def _merge(fn, n, args, output_rms_weight=None):
     acc, m, s, q, w, *partial = args
     i = n.attr("index")
     # the output takes the activation dtype of the running module (that of the pseudo-query parameter)
     return fn(acc[i], m[i], s[i], partial[0] if partial else None, q, w, eps=n.attr("eps"),
-              out_dtype=partial[0].dtype if partial else q.dtype)
+              out_dtype=partial[0].dtype if partial else q.dtype, output_rms_weight=output_rms_weight)
 
 
 def sdpa_mla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True) -> torch.Tensor:
@@ -110,10 +110,12 @@ def _triton_table() -> dict[str, Callable]:
         table["kda_gate"] = lambda n, x, a, d: T.kda_gate(x, a, d, lower_bound=n.attr("lower_bound"),
                                                           gate=n.attr("gate"))
     if hasattr(T, "attn_residual"):
-        table["attn_residual"] = lambda n, q, w, *s: T.attn_residual(q, list(s), w, eps=n.attr("eps"))
+        table["attn_residual"] = lambda n, q, w, *s, output_rms_weight=None: T.attn_residual(
+            q, list(s), w, eps=n.attr("eps"), output_rms_weight=output_rms_weight)
         table["attn_residual_phase1"] = lambda n, *a: _phase1(T.attn_residual_phase1, n, a,
                                                               acc_dtype=_phase1_acc_dtype(a[-1].dtype))
-        table["attn_residual_merge"] = lambda n, *a: _merge(T.attn_residual_merge, n, a)
+        table["attn_residual_merge"] = lambda n, *a, output_rms_weight=None: _merge(
+            T.attn_residual_merge, n, a, output_rms_weight=output_rms_weight)
     if hasattr(T, "qb_route"):
         table["qb_route"] = lambda n, x, w, b: T.qb_route(x, w, b, top_k=n.attr("top_k"),
                                                           routed_scaling=n.attr("routed_scaling"))
@@ -230,6 +232,8 @@ class CompiledModule(nn.Module):
                 owner.register_buffer(leaf, data)
             self._names[n.name] = key
         self._router_layers = {}
+        # fused epilogues that run inside their anchor's kernel (target "triton"): anchor -> (rmsnorm node, weight)
+        self._epi: dict[str, tuple[str, Ref]] = self._fused_norm_epilogues() if target == "triton" else {}
         nodes = graph.node_map()
         for n in graph.nodes:
             if n.op == "qb_route":
@@ -283,6 +287,7 @@ class CompiledModule(nn.Module):
                     raise MtcError(f"input '{name}' has size {s} where {t} needs {d}")
             env[n.name] = x
         ops = [n for n in g.nodes if n.op not in SOURCE_OPS]
+        epi_done: set[str] = set()
         for i, n in enumerate(ops):
             if progress is not None:
                 progress(i, len(ops))
@@ -291,7 +296,17 @@ class CompiledModule(nn.Module):
             if n.name in self._gen:
                 self._run_generated(env, *self._gen[n.name])
                 continue
+            if n.name in epi_done:
+                continue
             args = [self._value(env, r) for r in n.inputs]
+            fused = self._epi.get(n.name)
+            if fused is not None:
+                # anchor + RMSNorm epilogue in one kernel: the norm's output is what the graph uses next
+                norm_name, w = fused
+                out = self._table[n.op](n, *args, output_rms_weight=self._value(env, w))
+                env[norm_name] = out
+                epi_done.add(norm_name)
+                continue
             out = self._exec(n, args, bind)
             env[n.name] = out
             if n.op == "qb_route":
@@ -306,6 +321,29 @@ class CompiledModule(nn.Module):
             *head, last = k.members
             self._gen[last] = (k, getattr(module, k.name))
             self._gen_skip.update(head)
+        self._epi = {a: v for a, v in self._epi.items() if v[0] not in self._gen and v[0] not in self._gen_skip}
+
+    def _fused_norm_epilogues(self) -> dict:
+        """attn_residual / attn_residual_merge anchors whose fusion group (fuse_tiles) absorbed the RMSNorm of
+        their single-use output with the same eps: that norm then runs in the anchor kernel's epilogue (the
+        Triton kernels' fused output RMSNorm, ``output_rms_weight``), saving one read and one write of the
+        activation.  Returns {anchor: (rmsnorm node, its weight ref)}."""
+        g = self.graph
+        users = g.users()
+        outs = {r.node for r in g.outputs}
+        by_name = {n.name: n for n in g.nodes}
+        epi = {}
+        for n in g.nodes:
+            if n.op not in ("attn_residual", "attn_residual_merge") or n.attr("fusion") is None:
+                continue
+            us = users[n.name]
+            if len(us) != 1 or n.name in outs:
+                continue
+            c = by_name[us[0]]
+            if (c.op == "rmsnorm" and c.attr("fusion") == n.attr("fusion") and c.inputs[0].node == n.name
+                    and c.attr("eps") == n.attr("eps") and c.name not in self._gen_skip):
+                epi[n.name] = (c.name, c.inputs[1])
+        return epi
 
     def _run_generated(self, env, k, fn) -> None:
         args = []

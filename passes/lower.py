@@ -51,6 +51,7 @@ class Launch:
     tiles: dict = field(default_factory=dict)
     prologue: list[str] = field(default_factory=list)
     epilogue: list[str] = field(default_factory=list)
+    epilogue_in_kernel: bool = False   # the epilogue runs inside the template kernel (not as separate ops)
 
     def text(self) -> str:
         ins = ", ".join(f"{r}" for r, _ in self.inputs)
@@ -63,7 +64,8 @@ class Launch:
         if self.prologue:
             s += f"\n      prologue: {' -> '.join(self.prologue)}"
         if self.epilogue:
-            s += f"\n      epilogue: {' -> '.join(self.epilogue)}"
+            where = " (in kernel)" if self.epilogue_in_kernel else ""
+            s += f"\n      epilogue{where}: {' -> '.join(self.epilogue)}"
         return s
 
 
@@ -75,9 +77,10 @@ class KernelProgram:
     launches: list[Launch]
 
     def text(self) -> str:
-        lines = ["// prologue/epilogue: the ops each template launch absorbs (fuse_tiles). Today they still run",
-                 "// as separate ops beside the template kernel (through the target's op table: TVM kernels for",
-                 "// target=tvm); pointwise chains run as generated kernels; views (reshape, slice) are free.",
+        lines = ["// prologue/epilogue: the ops each template launch absorbs (fuse_tiles). '(in kernel)': they run",
+                 "// inside the template kernel (AttnRes + the next RMSNorm); the others still run as separate ops",
+                 "// beside it (through the target's op table: TVM kernels for target=tvm); pointwise chains run",
+                 "// as generated kernels; views (reshape, slice) are free.",
                  f"kernels {self.name}({', '.join(self.symbols)}) target={self.target} {{"]
         lines += ["  " + ln for L in self.launches for ln in L.text().splitlines()]
         lines.append("}")
@@ -212,6 +215,11 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
             kernel, backend = "tvm[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]", "tvm"
             prologue, epilogue = [], []
         grid = [] if backend in ("library", "tvm", "reference") else _grid(kind, anchor, types, tiles)
+        # AttnRes kernels carry an output RMSNorm: the runtime (target triton) runs an absorbed RMSNorm of the
+        # same eps there (backends/runtime.py, CompiledModule._fused_norm_epilogues)
+        in_kernel = (target == "triton" and backend == "triton" and kind in ("attn_residual", "attn_residual_merge")
+                     and epilogue == ["rmsnorm"]
+                     and all(m.attr("eps") == anchor.attr("eps") for m in ms if m.op == "rmsnorm"))
         launches.append(Launch(len(launches), kernel, backend, anchor.name, [m.name for m in ms],
-                               [m.op for m in ms], ins, outs, grid, tiles, prologue, epilogue))
+                               [m.op for m in ms], ins, outs, grid, tiles, prologue, epilogue, in_kernel))
     return KernelProgram(g.name, target, g.symbols, launches)

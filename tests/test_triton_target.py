@@ -27,8 +27,15 @@ def test_tiny_triton_matches_reference():
     _exercise(ref)
     tri.load_state_dict(ref.state_dict())
     assert tri.state_dict().keys() == ref.state_dict().keys()
+    # the AttnRes + RMSNorm groups run as one kernel (fused output norm), as the kernel IR says
+    in_kernel = {k.anchor for k in tri.program.launches if k.epilogue_in_kernel}
+    assert in_kernel and set(tri._epi) == in_kernel
+    calls = []
+    norm = tri._table["rmsnorm"]
+    tri._table["rmsnorm"] = lambda n, *a: calls.append(n.name) or norm(n, *a)
     ids = torch.randint(0, 256, (1, 70))
     a, b = tri(ids), ref(ids)
+    assert not {name for name, _ in tri._epi.values()} & set(calls)   # no absorbed norm ran on its own
     assert torch.isfinite(a).all()
     assert ((a - b).norm() / b.norm()).item() < 1e-4
 
