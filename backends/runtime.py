@@ -207,6 +207,9 @@ class CompiledModule(nn.Module):
         self.balance_warmup = 3
         self._updates: dict[str, int] = {}
         self.fixed_step = 1e-3
+        # data parallelism: a torch.distributed process group over which each QB step averages b_hat before
+        # centring (spec/OPS.md qb_update), so every rank applies the same bias; None = this process alone
+        self.dp_group = None
         self.stats_hooks: list[Callable[[str, torch.Tensor], None]] = []
         gen = None
         if seed is not None and str(device) != "meta":
@@ -406,7 +409,7 @@ class CompiledModule(nn.Module):
             if self.training and self.balance == "qb":
                 step = self._updates.get(layer, 0)
                 ema = 0.0 if step < self.balance_warmup else self.balance_ema
-                bias.copy_(qb_update(scores, bias, top_k=n.attr("top_k"), ema=ema))
+                bias.copy_(qb_update(scores, bias, top_k=n.attr("top_k"), ema=ema, dp_group=self.dp_group))
                 self._updates[layer] = step + 1
             elif self.training and self.balance == "fixed":
                 bias.copy_(fixed_step_update(bias, load, step=self.fixed_step))
