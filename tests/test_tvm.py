@@ -332,3 +332,37 @@ def test_cuda_schedules_in_source():
     assert loads == sorted(loads) and src.count("*(uint4*)(S3_ptr") == 1           # each row read once
     sync_before = [src[:i].count("__syncthreads") for i in loads]
     assert sync_before[:3] == [0, 0, 0] and sync_before[3] > 0                       # 3 sources in flight
+
+
+def _unguarded_shared_writes(src: str) -> list[str]:
+    """Assignments to a __shared__ buffer in generated CUDA that are not the body of an `if (...)` (the
+    all-reduce's guarded `if (threadIdx.x == 0)` / per-warp writes): every thread of the block writing
+    one shared word with no barrier is the race that made the one-pass attn_residual give nan/inf."""
+    import re
+    shared = set(re.findall(r"__shared__ alignas\(\d+\) \w+ (\w+)\[", src))
+    lines = src.splitlines()
+    bad = []
+    for i, ln in enumerate(lines):
+        m = re.match(r"\s*(?:\(\(volatile \w+\*\))?(\w+)\)?\[[^\]]*\]\s*=[^=]", ln)
+        if m and m.group(1) in shared and not lines[i - 1].strip().startswith("if ("):
+            bad.append(ln.strip())
+    return bad
+
+
+@pytest.mark.parametrize("impl,d,L,extra,fixed", [
+    ("twopass", 7168, 1, {}, True), ("twopass", 1000, 3, {}, False),     # L >= 2: the b963733 build as is
+    ("onepass", 512, 3, {}, True), ("onepass", 7168, 2, {"threads": 448}, True)])
+def test_cuda_attn_residual_no_shared_race(impl, d, L, extra, fixed):
+    """Multi-warp all-reduces: no row scalar is computed in place in the shared all-reduce result (the
+    StorageRewrite + LowerThreadAllreduce race, kernels.NO_STORAGE_REWRITE); where the fix applies, the
+    same kernel built without it shows the race (so the check can fail)."""
+    import dataclasses
+    k = V.kernel_for("attn_residual", d=d, L=L, dtype="bfloat16", impl=impl, **extra)
+    assert bool(k.cuda_pass_config) == fixed
+    ex, _ = B.compile_kernel(k, "cuda")
+    src = ex.mod.imports[0].inspect_source()
+    assert "red_result" in src                       # a cross-warp all-reduce through shared memory
+    assert _unguarded_shared_writes(src) == []
+    if fixed:
+        ex, _ = B.compile_kernel(dataclasses.replace(k, cuda_pass_config=()), "cuda")
+        assert _unguarded_shared_writes(ex.mod.imports[0].inspect_source())

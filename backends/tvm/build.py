@@ -5,7 +5,7 @@
 
 Cache layout: ``$MTC_CACHE_DIR`` (default ``~/.cache/mtc``) ``/tvm/<key>/`` holds ``<name>.so`` (what
 ``export_library`` wrote), ``<name>.tvmscript.py`` (the kernel's TVMScript before scheduling) and
-``<name>.scheduled.py`` (after). The key is a SHA-256 of the TVMScript text + the schedule version + the
+``<name>.scheduled.py`` (after) and, for cuda, ``<name>.cu`` (the generated CUDA source). The key is a SHA-256 of the TVMScript text + the schedule version + the
 target (as JSON) + the TVM version: it never depends on the token count (a symbolic shape), and it can be
 formed without TVM's compiler, so a machine with only TVM's runtime (TVM_USE_RUNTIME_LIB=1) loads modules
 built elsewhere from the same cache directory. CUDA modules keep their CUDA source; TVM compiles it when
@@ -49,13 +49,19 @@ def _tvm_version() -> str:
 
 def cache_key(kernel: Kernel, kind: str) -> str:
     """SHA-256 (first 24 hex digits) of the TVMScript text for ``kind`` + schedule version + schedule
-    parameters + target + TVM version."""
+    parameters + build pass config + target + TVM version."""
     h = hashlib.sha256()
-    for part in (kernel.text(kind), SCHEDULE_VERSION, repr(tuple(kernel.sched)),
+    for part in (kernel.text(kind), SCHEDULE_VERSION, repr(tuple(kernel.sched)), repr(pass_config(kernel, kind)),
                  json.dumps(target_spec(kind), sort_keys=True), _tvm_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
+
+
+def pass_config(kernel: Kernel, kind: str) -> dict:
+    """The tvm.transform.PassContext config of this kernel's build for ``kind`` (``kernel.cuda_pass_config``
+    on cuda, e.g. StorageRewrite off for the attn_residual kernels: see kernels.NO_STORAGE_REWRITE)."""
+    return dict(kernel.cuda_pass_config) if kind == "cuda" else {}
 
 
 def library_path(kernel: Kernel, kind: str) -> Path:
@@ -70,7 +76,8 @@ def compile_kernel(kernel: Kernel, kind: str):
     spec = target_spec(kind)
     host = spec.pop("host", None)
     target = tvm.target.Target(spec, host=host) if host else tvm.target.Target(spec)
-    return tvm.compile(mod, target=target), mod
+    with tvm.transform.PassContext(config=pass_config(kernel, kind)):
+        return tvm.compile(mod, target=target), mod
 
 
 def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
@@ -86,6 +93,8 @@ def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.parent / f"{kernel.name}.tvmscript.py").write_text(kernel.text(kind))
     (path.parent / f"{kernel.name}.scheduled.py").write_text(mod.script())
+    if kind == "cuda":
+        (path.parent / f"{kernel.name}.cu").write_text(cuda_source(ex))
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
@@ -95,6 +104,30 @@ def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def cuda_source(ex) -> str:
+    """The generated CUDA C source inside a cuda ``tvm.runtime.Executable`` (what NVRTC compiles at load)."""
+    return ex.mod.imports[0].inspect_source()
+
+
+def shared_write_hazards(src: str) -> list[str]:
+    """Lines of generated CUDA that assign to a ``__shared__`` buffer outside an ``if (...)`` guard.
+
+    TVM's all-reduce writes its shared words only under ``if (threadIdx.x == 0)`` (or a per-warp
+    guard); an unguarded write is every thread of the block storing to one shared word with no barrier,
+    the race that made the one-pass attn_residual kernel return nan / inf on the H200 (see
+    kernels.NO_STORAGE_REWRITE). A lint on the text, not a proof: an empty list means this pattern is
+    absent."""
+    import re
+    shared = set(re.findall(r"__shared__ alignas\(\d+\) \w+ (\w+)\[", src))
+    lines = src.splitlines()
+    out = []
+    for i, ln in enumerate(lines):
+        m = re.match(r"\s*(?:\(\(volatile \w+\*\))?(\w+)\)?\[[^\]]*\]\s*=[^=]", ln)
+        if m and m.group(1) in shared and not (i and lines[i - 1].strip().startswith("if (")):
+            out.append(ln.strip())
+    return out
 
 
 def export(kernel: Kernel, kind: str, file_name: str | os.PathLike) -> Path:

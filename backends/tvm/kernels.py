@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULE_VERSION = "4"          # bump when a schedule below changes (part of every cache key)
+SCHEDULE_VERSION = "5"          # bump when a schedule below changes (part of every cache key)
 
 DTYPES = ("float32", "float16", "bfloat16")
 CUDA_THREADS = 256              # threads per block for the hidden / element dimension on cuda
@@ -42,6 +42,7 @@ class Kernel:
     info: dict = field(default_factory=dict, compare=False, hash=False)
     cuda_source: str | None = None      # the text built for cuda when it differs (fast-math intrinsics)
     sched: tuple = ()                   # schedule parameters ((name, value), ...): part of the cache key
+    cuda_pass_config: tuple = ()        # PassContext config ((key, value), ...) of the cuda build: cache key
 
     def text(self, kind: str) -> str:
         """The TVMScript built for target ``kind`` ("llvm" or "cuda")."""
@@ -287,6 +288,20 @@ def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dty
 
 ATTN_RESIDUAL_IMPLS = ("twopass", "onepass")   # the first is the default
 
+# The cuda race of the one-pass kernel (found in its generated CUDA source; nan / inf on the H200): a row
+# scalar computed from an all-reduce result, e.g. LG = DT * rsqrt(SS / d + eps), is a one-element
+# "local" buffer like DT itself, so tirx.StorageRewrite (which runs before LowerThreadAllreduce) computes
+# it IN PLACE in DT's buffer. When the reduction spans several warps, LowerThreadAllreduce then makes
+# that buffer the __shared__ word the block's result is broadcast through, so every thread of the block
+# does `red_result = f(red_result)` on one shared word with no barrier: threads that come later apply f
+# again (the logit multiplied by rsqrt(...) up to #threads times, exp of exp ...), hence inf, and nan
+# from inf - inf. Single-warp reductions keep the result in a register, and the llvm build has no
+# all-reduce, which is why the CPU tests passed. The two-pass kernel has the same pattern only at L = 1
+# (LG[1] in place of DT0). Fix: build these kernels for cuda with StorageRewrite off (each row scalar
+# then gets its own register and the all-reduce result is copied out of shared memory after the
+# barrier); tests/test_tvm.py checks the generated source for unguarded writes to shared memory.
+NO_STORAGE_REWRITE = (("tirx.disable_storage_rewrite", True),)
+
 
 def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
                          impl: str = "twopass", threads: int | None = None, vec: int | None = None,
@@ -298,9 +313,10 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
     first, then the softmax over the L logits, then the weighted sum re-reading the sources; cuda: one
     row per block of 256 threads. Takes no schedule attributes.
     impl = "onepass": the one-pass online-softmax kernel (_attn_residual_onepass_source; schedule
-    attributes threads, vec, prefetch). Its cuda build gave WRONG results (nan / inf) on the H200 in
-    every variant; see _attn_residual_onepass_source for the fix made since, which is UNVERIFIED on the
-    GPU. Its llvm build passes the CPU tests.
+    attributes threads, vec, prefetch). Its cuda build of 43bdfdd..69786ea gave WRONG results (nan /
+    inf) on the H200 in every variant: a shared-memory race of the build, fixed since by building it
+    with StorageRewrite off (NO_STORAGE_REWRITE, where the race is explained). The fix is UNVERIFIED on
+    the GPU (checked here only in the generated CUDA source); its llvm build passes the CPU tests.
     Raises ValueError for an unknown impl, or schedule attributes given to "twopass"."""
     if impl == "twopass":
         given = [n for n, v in (("threads", threads), ("vec", vec), ("prefetch", prefetch)) if v is not None]
@@ -388,7 +404,9 @@ def _attn_residual_twopass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
     reductions = [b for l in range(L) for b in (f"ss{l}", f"dot{l}")]
     return Kernel("attn_residual", "attn_residual", src,
                   {"d": d, "L": L, "reductions": reductions, "row_blocks": ["logits", "max", "sum"], "out": "out",
-                   "impl": "twopass"}, sched=(("impl", "twopass"),))
+                   "impl": "twopass"}, sched=(("impl", "twopass"),),
+                  # L >= 2: the b963733 build unchanged (measured correct); L = 1: the race fix (see above)
+                  cuda_pass_config=NO_STORAGE_REWRITE if L == 1 else ())
 
 
 def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
@@ -408,10 +426,11 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
     so each source row is consumed (sums, then the accumulator update) right after it is read, and the
     accumulator a_l lives in registers on cuda. L = 1 gives y = s_0 (a softmax over one logit is 1).
     The L sources are L separate buffers (no stacking copy); L, d are compile-time constants.
-    cuda schedule (one row per block): threads per row, vec elements per 128-bit access (defaults as for
-    rownorm_source: vec = 8 for 16-bit sources, threads = d / vec when <= 1024 (896 at d = 7168): each
-    source row is then read once, with 128-bit loads, into registers); prefetch: the load of source l is
-    issued with source l - prefetch (more bytes in flight; costs registers)."""
+    cuda schedule (one row per block): threads per row, vec elements per 128-bit access (defaults: vec =
+    8 for 16-bit sources, threads = d / vec when <= 1024 (896 at d = 7168): each source row is then read
+    once, with 128-bit loads, into registers); prefetch: the load of source l is issued with source
+    l - prefetch (more bytes in flight; costs registers). Built for cuda with StorageRewrite off
+    (NO_STORAGE_REWRITE: the race that gave nan / inf on the H200); UNVERIFIED on the GPU since."""
     if L < 1:
         raise ValueError(f"attn_residual: needs at least one source, got L = {L}")
     if d < 1:
@@ -508,7 +527,8 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
                   {"d": d, "L": L, "reductions": reductions, "row_blocks": row_blocks, "accs": accs,
                    "order": order, "out": "out", "sources": sources, "first_use": first_use,
                    "vectors": vectors, "impl": "onepass"},
-                  sched=(("impl", "onepass"), ("threads", threads), ("vec", vec), ("prefetch", prefetch)))
+                  sched=(("impl", "onepass"), ("threads", threads), ("vec", vec), ("prefetch", prefetch)),
+                  cuda_pass_config=NO_STORAGE_REWRITE)
 
 
 # ----------------------------------------------------------------------------------------------------
