@@ -237,6 +237,13 @@ class CompiledModule(nn.Module):
         self._router_layers = {}
         # fused epilogues that run inside their anchor's kernel (target "triton"): anchor -> (rmsnorm node, weight)
         self._epi: dict[str, tuple[str, Ref]] = self._fused_norm_epilogues() if target == "triton" else {}
+        # KDA prologue chains short_conv -> silu [-> reshape -> l2norm] run as one Triton kernel each
+        if target == "triton":
+            from passes.lower import conv_chains
+            by = {n.name: n for n in graph.nodes}
+            self._chains = {a: [by[x] for x in ms] for a, ms in conv_chains(graph).items()}
+        else:
+            self._chains = {}
         nodes = graph.node_map()
         for n in graph.nodes:
             if n.op == "qb_route":
@@ -302,6 +309,19 @@ class CompiledModule(nn.Module):
             if n.name in epi_done:
                 continue
             args = [self._value(env, r) for r in n.inputs]
+            chain = self._chains.get(n.name)
+            if chain is not None and not (torch.is_grad_enabled() and any(
+                    isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+                # forward without autograd: conv + SiLU (+ per-head L2 norm) in one kernel
+                from backends.triton.conv import conv_silu_norm
+                last = chain[-1]
+                y = conv_silu_norm(args[0], args[1], head_dim=int(last.types[0].shape[-1]) if last.op == "l2norm"
+                                   else None, eps=last.attr("eps") if last.op == "l2norm" else 1e-6)
+                if last.op == "l2norm":
+                    y = y.reshape(self._shape(chain[2].attr("shape"), bind))
+                env[last.name] = y
+                epi_done.update(m.name for m in chain[1:])
+                continue
             fused = self._epi.get(n.name)
             if fused is not None:
                 # anchor + RMSNorm epilogue in one kernel: the norm's output is what the graph uses next

@@ -37,6 +37,38 @@ TEMPLATES = {
 }
 
 
+def conv_chains(g: Graph) -> dict[str, list[str]]:
+    """The ``short_conv -> silu [-> reshape -> l2norm]`` chains inside one fusion group (the KDA prologue of
+    q, k and v) whose intermediate values have no other use: target "triton" runs each as ONE kernel
+    (backends/triton/conv.py, conv_silu_norm). Returns {short_conv node: [member node names in order]}."""
+    users = g.users()
+    outs = {r.node for r in g.outputs}
+    by = {n.name: n for n in g.nodes}
+
+    def only_user(n, op):
+        us = users[n.name]
+        if len(us) != 1 or n.name in outs:
+            return None
+        u = by[us[0]]
+        ok = u.op == op and u.attr("fusion") is not None and u.attr("fusion") == n.attr("fusion")
+        return u if ok and u.inputs[0].node == n.name else None
+
+    chains = {}
+    for n in g.nodes:
+        if n.op != "short_conv" or n.attr("fusion") is None:
+            continue
+        s = only_user(n, "silu")
+        if s is None:
+            continue
+        chain = [n.name, s.name]
+        r = only_user(s, "reshape")
+        nrm = only_user(r, "l2norm") if r is not None else None
+        if nrm is not None:
+            chain += [r.name, nrm.name]
+        chains[n.name] = chain
+    return chains
+
+
 @dataclass
 class Launch:
     index: int
@@ -78,9 +110,10 @@ class KernelProgram:
 
     def text(self) -> str:
         lines = ["// prologue/epilogue: the ops each template launch absorbs (fuse_tiles). '(in kernel)': they run",
-                 "// inside the template kernel (AttnRes + the next RMSNorm); the others still run as separate ops",
-                 "// beside it (through the target's op table: TVM kernels for target=tvm); pointwise chains run",
-                 "// as generated kernels; views (reshape, slice) are free.",
+                 "// inside the template kernel (AttnRes + the next RMSNorm); [a+b+c]: one fused kernel of its own",
+                 "// (KDA's short_conv+silu+l2norm); the others still run as separate ops beside it (through the",
+                 "// target's op table: TVM kernels for target=tvm); pointwise chains run as generated kernels;",
+                 "// views (reshape, slice) are free.",
                  f"kernels {self.name}({', '.join(self.symbols)}) target={self.target} {{"]
         lines += ["  " + ln for L in self.launches for ln in L.text().splitlines()]
         lines.append("}")
@@ -174,6 +207,8 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
             continue
         key = root(n.name) if n.name in group_of else n.name
         members.setdefault(key, []).append(n)
+    chains = conv_chains(g) if target == "triton" else {}
+    chain_of = {x: start for start, ms_ in chains.items() for x in ms_}
     # 2. launches in the order of each group's last member
     pos = {n.name: i for i, n in enumerate(g.nodes)}
     order = sorted(members, key=lambda k: pos[members[k][-1].name])
@@ -198,7 +233,16 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
             kernel = TEMPLATES.get(kind, kind)
             backend = kernel.split(":")[0] if kernel.startswith(("library", "reference")) else "triton"
             a_pos = pos[anchor.name]
-            prologue = [m.op for m in ms if pos[m.name] < a_pos and m.op not in VIEWS]
+            prologue = []
+            for m in ms:
+                if pos[m.name] >= a_pos or m.op in VIEWS:
+                    continue
+                if m.name in chain_of:           # one fused conv kernel (target triton): printed in brackets
+                    if chain_of[m.name] == m.name:
+                        prologue.append("[" + "+".join(nodes[x].op for x in chains[m.name]
+                                                       if nodes[x].op not in VIEWS) + "]")
+                    continue
+                prologue.append(m.op)
             epilogue = [m.op for m in ms if pos[m.name] > a_pos and m.op not in VIEWS]
         elif kind in GEMMS:
             kernel, backend, prologue, epilogue = "library:gemm", "library", [], []

@@ -38,6 +38,16 @@ def test_tiny_triton_matches_reference():
     assert not {name for name, _ in tri._epi.values()} & set(calls)   # no absorbed norm ran on its own
     assert torch.isfinite(a).all()
     assert ((a - b).norm() / b.norm()).item() < 1e-4
+    # without autograd the KDA prologue chains (short_conv -> silu [-> l2norm]) run as one Triton kernel each
+    # (with autograd they run op by op, as above: the fused kernel has no backward)
+    assert len(tri._chains) == 3 * sum(1 for k in tri.program.launches if k.kernel == "triton.kda_chunk")
+    convs = []
+    conv = tri._table["short_conv"]
+    tri._table["short_conv"] = lambda n, *a: convs.append(n.name) or conv(n, *a)
+    with torch.no_grad():
+        c = tri(ids)
+    assert not convs
+    assert ((c - b).norm() / b.norm()).item() < 1e-4
 
 
 def test_tiny_tvm_matches_reference():
