@@ -94,11 +94,17 @@ def sdpa_mla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     return o.transpose(1, 2)[..., :dv]
 
 
+def _records_grad(*xs) -> bool:
+    """True while autograd records and one of xs needs a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
 def _triton_table() -> dict[str, Callable]:
     """The reference table with the ops that have Triton kernels swapped in; GEMMs and the MLA core go to
     the vendor libraries in the activation dtype (cuBLAS, flash attention)."""
     import torch.nn.functional as F
     import backends.triton as T
+    from backends import reference as R
     table = _reference_table()
     table["linear"] = lambda n, x, w: F.linear(x, w.to(x.dtype))
     table["lm_head"] = lambda n, x, w: F.linear(x, w.to(x.dtype))
@@ -107,8 +113,9 @@ def _triton_table() -> dict[str, Callable]:
         table["kda_chunk"] = lambda n, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=n.attr("scale"),
                                                                   lower_bound=n.attr("lower_bound"))[0]
     if hasattr(T, "kda_gate"):
-        table["kda_gate"] = lambda n, x, a, d: T.kda_gate(x, a, d, lower_bound=n.attr("lower_bound"),
-                                                          gate=n.attr("gate"))
+        # the Triton gate kernel is forward-only: with autograd recording the reference op runs
+        table["kda_gate"] = lambda n, x, a, d: (R.kda_gate if _records_grad(x, a, d) else T.kda_gate)(
+            x, a, d, lower_bound=n.attr("lower_bound"), gate=n.attr("gate"))
     if hasattr(T, "attn_residual"):
         table["attn_residual"] = lambda n, q, w, *s, output_rms_weight=None: T.attn_residual(
             q, list(s), w, eps=n.attr("eps"), output_rms_weight=output_rms_weight)
@@ -235,6 +242,7 @@ class CompiledModule(nn.Module):
                 owner.register_buffer(leaf, data)
             self._names[n.name] = key
         self._router_layers = {}
+        self._node_types = {n.name: n.types[0].shape for n in graph.nodes if n.types}
         # fused epilogues that run inside their anchor's kernel (target "triton"): anchor -> (rmsnorm node, weight)
         self._epi: dict[str, tuple[str, Ref]] = self._fused_norm_epilogues() if target == "triton" else {}
         # KDA prologue chains short_conv -> silu [-> reshape -> l2norm] run as one Triton kernel each
@@ -298,20 +306,23 @@ class CompiledModule(nn.Module):
             env[n.name] = x
         ops = [n for n in g.nodes if n.op not in SOURCE_OPS]
         epi_done: set[str] = set()
+        # the generated and fused kernels are forward-only: while autograd records (training), every op runs
+        # on its own through the op table, whose kernels all have a backward
+        fuse = not (torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters()) or any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in inputs.values())))
         for i, n in enumerate(ops):
             if progress is not None:
                 progress(i, len(ops))
-            if n.name in self._gen_skip:
+            if fuse and n.name in self._gen_skip:
                 continue
-            if n.name in self._gen:
-                self._run_generated(env, *self._gen[n.name])
+            if fuse and n.name in self._gen:
+                self._run_generated(env, *self._gen[n.name], bind)
                 continue
             if n.name in epi_done:
                 continue
             args = [self._value(env, r) for r in n.inputs]
-            chain = self._chains.get(n.name)
-            if chain is not None and not (torch.is_grad_enabled() and any(
-                    isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            chain = self._chains.get(n.name) if fuse else None
+            if chain is not None:
                 # forward without autograd: conv + SiLU (+ per-head L2 norm) in one kernel
                 from backends.triton.conv import conv_silu_norm
                 last = chain[-1]
@@ -322,7 +333,7 @@ class CompiledModule(nn.Module):
                 env[last.name] = y
                 epi_done.update(m.name for m in chain[1:])
                 continue
-            fused = self._epi.get(n.name)
+            fused = self._epi.get(n.name) if fuse else None
             if fused is not None:
                 # anchor + RMSNorm epilogue in one kernel: the norm's output is what the graph uses next
                 norm_name, w = fused
@@ -368,7 +379,7 @@ class CompiledModule(nn.Module):
                 epi[n.name] = (c.name, c.inputs[1])
         return epi
 
-    def _run_generated(self, env, k, fn) -> None:
+    def _run_generated(self, env, k, fn, bind) -> None:
         args = []
         for ref in k.inputs:
             name, _, idx = ref.lstrip("%").partition("#")
@@ -379,7 +390,9 @@ class CompiledModule(nn.Module):
         outs = [torch.empty_like(row) for _ in k.outputs]
         launch(k, fn, args, outs)          # several rows per program when rows are short
         for ref, o in zip(k.outputs, outs):
-            env[ref.lstrip("%").partition("#")[0]] = o
+            name = ref.lstrip("%").partition("#")[0]
+            # flat [rows, D] tiling: give the value the shape of its node (an epilogue may end in a reshape)
+            env[name] = o.view(self._shape(self._node_types[name], bind))
 
     def _value(self, env, r):
         if r.node not in env:

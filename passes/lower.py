@@ -84,6 +84,7 @@ class Launch:
     prologue: list[str] = field(default_factory=list)
     epilogue: list[str] = field(default_factory=list)
     epilogue_in_kernel: bool = False   # the epilogue runs inside the template kernel (not as separate ops)
+    epilogue_generated: bool = False   # the epilogue runs as one generated kernel after the template kernel
 
     def text(self) -> str:
         ins = ", ".join(f"{r}" for r, _ in self.inputs)
@@ -96,7 +97,8 @@ class Launch:
         if self.prologue:
             s += f"\n      prologue: {' -> '.join(self.prologue)}"
         if self.epilogue:
-            where = " (in kernel)" if self.epilogue_in_kernel else ""
+            where = " (in kernel)" if self.epilogue_in_kernel else " (generated kernel)" if self.epilogue_generated \
+                else ""
             s += f"\n      epilogue{where}: {' -> '.join(self.epilogue)}"
         return s
 
@@ -110,7 +112,8 @@ class KernelProgram:
 
     def text(self) -> str:
         lines = ["// prologue/epilogue: the ops each template launch absorbs (fuse_tiles). '(in kernel)': they run",
-                 "// inside the template kernel (AttnRes + the next RMSNorm); [a+b+c]: one fused kernel of its own",
+                 "// inside the template kernel (AttnRes + the next RMSNorm); '(generated kernel)': one generated",
+                 "// Triton kernel right after it; [a+b+c]: one fused kernel of its own",
                  "// (KDA's short_conv+silu+l2norm); the others still run as separate ops beside it (through the",
                  "// target's op table: TVM kernels for target=tvm); pointwise chains run as generated kernels;",
                  "// views (reshape, slice) are free.",
@@ -264,6 +267,12 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
         in_kernel = (target == "triton" and backend == "triton" and kind in ("attn_residual", "attn_residual_merge")
                      and epilogue == ["rmsnorm"]
                      and all(m.attr("eps") == anchor.attr("eps") for m in ms if m.op == "rmsnorm"))
+        # any other epilogue of elementwise / row-norm ops (and reshapes) becomes one generated kernel
+        # (backends/triton/codegen.py), run right after the template kernel
+        epi_nodes = [m for m in ms if pos[m.name] > pos[anchor.name]] if anchor.attr("fusion") == key else []
+        generated = (target == "triton" and backend in ("triton", "library") and not in_kernel and bool(epilogue)
+                     and all(m.op in CODEGEN_OPS or m.op == "reshape" for m in epi_nodes))
         launches.append(Launch(len(launches), kernel, backend, anchor.name, [m.name for m in ms],
-                               [m.op for m in ms], ins, outs, grid, tiles, prologue, epilogue, in_kernel))
+                               [m.op for m in ms], ins, outs, grid, tiles, prologue, epilogue, in_kernel,
+                               generated))
     return KernelProgram(g.name, target, g.symbols, launches)

@@ -42,17 +42,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MTC_CACHE_DIR", Path.home() / ".cache" / "mtc"))
 
 
-def _gen_one(idx: int, launch, g: Graph) -> GeneratedKernel | None:
+def _numel(t):
+    n = 1
+    for d in t.shape:
+        n = n * d
+    return n
+
+
+def _gen_one(idx: int, launch, g: Graph, ops: list[str] | None = None, prefix: str = "pw") -> GeneratedKernel | None:
+    """Kernel for the member ops ``ops`` (default: all of ``launch.ops``), elementwise / row-norm ops and
+    reshapes (identities on contiguous memory). Every operand has the row width D of the row-norm ops (or of
+    the last op) or the same number of elements as the result, so one flat [rows, D] tiling serves all."""
     nodes = g.node_map()
-    ms = [nodes[m] for m in launch.ops]
-    if not ms or any(m.op not in ROW_OPS for m in ms):
+    ms = [nodes[m] for m in (ops if ops is not None else launch.ops)]
+    if not ms or any(m.op not in ROW_OPS and m.op != "reshape" for m in ms):
         return None
-    out_t = ms[-1].types[0]
+    comp = [m for m in ms if m.op != "reshape"]
+    if not comp:
+        return None
+    out_t = comp[-1].types[0]
     if out_t.dtype not in ("f32", "f16", "bf16") or out_t.rank < 1:
         return None
-    D = out_t.shape[-1]
+    norms = {m.types[0].shape[-1] for m in comp if m.op in ("rmsnorm", "l2norm")}
+    if len(norms) > 1:
+        return None
+    D = norms.pop() if norms else out_t.shape[-1]
     if not D.is_number:
         return None
+    total = _numel(out_t)
     names = {m.name for m in ms}
     in_refs: list[str] = []
     row_in: list[bool] = []
@@ -66,7 +83,7 @@ def _gen_one(idx: int, launch, g: Graph) -> GeneratedKernel | None:
             return var[key]
         t = nodes[r.node].types[r.index]
         if key not in in_refs:
-            if t.shape == out_t.shape:
+            if t.shape == out_t.shape or (_numel(t) - total).expand() == 0 and (t.shape[-1] % D) == 0:
                 row = True
             elif t.rank == 1 and t.shape[0] == D:
                 row = False
@@ -86,6 +103,9 @@ def _gen_one(idx: int, launch, g: Graph) -> GeneratedKernel | None:
         for j, m in enumerate(ms):
             x = [operand(r) for r in m.inputs]
             t = f"t{j}"
+            if m.op == "reshape":               # same elements, same order: the value itself
+                var[str(m.out())] = x[0]
+                continue
             if m.op == "add":
                 e = f"{x[0]} + {x[1]}"
             elif m.op == "mul":
@@ -112,7 +132,9 @@ def _gen_one(idx: int, launch, g: Graph) -> GeneratedKernel | None:
     except _Unsupported:
         return None
     outs = [r for r, _t in launch.outputs if r.split("#")[0].lstrip("%") in names]
-    name = f"pw{idx}_" + "_".join(m.op for m in ms)[:60]
+    if not outs:
+        return None
+    name = f"{prefix}{idx}_" + "_".join(m.op for m in comp)[:60]
     args = [f"in{i}" for i in range(len(in_refs))] + [f"out{i}" for i in range(len(outs))] + ["D"] + list(scalars)
     lines = ["@triton.jit",
              f"def {name}({', '.join(args)}, BLOCK_D: tl.constexpr, N={N_DEFAULT}, ROWS: tl.constexpr = 1):",
@@ -183,9 +205,17 @@ def _tanh(x):
 def generate(program, g: Graph) -> tuple[str, list[GeneratedKernel]]:
     """Triton source for every pointwise launch of ``program`` that the generator covers."""
     kernels, sources, by_body = [], [], {}
+    pos = {n.name: i for i, n in enumerate(g.nodes)}
     for L in program.launches:
-        if L.kernel.startswith("triton.pointwise"):
-            k = _gen_one(len(sources), L, g)
+        if L.kernel.startswith("triton.pointwise") or getattr(L, "epilogue_generated", False):
+            if L.kernel.startswith("triton.pointwise"):
+                k = _gen_one(len(sources), L, g)
+            else:                                # a template's epilogue: the members after the anchor
+                ops = [m for m in L.ops if pos[m] > pos[L.anchor]]
+                k = _gen_one(len(sources), L, g, ops, prefix="ep")
+                if k is None:
+                    raise ValueError(f"codegen: launch k{L.index} ({L.kernel}) promises a generated epilogue "
+                                     f"({' -> '.join(L.epilogue)}) that the generator cannot build")
             if k is None:
                 continue
             # launches with the same body share one jit function
