@@ -261,6 +261,10 @@ class CompiledModule(nn.Module):
     # -- IR access ----------------------------------------------------------------------------
     def ir(self, stage: str = "canonical") -> str:
         """The printed IR of one stage ("graph", "typed", "canonical", "fused", "lowered")."""
+        if stage == "lowered" and stage not in self.stages and "fused" in self.stages:
+            from passes.lower import lower      # the reference target keeps no kernel IR: lower on demand
+            self.stages["lowered"] = lower(self.stages["fused"], self.target if self.target != "reference"
+                                           else "triton")
         if stage not in self.stages:
             raise MtcError(f"no IR stage '{stage}'; stages: {', '.join(self.stages)}")
         st = self.stages[stage]
@@ -282,6 +286,10 @@ class CompiledModule(nn.Module):
 
     def run(self, progress=None, **inputs):
         g = self.graph
+        p0 = next(self.parameters(), None)
+        if p0 is not None and p0.is_meta:
+            raise MtcError("this model was compiled on device='meta': it has shapes but no weights (for stats, "
+                           "the IR and planning); compile it on 'cpu' or 'cuda' to run it")
         env: dict[str, object] = {}
         bind: dict[sympy.Symbol, int] = {}
         for n in g.inputs():

@@ -90,7 +90,10 @@ class GraphBuilder:
         """A parameter (or buffer). ``pinned``: keep ``dtype`` whatever the compile dtype (precision-critical
         tensors such as A_log, dt_bias and the router bias stay float32)."""
         if name in self._param_names:
-            raise self.error(f"parameter '{name}' is defined twice", loc)
+            raise self.error(f"parameter '{name}' is defined twice: parameters are named after their place in the "
+                             f"model (Hugging Face layout), so a second top-level call of the same layer op, a second "
+                             f"stack, or a layer block in a slot meant for another kind collides; give the second "
+                             f"one its own name (name=\"...\" on a top-level op, prefix=\"...\" on a stack)", loc)
         if dtype is not None:
             dtype = canon_dtype(dtype, loc)
         attrs: dict[str, Any] = {"name": name, "init": init}

@@ -300,6 +300,9 @@ def cmd_run(args) -> int:
     c.print(f"[bold]{g.name}[/] ({sum(p.numel() for p in m.parameters()):,} parameters, target {args.target}, "
             f"{args.dtype or 'float32'}) on {text_path.name}: {len(ids):,} byte tokens in {n} window"
             f"{'s' if n != 1 else ''} of up to {T}; compiled in {time.perf_counter() - t0:.2f} s")
+    if args.target in ("triton", "tvm") and str(args.device) == "cpu" and len(ids) > 512:
+        c.print("note: on the CPU the Triton kernels run under the interpreter (a few tokens/s for the tiny model); "
+                "--max-tokens 256 --seq-len 64 gives a quick check")
     total_loss, total_tok = 0.0, 0
     loads: dict[str, torch.Tensor] = {}
     t1 = time.perf_counter()
@@ -307,10 +310,15 @@ def cmd_run(args) -> int:
                   TextColumn("{task.completed}/{task.total} windows"), TimeElapsedColumn(), console=c,
                   transient=True) as prog:
         task = prog.add_task("forward", total=n)
+        ops_task = prog.add_task("  ops of this window", total=1)
+
+        def op_progress(i, total):
+            prog.update(ops_task, completed=i + 1, total=total)
+
         with torch.no_grad():
             for rows in batches:
                 batch = torch.stack(rows).to(args.device)
-                logits = m(batch[:, :-1])
+                logits = m(batch[:, :-1], progress=op_progress)
                 if not torch.isfinite(logits).all():
                     raise MtcError("the forward pass produced non-finite logits")
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),

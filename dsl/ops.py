@@ -685,3 +685,7 @@ register("attn_residual_merge", _merge, n_data_inputs=5, variadic=True,
          attrs={"index": REQUIRED, "eps": 1e-6, "dtype": REQUIRED},
          flops=lambda ts, os, a: 8 * numel(os[0]),
          doc="online-softmax merge of one query's bank result (phase 1, row index) with the in-block partial")
+
+#: the layer blocks a stack's 'attn' slot and 'ffn' slot take
+LAYER_OPS_ATTN = frozenset({"kda_layer", "mla_layer"})
+LAYER_OPS_FFN = frozenset({"glu_ffn", "latent_moe", "moe"})

@@ -17,6 +17,9 @@ from .builder import GraphBuilder
 from .errors import Loc, MtcError, did_you_mean
 from .ir import Ref, canon_dtype
 
+#: the most layers a stack may have (the graph is built layer by layer; K3 has 93)
+MAX_LAYERS = 4096
+
 CONFIG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dtype": str}
 
 
@@ -330,6 +333,9 @@ class SpecBuilder:
         n = kw.get("layers")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise self.spec.err(f"stack needs layers=<positive int>, got {n!r}", loc)
+        if n > MAX_LAYERS:
+            raise self.spec.err(f"stack(layers={n}): more than {MAX_LAYERS} layers; the graph is built layer by layer "
+                                f"(the largest K3-family models have ~100), so this is almost certainly a typo", loc)
         residual = kw.get("residual", "add")
         if residual not in ("add", "attn_res"):
             raise self.spec.err(f"residual must be \"add\" or \"attn_res\", got {residual!r}", loc)
@@ -348,6 +354,7 @@ class SpecBuilder:
         d = b.type(x).shape[-1]
         bank, partial = [x], None
         from .ops import OPS
+        from .ops import LAYER_OPS_ATTN, LAYER_OPS_FFN
         for i in range(1, n + 1):
             lenv = dict(self.env, i=i)
             lev = Evaluator(self.spec, lenv, self)
@@ -356,6 +363,10 @@ class SpecBuilder:
                 blk = lev.eval(expr)
                 if not isinstance(blk, Block):
                     raise self.spec.err(f"sublayer '{sname}' of layer {i} must be a layer block, got {blk!r}", sloc)
+                kinds = LAYER_OPS_ATTN if sname == "attn" else LAYER_OPS_FFN
+                if blk.op not in kinds:
+                    raise self.spec.err(f"sublayer '{sname}' of layer {i} is a {blk.op} block; the '{sname}' slot takes "
+                                        f"{' or '.join(sorted(kinds))}", sloc)
                 chosen.append((blk, sloc))
             p = f"{prefix}.{i - 1}"
             for j, (blk, sloc) in enumerate(chosen):

@@ -113,3 +113,52 @@ def test_cli_missing_input_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dsl.cli", "run", "--input", str(tmp_path / "nope.txt")],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 2 and "cannot read --input" in r.stderr and "Traceback" not in r.stderr
+
+
+STACK = """model m {
+  config { d: int = 32  n: int = 2 }
+  block kda = kda_layer(heads=2, head_dim=16)
+  block dense = glu_ffn(inter=48)
+  forward(input_ids: i64[B, T]) {
+    x = embedding(input_ids, vocab=256, dim=d)
+    x = stack(x, layers=n) {
+      attn = kda
+      ffn = dense
+    }
+    return lm_head(rmsnorm(x), vocab=256)
+  }
+}
+"""
+
+
+def test_stack_layer_count_and_slot_kinds_are_checked():
+    dsl.parse(STACK)
+    e = _err(STACK.replace("n: int = 2", "n: int = 99999999999999999999"))
+    assert "more than 4096 layers" in str(e) and _loc(e) == (7, 5)
+    e = _err(STACK.replace("attn = kda", "attn = dense"))
+    assert "'attn' slot takes kda_layer or mla_layer" in str(e) and _loc(e) == (8, 7)
+    e = _err(STACK.replace("ffn = dense", "ffn = kda"))
+    assert "'ffn' slot takes" in str(e) and _loc(e) == (9, 7)
+
+
+def test_duplicate_parameter_names_explain_the_fix():
+    e = _err(GOOD.replace("return lm_head(rmsnorm(x)", "x = rmsnorm(x)\n    return lm_head(rmsnorm(x)"))
+    assert "defined twice" in str(e) and "name=" in str(e)
+
+
+def test_meta_model_refuses_to_run_and_lowered_ir_on_reference():
+    import torch
+    g = dsl.parse(STACK)
+    with pytest.raises(MtcError, match="device='meta'"):
+        dsl.compile(g, device="meta")(torch.zeros(1, 4, dtype=torch.long))
+    assert "kernels m(B, T)" in dsl.compile(g, target="reference").ir("lowered")
+
+
+def test_compile_emit_into_a_file_is_a_clean_error(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    spec = tmp_path / "m.mtc"
+    spec.write_text(STACK)
+    r = subprocess.run([sys.executable, "-m", "dsl.cli", "compile", str(spec), "--emit", str(f)],
+                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2 and "cannot write the generated kernels" in r.stderr and "Traceback" not in r.stderr

@@ -238,11 +238,16 @@ def write_and_load(program, g: Graph, directory: Path | None = None):
     Returns (path, module, kernels)."""
     src, kernels = generate(program, g)
     d = Path(directory) if directory else cache_dir() / "triton" / program.cache_key()
-    d.mkdir(parents=True, exist_ok=True)
     path = d / "kernels.py"
-    if not path.exists() or path.read_text() != src:
-        path.write_text(src)
-    (d / "kernel_ir.txt").write_text(program.text())
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != src:
+            path.write_text(src)
+        (d / "kernel_ir.txt").write_text(program.text())
+    except OSError as e:
+        from dsl.errors import MtcError
+        where = "--emit directory" if directory else "kernel cache (set MTC_CACHE_DIR to a writable directory)"
+        raise MtcError(f"cannot write the generated kernels to {d} ({where}): {e.strerror or e}") from None
     spec = importlib.util.spec_from_file_location(f"mtc_gen_{program.cache_key()}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
