@@ -55,8 +55,11 @@ class MtcError(Exception):
             src_lines = text.splitlines()
             if 1 <= self.loc.line <= len(src_lines):
                 num = str(self.loc.line)
-                lines.append(f"  {num} | {src_lines[self.loc.line - 1]}")
-                lines.append(f"  {' ' * len(num)} | {' ' * (self.loc.col - 1)}^")
+                line = src_lines[self.loc.line - 1]
+                # tabs expanded (to 4) in the excerpt, and the caret moved with them
+                before = line[: max(self.loc.col - 1, 0)].expandtabs(4)
+                lines.append(f"  {num} | {line.expandtabs(4)}")
+                lines.append(f"  {' ' * len(num)} | {' ' * len(before)}^")
         if self.hint:
             lines.append(f"  hint: {self.hint}")
         return "\n".join(lines)

@@ -49,8 +49,12 @@ class SpecModel:
         self.variants: dict[str, list[tuple[str, Any, Loc]]] = {}
         self.blocks: list[tuple[str, Any, Loc]] = []
         self.forward = None
+        n_config = 0
         for item in model.children[1:]:
             if item.data == "config":
+                n_config += 1
+                if n_config > 1:
+                    raise self.err("a model has one config { ... } section (put every field in it)", self.loc(item))
                 for f in item.children:
                     name, typ, expr = str(f.children[0]), str(f.children[1]), f.children[2]
                     loc = self.loc(f)
@@ -305,6 +309,9 @@ class SpecBuilder:
             elif ch.data == "stack":
                 self.env[str(ch.children[0])] = self._stack(ch, ev)
             elif ch.data == "ret":
+                if outputs is not None:
+                    raise self.spec.err("forward has a second return; one return lists every output "
+                                        "(return a, b)", self.spec.loc(ch))
                 outputs = [ev.eval(e) for e in ch.children]
                 for o in outputs:
                     if not isinstance(o, Ref):
@@ -396,16 +403,36 @@ class SpecBuilder:
         return x
 
 
+_TERMINAL_WORDS = {"NAME": "a name", "INT": "an integer", "DECIMAL": "a number", "STRING": "a string",
+                   "COMP_OP": "a comparison", "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/', '//' or '%'"}
+
+
+def _describe(term: str) -> str:
+    """A grammar terminal as a user reads it: the literal for keywords and punctuation, words for the rest."""
+    if term in _TERMINAL_WORDS:
+        return _TERMINAL_WORDS[term]
+    try:
+        pat = _parser().get_terminal(term).pattern
+        if type(pat).__name__ == "PatternStr":
+            return f"'{pat.value}'"
+    except (KeyError, AttributeError):
+        pass
+    return term
+
+
 def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
+    if text.startswith("\ufeff"):             # a UTF-8 byte-order mark (some editors write one)
+        text = " " + text[1:]                  # keep every column where it was
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedCharacters as e:
         raise MtcError(f"unexpected character {text[e.pos_in_stream]!r}", Loc(file, e.line, e.column), text) from None
     except lark.exceptions.UnexpectedToken as e:
         tok = e.token
-        exp = sorted(x for x in e.expected if not x.startswith("__"))[:8]
+        exp = sorted({_describe(x) for x in e.expected if not x.startswith("__")})
+        more = f" (or {len(exp) - 10} more)" if len(exp) > 10 else ""
         what = "end of file" if tok.type == "$END" else f"'{tok}'"
-        raise MtcError(f"syntax error: unexpected {what}; expected one of {', '.join(exp)}",
+        raise MtcError(f"syntax error: unexpected {what}; expected {', '.join(exp[:10])}{more}",
                        Loc(file, e.line if e.line > 0 else text.count(chr(10)) + 1, max(e.column, 1)), text) from None
     except lark.exceptions.UnexpectedEOF:
         raise MtcError("syntax error: unexpected end of file (a '}' missing?)",

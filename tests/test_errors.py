@@ -162,3 +162,19 @@ def test_compile_emit_into_a_file_is_a_clean_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dsl.cli", "compile", str(spec), "--emit", str(f)],
                        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 2 and "cannot write the generated kernels" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_friendly_syntax_messages_and_editor_quirks():
+    e = _err("")
+    assert "expected 'model'" in str(e)
+    e = _err(GOOD.replace("return lm_head(rmsnorm(x), vocab=256)",
+                          "return x\n    return lm_head(rmsnorm(x), vocab=256)"))
+    assert "second return" in str(e) and _loc(e) == (10, 5)
+    e = _err(GOOD.replace("  forward(", "  config { e: int = 1 }\n  forward("))
+    assert "one config" in str(e) and _loc(e) == (6, 3)
+    dsl.parse("\ufeff" + GOOD)                       # a byte-order mark is not an error
+    e = _err(GOOD.replace("    y = kda_layer", "\ty = kda_layr"))
+    assert _loc(e) == (8, 6)
+    excerpt = e.render().splitlines()
+    assert excerpt[1].endswith("    y = kda_layr(x, heads=heads, head_dim=16, name=\"model.layers.0.self_attn\")")
+    assert excerpt[2].index("^") - excerpt[1].index("|") == excerpt[1].index("kda_layr") - excerpt[1].index("|")
