@@ -116,6 +116,12 @@ def cmd_ir(args) -> int:
         text = _tvm_report(args, pm.stages["canonical"])
     elif stage == "lowered":
         text = _lowered_report(args, g, pm)
+        if args.dump_ir:                  # the pass dumps are NN-<pass>.ir; the kernel IR comes last
+            n = len(list(Path(args.dump_ir).glob("*.ir")))
+            try:
+                (Path(args.dump_ir) / f"{n:02d}-lowered.txt").write_text(text)
+            except OSError as e:
+                raise MtcError(f"cannot write --dump-ir '{args.dump_ir}': {e.strerror}") from None
     else:
         text = print_graph(pm.stages[stage], with_loc=not args.no_loc)
         if stage == "fused":

@@ -74,6 +74,12 @@ def test_ir_dump_with_graph_stage(tmp_path):
     assert r.stdout.startswith("graph kimi_k3.tiny(B, T)")
 
 
+def test_ir_dump_with_lowered_stage_includes_the_kernel_ir(tmp_path):
+    r = mtc("ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "lowered", "--dump-ir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "06-lowered.txt").read_text() == r.stdout
+
+
 @pytest.mark.parametrize("args,needle", [
     (["ir", "models/kimi_k3.mtc", "--stage", "lowered", "--gpus", "128", "--slots", "1000"], "a multiple of ep_size = 128"),
     (["ir", "models/kimi_k3.mtc", "--stage", "lowered", "--checkpointing", "bogus"], "invalid choice"),
