@@ -478,6 +478,16 @@ def main(argv=None) -> int:
         if v is not None and v < 1:
             print(f"mtc: error: --{k.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)
             return 2
+    import warnings
+    from .errors import MtcWarning
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, MtcWarning):        # spec warnings: 'file:line:col: warning: ...', once each
+            print(str(message), file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+    warnings.showwarning = show
     try:
         return args.fn(args)
     except MtcError as e:

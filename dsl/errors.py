@@ -71,3 +71,11 @@ class MtcError(Exception):
 def did_you_mean(name: str, choices) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class MtcWarning(UserWarning):
+    """Something in a spec that is legal but probably not meant (an unused block or value); ``loc`` says where."""
+
+    def __init__(self, msg: str, loc: "Loc | None" = None):
+        super().__init__(f"{loc}: warning: {msg}" if loc else f"warning: {msg}")
+        self.loc = loc

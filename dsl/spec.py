@@ -185,6 +185,8 @@ class Evaluator:
         name = str(t.children[0])
         if name not in self.env:
             raise self.err(f"unknown name '{name}'{did_you_mean(name, self.env)}", t)
+        if self.b is not None:
+            self.b.used.add(name)
         return self.env[name]
 
     def _num(self, v, t, what):
@@ -259,11 +261,13 @@ class SpecBuilder:
         self.b.meta["config"] = tuple(sorted(config.items()))
         self.env: dict[str, Any] = dict(config)
         self.blocks: dict[str, Block] = {}
+        self.used: set[str] = set()            # names read by the forward (for the unused-name warnings)
 
     def apply(self, fname: str, args: list, kwargs: dict, loc: Loc):
         from .ops import OPS
         target = self.env.get(fname) if fname not in OPS else None
         if isinstance(target, Block):
+            self.used.add(fname)
             if kwargs.keys() - {"name"}:
                 raise self.spec.err(f"block '{fname}' is already configured; pass only name= when applying it", loc)
             return self._apply_block(target, args, kwargs.get("name"), loc)
@@ -318,7 +322,20 @@ class SpecBuilder:
                         raise self.spec.err(f"return needs tensors, got {o!r}", self.spec.loc(ch))
         if outputs is None:
             raise self.spec.err("forward has no return statement", self.spec.loc(fwd))
+        self._warn_unused(fwd)
         return self.b.build(outputs)
+
+    def _warn_unused(self, fwd) -> None:
+        """MtcWarning for blocks never applied and values never read (they are dropped from the graph)."""
+        import warnings
+        from .errors import MtcWarning
+        for bname, _expr, loc in self.spec.blocks:
+            if bname not in self.used:
+                warnings.warn(MtcWarning(f"block '{bname}' is defined but never used", loc), stacklevel=2)
+        for ch in fwd.children:
+            if isinstance(ch, lark.Tree) and ch.data in ("let", "stack") and str(ch.children[0]) not in self.used:
+                warnings.warn(MtcWarning(f"'{ch.children[0]}' is computed but never used (dropped from the graph)",
+                                         self.spec.loc(ch)), stacklevel=2)
 
     # -- layer stacks -----------------------------------------------------------------------------
     def _stack(self, node, ev: Evaluator) -> Ref:

@@ -178,3 +178,15 @@ def test_friendly_syntax_messages_and_editor_quirks():
     excerpt = e.render().splitlines()
     assert excerpt[1].endswith("    y = kda_layr(x, heads=heads, head_dim=16, name=\"model.layers.0.self_attn\")")
     assert excerpt[2].index("^") - excerpt[1].index("|") == excerpt[1].index("kda_layr") - excerpt[1].index("|")
+
+
+def test_unused_blocks_and_values_are_warned_about():
+    from dsl.errors import MtcWarning
+    text = GOOD.replace("  forward(", "  block never = glu_ffn(inter=48)\n  forward(").replace(
+        "    return", "    unused = silu(x)\n    return")
+    with pytest.warns(MtcWarning) as rec:
+        dsl.parse(text, file="spec.mtc")
+    msgs = sorted(str(r.message) for r in rec)
+    assert any("spec.mtc:6:3: warning: block 'never'" in m for m in msgs)
+    assert any("spec.mtc:10:5: warning: 'unused' is computed but never used" in m for m in msgs)
+    assert any("'y' is computed but never used" in m for m in msgs)      # GOOD's own unused kda_layer
