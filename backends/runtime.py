@@ -243,15 +243,16 @@ class CompiledModule(nn.Module):
             self._names[n.name] = key
         self._router_layers = {}
         self._node_types = {n.name: n.types[0].shape for n in graph.nodes if n.types}
-        # fused epilogues that run inside their anchor's kernel (target "triton"): anchor -> (rmsnorm node, weight)
-        self._epi: dict[str, tuple[str, Ref]] = self._fused_norm_epilogues() if target == "triton" else {}
-        # KDA prologue chains short_conv -> silu [-> reshape -> l2norm] run as one Triton kernel each
+        # target "triton" (passes/lower.py finds both, for the kernel IR too): AttnRes anchors that run their
+        # absorbed RMSNorm in-kernel, anchor -> (rmsnorm node, its weight); the KDA prologue chains
+        # short_conv -> silu [-> reshape -> l2norm] that run as one Triton kernel each
+        self._epi: dict[str, tuple[str, Ref]] = {}
+        self._chains: dict[str, list[Node]] = {}
         if target == "triton":
-            from passes.lower import conv_chains
+            from passes.lower import conv_chains, norm_epilogues
             by = {n.name: n for n in graph.nodes}
+            self._epi = {a: (c.name, c.inputs[1]) for a, c in norm_epilogues(graph).items()}
             self._chains = {a: [by[x] for x in ms] for a, ms in conv_chains(graph).items()}
-        else:
-            self._chains = {}
         nodes = graph.node_map()
         for n in graph.nodes:
             if n.op == "qb_route":
@@ -364,28 +365,6 @@ class CompiledModule(nn.Module):
             self._gen[last] = (k, getattr(module, k.name))
             self._gen_skip.update(head)
         self._epi = {a: v for a, v in self._epi.items() if v[0] not in self._gen and v[0] not in self._gen_skip}
-
-    def _fused_norm_epilogues(self) -> dict:
-        """attn_residual / attn_residual_merge anchors whose fusion group (fuse_tiles) absorbed the RMSNorm of
-        their single-use output with the same eps: that norm then runs in the anchor kernel's epilogue (the
-        Triton kernels' fused output RMSNorm, ``output_rms_weight``), saving one read and one write of the
-        activation.  Returns {anchor: (rmsnorm node, its weight ref)}."""
-        g = self.graph
-        users = g.users()
-        outs = {r.node for r in g.outputs}
-        by_name = {n.name: n for n in g.nodes}
-        epi = {}
-        for n in g.nodes:
-            if n.op not in ("attn_residual", "attn_residual_merge") or n.attr("fusion") is None:
-                continue
-            us = users[n.name]
-            if len(us) != 1 or n.name in outs:
-                continue
-            c = by_name[us[0]]
-            if (c.op == "rmsnorm" and c.attr("fusion") == n.attr("fusion") and c.inputs[0].node == n.name
-                    and c.attr("eps") == n.attr("eps") and c.name not in self._gen_skip):
-                epi[n.name] = (c.name, c.inputs[1])
-        return epi
 
     def _run_generated(self, env, k, fn, bind) -> None:
         args = []

@@ -37,10 +37,9 @@ TEMPLATES = {
 }
 
 
-def conv_chains(g: Graph) -> dict[str, list[str]]:
-    """The ``short_conv -> silu [-> reshape -> l2norm]`` chains inside one fusion group (the KDA prologue of
-    q, k and v) whose intermediate values have no other use: target "triton" runs each as ONE kernel
-    (backends/triton/conv.py, conv_silu_norm). Returns {short_conv node: [member node names in order]}."""
+def _fusion_users(g: Graph):
+    """only_user(n, op): n's single consumer when it is an ``op`` of n's fusion group taking n as its first
+    input and n is no graph output; else None (the intermediate value then has no other use)."""
     users = g.users()
     outs = {r.node for r in g.outputs}
     by = {n.name: n for n in g.nodes}
@@ -52,7 +51,14 @@ def conv_chains(g: Graph) -> dict[str, list[str]]:
         u = by[us[0]]
         ok = u.op == op and u.attr("fusion") is not None and u.attr("fusion") == n.attr("fusion")
         return u if ok and u.inputs[0].node == n.name else None
+    return only_user
 
+
+def conv_chains(g: Graph) -> dict[str, list[str]]:
+    """The ``short_conv -> silu [-> reshape -> l2norm]`` chains inside one fusion group (the KDA prologue of
+    q, k and v) whose intermediate values have no other use: target "triton" runs each as ONE kernel
+    (backends/triton/conv.py, conv_silu_norm). Returns {short_conv node: [member node names in order]}."""
+    only_user = _fusion_users(g)
     chains = {}
     for n in g.nodes:
         if n.op != "short_conv" or n.attr("fusion") is None:
@@ -67,6 +73,21 @@ def conv_chains(g: Graph) -> dict[str, list[str]]:
             chain += [r.name, nrm.name]
         chains[n.name] = chain
     return chains
+
+
+def norm_epilogues(g: Graph) -> dict[str, Node]:
+    """attn_residual / attn_residual_merge anchors whose fusion group absorbed the RMSNorm (same eps) of their
+    single-use output: target "triton" runs that norm inside the AttnRes kernel (its fused output RMSNorm).
+    Returns {anchor node: the rmsnorm node}."""
+    only_user = _fusion_users(g)
+    epi = {}
+    for n in g.nodes:
+        if n.op not in ("attn_residual", "attn_residual_merge") or n.attr("fusion") is None:
+            continue
+        c = only_user(n, "rmsnorm")
+        if c is not None and c.attr("eps") == n.attr("eps"):
+            epi[n.name] = c
+    return epi
 
 
 @dataclass
@@ -211,6 +232,7 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
         key = root(n.name) if n.name in group_of else n.name
         members.setdefault(key, []).append(n)
     chains = conv_chains(g) if target == "triton" else {}
+    norm_epis = norm_epilogues(g) if target == "triton" else {}
     chain_of = {x: start for start, ms_ in chains.items() for x in ms_}
     # 2. launches in the order of each group's last member
     pos = {n.name: i for i, n in enumerate(g.nodes)}
@@ -264,9 +286,8 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
         grid = [] if backend in ("library", "tvm", "reference") else _grid(kind, anchor, types, tiles)
         # AttnRes kernels carry an output RMSNorm: the runtime (target triton) runs an absorbed RMSNorm of the
         # same eps there (backends/runtime.py, CompiledModule._fused_norm_epilogues)
-        in_kernel = (target == "triton" and backend == "triton" and kind in ("attn_residual", "attn_residual_merge")
-                     and epilogue == ["rmsnorm"]
-                     and all(m.attr("eps") == anchor.attr("eps") for m in ms if m.op == "rmsnorm"))
+        in_kernel = (target == "triton" and backend == "triton" and anchor.name in norm_epis
+                     and epilogue == ["rmsnorm"])
         # any other epilogue of elementwise / row-norm ops (and reshapes) becomes one generated kernel
         # (backends/triton/codegen.py), run right after the template kernel
         epi_nodes = [m for m in ms if pos[m.name] > pos[anchor.name]] if anchor.attr("fusion") == key else []

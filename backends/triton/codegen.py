@@ -203,30 +203,30 @@ def _tanh(x):
 
 
 def generate(program, g: Graph) -> tuple[str, list[GeneratedKernel]]:
-    """Triton source for every pointwise launch of ``program`` that the generator covers."""
+    """Triton source for every pointwise launch of ``program`` that the generator covers, and for every
+    template epilogue the kernel IR marks as a generated kernel (its members after the anchor)."""
     kernels, sources, by_body = [], [], {}
-    pos = {n.name: i for i, n in enumerate(g.nodes)}
     for L in program.launches:
-        if L.kernel.startswith("triton.pointwise") or getattr(L, "epilogue_generated", False):
-            if L.kernel.startswith("triton.pointwise"):
-                k = _gen_one(len(sources), L, g)
-            else:                                # a template's epilogue: the members after the anchor
-                ops = [m for m in L.ops if pos[m] > pos[L.anchor]]
-                k = _gen_one(len(sources), L, g, ops, prefix="ep")
-                if k is None:
-                    raise ValueError(f"codegen: launch k{L.index} ({L.kernel}) promises a generated epilogue "
-                                     f"({' -> '.join(L.epilogue)}) that the generator cannot build")
+        if L.kernel.startswith("triton.pointwise"):
+            k = _gen_one(len(sources), L, g)
+        elif L.epilogue_generated:              # L.ops is in graph order: the epilogue follows the anchor
+            k = _gen_one(len(sources), L, g, L.ops[L.ops.index(L.anchor) + 1:], prefix="ep")
             if k is None:
-                continue
-            # launches with the same body share one jit function
-            body = k.source.split("\n", 3)[3]
-            sig = (k.source.split("(", 1)[1].split(")", 1)[0], body)
-            if sig in by_body:
-                k.name = by_body[sig]
-            else:
-                by_body[sig] = k.name
-                sources.append(k.source)
-            kernels.append(k)
+                raise ValueError(f"codegen: launch k{L.index} ({L.kernel}) promises a generated epilogue "
+                                 f"({' -> '.join(L.epilogue)}) that the generator cannot build")
+        else:
+            continue
+        if k is None:
+            continue
+        # launches with the same body share one jit function
+        body = k.source.split("\n", 3)[3]
+        sig = (k.source.split("(", 1)[1].split(")", 1)[0], body)
+        if sig in by_body:
+            k.name = by_body[sig]
+        else:
+            by_body[sig] = k.name
+            sources.append(k.source)
+        kernels.append(k)
     key = program.cache_key()
     src = HEADER.format(name=program.name, key=key) + "\n\n".join(sources)
     return src, kernels
