@@ -317,8 +317,7 @@ class CompiledModule(nn.Module):
         epi_done: set[str] = set()
         # the generated and fused kernels are forward-only: while autograd records (training), every op runs
         # on its own through the op table, whose kernels all have a backward
-        fuse = not (torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters()) or any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in inputs.values())))
+        fuse = not _records_grad(*self.parameters(), *inputs.values())
         for i, n in enumerate(ops):
             if progress is not None:
                 progress(i, len(ops))
