@@ -166,8 +166,9 @@ def test_qb_property_q_tokens_clear_cutoff(n, e, k):
                          dtype=torch.float64)
     margin = s.double() - alpha[:, None]
     b_hat = torch.tensor([-kth_largest(margin[:, j].tolist(), q + 1) for j in range(e)], dtype=torch.float64)
-    # the module returns b_hat centred
-    assert rel_rms(nb.double(), b_hat - b_hat.mean()) < 1e-6
+    # the module returns b_hat centred (float32 against this float64 derivation: centring cancels the common
+    # part of b_hat, so the relative error of the rest is some float32 ulps of |b_hat|; seen up to 1.2e-6)
+    assert rel_rms(nb.double(), b_hat - b_hat.mean()) < 1e-5
     # with alpha fixed: at most q tokens clear the cut-off strictly, and at least q+1 reach it;
     # exactly q wherever the (q+1)-th margin is not tied (ties are structural: a token whose
     # (k+1)-th expert is j has margin exactly -b_j)

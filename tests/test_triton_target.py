@@ -67,11 +67,22 @@ def test_tiny_triton_gradients_match_reference():
     for m in (ref, tri):
         (m(ids).float() * tgt).mean().backward()
     want = dict(ref.named_parameters())
+    pairs = []
     for name, p in tri.named_parameters():
         r = want[name].grad
         assert (p.grad is None) == (r is None), name
-        if r is not None and r.norm() > 0:
-            assert ((p.grad - r).norm() / r.norm()).item() < 1e-4, name
+        if r is not None:
+            pairs.append((name, p.grad, r))
+    g_ = torch.cat([g.flatten() for _, g, _ in pairs])
+    r_ = torch.cat([r.flatten() for _, _, r in pairs])
+    assert ((g_ - r_).norm() / r_.norm()).item() < 1e-3          # all gradients together (seen: <= 2.3e-4)
+    # per tensor: 5e-3 of its own norm, plus 1e-3 of the model's RMS gradient entry per element. The floor
+    # matters for the A_log / dt_bias gradients ([heads] sums over every token and channel): they can nearly
+    # cancel, and then float32 rounding alone (reference vs float64: ~2e-5; Triton path: up to 8e-4) is a large
+    # part of a tiny norm (seen 2.8e-2 relative). A missing or wrong gradient is off by O(1) of its norm.
+    rms = r_.norm() / r_.numel() ** 0.5
+    for name, g, r in pairs:
+        assert (g - r).norm() <= 5e-3 * r.norm() + 1e-3 * rms * r.numel() ** 0.5, name
 
 
 def test_tiny_tvm_matches_reference():
