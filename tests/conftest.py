@@ -25,8 +25,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    # fresh random inputs every run, but reproducible from the printed seed on failure
-    seed = int.from_bytes(os.urandom(4), "little")
+def _fresh_seed(request):
+    """Fresh random inputs every run, reproducible from the seed a failure prints: its report has a
+    'seed' section; re-run that test with MTC_SEED=<seed> in the environment to get the same inputs."""
+    seed = int(os.environ.get("MTC_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(seed)
+    request.node.add_report_section("call", "seed", f"torch.manual_seed({seed}); reproduce with MTC_SEED={seed}")
     yield seed

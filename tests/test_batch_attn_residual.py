@@ -6,6 +6,7 @@ import torch
 
 import dsl
 from passes import PassManager
+from tiny_model import clear_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 K3 = ROOT / "models" / "kimi_k3.mtc"
@@ -33,6 +34,6 @@ def test_two_phase_model_equals_direct_model():
                 p.normal_(0, 1.0)
     fused.load_state_dict(direct.state_dict())
     assert any(n.op == "attn_residual_phase1" for n in fused.graph.nodes)
-    ids = torch.randint(0, 256, (2, 77))
+    ids = clear_ids(direct, (2, 77))          # no top-k near-tie that float rounding could flip
     a, b = fused(ids), direct(ids)
     assert ((a - b).norm() / b.norm()).item() < 1e-4      # float32 rounding through 9 layers
