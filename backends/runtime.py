@@ -261,13 +261,19 @@ class CompiledModule(nn.Module):
 
     # -- IR access ----------------------------------------------------------------------------
     def ir(self, stage: str = "canonical") -> str:
-        """The printed IR of one stage ("graph", "typed", "canonical", "fused", "lowered")."""
+        """The printed IR of one stage ("graph", "typed", "canonical", "fused", "lowered"), or "tvm": the
+        TVMScript of the TVM kernels the model needs (as ``mtc ir --stage tvm``; unscheduled source)."""
+        if stage == "tvm" and "canonical" in self.stages:
+            from backends.tvm import model_tvmscript
+            return model_tvmscript(self.stages["canonical"])
         if stage == "lowered" and stage not in self.stages and "fused" in self.stages:
             from passes.lower import lower      # the reference target keeps no kernel IR: lower on demand
             self.stages["lowered"] = lower(self.stages["fused"], self.target if self.target != "reference"
                                            else "triton")
         if stage not in self.stages:
-            raise MtcError(f"no IR stage '{stage}'; stages: {', '.join(self.stages)}")
+            have = list(self.stages) + (["lowered"] if "fused" in self.stages and "lowered" not in self.stages
+                                        else []) + (["tvm"] if "canonical" in self.stages else [])
+            raise MtcError(f"no IR stage '{stage}'; stages: {', '.join(have)}")
         st = self.stages[stage]
         return st.text() if hasattr(st, "text") else print_graph(st)
 
@@ -279,6 +285,22 @@ class CompiledModule(nn.Module):
         return getattr(m, leaf)
 
     # -- execution ----------------------------------------------------------------------------
+    def _warn_past_max_seq_len(self, inputs: dict) -> None:
+        """One MtcWarning per module when a token input is longer than the spec's max_seq_len (the context
+        the model is built for: it runs, but positions past it were never trained or planned)."""
+        limit = dict(self.graph.meta_get("config", ())).get("max_seq_len")
+        if not isinstance(limit, int) or getattr(self, "_warned_seq_len", False):
+            return
+        longest = max((x.shape[-1] for x in inputs.values() if isinstance(x, torch.Tensor)
+                       and x.dtype in (torch.int64, torch.int32) and x.dim() >= 1), default=0)
+        if longest > limit:
+            import warnings
+            from dsl.errors import MtcWarning
+            self._warned_seq_len = True
+            warnings.warn(MtcWarning(f"{self.graph.name}: {longest} tokens per sequence is past the spec's "
+                                     f"max_seq_len = {limit} (the context it is built for); running anyway"),
+                          stacklevel=4)
+
     def forward(self, input_ids: torch.Tensor, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         ins = self.graph.inputs()
         if len(ins) != 1:
@@ -291,6 +313,8 @@ class CompiledModule(nn.Module):
         if p0 is not None and p0.is_meta:
             raise MtcError("this model was compiled on device='meta': it has shapes but no weights (for stats, "
                            "the IR and planning); compile it on 'cpu' or 'cuda' to run it")
+        if p0 is not None and p0.dtype == torch.bfloat16:
+            _check_interpreter_dtype(self.target, p0.dtype)
         env: dict[str, object] = {}
         bind: dict[sympy.Symbol, int] = {}
         for n in g.inputs():
@@ -313,6 +337,7 @@ class CompiledModule(nn.Module):
                 elif d.is_number and int(d) != s:
                     raise MtcError(f"input '{name}' has size {s} where {t} needs {d}")
             env[n.name] = x
+        self._warn_past_max_seq_len(inputs)
         ops = [n for n in g.nodes if n.op not in SOURCE_OPS]
         epi_done: set[str] = set()
         # the generated and fused kernels are forward-only: while autograd records (training), every op runs
@@ -446,6 +471,15 @@ def _check_kernel_constraints(g: Graph, target: str) -> None:
                                    f"two in [16, 256], got {d}; change the spec or use target='reference'", n.loc)
 
 
+def _check_interpreter_dtype(target: str, dtype: torch.dtype) -> None:
+    """MtcError for bfloat16 on the Triton interpreter: triton 3.6's interpreter computes bf16 tl.dot wrongly
+    (silent garbage in kda_chunk, qb_route, moe_experts), so a model would run but print nonsense."""
+    if target in ("triton", "tvm") and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        raise MtcError(f"target '{target}' in bfloat16 under the Triton interpreter (TRITON_INTERPRET=1, the CPU): "
+                       f"the interpreter computes bfloat16 tl.dot wrongly; use float32 or float16 on the CPU "
+                       f"(bfloat16 on a GPU), or target='reference'")
+
+
 def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype | str | None = None,
                   device: torch.device | str = "cpu", seed: int | None = 0, passes="default",
                   print_after=(), dump_ir=None, emit_dir=None) -> CompiledModule:
@@ -474,9 +508,24 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if target == "tvm" and passes == "default":
         # TVM covers the direct attn_residual, not the two-phase kernels: keep the direct form
         passes = [p for p in PIPELINES["default"] if p != "batch_attn_residual"]
-    if target in ("triton", "tvm") and str(device) == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise MtcError(f"unknown device {device!r}: use 'cpu', 'cuda', 'cuda:N' or 'meta' ({e})") from None
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise MtcError(f"device {device!r}: mtc runs on 'cpu', 'cuda' (or 'cuda:N') and 'meta' (no weights)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MtcError(f"device {device!r}: this torch has no CUDA device (torch.cuda.is_available() is False)")
+    if target in ("triton", "tvm") and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise MtcError(f"target '{target}' on the CPU runs its Triton kernels under the interpreter: set "
                        f"TRITON_INTERPRET=1 before triton is imported (mtc run does this itself)")
+    if dev.type != "meta":
+        _check_interpreter_dtype(target, dtype)
+    if target == "tvm":
+        from backends.tvm import available
+        if not available():
+            raise MtcError("target 'tvm' needs Apache TVM 0.27 (the 'tvm' package): pip install -e \".[tvm]\" "
+                           "(or target='triton' / 'reference')")
     pm = PassManager(passes, print_after=print_after, dump_dir=dump_ir)
     g = pm.run(graph)
     if target in ("triton", "tvm"):

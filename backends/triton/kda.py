@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
+from .guard import check_interpreter_dot_dtype
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -1472,6 +1473,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         raise TypeError(f"{where}: q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"{where}: q/k/v dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    check_interpreter_dot_dtype(where, q=q)
     if not (_pow2(K) and _pow2(V)) or K > 256 or V > 256:
         raise ValueError(f"{where}: K and V must be powers of two in [16, 256]; got K={K}, V={V}")
     if lower_bound is not None:

@@ -32,6 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from backends.reference import moe as _ref
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
+from .guard import check_interpreter_dot_dtype
 
 __all__ = [
     "qb_route",
@@ -216,6 +217,7 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     if bias.shape[0] != weight.shape[0]:
         raise ValueError(f"qb_route: bias has {bias.shape[0]} entries, expected E = {weight.shape[0]}")
     _ref._check_top_k(top_k, weight.shape[0], "qb_route")
+    check_interpreter_dot_dtype("triton.qb_route", x=x)
     return _RouteFn.apply(x, weight, bias, top_k, routed_scaling)
 
 
@@ -653,6 +655,7 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
         device range with one host sync), or an unknown activation.
     """
     _ref.check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation)
+    check_interpreter_dot_dtype("triton.moe_experts", x_lat=x_lat)
     return _ExpertsFn.apply(x_lat.contiguous(), topk_idx, topk_weight, w1, w3, w2, _ACT[activation],
                             float(beta_gate), float(beta_up))
 

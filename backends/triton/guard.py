@@ -1,0 +1,30 @@
+"""Checks shared by the Triton entry points."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreted() -> bool:
+    """True when Triton runs its kernels under the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_interpreter_dot_dtype(where: str, **tensors) -> None:
+    """Refuse bfloat16 operands of a kernel with ``tl.dot`` under the interpreter.
+
+    Triton 3.6's interpreter computes bf16 ``tl.dot`` wrongly (relative errors of 1e9 and more, no error
+    raised), so such a call would return garbage silently.  float32 / float16 are computed right there;
+    on a GPU bf16 is the normal dtype.
+
+    Raises:
+        TypeError: a bfloat16 tensor among ``tensors`` while TRITON_INTERPRET=1.
+    """
+    if not interpreted():
+        return
+    bad = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16]
+    if bad:
+        raise TypeError(f"{where}: {', '.join(bad)} in bfloat16 under TRITON_INTERPRET=1: triton's CPU interpreter "
+                        f"computes bfloat16 tl.dot wrongly (silent garbage); use float32 or float16 on the CPU "
+                        f"(bfloat16 runs on a GPU), or the reference backend")
