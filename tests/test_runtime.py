@@ -152,3 +152,64 @@ def test_empty_input_and_empty_graph_are_errors(tiny):
         tiny(torch.randint(0, 256, (1, 0)))
     with pytest.raises(dsl.MtcError, match="at least one output"):
         dsl.GraphBuilder("g").build([])
+
+
+def test_bad_devices_are_clear_errors():
+    g = dsl.load(K3, "tiny")
+    for dev, msg in (("tpu", "unknown device 'tpu'"), ("xla", "mtc runs on 'cpu', 'cuda'")):
+        with pytest.raises(dsl.MtcError, match=msg):
+            dsl.compile(g, device=dev)
+    if not torch.cuda.is_available():
+        with pytest.raises(dsl.MtcError, match="no CUDA device"):
+            dsl.compile(g, device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is the CPU path")
+def test_bf16_under_the_triton_interpreter_is_refused():
+    """Triton's interpreter computes bf16 tl.dot wrongly: compiling or converting a triton-target model to
+    bf16 on the CPU is an error, not silently wrong logits; the kernels refuse bf16 dot operands too."""
+    import backends.triton as T
+    g = dsl.load(K3, "tiny")
+    with pytest.raises(dsl.MtcError, match="bfloat16 tl.dot wrongly"):
+        dsl.compile(g, target="triton", dtype="bf16")
+    m = dsl.compile(g, target="triton").eval().to(torch.bfloat16)
+    with pytest.raises(dsl.MtcError, match="bfloat16 tl.dot wrongly"), torch.no_grad():
+        m(torch.randint(0, 256, (1, 5)))
+    q = torch.randn(1, 7, 1, 16).bfloat16()
+    with pytest.raises(TypeError, match="kda_chunk: q in bfloat16"):
+        T.kda_chunk(q, q, q, -torch.rand(1, 7, 1, 16), torch.rand(1, 7, 1))
+    with pytest.raises(TypeError, match="qb_route: x in bfloat16"):
+        T.qb_route(torch.randn(5, 16).bfloat16(), torch.randn(8, 16), torch.zeros(8), top_k=2)
+    # float16 is computed right there: same picks as the reference
+    x, w = torch.randn(9, 16), torch.randn(8, 16)
+    assert torch.equal(T.qb_route(x.half(), w, torch.zeros(8), top_k=2)[0].sort(1).values,
+                       R.qb_route(x.half().float(), w.half().float(), torch.zeros(8), top_k=2)[0].sort(1).values)
+
+
+def test_target_tvm_without_tvm_is_a_clear_error(monkeypatch):
+    import backends.tvm
+    monkeypatch.setattr(backends.tvm, "available", lambda: False)
+    with pytest.raises(dsl.MtcError, match=r"needs Apache TVM .*pip install"):
+        dsl.compile(dsl.load(K3, "tiny"), target="tvm")
+
+
+def test_tvm_ir_stage_and_unknown_stage(tiny):
+    text = tiny.ir("tvm")
+    assert text.startswith("# ") and "@T.prim_func" in text and "def rmsnorm" in text
+    with pytest.raises(dsl.MtcError, match="stages: graph, typed, canonical, fused, lowered, tvm"):
+        tiny.ir("nope")
+
+
+def test_past_max_seq_len_warns_once():
+    m = dsl.compile(dsl.load(K3, "tiny"), target="reference").eval()
+    ids = torch.randint(0, 256, (1, 4100))
+    from dsl.errors import MtcWarning
+    with pytest.warns(MtcWarning, match="4100 tokens per sequence is past the spec's max_seq_len = 4096"):
+        with torch.no_grad():
+            m(ids)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            m(ids[:, :4096])
+            m(ids)                                  # once per module
