@@ -233,8 +233,21 @@ def _pack(w: np.ndarray, owner: np.ndarray, num_packs: int, per_pack: int, refin
         count[p] += 1
         held.setdefault(int(owner[i]), []).append(p)
     if refine and num_packs > 1:
-        pack = _refine(w, owner, pack, num_packs)
+        if per_pack * (n - per_pack) > _REFINE_MAX_PAIRS:
+            import warnings
+            warnings.warn(f"place_experts: {per_pack} slots per GPU x {n - per_pack} elsewhere is past the "
+                          f"pairwise-exchange refinement's limit ({_REFINE_MAX_PAIRS:.0e} pairs per step): greedy "
+                          f"packing only", stacklevel=4)
+        else:
+            pack = _refine(w, owner, pack, num_packs)
     return pack
+
+
+# the exchange step scores every (item on the hottest pack, item elsewhere) pair: keep that matrix ~32 MB
+_REFINE_MAX_PAIRS = 4_000_000
+# the largest expert-parallel group / slot count planned (greedy packing is O(slots x GPUs))
+MAX_GPUS = 16384
+MAX_SLOTS = 262144
 
 
 def _refine(w: np.ndarray, owner: np.ndarray, pack: np.ndarray, num_packs: int, max_iter: int | None = None
@@ -358,8 +371,10 @@ def plan(load, num_gpus: int, num_slots: int | None = None, num_nodes: int = 1, 
 
     Raises:
         ValueError: negative, NaN or infinite loads; a load that is not 1-D/2-D; num_slots not a multiple
-            of num_gpus or < E; num_gpus not a multiple of num_nodes; E not divisible into num_groups
-            groups or num_groups not a multiple of num_nodes; non-positive counts.
+            of num_gpus or < E; num_gpus > MAX_GPUS or num_slots > MAX_SLOTS; num_gpus not a
+            multiple of num_nodes; E not divisible into num_groups groups or num_groups not a multiple of
+            num_nodes; non-positive counts.
+        Warns (UserWarning) when the slot count is past the refinement's limit (greedy packing only).
         TypeError: a load that is not numeric.
 
     Algorithm: DeepSeek EPLB (github.com/deepseek-ai/EPLB; DeepSeek-V3, arXiv 2412.19437 sec. 3.4):
@@ -371,6 +386,10 @@ def plan(load, num_gpus: int, num_slots: int | None = None, num_nodes: int = 1, 
     num_nodes = _pos_int("num_nodes", num_nodes)
     E = int(arr.shape[-1])
     num_slots = E if num_slots is None else _pos_int("num_slots", num_slots)
+    if num_gpus > MAX_GPUS or num_slots > MAX_SLOTS:
+        raise ValueError(f"plan: num_gpus = {num_gpus}, num_slots = {num_slots}: this planner handles expert-parallel "
+                         f"groups of at most {MAX_GPUS} GPUs and {MAX_SLOTS} slots (its greedy packing is "
+                         f"O(slots x GPUs)); plan one EP group, not the whole cluster")
     if num_gpus % num_nodes:
         raise ValueError(f"plan: num_gpus = {num_gpus} is not a multiple of num_nodes = {num_nodes}")
     if num_slots % num_gpus:

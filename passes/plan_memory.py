@@ -426,11 +426,17 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         width = int(n.attr("latent")) if n.op == "latent_moe" else int(n.type.shape[-1])
         remote = (ep - 1) / ep
         per = tokens_gpu * k * width * eb * remote
-        # expected number of other GPUs hit by k distinct experts drawn uniformly, E / ep experts per GPU
+        # expected number of other GPUs hit by k distinct experts drawn uniformly, E / ep experts per GPU:
+        # a GPU is missed with probability C(E - eg, k) / C(E, k). With more GPUs than experts (eg < 1) every
+        # GPU holds one slot (replicas split an expert's tokens): a GPU is hit with probability k / ep, and
+        # the once-per-GPU dispatch equals the per-expert one.
         eg = E / ep
-        miss = math.exp(math.lgamma(E - eg + 1) - math.lgamma(E - eg - k + 1) - math.lgamma(E + 1)
-                        + math.lgamma(E - k + 1)) if E - eg >= k else 0.0
-        dedup = tokens_gpu * width * eb * (ep - 1) * (1 - miss)
+        if eg < 1:
+            hit = k / ep
+        else:
+            hit = 1.0 - (math.exp(math.lgamma(E - eg + 1) - math.lgamma(E - eg - k + 1) - math.lgamma(E + 1)
+                                  + math.lgamma(E - k + 1)) if E - eg >= k else 0.0)
+        dedup = tokens_gpu * width * eb * (ep - 1) * hit
         comm.append(MoEComm(layer=_moe_prefix(graph, n, nodes), experts=E, top_k=k, width=width,
                             tokens_per_gpu=tokens_gpu, remote_fraction=remote, dispatch_bytes=per, combine_bytes=per,
                             dispatch_dedup_bytes=dedup))

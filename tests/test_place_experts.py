@@ -239,3 +239,21 @@ def test_routing_stats_of_a_real_forward():
     assert (load.sum(1) == 2 * 17 * 4).all()           # every token routed to top_k = 4 experts
     for row, p in zip(load, plan(load, 4, num_slots=20)):
         check_consistent(p, row, 4, 20)
+
+
+def test_planner_limits_are_clear_errors():
+    from passes.place_experts import MAX_GPUS, MAX_SLOTS
+    with pytest.raises(ValueError, match="at most"):
+        plan(None, MAX_GPUS * 2, num_slots=MAX_GPUS * 2, num_experts=16)
+    with pytest.raises(ValueError, match="at most"):
+        plan(None, 8, num_slots=MAX_SLOTS + 8, num_experts=16)
+
+
+def test_many_slots_per_gpu_skip_refinement_with_a_warning():
+    """12,288 slots on 4 GPUs: the exchange refinement's pair matrix would be 3072 x 9216 > its limit, so the
+    plan is the greedy packing alone, said in a warning, and still consistent."""
+    load = lognormal(96, 0.8)
+    with pytest.warns(UserWarning, match="greedy packing only"):
+        p = plan(load, 4, num_slots=12288)
+    check_consistent(p, load.double(), 4, 12288)
+    assert torch.equal(p.physical_to_logical, plan(load, 4, num_slots=12288, refine=False).physical_to_logical)

@@ -218,3 +218,15 @@ def test_canonical_graph_and_missing_block_size_rejected(tiny):
         plan_memory(g48, seq_len=64, gpus=8, checkpointing="block")
     mp = plan_memory(g48, seq_len=64, gpus=8, checkpointing="block", block_size=2)
     assert mp.moe_comm and mp.moe_comm[0].width == 2304          # plain MoE: tokens travel at width d
+
+
+@pytest.mark.parametrize("gpus", [32, 64])
+def test_more_gpus_than_experts_dispatch_once_per_gpu(tiny, gpus):
+    """16 experts on 32 / 64 GPUs: each GPU holds one slot (replicas split an expert's tokens), so a token
+    reaches each of its top-4 GPUs once and the once-per-GPU volume equals the per-expert one (never more)."""
+    g, c, _ = tiny
+    mp = plan_memory(g, seq_len=4096, gpus=gpus, canonical=c)
+    for cm in mp.moe_comm:
+        assert cm.experts < gpus
+        assert cm.dispatch_dedup_bytes == pytest.approx(cm.dispatch_bytes, rel=1e-12)
+        assert cm.dispatch_bytes == pytest.approx(4096 / gpus * 4 * 32 * 4 * (gpus - 1) / gpus, rel=1e-12)
