@@ -440,6 +440,37 @@ class CompiledModule(nn.Module):
             raise MtcError(f"target '{self.target}' has no kernel for op '{n.op}'", n.loc)
         return fn(n, *args)
 
+    def route_margins(self, input_ids: torch.Tensor) -> dict[str, float]:
+        """How close each MoE layer's top-k choice is to a tie, for one input (a probe forward).
+
+        Runs ``input_ids`` [B, T] through the model without autograd and without QB bias updates (the
+        module's mode is restored) and returns {MoE layer prefix: the smallest, over tokens, gap between
+        the k-th and the (k+1)-th biased router score (sigmoid units)}.  Two targets (or dtypes) whose
+        scores differ by more than a layer's margin may pick different experts for some token: a discrete
+        switch, not an error; compare logits across targets on inputs whose margins exceed that rounding
+        (float32: ~1e-7; bf16: ~1e-2).
+        """
+        route = self._table["qb_route"]
+        margins: dict[str, float] = {}
+
+        def spy(n, x, w, b):
+            out = route(n, x, w, b)
+            top = (out[2] + b.float()).topk(n.attr("top_k") + 1, dim=-1).values
+            gap = float((top[..., -2] - top[..., -1]).min())
+            layer = self._router_layers[n.name][0]
+            margins[layer] = min(gap, margins.get(layer, gap))
+            return out
+
+        training, self._table["qb_route"] = self.training, spy
+        self.eval()
+        try:
+            with torch.no_grad():
+                self(input_ids)
+        finally:
+            self._table["qb_route"] = route
+            self.train(training)
+        return margins
+
     def _after_route(self, n: Node, out) -> None:
         from backends.reference import expert_load, fixed_step_update, qb_update
         idx, _w, scores = out

@@ -213,3 +213,31 @@ def test_past_max_seq_len_warns_once():
         with torch.no_grad():
             m(ids[:, :4096])
             m(ids)                                  # once per module
+
+
+def test_route_margins_probe_is_exact_and_changes_nothing():
+    m = dsl.compile(dsl.load(K3, "tiny"), target="reference")         # train mode: a forward moves QB biases
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = torch.randint(0, 256, (2, 41))
+    margins = m.route_margins(ids)
+    assert m.training and all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert set(margins) == set(m.routing_stats)
+    # independent: recompute layer 1's router input by hand from the recorded node inputs
+    seen = {}
+    orig = m._exec
+
+    def spy(n, args, bind):
+        out = orig(n, args, bind)
+        if n.op == "qb_route":
+            seen[m._router_layers[n.name][0]] = (args[0].reshape(-1, args[0].shape[-1]).double(), args[1].double(),
+                                                 args[2].double(), n.attr("top_k"))
+        return out
+
+    m._exec = spy
+    m.eval()
+    with torch.no_grad():
+        m(ids)
+    for layer, (x, w, b, k) in seen.items():
+        s = torch.sigmoid(x @ w.t()) + b
+        top = s.sort(dim=-1, descending=True).values
+        assert margins[layer] == pytest.approx(float((top[:, k - 1] - top[:, k]).min()), abs=1e-6)
