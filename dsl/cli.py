@@ -4,7 +4,12 @@
     mtc ir models/kimi_k3.mtc --variant tiny --stage canonical
     mtc run                                             tiny K3 on the shipped text (the main job)
     mtc run models/kimi_k3.mtc --variant tiny --input book.txt
-    mtc ops                                             every op with its signature and semantics
+    mtc ops [OP]                                        every op: how a spec writes it, its signature, semantics
+    mtc --version
+
+Exit status: 0 done, 2 a usage or input error (one `error:` line; bare `mtc` prints the help), 1 when the
+reader of stdout went away (`mtc ops | head -1`), 130 interrupted. Warnings start with `mtc: warning:`
+or, for the spec, `file:line:col: warning:`.
 """
 from __future__ import annotations
 
@@ -29,6 +34,22 @@ examples:
   mtc ir models/kimi_k3.mtc --stage lowered --seq-len 1048576 --gpus 128 --slots 1024
   mtc run models/kimi_k3.mtc --variant tiny --input README.md --seq-len 256
 """
+
+
+#: the steps --print-after names: the graph passes, then the lowering to the kernel IR
+PRINT_AFTER = ["verify", "infer_shapes", "canonicalize", "batch_attn_residual", "fuse_tiles", "lower"]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("mtc")
+    except PackageNotFoundError:
+        return "(not installed: run `pip install -e .`)"
+
+
+def _warn(msg: str) -> None:
+    print(f"mtc: warning: {msg}", file=sys.stderr)
 
 
 def _seed(text: str) -> int:
@@ -65,12 +86,38 @@ def _add_spec_args(p: argparse.ArgumentParser, spec_optional: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------
+def _fixed_token_shape(g):
+    """(batch, seq_len) fixed by the spec's token input ([2, 16] -> (2, 16); [B, 16] -> (None, 16)),
+    None for a symbolic dim; (None, None) unless the graph has one rank-2 input."""
+    ins = g.inputs()
+    if len(ins) != 1 or ins[0].types[0].rank != 2:
+        return None, None
+    return tuple(int(d) if d.is_number else None for d in ins[0].types[0].shape)
+
+
 def cmd_stats(args) -> int:
     from rich.console import Console
     from rich.table import Table
     from .stats import compute_stats, human, human_bytes
     g = _load(args)
-    s = compute_stats(g, seq_len=args.seq_len, batch=args.batch, gpus=args.gpus)
+    fixed_b, fixed_t = _fixed_token_shape(g)
+    shape_note = ""
+    if fixed_b is not None or fixed_t is not None:
+        shape_note = f" (the spec's input shape {g.inputs()[0].types[0]})"
+        for flag, v, f in (("--seq-len", args.seq_len, fixed_t), ("--batch", args.batch, fixed_b)):
+            if v is not None and f is not None and v != f:
+                _warn(f"{flag} {v} ignored: the spec fixes it to {f}{shape_note}")
+    T = fixed_t or args.seq_len
+    batch = fixed_b or args.batch or 1
+    if fixed_t is None and args.seq_len is not None:
+        _warn_past_max_seq_len(g, args.seq_len, "--seq-len", "these counts are for a context longer than the "
+                               "spec declares")
+    s = compute_stats(g, seq_len=T, batch=batch, gpus=args.gpus)
+    if fixed_b:
+        # compute_stats counts FLOPs at B = 1 and divides by T; a fixed batch dim makes that graph's
+        # FLOPs those of fixed_b sequences: divide by them too to get FLOPs per token
+        s.flops_per_token /= fixed_b
+        s.flops_per_token_by_op = {k: v / fixed_b for k, v in s.flops_per_token_by_op.items()}
     if args.json:
         print(json.dumps(s.to_dict(), indent=2))
         return 0
@@ -81,7 +128,7 @@ def cmd_stats(args) -> int:
     t.add_column("value", justify="right")
     t.add_row("total parameters", f"{human(s.total_params)} ({s.total_params:,})")
     t.add_row("active parameters / token", f"{human(s.active_params)} (with embedding {human(s.active_params_with_embedding)})")
-    t.add_row(f"forward FLOPs / token at T={s.seq_len:,}", human(s.flops_per_token, "FLOP"))
+    t.add_row(f"forward FLOPs / token at T={s.seq_len:,}{shape_note}", human(s.flops_per_token, "FLOP"))
     for op, f in list(s.flops_per_token_by_op.items())[:5]:
         t.add_row(f"  of which {op}", f"{human(f, 'FLOP')} ({100 * f / s.flops_per_token:.1f}%)")
     t.add_row("weights", f"{human_bytes(s.weights_bytes)}  ({human_bytes(s.per_gpu(s.weights_bytes))}/GPU on {s.gpus})")
@@ -99,9 +146,15 @@ def cmd_ir(args) -> int:
     stages = STAGES + ["lowered", "tvm"]
     stage = args.stage
     if stage not in stages:
-        raise MtcError(f"unknown stage '{stage}'; stages: {', '.join(stages)}")
+        from .errors import did_you_mean
+        raise MtcError(f"unknown stage '{stage}'{did_you_mean(stage, stages)}; stages: {', '.join(stages)}")
+    print_after = _print_after(args.print_after)
+    _warn_stage_flags(args, print_after)
     g = _load(args)
-    pm = PassManager(print_after=args.print_after or (), dump_dir=args.dump_ir, keep_stages=True)
+    if stage == "lowered" and args.seq_len is not None:
+        _warn_past_max_seq_len(g, args.seq_len, "--seq-len", "the memory plan is for a context longer than "
+                               "the spec declares")
+    pm = PassManager(print_after=print_after - {"lower"}, dump_dir=args.dump_ir, keep_stages=True)
     upto = stages.index(stage)
     if stage == "tvm":
         upto = stages.index("canonical")
@@ -112,10 +165,18 @@ def cmd_ir(args) -> int:
         pm.run(g)
     else:
         pm.stages["graph"] = g
+    prog = None
+    if stage == "lowered" or print_after & {"lower", "all"}:
+        t0 = time.perf_counter()
+        prog = _lower(args, pm)
+        dt = time.perf_counter() - t0
+        pm.timings.append(("lower", dt))
+        if print_after & {"lower", "all"}:
+            print(f"// ----- IR after lower ({dt * 1e3:.1f} ms, target {args.target}) -----\n{prog.text()}")
     if stage == "tvm":
         text = _tvm_report(args, pm.stages["canonical"])
     elif stage == "lowered":
-        text = _lowered_report(args, g, pm)
+        text = _lowered_report(args, g, pm, prog)
         if args.dump_ir:                  # the pass dumps are NN-<pass>.ir; the kernel IR comes last
             n = len(list(Path(args.dump_ir).glob("*.ir")))
             try:
@@ -138,6 +199,36 @@ def cmd_ir(args) -> int:
     if args.timing:
         print(pm.timing_report(), file=sys.stderr)
     return 0
+
+
+def _print_after(values) -> set[str]:
+    """--print-after values (repeated and/or comma-separated) -> a set of step names; MtcError naming
+    the valid ones."""
+    from passes import PIPELINES
+    from .errors import did_you_mean
+    valid = PIPELINES["default"] + ["lower"]          # == PRINT_AFTER (the --help text); a test checks
+    names = {v.strip() for text in values or () for v in text.split(",") if v.strip()}
+    for n in sorted(names):
+        if n not in valid and n != "all":
+            raise MtcError(f"--print-after: unknown pass '{n}'{did_you_mean(n, valid + ['all'])}; the passes are "
+                           f"{', '.join(valid)}, or all (several: comma-separated or repeat the flag)")
+    return names
+
+
+def _warn_stage_flags(args, print_after: set) -> None:
+    """Warn about flags that the chosen --stage ignores; then fill in their defaults."""
+    lowered = [f for f, v in (("--seq-len", args.seq_len), ("--gpus", args.gpus), ("--slots", args.slots),
+                              ("--checkpointing", args.checkpointing)) if v is not None]
+    if args.target is not None and not print_after & {"lower", "all"}:
+        lowered.append("--target")
+    if lowered and args.stage != "lowered":
+        _warn(f"{', '.join(lowered)} only affect{'s' if len(lowered) == 1 else ''} --stage lowered; ignored "
+              f"at --stage {args.stage}")
+    if args.tvm_schedule is not None and args.stage != "tvm":
+        _warn(f"--tvm-schedule only affects --stage tvm; ignored at --stage {args.stage}")
+    args.gpus = args.gpus or 1
+    args.checkpointing = args.checkpointing or "layer"
+    args.target = args.target or "triton"
 
 
 def _tvm_report(args, g) -> str:
@@ -179,17 +270,21 @@ def _tvm_report(args, g) -> str:
     return "\n".join(out) + "\n"
 
 
-def _lowered_report(args, g, pm) -> str:
-    """Kernel list, per-GPU memory plan and expert placement for `mtc ir --stage lowered`."""
+def _lower(args, pm):
+    """The kernel IR program of `mtc ir` (what compile(target=args.target) runs)."""
     from passes.lower import lower
-    from passes.place_experts import plan as place
-    from passes.plan_memory import plan_memory
-    t0 = time.perf_counter()
     fused = pm.stages["fused"]
     if args.target == "tvm":             # what compile(target="tvm") runs: the direct AttnRes form
         from passes import PassManager
         fused = PassManager(["fuse_tiles"]).run(pm.stages["canonical"])
-    prog = lower(fused, target=args.target)
+    return lower(fused, target=args.target)
+
+
+def _lowered_report(args, g, pm, prog) -> str:
+    """Kernel list, per-GPU memory plan and expert placement for `mtc ir --stage lowered`."""
+    from passes.place_experts import plan as place
+    from passes.plan_memory import plan_memory
+    t0 = time.perf_counter()
     out = [prog.text()]
     counts = prog.counts()
     out.append(f"// {len(prog.launches)} launches: " + ", ".join(f"{k} x{v}" for k, v in counts.items()))
@@ -197,7 +292,14 @@ def _lowered_report(args, g, pm) -> str:
     T = args.seq_len or dict(g.meta_get("config", ())).get("max_seq_len", 4096)
     moe = [n for n in g.nodes if n.op in ("latent_moe", "moe")]
     E = moe[0].attr("experts") if moe else None
-    slots = args.slots or (None if E is None else (E if E % args.gpus == 0 else -(-E // args.gpus) * args.gpus))
+    fit = None if E is None else -(-E // args.gpus) * args.gpus      # the fewest slots >= E on --gpus GPUs
+    if args.slots is not None:
+        if E is None:
+            _warn(f"--slots {args.slots} ignored: model '{g.name}' has no MoE layer")
+        elif args.slots < E or args.slots % args.gpus:
+            raise MtcError(f"--slots {args.slots}: needs at least the {E} experts of a MoE layer and a multiple of "
+                           f"--gpus {args.gpus} (the slots are spread evenly over the GPUs); e.g. --slots {fit}")
+    slots = args.slots or fit
     try:
         mp = plan_memory(g, seq_len=T, gpus=args.gpus, checkpointing=args.checkpointing,
                          num_slots=slots, canonical=pm.stages["canonical"])
@@ -206,12 +308,25 @@ def _lowered_report(args, g, pm) -> str:
             out.append("\n" + place(None, args.gpus, num_slots=slots, num_experts=E).summary())
     except ValueError as e:
         raise MtcError(str(e)) from None
-    out.append(f"\n// lowering, memory plan and placement took {time.perf_counter() - t0:.2f} s")
+    out.append(f"\n// memory plan and placement took {time.perf_counter() - t0:.2f} s")
     return "\n".join(out) + "\n"
 
 
-RUN_DTYPES = {"float32": "f32", "fp32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
-              "float16": "f16", "fp16": "f16", "f16": "f16"}
+#: --dtype of `mtc run`: canonical name -> (the graph dtype, aliases)
+RUN_DTYPE_NAMES = {"float32": ("f32", ("fp32", "f32")), "bfloat16": ("bf16", ("bf16",)),
+                   "float16": ("f16", ("fp16", "f16"))}
+_DTYPE_HELP = " | ".join(f"{n} ({', '.join(a)})" for n, (_ir, a) in RUN_DTYPE_NAMES.items())
+
+
+def _canonical_dtype(text: str | None) -> str:
+    """--dtype as given (any alias, any case) -> its canonical name; MtcError naming the choices."""
+    if text is None:
+        return "float32"
+    t = text.strip().lower()
+    for name, (_ir, aliases) in RUN_DTYPE_NAMES.items():
+        if t == name or t in aliases:
+            return name
+    raise MtcError(f"--dtype must be one of {_DTYPE_HELP}; got '{text}'")
 
 
 def _check_device(device: str) -> None:
@@ -249,6 +364,37 @@ def _check_fits(g, dtype_bytes: int, device: str) -> None:
                        f"variant (--variant tiny or small), or count it with `mtc stats` / `mtc ir --stage lowered`")
 
 
+def _check_run_input(g) -> None:
+    """`mtc run` feeds one input, byte token ids [batch, seq-len] of any size: say so before compiling."""
+    ins = g.inputs()
+    decl = ", ".join(f"{n.attr('name')}: {n.types[0]}" for n in ins)
+    if len(ins) != 1:
+        raise MtcError(f"`mtc run` feeds one input, byte token ids [batch, seq-len]; model '{g.name}' takes "
+                       f"{len(ins)} ({decl}): run it from Python, "
+                       f"dsl.compile(g).run({', '.join(n.attr('name') + '=...' for n in ins)})")
+    t = ins[0].types[0]
+    if t.dtype not in ("i64", "i32") or t.rank != 2:
+        raise MtcError(f"`mtc run` feeds byte token ids, an integer [batch, seq-len] tensor; model '{g.name}' "
+                       f"takes {decl}: run it from Python, dsl.compile(g)(x)")
+    if any(d.is_number for d in t.shape):
+        raise MtcError(f"`mtc run` feeds windows of --batch-size x --seq-len tokens (the last one shorter); "
+                       f"model '{g.name}' takes {decl}, a fixed shape: declare it "
+                       f"{ins[0].attr('name')}: {t.dtype}[B, T], or run it from Python")
+
+
+def _max_seq_len(g):
+    v = dict(g.meta_get("config", ())).get("max_seq_len")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _warn_past_max_seq_len(g, T: int, flag: str, what: str) -> None:
+    """A warning when the context length T is past the spec's max_seq_len (the model still runs: its
+    attention has no position embeddings; KDA is recurrent and MLA is NoPE)."""
+    m = _max_seq_len(g)
+    if m is not None and T > m:
+        _warn(f"{flag} {T:,} is beyond the spec's max_seq_len = {m:,} of model '{g.name}'; {what}")
+
+
 def cmd_run(args) -> int:
     import warnings
     import torch
@@ -257,9 +403,8 @@ def cmd_run(args) -> int:
     from rich.table import Table
     from . import compile as mtc_compile, load
 
-    if args.dtype is not None and args.dtype not in RUN_DTYPES:
-        raise MtcError(f"--dtype must be one of float32, bfloat16, float16; got '{args.dtype}'")
-    dtype = RUN_DTYPES[args.dtype or "float32"]
+    dtype_name = _canonical_dtype(args.dtype)
+    dtype = RUN_DTYPE_NAMES[dtype_name][0]
     _check_device(args.device)
     if args.target not in ("reference", "triton", "tvm"):
         raise MtcError(f"--target must be reference, triton or tvm; got '{args.target}'")
@@ -284,6 +429,7 @@ def cmd_run(args) -> int:
         raise MtcError(f"--input '{text_path}' gives {len(data)} byte token(s) (with --max-tokens "
                        f"{args.max_tokens}); need at least 2 to predict a next token")
     g = load(spec, variant, **_overrides(args.set))
+    _check_run_input(g)
     vocab = int(g.type_of(g.outputs[0]).shape[-1])
     if vocab < 256:
         raise MtcError(f"model '{g.name}' has a vocabulary of {vocab}; the byte-level tokenizer needs >= 256")
@@ -293,6 +439,9 @@ def cmd_run(args) -> int:
     m.eval()
     ids = torch.tensor(list(data), dtype=torch.long)
     T = args.seq_len
+    _warn_past_max_seq_len(g, min(T, len(ids) - 1), "--seq-len",
+                           "it runs (nothing in the model has a length limit: no position embeddings), but "
+                           "the spec declares contexts up to max_seq_len")
     segs = _segments(ids, T)
     # batch windows of equal length (only the last one can be shorter)
     batches, cur = [], []
@@ -304,7 +453,7 @@ def cmd_run(args) -> int:
     batches.append(cur)
     n = len(segs)
     c.print(f"[bold]{g.name}[/] ({sum(p.numel() for p in m.parameters()):,} parameters, target {args.target}, "
-            f"{args.dtype or 'float32'}) on {text_path.name}: {len(ids):,} byte tokens in {n} window"
+            f"{dtype_name}) on {text_path.name}: {len(ids):,} byte tokens in {n} window"
             f"{'s' if n != 1 else ''} of up to {T}; compiled in {time.perf_counter() - t0:.2f} s")
     if args.target in ("triton", "tvm") and str(args.device) == "cpu" and len(ids) > 512:
         c.print("note: on the CPU the Triton kernels run under the interpreter (a few tokens/s for the tiny model); "
@@ -351,7 +500,7 @@ def cmd_run(args) -> int:
                       f"{v.mean():.1f}", f"{v.max():.0f}", f"{v.max() / v.mean():.3f}", str(int((v == 0).sum())))
         c.print(t)
     if args.json:
-        out = {"model": g.name, "target": args.target, "dtype": args.dtype or "float32", "seq_len": T,
+        out = {"model": g.name, "target": args.target, "dtype": dtype_name, "seq_len": T,
                "loss": nll, "tokens": total_tok, "seconds": dt,
                "expert_load": {k: v.tolist() for k, v in loads.items()}}
         Path(args.json).write_text(json.dumps(out, indent=2))
@@ -381,17 +530,70 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _lit(v) -> str:
+    """A default value as a spec writes it: "text", true/false, numbers as Python prints them."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return repr(v)
+
+
+def _keywords(od) -> str:
+    """An op's spec keywords: required ones first as 'k (required)', then 'k=default', then name=."""
+    from .builder import REQUIRED
+    kw = {**od.param_attrs, **od.attrs}
+    req = [f"{k} (required)" for k, v in kw.items() if v is REQUIRED]
+    opt = [f"{k} (optional)" if v is None else f"{k}={_lit(v)}" for k, v in kw.items() if v is not REQUIRED]
+    if od.params is not None:
+        opt.append(f"name={_lit(od.default_name)}" if od.default_name else "name (required)")
+    return ", ".join(req + opt)
+
+
+def _wrap(text: str, indent: str = "    ") -> str:
+    import textwrap
+    return textwrap.fill(text, width=100, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False)
+
+
 def cmd_ops(args) -> int:
     from .errors import did_you_mean
     from .ops import OPS
-    if args.op and args.op not in OPS:
-        raise MtcError(f"unknown op '{args.op}'{did_you_mean(args.op, OPS)}; `mtc ops` lists them all")
-    for name, od in sorted(OPS.items()):
+    from .spec_forms import SPEC_FORMS, STACK
+    names = sorted(list(OPS) + ["stack"])
+    if args.op and args.op not in names:
+        raise MtcError(f"unknown op '{args.op}'{did_you_mean(args.op, names)}; `mtc ops` lists them all")
+    out = []
+    for name in names:
         if args.op and name != args.op:
             continue
-        attrs = ", ".join(f"{k}={v!r}" for k, v in od.attrs.items())
-        kind = "layer" if od.is_layer else "op"
-        print(f"{name}({', '.join(od.inputs)}{'; ' + attrs if attrs else ''})  [{kind}]\n    {od.doc}")
+        if name == "stack":
+            out.append(f"stack  [spec statement: a stack of layers]\n    in a spec:  {STACK.form}\n"
+                       + _wrap(STACK.notes))
+            form = STACK
+        else:
+            od = OPS[name]
+            form = SPEC_FORMS.get(name)
+            kind = "layer" if od.is_layer else "op"
+            if od.params is not None:
+                kind += ", owns parameters"
+            lines = [f"{name}  [{kind}]"]
+            if form is not None and form.form:
+                lines.append(f"    in a spec:  {form.form}")
+            elif form is not None:
+                lines.append("    in a spec:  (not written in a spec)")
+            kw = _keywords(od)
+            if kw:
+                lines.append(_wrap(f"keywords:   {kw}"))
+            lines.append(f"    graph op:   {name}({', '.join(od.inputs)})")
+            if form is not None and form.notes:
+                lines.append(_wrap(form.notes))
+            lines.append(_wrap(od.doc))
+            out.append("\n".join(lines))
+        if args.op and form is not None and form.example:
+            out.append("example (a whole spec; `mtc stats` / `mtc ir` accept it):\n"
+                       + "".join(f"    {ln}\n" for ln in form.example.splitlines()))
+    print("\n".join(out))
     return 0
 
 
@@ -402,7 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="mtc: a compiler-style graph DSL for trillion-parameter sparse MoE models with "
                     "million-token contexts (the Kimi K3 family). Write the architecture as a .mtc spec, "
                     "inspect every IR stage, count parameters/FLOPs/memory, and run it.")
+    p.add_argument("--version", action="version", version=f"mtc {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    p._mtc_commands = sub.choices          # name -> sub-parser (for _parse's per-command usage)
 
     s = sub.add_parser("stats", help="parameters, active parameters, FLOPs/token, memory at a context length",
                        description="Counts everything from the graph IR: total and active (per-token) "
@@ -410,7 +614,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with T, KDA does not), weights, MLA latent KV cache and KDA state.")
     _add_spec_args(s)
     s.add_argument("--seq-len", "-T", type=int, default=None, help="context length (default: the spec's max_seq_len)")
-    s.add_argument("--batch", type=int, default=1, help="sequences held at once (KV cache and state scale with it)")
+    s.add_argument("--batch", type=int, default=None,
+                   help="sequences held at once (KV cache and state scale with it; default 1)")
     s.add_argument("--gpus", type=int, default=1, help="GPUs to spread weights and caches over (even split)")
     s.add_argument("--json", action="store_true", help="print machine-readable JSON")
     s.set_defaults(fn=cmd_stats)
@@ -427,15 +632,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stage", default="graph", help="graph | typed | canonical | fused | lowered | tvm")
     s.add_argument("--seq-len", "-T", type=int, default=None,
                    help="(lowered) context length for the memory plan (default: the spec's max_seq_len)")
-    s.add_argument("--gpus", type=int, default=1, help="(lowered) GPUs for the memory plan and expert placement")
+    s.add_argument("--gpus", type=int, default=None,
+                   help="(lowered) GPUs for the memory plan and expert placement (default 1)")
     s.add_argument("--slots", type=int, default=None,
-                   help="(lowered) physical expert slots (> experts: replicas of the hottest)")
-    s.add_argument("--checkpointing", default="layer", choices=["none", "layer", "block", "inference"],
-                   help="(lowered) activation checkpointing for the memory plan")
-    s.add_argument("--target", default="triton", choices=["triton", "tvm"], help="(lowered) the target to lower for")
+                   help="(lowered) physical expert slots per MoE layer: >= the experts and a multiple of --gpus "
+                        "(more than the experts: replicas of the hottest)")
+    s.add_argument("--checkpointing", default=None, choices=["none", "layer", "block", "inference"],
+                   help="(lowered) activation checkpointing for the memory plan (default layer)")
+    s.add_argument("--target", default=None, choices=["triton", "tvm"],
+                   help="(lowered, --print-after lower) the target to lower for (default triton)")
     s.add_argument("--tvm-schedule", default=None, choices=["llvm", "cuda"],
                    help="(tvm) print the TVMScript after the llvm or cuda schedule")
-    s.add_argument("--print-after", action="append", metavar="PASS", help="also print the IR after PASS ('all')")
+    s.add_argument("--print-after", action="append", metavar="PASS[,PASS...]",
+                   help=f"also print the IR after these passes (comma-separated or repeated): "
+                        f"{', '.join(PRINT_AFTER)}, or all")
     s.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, one file per pass")
     s.add_argument("--timing", action="store_true", help="print per-pass timing to stderr")
     s.add_argument("--no-loc", action="store_true", help="omit source locations")
@@ -448,10 +658,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(s, spec_optional=True)
     s.add_argument("--input", "-i", help=f"a text file (default: {DEFAULT_TEXT.relative_to(ROOT)})")
     s.add_argument("--target", default="reference", help="reference | triton | tvm (on CPU: Triton interpreter)")
-    s.add_argument("--seq-len", "-T", type=int, default=256, help="tokens per sequence (default 256)")
+    s.add_argument("--seq-len", "-T", type=int, default=256,
+                   help="tokens per sequence (default 256; beyond the spec's max_seq_len: a warning)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default 4)")
     s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
-    s.add_argument("--dtype", default=None, help="float32 (default) | bfloat16")
+    s.add_argument("--dtype", default=None, help=f"{_DTYPE_HELP} (default float32)")
     s.add_argument("--device", default="cpu", help="cpu | cuda")
     s.add_argument("--seed", type=_seed, default=0, help="parameter initialisation seed (0 .. 2^63-1)")
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -465,14 +676,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--emit", metavar="DIR", help="write kernels.py and kernel_ir.txt to DIR")
     s.set_defaults(fn=cmd_compile)
 
-    s = sub.add_parser("ops", help="list the ops with their signatures and semantics")
-    s.add_argument("op", nargs="?", help="just this op")
+    s = sub.add_parser("ops", help="list the ops: how a spec writes them, their signatures and semantics",
+                       description="Every op and the stack statement: the form a .mtc spec writes (keywords "
+                                   "that size and name the parameters an op owns: out=, vocab=, dim=, name=), "
+                                   "its keywords with defaults, the graph-op signature (as printed by `mtc ir`, "
+                                   "parameters as inputs) and its semantics. With OP: that one, and a whole "
+                                   "example spec using it.")
+    s.add_argument("op", nargs="?", help="just this op (or stack), with an example spec")
     s.set_defaults(fn=cmd_ops)
     return p
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that an unknown flag after a command is reported with that command's usage
+    (and a did-you-mean), not the top-level one."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        from .errors import did_you_mean
+        sub = parser._mtc_commands.get(getattr(args, "cmd", None), parser)
+        flags = [o for a in sub._actions for o in a.option_strings]
+        first = extra[0].split("=", 1)[0]
+        hint = did_you_mean(first, flags) if first.startswith("-") else ""
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:                                   # bare `mtc`: the help, as a usage error (exit 2)
+        parser.print_help(sys.stderr)
+        return 2
+    args = _parse(parser, argv)
     for k in ("seq_len", "batch", "gpus", "batch_size", "max_tokens"):
         v = getattr(args, k, None)
         if v is not None and v < 1:
@@ -489,13 +724,23 @@ def main(argv=None) -> int:
             shown(message, category, filename, lineno, file, line)
     warnings.showwarning = show
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()                         # a closed pipe shows here, inside the handler below
+        return rc
+    except BrokenPipeError:
+        # the reader went away (`mtc ops | head -1`): stop quietly, as the Python docs advise (signal
+        # module notes): point stdout at devnull so the interpreter's final flush does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except MtcError as e:
         print(e.render(), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

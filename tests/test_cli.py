@@ -14,6 +14,20 @@ def mtc(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "dsl.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
+def in_process(*args):
+    """dsl.cli.main(args) in this process (no interpreter start-up): a CompletedProcess-like result."""
+    import contextlib
+    import io
+    from dsl.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:            # argparse's usage errors
+            rc = e.code
+    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
+
+
 def _clean_error(r, needle):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
@@ -81,7 +95,8 @@ def test_ir_dump_with_lowered_stage_includes_the_kernel_ir(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["ir", "models/kimi_k3.mtc", "--stage", "lowered", "--gpus", "128", "--slots", "1000"], "a multiple of ep_size = 128"),
+    (["ir", "models/kimi_k3.mtc", "--stage", "lowered", "--gpus", "128", "--slots", "1000"],
+     "--slots 1000: needs at least the 896 experts of a MoE layer and a multiple of --gpus 128"),
     (["ir", "models/kimi_k3.mtc", "--stage", "lowered", "--checkpointing", "bogus"], "invalid choice"),
     (["ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "tvm", "--tvm-schedule", "bogus"], "invalid choice"),
     (["ir", "models/kimi_k3.mtc", "-v", "tiny", "--dump-ir", "/etc/passwd"], "cannot write IR dumps"),
@@ -102,3 +117,180 @@ def test_compile_full_model_emits_kernels_without_weights(tmp_path):
     assert r.returncode == 0, r.stderr
     src = (tmp_path / "kernels.py").read_text()
     assert "@triton.jit" in src and "kernels kimi_k3(B, T)" in (tmp_path / "kernel_ir.txt").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line itself: pipes, --version, help, usage, flag checks
+@pytest.mark.parametrize("args", [["ops"], ["stats", "models/kimi_k3.mtc", "-v", "tiny", "--json"]])
+def test_a_closed_pipe_ends_quietly(args):
+    """`mtc ops | head -1`: the reader is gone before mtc writes; no BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "dsl.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=ROOT)
+    p.stdout.close()                       # before the child has imported anything: its first write fails
+    err = p.stderr.read().decode()
+    p.wait(timeout=60)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert p.returncode == 1
+
+
+def test_version_from_the_package_metadata():
+    from importlib.metadata import version
+    r = mtc("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"mtc {version('mtc')}", (r.stdout, r.stderr)
+
+
+def test_bare_mtc_prints_the_help():
+    r = mtc()
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    for cmd in ("stats", "ir", "run", "compile", "ops", "examples:"):
+        assert cmd in r.stderr, r.stderr
+
+
+def test_a_mistyped_flag_shows_the_commands_usage():
+    r = mtc("stats", "models/kimi_k3.mtc", "--seqlen", "5")
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: mtc stats"), r.stderr
+    assert "unrecognized arguments: --seqlen 5 (did you mean '--seq-len'?)" in r.stderr
+
+
+def _after(stdout):
+    return [ln.split()[4] for ln in stdout.splitlines() if ln.startswith("// ----- IR after ")]
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--print-after", "lower"], ["lower"]),
+    (["--print-after", "verify,canonicalize"], ["verify", "canonicalize"]),
+    (["--print-after", "fuse_tiles", "--print-after", " infer_shapes,"], ["infer_shapes", "fuse_tiles"]),
+])
+def test_print_after_lists_and_lower(flags, want):
+    r = mtc("ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "canonical", *flags)
+    assert r.returncode == 0, r.stderr
+    assert _after(r.stdout) == want
+    if "lower" in want:                    # the kernel IR, then the canonical IR asked for
+        body = r.stdout.split("// ----- IR after lower", 1)[1]
+        assert "kernels kimi_k3.tiny(B, T) target=triton" in body and "\ngraph kimi_k3.tiny(B, T)" in body
+
+
+def test_print_after_unknown_lists_the_passes():
+    r = mtc("ir", "models/kimi_k3.mtc", "-v", "tiny", "--print-after", "verify,fuse_tile")
+    _clean_error(r, "unknown pass 'fuse_tile' (did you mean 'fuse_tiles'?)")
+    assert "canonicalize, batch_attn_residual, fuse_tiles, lower, or all" in r.stderr
+    assert "comma-separated or repeat the flag" in r.stderr
+    from dsl.cli import PRINT_AFTER        # the list --help shows
+    from passes import PIPELINES
+    assert PRINT_AFTER == PIPELINES["default"] + ["lower"]
+
+
+def test_dtype_aliases_are_documented_and_canonicalised(tmp_path):
+    h = " ".join(mtc("run", "--help").stdout.split())
+    assert all(a in h for a in ("bfloat16 (bf16)", "float32 (fp32, f32)", "float16 (fp16, f16)")), h
+    j = tmp_path / "r.json"
+    r = mtc("run", "--dtype", "BF16", "--max-tokens", "40", "--seq-len", "16", "--set", "n_layers=2", "--json", str(j))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(j.read_text())["dtype"] == "bfloat16"
+    assert "target reference, bfloat16)" in " ".join(r.stdout.split())
+    _clean_error(in_process("run", "--dtype", "fp8"),
+                 "float32 (fp32, f32) | bfloat16 (bf16) | float16 (fp16, f16); got 'fp8'")
+
+
+def test_lowered_only_flags_warn_at_other_stages():
+    r = mtc("ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "canonical", "--gpus", "8", "--slots", "16")
+    assert r.returncode == 0, r.stderr
+    assert "warning: --gpus, --slots only affect --stage lowered; ignored at --stage canonical" in r.stderr
+    assert r.stdout.startswith("graph kimi_k3.tiny(B, T)")
+    r = mtc("ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "canonical")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+def test_bad_slots_name_the_flag():
+    r = mtc("ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "lowered", "--slots", "3")
+    _clean_error(r, "--slots 3: needs at least the 16 experts of a MoE layer and a multiple of --gpus 1")
+    assert "plan_memory" not in r.stderr
+
+
+def test_seq_len_beyond_max_seq_len_warns():
+    r = mtc("stats", "models/kimi_k3.mtc", "-v", "tiny", "--seq-len", "5000", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["seq_len"] == 5000
+    assert "warning: --seq-len 5,000 is beyond the spec's max_seq_len = 4,096" in r.stderr, r.stderr
+    r = mtc("stats", "models/kimi_k3.mtc", "-v", "tiny", "--seq-len", "4096", "--json")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    # the model has no position embeddings (KDA, NoPE MLA): a run past max_seq_len works, with the warning
+    r = mtc("run", "--seq-len", "65", "--max-tokens", "200", "--set", "n_layers=2", "--set", "max_seq_len=63")
+    assert r.returncode == 0, r.stderr
+    assert "warning: --seq-len 65 is beyond the spec's max_seq_len = 63" in r.stderr, r.stderr
+    assert "loss" in r.stdout
+
+
+def test_run_refuses_a_spec_it_cannot_feed_before_compiling(tmp_path):
+    p = tmp_path / "two.mtc"
+    p.write_text("model two {\n  forward(input_ids: i64[B, T], other: i64[B, T]) {\n"
+                 "    x = embedding(input_ids, vocab=256, dim=32)\n    return lm_head(rmsnorm(x), vocab=256)\n  }\n}\n")
+    r = in_process("run", str(p))
+    _clean_error(r, "`mtc run` feeds one input, byte token ids [batch, seq-len]; model 'two' takes 2 "
+                    "(input_ids: i64[B, T], other: i64[B, T])")
+    assert "compiled" not in r.stdout
+    p.write_text(p.read_text().replace("input_ids: i64[B, T], other: i64[B, T]", "input_ids: i64[2, 16]"))
+    _clean_error(in_process("run", str(p)), "takes input_ids: i64[2, 16], a fixed shape")
+
+
+def test_stats_of_a_fixed_input_shape(tmp_path):
+    """A spec with input i64[2, 16] is counted at B = 2, T = 16: the same numbers as the symbolic spec
+    at --batch 2 --seq-len 16 (MLA FLOPs grow with T, so a wrong T shows)."""
+    body = ("    x = embedding(input_ids, vocab=256, dim=64)\n"
+            "    y = mla_layer(x, heads=2, kv_lora_rank=16, qk_nope_dim=16, qk_rope_dim=8, v_dim=16, name=\"a\")\n"
+            "    z = kda_layer(y, heads=2, head_dim=16, name=\"k\")\n"
+            "    return lm_head(rmsnorm(z), vocab=256)\n  }\n}\n")
+    fixed, sym = tmp_path / "fixed.mtc", tmp_path / "sym.mtc"
+    fixed.write_text("model m {\n  forward(input_ids: i64[2, 16]) {\n" + body)
+    sym.write_text("model m {\n  forward(input_ids: i64[B, T]) {\n" + body)
+    rf = mtc("stats", str(fixed), "--json", "--seq-len", "999")
+    rs = mtc("stats", str(sym), "--json", "--seq-len", "16", "--batch", "2")
+    assert rf.returncode == 0 and rs.returncode == 0, rf.stderr + rs.stderr
+    assert "--seq-len 999 ignored: the spec fixes it to 16" in rf.stderr
+    f, s = json.loads(rf.stdout), json.loads(rs.stdout)
+    for k in ("seq_len", "batch", "flops_per_token", "kv_cache_bytes", "kda_state_bytes", "residual_stream_bytes"):
+        assert f[k] == pytest.approx(s[k], rel=1e-12), k
+    assert f["seq_len"] == 16 and f["batch"] == 2
+    table = mtc("stats", str(fixed)).stdout
+    assert "T=16" in table and "4,096" not in table
+
+
+# ---------------------------------------------------------------------------------------------
+# mtc ops: how a spec writes each op
+def test_every_op_has_a_spec_form_whose_example_builds(tmp_path):
+    import warnings
+    import dsl
+    from dsl.ops import OPS
+    from dsl.spec_forms import SPEC_FORMS, STACK
+    assert set(SPEC_FORMS) == set(OPS)
+    for name, f in [*SPEC_FORMS.items(), ("stack", STACK)]:
+        if f.form is None:
+            assert f.example is None and f.notes, name
+            continue
+        p = tmp_path / f"{name}.mtc"
+        p.write_text(f.example)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")            # an example that leaves something unused is wrong
+            g = dsl.load(str(p))
+        ops = {n.op for n in g.nodes}
+        assert (name in ops) if name != "stack" else {"kda_layer", "mla_layer", "glu_ffn"} <= ops, name
+
+
+@pytest.mark.parametrize("op,needles", [
+    ("linear", ['in a spec:  y = linear(x, out=N, name="...")', "out (required), name (required)",
+                "graph op:   linear(x, weight)", "example"]),
+    ("embedding", ["embedding(ids, vocab=V, dim=D", 'name="model.embed_tokens"']),
+    ("rmsnorm", ['rmsnorm(x, eps=1e-6, name="model.norm")']),
+    ("stack", ['prefix="model.layers"', 'residual="add"', "block_size=", "attn = ", "ffn = "]),
+    ("kda_layer", ["block kda = kda_layer(heads=H, head_dim=K)", 'gate="sigmoid"']),
+])
+def test_ops_shows_the_spec_form(op, needles):
+    r = mtc("ops", op)
+    assert r.returncode == 0, r.stderr
+    for n in needles:
+        assert n in r.stdout, (n, r.stdout)
+
+
+def test_ops_help_has_a_description():
+    r = mtc("ops", "--help")
+    assert r.returncode == 0 and "the form a .mtc spec writes" in " ".join(r.stdout.split())
