@@ -149,6 +149,17 @@ class GraphBuilder:
                 full[k] = default
         inputs = list(inputs)
         in_types = [self.type(r) for r in inputs]
+        if od.params is not None and len(inputs) != od.n_data_inputs:
+            # given its parameters explicitly (expansions, parsed IR) or a wrong count: the latter is an error
+            # here, at the call, not an unpacking failure inside a shape rule or an op expansion
+            k = None
+            if len(inputs) > od.n_data_inputs:
+                try:
+                    k = od.n_params({**full, **pattrs}, in_types[:od.n_data_inputs])
+                except ShapeError as e:
+                    raise self.error(f"{op}: {e}", loc) from None
+            if k is None or len(inputs) != od.n_data_inputs + k:
+                raise self.error(f"{op}: {od.arity_message(len(inputs))}", loc)
         if od.params is not None and len(inputs) == od.n_data_inputs:
             for k, default in od.param_attrs.items():
                 if k not in pattrs:

@@ -38,14 +38,47 @@ class OpDef:
     inputs: tuple = ()
     is_layer: bool = False
 
+    @property
+    def data_inputs(self) -> tuple:
+        """The names of the tensors a call passes (for ops that own parameters: without them)."""
+        return self.inputs[:self.n_data_inputs] if self.params is not None else self.inputs
+
+    def n_params(self, attrs: dict, data_types: list[TensorType]) -> int:
+        """How many parameter inputs follow the data inputs once the op's parameters exist (0 for ops that
+        own none). Layer ops derive the count from their attributes (``attrs`` complete, defaults filled in);
+        the others list theirs after the data inputs in ``inputs``. Raises ShapeError as ``params`` does."""
+        if self.params is None:
+            return 0
+        if not self.is_layer:
+            return len(self.inputs) - self.n_data_inputs
+        return len(self.params(attrs, data_types))
+
+    def arity_message(self, got: int) -> str:
+        """'takes 1 tensor input (x), got 0': the call-site count of data inputs (parameters excluded)."""
+        names = [n.lstrip("*") for n in self.data_inputs]
+        n = self.n_data_inputs
+        if self.variadic:
+            return f"takes at least {n} tensor inputs ({', '.join(names)}), got {got}"
+        return f"takes {n} tensor input{'s' if n != 1 else ''} ({', '.join(names)}), got {got}"
+
     def check_and_infer(self, in_types: list[TensorType], attrs: dict) -> list[TensorType]:
-        if not self.variadic and self.params is None and len(in_types) != self.n_data_inputs:
-            raise ShapeError(f"takes {self.n_data_inputs} input(s) ({', '.join(self.inputs)}), got {len(in_types)}")
-        if self.variadic and len(in_types) < self.n_data_inputs:
-            raise ShapeError(f"takes at least {self.n_data_inputs} inputs, got {len(in_types)}")
+        """Check the input count and types of a graph node (parameters included) and infer its output types.
+        Raises ShapeError."""
+        n, got = self.n_data_inputs, len(in_types)
+        if got < n or (not self.variadic and self.params is None and got != n):
+            raise ShapeError(self.arity_message(got))
         for t in in_types:
             if t is None:
                 raise ShapeError("an input has no type (run infer_shapes first)")
+        missing = [k for k, v in attrs.items() if v is REQUIRED]
+        if missing:
+            raise ShapeError(f"needs attribute '{missing[0]}'")
+        if self.params is not None:
+            k = self.n_params(attrs, in_types[:n])
+            if got != n + k:
+                what = (f"its parameter {', '.join(self.inputs[n:])}" if not self.is_layer
+                        else f"its {k} parameters")
+                raise ShapeError(f"takes {n + k} inputs ({', '.join(self.data_inputs)} and {what}), got {got}")
         return self.infer(in_types, attrs)
 
 
@@ -137,11 +170,33 @@ register("mul", _binary, n_data_inputs=2, inputs=("a", "b"), flops=lambda ts, os
          doc="a * b (numpy broadcasting)")
 
 
+def _dims(shape) -> str:
+    return "[" + ", ".join(str(d).replace(" ", "") for d in shape) + "]"
+
+
+def _target_shape(x: TensorType, a: dict) -> tuple:
+    """The ``shape`` attribute of reshape / broadcast as dims; a symbol that x's shape lacks is an error."""
+    try:
+        shape = tuple(dim(d) for d in a["shape"])
+    except (TypeError, ValueError, sympy.SympifyError):
+        got = a["shape"]
+        got = "[" + ", ".join(map(str, got)) + "]" if isinstance(got, (list, tuple)) else repr(got)
+        raise ShapeError(f"shape must list integers and shape symbols, got {got}") from None
+    have = set().union(*(d.free_symbols for d in x.shape)) if x.shape else set()
+    for d in shape:
+        for s in sorted(d.free_symbols - have, key=str):
+            names = ", ".join(sorted(str(v) for v in have)) or "none"
+            raise ShapeError(f"unknown symbol '{s}' in the shape {_dims(shape)}: the input {_shape(x)} has "
+                             f"symbols {names}")
+    return shape
+
+
 def _reshape(ts, a):
     x = ts[0]
-    shape = tuple(dim(d) for d in a["shape"])
+    shape = _target_shape(x, a)
     if not _eq(sympy.Mul(*shape), x.numel()):
-        raise ShapeError(f"cannot reshape {_shape(x)} into {[str(d) for d in shape]}: element counts differ")
+        raise ShapeError(f"cannot reshape {_shape(x)} into {_dims(shape)}: element counts differ "
+                         f"({_dims([x.numel()])[1:-1]} vs {_dims([sympy.Mul(*shape)])[1:-1]})")
     return [TensorType(x.dtype, shape)]
 
 
@@ -176,9 +231,9 @@ register("concat", _concat, n_data_inputs=2, attrs={"dim": -1}, inputs=("a", "b"
 
 def _broadcast(ts, a):
     x = ts[0]
-    shape = tuple(dim(d) for d in a["shape"])
+    shape = _target_shape(x, a)
     if len(shape) != x.rank or any(not (_eq(p, q) or p == 1) for p, q in zip(x.shape, shape)):
-        raise ShapeError(f"cannot broadcast {_shape(x)} to {[str(d) for d in shape]}")
+        raise ShapeError(f"cannot broadcast {_shape(x)} to {_dims(shape)}")
     return [x.with_shape(shape)]
 
 

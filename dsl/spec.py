@@ -6,16 +6,18 @@ Errors point at the spec: ``file:line:col`` with the offending line and a caret.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import lark
+import sympy
 
 from .builder import GraphBuilder
 from .errors import Loc, MtcError, did_you_mean
-from .ir import Ref, canon_dtype
+from .ir import Ref, canon_dtype, sym
 
 #: the most layers a stack may have (the graph is built layer by layer; K3 has 93)
 MAX_LAYERS = 4096
@@ -36,6 +38,32 @@ class Block:
     op: str
     attrs: tuple
     loc: Loc | None
+
+
+def describe(v) -> str:
+    """A spec value as a message shows it: spec syntax (true, "text", [B, T, 4]), never a Python repr."""
+    if isinstance(v, Ref):
+        return "a tensor"
+    if isinstance(v, Block):
+        return f"a {v.op} block (a layer op called without a tensor is configured, not applied)"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(describe(x) for x in v) + "]"
+    if isinstance(v, sympy.Basic):
+        return str(v).replace(" ", "")
+    return repr(v)
+
+
+def _attr_value(v):
+    """A keyword value as an op attribute: shape-symbol expressions become what a quoted dim would be."""
+    if isinstance(v, sympy.Basic):
+        return int(v) if v.is_number else str(v).replace(" ", "")
+    if isinstance(v, list):
+        return [_attr_value(x) for x in v]
+    return v
 
 
 class SpecModel:
@@ -70,11 +98,20 @@ class SpecModel:
                     raise self.err(f"variant '{vname}' is defined twice", self.loc(item))
                 self.variants[vname] = [(str(a.children[0]), a.children[1], self.loc(a)) for a in item.children[1:]]
             elif item.data == "block_def":
-                self.blocks.append((str(item.children[0]), item.children[1], self.loc(item)))
+                bname = str(item.children[0])
+                first = next((b for b in self.blocks if b[0] == bname), None)
+                if first is not None:
+                    raise self.err(f"block '{bname}' is defined twice (first at line {first[2].line}); "
+                                   f"give the second one another name", self.loc(item))
+                self.blocks.append((bname, item.children[1], self.loc(item)))
             elif item.data == "forward":
                 if self.forward is not None:
                     raise self.err("a model has one forward", self.loc(item))
                 self.forward = item
+        fields = {c[0] for c in self.config}
+        for bname, _e, bloc in self.blocks:
+            if bname in fields:
+                raise self.err(f"block '{bname}' has the name of a config field; give the block another name", bloc)
         if self.forward is None:
             raise MtcError(f"model '{self.name}' has no forward(...) {{ ... }} section", Loc(file, 1, 1), text)
 
@@ -122,7 +159,7 @@ class SpecModel:
         if typ == "int" and isinstance(val, float) and val.is_integer():
             val = int(val)
         if not isinstance(val, py) or (py is int and isinstance(val, bool)):
-            raise self.err(f"config field '{name}' is declared {typ} but its value is {val!r}", loc)
+            raise self.err(f"config field '{name}' is declared {typ} but its value is {describe(val)}", loc)
         if typ == "dtype":
             val = canon_dtype(val, loc)
         return val
@@ -151,6 +188,7 @@ class Evaluator:
 
     def __init__(self, spec: SpecModel, env: dict, builder: "SpecBuilder | None" = None):
         self.spec, self.env, self.b = spec, env, builder
+        self._lists = 0                      # > 0 while inside [...] (a shape, usually)
 
     def err(self, msg, t, hint=None):
         return self.spec.err(msg, self.spec.loc(t), hint)
@@ -179,19 +217,37 @@ class Evaluator:
         return False
 
     def e_list(self, t):
-        return [self.eval(c) for c in t.children]
+        self._lists += 1
+        try:
+            return [self.eval(c) for c in t.children]
+        finally:
+            self._lists -= 1
 
     def e_var(self, t):
         name = str(t.children[0])
         if name not in self.env:
-            raise self.err(f"unknown name '{name}'{did_you_mean(name, self.env)}", t)
+            syms = self.b.dim_syms if self.b is not None else {}
+            if name in syms:                   # a shape symbol of the forward's inputs (B, T): a dim
+                return syms[name]
+            hint = None
+            if name in ("True", "False", "TRUE", "FALSE"):
+                hint = f"booleans are written {name.lower()} (lower case): use true / false"
+            elif self._lists and syms:
+                hint = (f"the shape symbols are {', '.join(syms)} (from the forward's inputs); "
+                        f"a shape lists those, integers and config values")
+            raise self.err(f"unknown name '{name}'{did_you_mean(name, list(self.env) + list(syms))}", t, hint)
         if self.b is not None:
             self.b.used.add(name)
         return self.env[name]
 
-    def _num(self, v, t, what):
+    def _num(self, v, t, what, symbols=False):
+        if symbols and isinstance(v, sympy.Expr):
+            return v
+        if isinstance(v, sympy.Expr):
+            raise self.err(f"{what} needs numbers, got the shape expression {describe(v)} "
+                           f"(shape symbols take +, - and *)", t)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise self.err(f"{what} needs numbers, got {v!r}", t)
+            raise self.err(f"{what} needs numbers, got {describe(v)}", t)
         return v
 
     def e_binop(self, t):
@@ -199,7 +255,8 @@ class Evaluator:
         x, y = self.eval(a), self.eval(b)
         if str(op) == "+" and isinstance(x, str) and isinstance(y, str):
             return x + y
-        x, y = self._num(x, a, f"'{op}'"), self._num(y, b, f"'{op}'")
+        symbolic = str(op) in ("+", "-", "*") and not isinstance(x, float) and not isinstance(y, float)
+        x, y = self._num(x, a, f"'{op}'", symbolic), self._num(y, b, f"'{op}'", symbolic)
         if str(op) in ("/", "//", "%") and y == 0:
             raise self.err("division by zero", t)
         return _BINOPS[str(op)](x, y)
@@ -212,7 +269,12 @@ class Evaluator:
 
     def e_compare(self, t):
         a, op, b = t.children
-        return _CMPS[str(op)](self.eval(a), self.eval(b))
+        x, y = self.eval(a), self.eval(b)
+        for v, c in ((x, a), (y, b)):
+            if isinstance(v, sympy.Expr):
+                raise self.err(f"'{op}' cannot compare the shape expression {describe(v)}: its value is only "
+                               f"known when the model runs", c)
+        return _CMPS[str(op)](x, y)
 
     def e_and_(self, t):
         return bool(self.eval(t.children[0])) and bool(self.eval(t.children[1]))
@@ -227,27 +289,32 @@ class Evaluator:
         a, c, b = t.children
         cond = self.eval(c)
         if not isinstance(cond, bool):
-            raise self.err(f"the condition of 'if' must be true or false, got {cond!r}", c)
+            raise self.err(f"the condition of 'if' must be true or false, got {describe(cond)}", c)
         return self.eval(a) if cond else self.eval(b)
 
     def e_call(self, t):
         fname = str(t.children[0])
-        args, kwargs = [], {}
+        args, kwargs, arg_locs = [], {}, []
         if len(t.children) > 1:
             for a in t.children[1].children:
                 if isinstance(a, lark.Tree) and a.data == "kwarg":
                     k = str(a.children[0])
                     if k in kwargs:
                         raise self.err(f"keyword '{k}' given twice", a)
-                    kwargs[k] = self.eval(a.children[1])
+                    v = self.eval(a.children[1])
+                    if isinstance(v, (Ref, Block)):
+                        raise self.err(f"keyword '{k}' of '{fname}' is {describe(v)}; keywords are attributes "
+                                       f"(numbers, strings, lists): tensors go first, without a key", a.children[1])
+                    kwargs[k] = _attr_value(v)
                 else:
                     args.append(self.eval(a))
+                    arg_locs.append(self.spec.loc(a))
         loc = self.spec.loc(t)
         if fname in ("min", "max") and args and not kwargs and all(isinstance(a, (int, float)) for a in args):
             return (min if fname == "min" else max)(*args)
         if self.b is None:
             raise self.err(f"'{fname}(...)' cannot be used in the config (only arithmetic, min and max)", t)
-        return self.b.apply(fname, args, kwargs, loc)
+        return self.b.apply(fname, args, kwargs, loc, arg_locs)
 
 
 class SpecBuilder:
@@ -262,8 +329,9 @@ class SpecBuilder:
         self.env: dict[str, Any] = dict(config)
         self.blocks: dict[str, Block] = {}
         self.used: set[str] = set()            # names read by the forward (for the unused-name warnings)
+        self.dim_syms: dict[str, sympy.Symbol] = {}   # the forward inputs' shape symbols (bare B, T in shapes)
 
-    def apply(self, fname: str, args: list, kwargs: dict, loc: Loc):
+    def apply(self, fname: str, args: list, kwargs: dict, loc: Loc, arg_locs: list | None = None):
         from .ops import OPS
         target = self.env.get(fname) if fname not in OPS else None
         if isinstance(target, Block):
@@ -280,10 +348,19 @@ class SpecBuilder:
                     raise self.spec.err(f"op '{fname}' has no attribute '{k}'"
                                         f"{did_you_mean(k, list(od.attrs))}; it takes: {', '.join(od.attrs)}", loc)
             return Block(fname, tuple(sorted(kwargs.items())), loc)
+        if od.params is not None and len(args) != od.n_data_inputs:
+            # in a spec an op creates its own parameters (the Python builder also takes them given)
+            raise self.spec.err(f"{fname}: {od.arity_message(len(args))}", loc,
+                                f"{fname} creates its parameters itself; name=\"...\" sets their state-dict prefix"
+                                if len(args) > od.n_data_inputs else None)
         for i, a in enumerate(args):
             if not isinstance(a, Ref):
-                raise self.spec.err(f"argument {i + 1} of '{fname}' must be a tensor, got {a!r} "
-                                    f"(attributes go as key=value)", loc)
+                if isinstance(a, Block):
+                    hint = f"give the layer its input tensor: {a.op}(x, ...)"
+                else:
+                    hint = "attributes go as key=value"
+                raise self.spec.err(f"argument {i + 1} of '{fname}' must be a tensor, got {describe(a)}",
+                                    arg_locs[i] if arg_locs else loc, hint)
         return self.b.call(fname, *args, loc=loc, **kwargs)
 
     def _apply_block(self, blk: Block, args, name, loc):
@@ -293,10 +370,18 @@ class SpecBuilder:
 
     def run(self):
         ev = Evaluator(self.spec, self.env, self)
+        from .ops import OPS, LAYER_OPS_ATTN, LAYER_OPS_FFN
+        layer_ops = ", ".join(sorted(LAYER_OPS_ATTN | LAYER_OPS_FFN))
         for bname, expr, loc in self.spec.blocks:
+            if isinstance(expr, lark.Tree) and expr.data == "call" and str(expr.children[0]) in OPS \
+                    and not OPS[str(expr.children[0])].is_layer:
+                op = str(expr.children[0])
+                raise self.spec.err(f"block '{bname}': {op} is not a layer op; a block is one of {layer_ops}",
+                                    self.spec.loc(expr), f"apply {op} in the forward instead: y = {op}(x, ...)")
             v = ev.eval(expr)
             if not isinstance(v, Block):
-                raise self.spec.err(f"block '{bname}' must be a layer op such as kda_layer(...), got {v!r}", loc)
+                raise self.spec.err(f"block '{bname}' must be a layer op ({layer_ops}) configured without a "
+                                    f"tensor, got {describe(v)}", loc)
             self.blocks[bname] = v
             self.env[bname] = v
         fwd = self.spec.forward
@@ -305,6 +390,9 @@ class SpecBuilder:
             if isinstance(ch, lark.Tree) and ch.data == "param":
                 pname, dt = str(ch.children[0]), str(ch.children[1])
                 dims = [str(d.children[0]) for d in ch.children[2:]]
+                for d in dims:
+                    if not d.isdigit():
+                        self.dim_syms.setdefault(d, sym(d))
                 self.env[pname] = self.b.input(pname, canon_dtype(dt, self.spec.loc(ch)),
                                                [int(d) if d.isdigit() else d for d in dims], self.spec.loc(ch))
                 continue
@@ -319,7 +407,7 @@ class SpecBuilder:
                 outputs = [ev.eval(e) for e in ch.children]
                 for o in outputs:
                     if not isinstance(o, Ref):
-                        raise self.spec.err(f"return needs tensors, got {o!r}", self.spec.loc(ch))
+                        raise self.spec.err(f"return needs tensors, got {describe(o)}", self.spec.loc(ch))
         if outputs is None:
             raise self.spec.err("forward has no return statement", self.spec.loc(fwd))
         self._warn_unused(fwd)
@@ -356,16 +444,17 @@ class SpecBuilder:
                                     f"it takes: {', '.join(sorted(known))}", loc)
         n = kw.get("layers")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise self.spec.err(f"stack needs layers=<positive int>, got {n!r}", loc)
+            raise self.spec.err(f"stack needs layers=<positive int>, got {describe(n)}", loc)
         if n > MAX_LAYERS:
             raise self.spec.err(f"stack(layers={n}): more than {MAX_LAYERS} layers; the graph is built layer by layer "
                                 f"(the largest K3-family models have ~100), so this is almost certainly a typo", loc)
         residual = kw.get("residual", "add")
         if residual not in ("add", "attn_res"):
-            raise self.spec.err(f"residual must be \"add\" or \"attn_res\", got {residual!r}", loc)
+            raise self.spec.err(f"residual must be \"add\" or \"attn_res\", got {describe(residual)}", loc)
         block_size = kw.get("block_size", 0)
         if residual == "attn_res" and (not isinstance(block_size, int) or block_size < 1):
-            raise self.spec.err(f"residual=\"attn_res\" needs block_size=<positive int>, got {block_size!r}", loc)
+            raise self.spec.err(f"residual=\"attn_res\" needs block_size=<positive int>, "
+                                f"got {describe(block_size)}", loc)
         prefix = kw.get("prefix", "model.layers")
         eps = kw.get("norm_eps", 1e-6)
         slots = [(str(s.children[0]), s.children[1], self.spec.loc(s)) for s in node.children[2:]]
@@ -386,7 +475,8 @@ class SpecBuilder:
             for sname, expr, sloc in slots:
                 blk = lev.eval(expr)
                 if not isinstance(blk, Block):
-                    raise self.spec.err(f"sublayer '{sname}' of layer {i} must be a layer block, got {blk!r}", sloc)
+                    raise self.spec.err(f"sublayer '{sname}' of layer {i} must be a layer block, "
+                                        f"got {describe(blk)}", sloc)
                 kinds = LAYER_OPS_ATTN if sname == "attn" else LAYER_OPS_FFN
                 if blk.op not in kinds:
                     raise self.spec.err(f"sublayer '{sname}' of layer {i} is a {blk.op} block; the '{sname}' slot takes "
@@ -437,24 +527,64 @@ def _describe(term: str) -> str:
     return term
 
 
+#: a string, a comment, or something that starts like a number (a digit not inside a name): its full run of
+#: name characters and dots, with a signed exponent (1e-5) kept whole
+_NUMBERISH = re.compile(r'"[^"\n]*"|#[^\n]*|(?<![A-Za-z0-9_.])(\d[A-Za-z0-9_.]*(?:(?<=[eE])[+-][A-Za-z0-9_.]*)?)')
+_NUMBER_OK = re.compile(r"\d+|\d+\.\d*([eE][+-]?\d+)?|\d+[eE][+-]?\d+")
+
+
+def _bad_number(text: str, file: str, before: int | None = None) -> MtcError | None:
+    """The first malformed number literal (6_4, 0x40, 1.2.3, 3k) of the text as an MtcError at its position,
+    or None. ``before``: only one that starts before that offset (the place a syntax error was found)."""
+    for m in _NUMBERISH.finditer(text):
+        lit = m.group(1)
+        if lit is None or _NUMBER_OK.fullmatch(lit):
+            continue
+        if before is not None and m.start(1) > before:
+            return None
+        line = text.count("\n", 0, m.start(1)) + 1
+        col = m.start(1) - (text.rfind("\n", 0, m.start(1)) + 1) + 1
+        hint = "numbers are decimal: 64, 1.5, 1e-6"
+        try:
+            hint += f"; write {int(lit, 0)}"
+        except ValueError:
+            pass
+        return MtcError(f"invalid number literal '{lit}'", Loc(file, line, col), text, hint)
+    return None
+
+
 def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
+    """Parse .mtc text into a :class:`SpecModel`. Raises MtcError (syntax errors and malformed number
+    literals, at file:line:col)."""
     if text.startswith("\ufeff"):             # a UTF-8 byte-order mark (some editors write one)
         text = " " + text[1:]                  # keep every column where it was
     try:
         tree = _parser().parse(text)
-    except lark.exceptions.UnexpectedCharacters as e:
-        raise MtcError(f"unexpected character {text[e.pos_in_stream]!r}", Loc(file, e.line, e.column), text) from None
-    except lark.exceptions.UnexpectedToken as e:
+    except lark.exceptions.UnexpectedInput as e:
+        # a number typo (6_4 lexes as 6 then the name _4) surfaces as a syntax error a token or a line later
+        pos = getattr(e, "pos_in_stream", None)
+        if pos is None and getattr(e, "token", None) is not None:
+            pos = getattr(e.token, "start_pos", None)
+        bad = _bad_number(text, file, before=pos if isinstance(pos, int) and pos >= 0 else len(text))
+        raise (bad or _syntax_error(e, text, file)) from None
+    bad = _bad_number(text, file)
+    if bad is not None:
+        raise bad
+    return SpecModel(tree, file, text)
+
+
+def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> MtcError:
+    """A lark parse failure as an MtcError at the place it was found."""
+    if isinstance(e, lark.exceptions.UnexpectedCharacters):
+        return MtcError(f"unexpected character {text[e.pos_in_stream]!r}", Loc(file, e.line, e.column), text)
+    if isinstance(e, lark.exceptions.UnexpectedToken):
         tok = e.token
         exp = sorted({_describe(x) for x in e.expected if not x.startswith("__")})
         more = f" (or {len(exp) - 10} more)" if len(exp) > 10 else ""
         what = "end of file" if tok.type == "$END" else f"'{tok}'"
-        raise MtcError(f"syntax error: unexpected {what}; expected {', '.join(exp[:10])}{more}",
-                       Loc(file, e.line if e.line > 0 else text.count(chr(10)) + 1, max(e.column, 1)), text) from None
-    except lark.exceptions.UnexpectedEOF:
-        raise MtcError("syntax error: unexpected end of file (a '}' missing?)",
-                       Loc(file, text.count("\n") + 1, 1), text) from None
-    return SpecModel(tree, file, text)
+        return MtcError(f"syntax error: unexpected {what}; expected {', '.join(exp[:10])}{more}",
+                        Loc(file, e.line if e.line > 0 else text.count(chr(10)) + 1, max(e.column, 1)), text)
+    return MtcError("syntax error: unexpected end of file (a '}' missing?)", Loc(file, text.count("\n") + 1, 1), text)
 
 
 def build_graph(spec: SpecModel, variant: str | None = None, **overrides):

@@ -190,3 +190,61 @@ def test_unused_blocks_and_values_are_warned_about():
     assert any("spec.mtc:6:3: warning: block 'never'" in m for m in msgs)
     assert any("spec.mtc:10:5: warning: 'unused' is computed but never used" in m for m in msgs)
     assert any("'y' is computed but never used" in m for m in msgs)      # GOOD's own unused kda_layer
+
+
+def test_duplicate_block_name_is_reported_at_the_second():
+    text = STACK.replace("  block dense = glu_ffn(inter=48)", "  block dense = glu_ffn(inter=48)\n"
+                                                              "  block kda = glu_ffn(inter=8)")
+    e = _err(text)
+    assert e.msg.startswith("block 'kda' is defined twice (first at line 3)") and _loc(e) == (5, 3)
+    e = _err(STACK.replace("block dense =", "block d ="))
+    assert "block 'd' has the name of a config field" in e.msg and _loc(e) == (4, 3)
+
+
+def test_reshape_takes_bare_shape_symbols_and_prints_shapes_plainly():
+    body = "h = reshape(x, shape=SHAPE)\n    return lm_head(rmsnorm(reshape(h, shape=[B, T, d])), vocab=256)"
+    spec = GOOD.replace("return lm_head(rmsnorm(x), vocab=256)", body)
+    bare = dsl.parse(spec.replace("SHAPE", "[B, T, 2, d // 2]"))
+    quoted = dsl.parse(spec.replace("SHAPE", '["B", "T", 2, 16]').replace("[B, T, d]", '["B", "T", 32]'))
+    assert bare == quoted and str(bare) == str(quoted)
+    assert dsl.parse(spec.replace("SHAPE", "[B * T, 2, 16]")) == dsl.parse(spec.replace("SHAPE", '["B*T", 2, 16]'))
+    e = _err(spec.replace("SHAPE", "[B, T, 7, 9]"))
+    assert e.msg == "reshape: cannot reshape [B, T, 32] into [B, T, 7, 9]: element counts differ (32*B*T vs 63*B*T)"
+    assert _loc(e) == (9, 9)
+    e = _err(spec.replace("SHAPE", '["B", "Q", 2, 16]'))        # quoted: the shape rule names the symbol
+    assert e.msg == ("reshape: unknown symbol 'Q' in the shape [B, Q, 2, 16]: the input [B, T, 32] has symbols B, T")
+    e = _err(spec.replace("SHAPE", "[B, Q, 2, 16]"))            # bare: an unknown name, at the name
+    assert e.msg == "unknown name 'Q'" and _loc(e) == (9, 30) and "shape symbols are B, T" in e.hint
+    e = _err(spec.replace("SHAPE", "[B, T // 2, 2, 32]"))
+    assert "'//' needs numbers, got the shape expression T" in e.msg and _loc(e) == (9, 30)
+
+
+def test_an_unapplied_layer_block_is_named_not_dumped():
+    e = _err(GOOD.replace("return lm_head(rmsnorm(x), vocab=256)",
+                          "f = glu_ffn(inter=8)\n    return lm_head(rmsnorm(add(x, f)), vocab=256)"))
+    assert e.msg == ("argument 2 of 'add' must be a tensor, got a glu_ffn block "
+                     "(a layer op called without a tensor is configured, not applied)")
+    assert _loc(e) == (10, 35) and e.hint == "give the layer its input tensor: glu_ffn(x, ...)"
+    assert "Block(" not in e.render() and "Loc(" not in e.render()
+    e = _err(GOOD.replace("head_dim=16,", "head_dim=x,"))
+    assert e.msg.startswith("keyword 'head_dim' of 'kda_layer' is a tensor;") and _loc(e) == (8, 44)
+    e = _err(GOOD.replace("return lm_head(rmsnorm(x), vocab=256)", "return glu_ffn(inter=8)"))
+    assert e.msg.startswith("return needs tensors, got a glu_ffn block") and "Ref(" not in e.msg
+
+
+@pytest.mark.parametrize("lit,value", [("6_4", "64"), ("0x40", "64"), ("0o17", "15"), ("3k", None),
+                                       ("1.2.3", None)])
+def test_malformed_number_is_reported_on_its_own_line(lit, value):
+    e = _err(GOOD.replace("d: int = 32", f"d: int = {lit}"))
+    assert e.msg == f"invalid number literal '{lit}'" and _loc(e) == (3, 14)
+    assert ("write " + value) in e.hint if value else "write" not in e.hint
+    # in a variant the typo would even parse (a = 6, then _4 = 3 as a second assignment): still reported
+    e = _err(GOOD.replace("  forward(", f"  variant v {{ d = {lit} heads = 3 }}\n  forward("))
+    assert e.msg == f"invalid number literal '{lit}'" and _loc(e) == (6, 19)
+    dsl.parse(GOOD.replace("d: int = 32", "d: int = 32\n    e: float = 1e-6 + 1.5e+3 + 2. + 1E5 * 0"))
+
+
+def test_capitalised_booleans_get_a_hint():
+    text = GOOD.replace("heads: int = 2", "heads: int = 2\n    flag: bool = True")
+    e = _err(text)
+    assert e.msg == "unknown name 'True'" and _loc(e) == (5, 18) and "use true / false" in e.hint
