@@ -233,41 +233,8 @@ def _warn_stage_flags(args, print_after: set) -> None:
 
 def _tvm_report(args, g) -> str:
     """The TVMScript of every distinct TVM kernel the model needs (target="tvm")."""
-    from backends.tvm import tvmscript
-    dt = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
-    nodes = g.node_map()
-    seen: dict[str, list[str]] = {}
-    order = []
-    for n in g.nodes:
-        t = n.types[0] if n.types else None
-        if n.op not in ("rmsnorm", "l2norm", "silu", "sigmoid", "add", "mul", "situ_glu", "attn_residual",
-                        "short_conv") or t is None or t.dtype not in dt:
-            continue
-        a = {"dtype": dt[t.dtype]}
-        if n.op in ("rmsnorm", "l2norm"):
-            a.update(d=int(t.shape[-1]), eps=float(n.attr("eps")))
-            if n.op == "rmsnorm":
-                a["w_dtype"] = dt[nodes[n.inputs[1].node].types[0].dtype]
-        elif n.op == "attn_residual":
-            w = dt[nodes[n.inputs[1].node].types[0].dtype]
-            a.update(d=int(t.shape[-1]), L=len(n.inputs) - 2, eps=float(n.attr("eps")), q_dtype=w, w_dtype=w)
-        elif n.op == "short_conv":
-            wt = nodes[n.inputs[1].node].types[0]
-            a.update(C=int(wt.shape[0]), W=int(wt.shape[2]), w_dtype=dt[wt.dtype])
-        elif n.op == "situ_glu":
-            a.update(beta_gate=float(n.attr("beta_gate")), beta_up=float(n.attr("beta_up")))
-        key = repr((n.op, sorted(a.items())))
-        if key not in seen:
-            seen[key] = []
-            order.append((key, n.op, a))
-        seen[key].append(n.name)
-    out = [f"# {len(order)} distinct TVM kernels for {g.name} (target llvm / cuda sm_90)"]
-    for key, op, a in order:
-        users = seen[key]
-        out.append(f"\n# ---- {op} {a}: used by {len(users)} node(s): "
-                   f"{', '.join('%' + u for u in users[:6])}{' ...' if len(users) > 6 else ''}")
-        out.append(tvmscript(op, scheduled=args.tvm_schedule, **a))
-    return "\n".join(out) + "\n"
+    from backends.tvm import model_tvmscript
+    return model_tvmscript(g, scheduled=args.tvm_schedule)
 
 
 def _lower(args, pm):
