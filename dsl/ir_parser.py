@@ -1,4 +1,6 @@
-"""Parse the printed graph IR back into a :class:`~dsl.ir.Graph`."""
+"""Parse the printed graph IR back into a :class:`~dsl.ir.Graph`, checked as it is read: unknown ops and
+attributes, undefined values, wrong input counts and types are errors at the IR text's own line:col (not at
+the ``@"file":line:col`` source location a node carries from its spec)."""
 from __future__ import annotations
 
 import json
@@ -7,19 +9,21 @@ from pathlib import Path
 
 import lark
 
-from .errors import Loc, MtcError
-from .ir import Graph, Node, Ref, TensorType, canon_dtype, dim, make_attrs
+from .errors import Loc, MtcError, did_you_mean
+from .ir import SOURCE_OPS, Graph, Node, Ref, TensorType, canon_dtype, dim, make_attrs
 
 
 @lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
-    return lark.Lark((Path(__file__).parent / "ir.lark").read_text(), parser="lalr", maybe_placeholders=False)
+    return lark.Lark((Path(__file__).parent / "ir.lark").read_text(), parser="lalr", maybe_placeholders=False,
+                     propagate_positions=True)
 
 
 class _ToGraph(lark.Transformer):
     def __init__(self, file: str):
         super().__init__()
         self.file = file
+        self.where: dict[int, Loc] = {}      # id(node) -> its place in the IR text
 
     def number(self, t):
         s = str(t[0])
@@ -65,7 +69,14 @@ class _ToGraph(lark.Transformer):
         return list(t)
 
     def tensor(self, t):
-        return TensorType(canon_dtype(str(t[0])), tuple(dim(str(d).strip()) for d in t[1:]))
+        dims = []
+        for d in t[1:]:
+            try:
+                dims.append(dim(str(d).strip()))
+            except Exception:          # sympy's parse errors are of many kinds
+                raise MtcError(f"cannot read the dimension '{str(d).strip()}' (integers and expressions in "
+                               f"the shape symbols, such as B*T)") from None
+        return TensorType(canon_dtype(str(t[0])), tuple(dims))
 
     def unknown(self, _):
         return None
@@ -76,10 +87,18 @@ class _ToGraph(lark.Transformer):
     def loc(self, t):
         return Loc(json.loads(t[0]), int(t[1]), int(t[2]))
 
-    def ret(self, t):
+    @lark.v_args(meta=True)
+    def ret(self, meta, t):
+        self.where["return"] = Loc(self.file, getattr(meta, "line", 1), getattr(meta, "column", 1))
         return ("ret", tuple(t))
 
-    def node(self, t):
+    @lark.v_args(meta=True)
+    def node(self, meta, t):
+        n = self._node(t)
+        self.where[id(n)] = Loc(self.file, getattr(meta, "line", 1), getattr(meta, "column", 1))
+        return n
+
+    def _node(self, t):
         name, op = str(t[0]), str(t[1])
         inputs, attrs, types, loc = [], {}, (), None
         for x in t[2:]:
@@ -102,9 +121,87 @@ class _ToGraph(lark.Transformer):
 
 
 def parse_ir(text: str, file: str = "<ir>") -> Graph:
-    """Parse printed IR text. Raises MtcError with file:line:col on a syntax error."""
+    """Parse printed IR text (what :func:`dsl.printer.print_graph` writes) into a Graph.
+
+    Every node is checked as the verify and infer_shapes passes would, but located in ``text``: the op is known,
+    its attributes exist and the required ones are set, its inputs are defined earlier, their number and types
+    fit the op's shape rule, and a declared type equals the inferred one (``?`` types are left for
+    infer_shapes to fill in).
+
+    Raises:
+        MtcError: a syntax or checking error, at ``file:line:col`` of the IR text with its excerpt.
+    """
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:
         raise MtcError(f"syntax error in IR: {str(e).splitlines()[0]}", Loc(file, e.line, e.column), text) from None
-    return _ToGraph(file).transform(tree)
+    tr = _ToGraph(file)
+    try:
+        g = tr.transform(tree)
+    except lark.exceptions.VisitError as e:          # a bad dtype or dim in a type
+        orig = e.orig_exc
+        loc = Loc(file, getattr(e.obj.meta, "line", 1), getattr(e.obj.meta, "column", 1)) \
+            if isinstance(e.obj, lark.Tree) else None
+        msg = orig.msg if isinstance(orig, MtcError) else f"malformed IR: {type(orig).__name__}: {orig}"
+        raise MtcError(msg, loc, text) from None
+    _check(g, tr.where, text)
+    return g
+
+
+def _check(g: Graph, where: dict, text: str) -> None:
+    from .builder import ShapeError
+    from .ops import OPS
+    try:
+        from passes.fuse_tiles import ANNOTATIONS      # the fused stage's per-node annotations
+    except ImportError:                                # pragma: no cover - passes is part of the project
+        ANNOTATIONS = ("fusion", "tiles")
+    types: dict[str, tuple] = {}
+    for n in g.nodes:
+        loc = where.get(id(n))
+
+        def err(msg, hint=None):
+            return MtcError(f"%{n.name}: {msg}", loc, text, hint)
+
+        if n.name in types:
+            raise err("defined twice")
+        in_types = []
+        for r in n.inputs:
+            if r.node not in types:
+                raise err(f"uses %{r.node}, which is not defined before it")
+            if r.index >= len(types[r.node]):
+                raise err(f"uses output {r.index} of %{r.node}, which has {len(types[r.node])}")
+            in_types.append(types[r.node][r.index])
+        if n.op in SOURCE_OPS:
+            if n.inputs:
+                raise err(f"{n.op} takes no inputs, got {len(n.inputs)}")
+            if len(n.types) != 1 or n.types[0] is None:
+                raise err(f"{n.op} needs one type (e.g. ': f32[B, T, 64]')")
+            if not isinstance(n.attr("name"), str):
+                raise err(f"{n.op} needs a name attribute (its {'input' if n.op == 'input' else 'state-dict'} name)")
+            types[n.name] = n.types
+            continue
+        od = OPS.get(n.op)
+        if od is None:
+            raise err(f"unknown op '{n.op}'{did_you_mean(n.op, list(OPS) + list(SOURCE_OPS))}")
+        extra = sorted(set(n.attr_dict) - set(od.attrs) - set(ANNOTATIONS))
+        if extra:
+            raise err(f"op '{n.op}' has no attribute '{extra[0]}'{did_you_mean(extra[0], od.attrs)}; "
+                      f"it takes: {', '.join(od.attrs) or 'none'}")
+        if any(t is None for t in in_types):
+            types[n.name] = n.types or (None,)
+            continue
+        try:
+            got = tuple(od.check_and_infer(in_types, {**od.attrs, **n.attr_dict}))
+        except ShapeError as e:
+            raise err(f"{n.op}: {e}") from None
+        if n.types and all(t is not None for t in n.types):
+            if len(got) != len(n.types) or not all(a.same(b) for a, b in zip(got, n.types)):
+                raise err(f"{n.op} is typed {', '.join(map(str, n.types))} but its inputs give "
+                          f"{', '.join(map(str, got))}")
+        types[n.name] = got
+    for r in g.outputs:
+        if r.node not in types:
+            raise MtcError(f"return uses %{r.node}, which is not defined", where.get("return"), text)
+        if r.index >= len(types[r.node]):
+            raise MtcError(f"return uses output {r.index} of %{r.node}, which has {len(types[r.node])}",
+                           where.get("return"), text)

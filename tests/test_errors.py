@@ -1,4 +1,5 @@
 """Bad input gets one clear message that names file:line:col, never a traceback."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -248,3 +249,49 @@ def test_capitalised_booleans_get_a_hint():
     text = GOOD.replace("heads: int = 2", "heads: int = 2\n    flag: bool = True")
     e = _err(text)
     assert e.msg == "unknown name 'True'" and _loc(e) == (5, 18) and "use true / false" in e.hint
+
+
+def _canonical_ir():
+    from dsl.printer import print_graph
+    from passes import PassManager
+    return print_graph(PassManager().run(dsl.parse(STACK, file="m.mtc")))
+
+
+def _ir_err(text) -> MtcError:
+    with pytest.raises(MtcError) as ei:
+        dsl.parse_ir(text, file="g.ir")
+    return ei.value
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda s: s.replace("= rmsnorm(", "= rmsnrm("), "unknown op 'rmsnrm' (did you mean 'rmsnorm'?)"),
+    (lambda s: re.sub(r"\((%\w+), (%\w+)\)", r"(\1, \2, \2)", s),
+     "rmsnorm: takes 2 inputs (x and its parameter weight), got 3"),
+    (lambda s: s.replace("(%", "(%nope, %", 1), "uses %nope, which is not defined before it"),
+    (lambda s: s.replace("{eps =", "{epz =", 1), "op 'rmsnorm' has no attribute 'epz' (did you mean 'eps'?)"),
+    (lambda s: s.replace("} : f32[B, T, 32]", "} : bf16[B, T, 32]", 1),
+     "rmsnorm is typed bf16[B, T, 32] but its inputs give f32[B, T, 32]"),
+])
+def test_parse_ir_checks_nodes_at_the_ir_line(edit, msg):
+    text = _canonical_ir()
+    lines = text.splitlines()
+    k = next(i for i, ln in enumerate(lines) if "= rmsnorm(" in ln)     # the first rmsnorm node
+    lines[k] = edit(lines[k])
+    e = _ir_err("\n".join(lines))
+    assert e.loc.file == "g.ir" and (e.loc.line, e.loc.col) == (k + 1, 3), e.render()
+    assert e.msg.startswith("%") and msg in e.msg, e.msg
+    assert e.render().splitlines()[1] == f"  {k + 1} | {lines[k]}"            # the IR line, not the .mtc one
+    assert dsl.parse_ir(text) is not None                                      # the unedited IR is fine
+
+
+def test_parse_ir_type_and_return_errors_are_located():
+    text = _canonical_ir()
+    lines = text.splitlines()
+    k = next(i for i, ln in enumerate(lines) if "= embedding(" in ln)
+    col = lines[k].index(": f32[") + 3
+    lines[k] = lines[k].replace(": f32[B, T, 32]", ": f32[B+, T, 32]")
+    e = _ir_err("\n".join(lines))
+    assert e.msg.startswith("cannot read the dimension 'B+'") and (e.loc.line, e.loc.col) == (k + 1, col)
+    r = next(i for i, ln in enumerate(text.splitlines()) if ln.strip().startswith("return "))
+    e = _ir_err(text.replace("return %", "return %zz, %"))
+    assert e.msg == "return uses %zz, which is not defined" and (e.loc.line, e.loc.col) == (r + 1, 3)
