@@ -159,7 +159,8 @@ class SpecModel:
         if typ == "int" and isinstance(val, float) and val.is_integer():
             val = int(val)
         if not isinstance(val, py) or (py is int and isinstance(val, bool)):
-            raise self.err(f"config field '{name}' is declared {typ} but its value is {describe(val)}", loc)
+            hint = "booleans are written true / false" if typ == "bool" and val in ("True", "False") else None
+            raise self.err(f"config field '{name}' is declared {typ} but its value is {describe(val)}", loc, hint)
         if typ == "dtype":
             val = canon_dtype(val, loc)
         return val

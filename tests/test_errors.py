@@ -249,6 +249,9 @@ def test_capitalised_booleans_get_a_hint():
     text = GOOD.replace("heads: int = 2", "heads: int = 2\n    flag: bool = True")
     e = _err(text)
     assert e.msg == "unknown name 'True'" and _loc(e) == (5, 18) and "use true / false" in e.hint
+    e = _err(text.replace("= True", "= true"), flag="True")          # an override (mtc ... --set flag=True)
+    assert e.msg == "config field 'flag' is declared bool but its value is \"True\"" and "true / false" in e.hint
+    assert dsl.parse(text.replace("= True", "= true"), flag="false") is not None
 
 
 def _canonical_ir():
