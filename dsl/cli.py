@@ -113,11 +113,6 @@ def cmd_stats(args) -> int:
         _warn_past_max_seq_len(g, args.seq_len, "--seq-len", "these counts are for a context longer than the "
                                "spec declares")
     s = compute_stats(g, seq_len=T, batch=batch, gpus=args.gpus)
-    if fixed_b:
-        # compute_stats counts FLOPs at B = 1 and divides by T; a fixed batch dim makes that graph's
-        # FLOPs those of fixed_b sequences: divide by them too to get FLOPs per token
-        s.flops_per_token /= fixed_b
-        s.flops_per_token_by_op = {k: v / fixed_b for k, v in s.flops_per_token_by_op.items()}
     if args.json:
         print(json.dumps(s.to_dict(), indent=2))
         return 0

@@ -82,8 +82,13 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
             active += k * frac
     for n in graph.buffers():
         wbytes += _numel(n.type) * DTYPES[n.type.dtype]
-    # FLOPs on the canonical graph at B = 1, T = seq_len
+    # FLOPs on the canonical graph at B = 1, T = seq_len, per token of that graph's input (a spec may fix
+    # its token input's shape, e.g. i64[2, 16]: then the graph holds 32 tokens whatever seq_len says)
     bind = {sym("B"): 1, sym("T"): T}
+    ins = canonical.inputs()
+    tokens = T
+    if len(ins) == 1 and ins[0].types[0].rank == 2:
+        tokens = int(sympy.Mul(*ins[0].types[0].shape).subs(bind))
     cnodes = canonical.node_map()
     by_op: dict[str, float] = {}
     for n in canonical.nodes:
@@ -93,7 +98,7 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         f = flops_of(n.op, ins, n.types, n.attr_dict)
         if f != 0:
             v = float(sympy.sympify(f).subs(bind))
-            by_op[n.op] = by_op.get(n.op, 0.0) + v / T
+            by_op[n.op] = by_op.get(n.op, 0.0) + v / tokens
     # decoding state from the layer blocks
     kv = 0.0
     kda_state = 0.0

@@ -74,3 +74,15 @@ def test_flops_grow_with_context_only_through_attention():
     # linear + experts: about 2 x active matmul parameters
     assert 2 * 0.9 * a.active_params < a.flops_per_token_by_op["linear"] + a.flops_per_token_by_op["moe_experts"] \
         + a.flops_per_token_by_op["qb_route"] + a.flops_per_token_by_op["lm_head"] < 2 * 1.1 * a.active_params_with_embedding
+
+
+def test_flops_per_token_of_a_fixed_input_shape():
+    """compute_stats on a spec whose input is fixed at [3, 20] counts per token of those 60 tokens: equal to
+    the symbolic spec at T = 20 (a linear model: FLOPs per token do not depend on B)."""
+    body = ") {\n    x = embedding(input_ids, vocab=100, dim=32)\n    return lm_head(linear(x, out=48, name=\"p\"), vocab=100)\n  }\n}\n"
+    fixed = dsl.parse("model m {\n  forward(input_ids: i64[3, 20]" + body)
+    symb = dsl.parse("model m {\n  forward(input_ids: i64[B, T]" + body)
+    f = compute_stats(fixed, seq_len=20, batch=3).flops_per_token
+    s = compute_stats(symb, seq_len=20).flops_per_token
+    assert f == pytest.approx(s, rel=1e-12)
+    assert s == pytest.approx(2 * 32 * 48 + 2 * 48 * 100, rel=1e-12)    # two GEMMs per token
