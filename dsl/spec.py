@@ -415,13 +415,17 @@ class SpecBuilder:
         return self.b.build(outputs)
 
     def _warn_unused(self, fwd) -> None:
-        """MtcWarning for blocks never applied and values never read (they are dropped from the graph)."""
+        """MtcWarning for blocks never applied, forward inputs never read, and values never read (dropped from
+        the graph)."""
         import warnings
         from .errors import MtcWarning
         for bname, _expr, loc in self.spec.blocks:
             if bname not in self.used:
                 warnings.warn(MtcWarning(f"block '{bname}' is defined but never used", loc), stacklevel=2)
         for ch in fwd.children:
+            if isinstance(ch, lark.Tree) and ch.data == "param" and str(ch.children[0]) not in self.used:
+                warnings.warn(MtcWarning(f"forward input '{ch.children[0]}' is never used (the model ignores it, "
+                                         f"but a caller must still pass it)", self.spec.loc(ch)), stacklevel=2)
             if isinstance(ch, lark.Tree) and ch.data in ("let", "stack") and str(ch.children[0]) not in self.used:
                 warnings.warn(MtcWarning(f"'{ch.children[0]}' is computed but never used (dropped from the graph)",
                                          self.spec.loc(ch)), stacklevel=2)

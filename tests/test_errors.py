@@ -298,3 +298,14 @@ def test_parse_ir_type_and_return_errors_are_located():
     r = next(i for i, ln in enumerate(text.splitlines()) if ln.strip().startswith("return "))
     e = _ir_err(text.replace("return %", "return %zz, %"))
     assert e.msg == "return uses %zz, which is not defined" and (e.loc.line, e.loc.col) == (r + 1, 3)
+
+
+def test_unused_forward_input_is_warned_about():
+    from dsl.errors import MtcWarning
+    text = ("model m {\n  forward(input_ids: i64[B, T], mask: f32[B, T]) {\n"
+            "    x = embedding(input_ids, vocab=100, dim=32)\n    return lm_head(x, vocab=100)\n  }\n}\n")
+    with pytest.warns(MtcWarning) as rec:
+        dsl.parse(text, file="u.mtc")
+    msgs = [str(r.message) for r in rec]
+    assert msgs == ["u.mtc:2:33: warning: forward input 'mask' is never used (the model ignores it, but a caller "
+                    "must still pass it)"]
