@@ -11,11 +11,12 @@ Times are medians of triton.testing.do_bench (CUDA events).  Columns:
          device copy 4.2 TB/s).
   err    relative RMS difference of o between the two implementations (forward rows).
 Diagnostics (forward): --phases prints the time of each forward phase of mtc (CUDA events at the phase
-boundaries: intra, w/u, segment maps + combine, serial state pass, o); --sweep times the mtc forward at the
+boundaries: intra (v4/v5: cumsum, strip, solve), w/u, segment maps + combine, serial state pass, o); --sweep times the mtc forward at the
 largest case for several segment counts and state-kernel launch settings (backends.triton.kda.H_CFG).
 --intra v2,v3,v4 times each listed forward intra-chunk implementation (backends.triton.kda.INTRA_IMPL: v2 =
 _fwd_intra2_kernel + _fwd_wu_kernel, v3 = _fwd_intra3_kernel, v4 = _fwd_strip4_kernel + _fwd_solve4_kernel +
-_fwd_wu_kernel) against the same fla time, one row each; --intra4-sweep likewise for v4 (INTRA4_CFG);
+_fwd_wu_kernel, v5 = v4 with the in-chunk cumulative gate precomputed: _chunk_cumsum_kernel + _fwd_strip5_kernel)
+against the same fla time, one row each; --intra4-sweep / --intra5-sweep likewise for v4 / v5 (INTRA4_CFG);
 --intra3-sweep times the v3 forward (and its intra phase) at the largest case over launch settings
 (backends.triton.kda.INTRA3_CFG: channel slice BK, value slice BV, warps, split into two launches).
 Usage: source .device/prelude.sh; python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
@@ -74,12 +75,14 @@ def main():
                     help="v3 forward at the largest case over INTRA3_CFG launch settings")
     ap.add_argument("--intra4-sweep", action="store_true",
                     help="v4 forward at the largest case over INTRA4_CFG launch settings")
+    ap.add_argument("--intra5-sweep", action="store_true",
+                    help="v5 forward (precomputed in-chunk cumsum) at the largest case over its launch settings")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
     intras = [x.strip() for x in args.intra.split(",") if x.strip()]
-    if not intras or any(x not in ("v2", "v3", "v4") for x in intras):
-        ap.error(f"--intra: expected a comma-separated subset of v2,v3,v4, got {args.intra!r}")
+    if not intras or any(x not in ("v2", "v3", "v4", "v5") for x in intras):
+        ap.error(f"--intra: expected a comma-separated subset of v2,v3,v4,v5, got {args.intra!r}")
     import triton
     from fla.ops.kda import chunk_kda
     import backends.triton.kda as tk
@@ -180,7 +183,7 @@ def main():
             lines.append("- " + item)
             print(lines[-1], flush=True)
             write()
-    for impl, on in (("v3", args.intra3_sweep), ("v4", args.intra4_sweep)):
+    for impl, on in (("v3", args.intra3_sweep), ("v4", args.intra4_sweep), ("v5", args.intra5_sweep)):
         if not (on and cases):
             continue
         H, T = max(cases, key=lambda c: c[0] * c[1])
@@ -218,8 +221,8 @@ def phases(tk, kda_chunk, T, H, reps=5):
 
 
 def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
-    """Forward times of intra implementation impl ("v3" or "v4") over its launch settings (INTRA3_CFG /
-    INTRA4_CFG; restores them and INTRA_IMPL)."""
+    """Forward times of intra implementation impl ("v3", "v4" or "v5") over its launch settings (INTRA3_CFG /
+    INTRA4_CFG, which v5 shares; restores them and INTRA_IMPL)."""
     q, k, v, g, beta = make(T, H)
     table = tk.INTRA3_CFG if impl == "v3" else tk.INTRA4_CFG
     saved, saved_impl = dict(table), tk.INTRA_IMPL
@@ -229,6 +232,10 @@ def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
         cfgs = [dict(base), dict(base, BK=64, BV=64), dict(base, num_warps=8), dict(base, split=True),
                 dict(base, maxnreg=168), dict(base, maxnreg=128), dict(base, split=True, maxnreg=168),
                 dict(base, BK=64, BV=64, num_warps=8, split=True), dict(base, BK=16)]
+    elif impl == "v5":
+        base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=8)
+        cfgs = [dict(base), dict(base, nw_strip=2), dict(base, BK=32, nw_strip=2), dict(base, BK=32, nw_strip=4),
+                dict(base, nw_strip=2, ns_strip=2), dict(base, nw_cumsum=4)]
     else:
         base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
         cfgs = [dict(base), dict(base, tiles=True), dict(base, tiles=True, maxnreg=128),

@@ -30,7 +30,7 @@ def naive(q, k, v, g, beta, scale, S0):
     return (torch.stack(outs, 0) if outs else None), S
 
 
-@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles"])
+@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles", "v5"])
 def impl(request, monkeypatch):
     """Run the test with each forward intra-chunk implementation (tk.INTRA_IMPL; "v4-tiles": v4 with
     _fwd_tiles4_kernel); v3 and v4 with the smallest channel/value slices so that their slice loops run
@@ -116,7 +116,8 @@ def test_cu_seqlens_uneven(impl):
 
 @pytest.mark.parametrize("lb,seg,gate,intra", [(None, None, "sigmoid", "v2"), (-5.0, 1, "sigmoid", "v2"),
                                                (None, 1, "softplus", "v2"), (-5.0, None, "sigmoid", "v3"),
-                                               (-5.0, None, "sigmoid", "v4"), (None, 1, "softplus", "v4")])
+                                               (-5.0, None, "sigmoid", "v4"), (None, 1, "softplus", "v4"),
+                                               (-5.0, 1, "sigmoid", "v5")])
 def test_gradients_match_reference_autograd(lb, seg, gate, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra)
     B, T, H, K, V = 1, 100, 2, 16, 16
@@ -131,11 +132,12 @@ def test_gradients_match_reference_autograd(lb, seg, gate, intra, monkeypatch):
         assert rel_rms(a, b) < 5e-5, name
 
 
-@pytest.mark.parametrize("split", [False, True, "v4", "v4-tiles"])
+@pytest.mark.parametrize("split", [False, True, "v4", "v4-tiles", "v5"])
 def test_intra3_channel_slices_and_per_block_bound_check(split, monkeypatch):
     # K = 64 in slices of 16: the gate breaks the promised bound only in channels 20..40 (slices 1 and 2)
     # of rows 70..90 (chunk 1, row blocks 0 and 1), so fast and safe diagonal tiles mix inside one chunk
-    # (split = "v4": the same through the v4 kernels, whose strip programs check the bound per slice too)
+    # (split = "v4": the same through the v4 kernels, whose strip programs check the bound per slice too;
+    # "v5": per row block over all channels, from _chunk_cumsum_kernel's flags)
     monkeypatch.setattr(tk, "INTRA_IMPL", split[:2] if isinstance(split, str) else "v3")
     monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16, split=bool(split)))
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=split == "v4-tiles"))
@@ -218,6 +220,14 @@ for fn in (tk._fwd_strip4_kernel, tk._fwd_tiles4_kernel):
     ck = build(fn, sig, dict(K=128, BK=cfg4["BK"], FAST=True, DT=tk.tl.bfloat16), cfg4["nw_strip"], cfg4["ns_strip"])
     assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v4 strip kernel: no tensor-core instruction"
     assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+sig5 = dict(q=P, k=P, GCS=F, FB=I, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
+            H="i32", K="constexpr", BK="constexpr", DT="constexpr")
+ck = build(tk._fwd_strip5_kernel, sig5, dict(K=128, BK=cfg4["BK"], DT=tk.tl.bfloat16), cfg4["nw_strip"],
+           cfg4["ns_strip"])
+assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v5 strip kernel: no tensor-core instruction"
+ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
+                                         FAST="constexpr"), dict(K=128, FAST=True), cfg4["nw_cumsum"], 1)
+assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32"), {}, cfg4["nw_solve"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 sig = dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I, seg_c1=I,
@@ -257,7 +267,8 @@ def test_hopper_compile_uses_tensor_cores():
 # ------------------------------------------------------------------ GPU (bf16, real sizes)
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3"),
-                                         (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles")])
+                                         (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"),
+                                         (4, None, "v5"), (4, 8, "v5")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
@@ -272,7 +283,7 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles"])
+@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles", "v5"])
 def test_gpu_bf16_grad(intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))

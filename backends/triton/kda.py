@@ -691,6 +691,91 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
 
 
 @triton.jit
+def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST: tl.constexpr):
+    """One (chunk, head): GCS = the in-chunk cumulative gate G (float32 [N, H, K]; rows past the chunk's end
+    not written) and FB[c, h, r] = 1 when every g of 16-row block r (all K channels) is >= lb (the dense
+    diagonal tile is in range), else 0 (always 0 without FAST)."""
+    c_ = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows = tl.arange(0, 64)
+    dk = tl.arange(0, K)
+    off = (t0.to(tl.int64) * H + h) * K + rows[:, None] * (H * K) + dk[None, :]
+    m = (rows < L)[:, None]
+    gg = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(GCS + off, tl.cumsum(gg, axis=0), mask=m)
+    r4 = tl.arange(0, 4)
+    if FAST:
+        low = tl.min(tl.reshape(gg, [4, 16 * K]), axis=1)       # padded rows read 0 >= lb
+        fb = (low >= lb).to(tl.int32)
+    else:
+        fb = tl.zeros([4], dtype=tl.int32)
+    tl.store(FB + (tl.cast(c_, tl.int64) * H + h) * 4 + r4, fb)
+
+
+@triton.jit
+def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+                       K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """_fwd_strip4_kernel's outputs from the precomputed in-chunk cumulative gate (GCS, FB of
+    _chunk_cumsum_kernel): no scan and no row extraction in the kernel, only loads.  The anchor c of row
+    block R: the middle of its G range when FB says the block's gates are >= lb (then one dense
+    [16, BK] x [BK, 64] dot covers every causal tile, the diagonal one included), else G before the block
+    (exponents <= 0; the diagonal tile token pair by token pair)."""
+    c_ = tl.program_id(0)
+    h = tl.program_id(1)
+    R = tl.program_id(2)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows64 = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    rows = R * 16 + r16
+    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
+    m64 = (rows64 < L)[:, None]
+    mr = (rows < L)[:, None]
+    fr = tl.load(FB + (tl.cast(c_, tl.int64) * H + h) * 4 + R)
+    # rows past the chunk's end have G = G of its last row (as a scan of zero-padded gates gives)
+    last = L - 1
+    row_lo = tl.minimum(R * 16 - 1, last)
+    row_hi = tl.minimum(R * 16 + 15, last)
+    a = tl.zeros([16, 64], dtype=tl.float32)
+    p = tl.zeros([16, 64], dtype=tl.float32)
+    for ks in range(0, K, BK):
+        d = ks + tl.arange(0, BK)
+        o64 = rows64[:, None] * (H * K) + d[None, :]
+        orr = rows[:, None] * (H * K) + d[None, :]
+        G64 = tl.load(GCS + base + o64, mask=m64, other=0.0)
+        k64 = tl.load(k + base + o64, mask=m64, other=0.0).to(tl.float32)
+        kr = tl.load(k + base + orr, mask=mr, other=0.0).to(tl.float32)
+        qr = tl.load(q + base + orr, mask=mr, other=0.0).to(tl.float32)
+        cl = tl.load(GCS + base + row_lo * (H * K) + d, mask=(R > 0) & (d < K), other=0.0)
+        ch = tl.load(GCS + base + row_hi * (H * K) + d)
+        GC = tl.load(GCS + base + last * (H * K) + d)
+        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+        Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
+        Gr = tl.where(mr, Gr, ch[None, :])
+        er = tl.exp(Gr - c[None, :])
+        lim = R * 16 + 16 * fr
+        col = (k64 * tl.exp(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")))).to(DT)
+        a += tl.dot((kr * er).to(DT), tl.trans(col))
+        p += tl.dot((qr * er).to(DT), tl.trans(col))
+        if fr == 0:
+            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
+            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+        eG = tl.exp(Gr)
+        tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
+        tl.store(KD + base + orr, (kr * tl.exp(GC[None, :] - Gr)).to(KD.dtype.element_ty), mask=mr)
+        if R == 0:
+            tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
+    bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
+    cols = tl.arange(0, 64)
+    ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
+    tl.store(NB + ob, tl.where(cols[None, :] < rows[:, None], a, 0.0) * bb[:, None], mask=mr)
+    tl.store(AQK + ob, (tl.where(cols[None, :] <= rows[:, None], p, 0.0) * scale).to(AQK.dtype.element_ty),
+             mask=mr)
+
+
+@triton.jit
 def _fwd_tiles4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
                        K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
     """Same outputs as _fwd_strip4_kernel (one (chunk, head, row block R)), with only [16, BK] operand tiles
@@ -1247,7 +1332,10 @@ def _mark(name):
 
 
 # which forward intra-chunk implementation _fwd runs: "v4" (default) = _fwd_strip4_kernel (or _fwd_tiles4_kernel)
-# + _fwd_solve4_kernel + _fwd_wu_kernel; "v2" = _fwd_intra2_kernel + _fwd_wu_kernel; "v3" = _fwd_intra3_kernel
+# + _fwd_solve4_kernel + _fwd_wu_kernel; "v5" = v4 with the in-chunk cumulative gate precomputed by
+# _chunk_cumsum_kernel (float32, plus the per-block bound flags) and _fwd_strip5_kernel, which only loads it
+# (ptxas sm_90a, 1 warp, BK 16: 2024 SASS instructions and 130 shuffles vs strip4's 4096 and 423, 220 vs 243
+# registers; NOT yet timed on a GPU: benchmarks/kda.py --intra v4,v5 --phases decides); "v2" = _fwd_intra2_kernel + _fwd_wu_kernel; "v3" = _fwd_intra3_kernel
 # (channel-sliced, w/u merged in).  All give the same results up to rounding; the benchmark's --intra flag times
 # them side by side (H200, H=16, T=1M forward: v2 106.7 ms, v3 96-127 ms by setting, v4 82.1 ms).
 INTRA_IMPL = "v4"
@@ -1261,7 +1349,7 @@ INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False, maxnreg=
 # (tiles: _fwd_tiles4_kernel in place of _fwd_strip4_kernel; maxnreg: register cap of that kernel)
 # (defaults: the best of benchmarks/kda.py --intra4-sweep on the H200, 2026-11-29: intra+solve 42.4 ms at
 # H=16, T=1M against 49.4 at BK=32 / 2 warps and 67.1 for v2's intra kernel)
-INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
+INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=8)
 
 
 def _maxnreg(n):
@@ -1270,8 +1358,8 @@ def _maxnreg(n):
 
 
 def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
-    if INTRA_IMPL not in ("v2", "v3", "v4"):
-        raise ValueError(f"backends.triton.kda.INTRA_IMPL must be 'v2', 'v3' or 'v4', got {INTRA_IMPL!r}")
+    if INTRA_IMPL not in ("v2", "v3", "v4", "v5"):
+        raise ValueError(f"backends.triton.kda.INTRA_IMPL must be 'v2', 'v3', 'v4' or 'v5', got {INTRA_IMPL!r}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B * T
@@ -1295,19 +1383,32 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
                                         **_maxnreg(INTRA3_CFG.get("maxnreg")))
         _mark("intra")
         _mark("w/u")
-    elif NC and INTRA_IMPL == "v4":
+    elif NC and INTRA_IMPL in ("v4", "v5"):
         cfg = INTRA4_CFG
         NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
-        strip = _fwd_tiles4_kernel if cfg.get("tiles") else _fwd_strip4_kernel
-        strip[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb,
-                                       H, K=K, BK=min(K, cfg["BK"]), FAST=fast, DT=_TL[idt],
-                                       num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
-                                       **_maxnreg(cfg.get("maxnreg")))
+        if INTRA_IMPL == "v5":
+            GCS = torch.empty(N, H, K, dtype=torch.float32, device=dev)
+            FB = torch.empty(NC, H, 4, dtype=torch.int32, device=dev)
+            _chunk_cumsum_kernel[(NC, H)](g2, tab["cstart"], tab["clen"], GCS, FB, lb, H, K=K, FAST=fast,
+                                          num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
+            _mark("intra: cumsum")
+            _fwd_strip5_kernel[(NC, H, 4)](q2, k2, GCS, FB, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK,
+                                           GAM, scale, H, K=K, BK=min(K, cfg["BK"]), DT=_TL[idt],
+                                           num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
+                                           **_maxnreg(cfg.get("maxnreg")))
+            del GCS
+        else:
+            strip = _fwd_tiles4_kernel if cfg.get("tiles") else _fwd_strip4_kernel
+            strip[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb,
+                              H, K=K, BK=min(K, cfg["BK"]), FAST=fast, DT=_TL[idt],
+                              num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
+                              **_maxnreg(cfg.get("maxnreg")))
+        _mark("intra: strip")
         TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, num_warps=cfg["nw_solve"],
                                     num_stages=1)
         del NBUF
-        _mark("intra")
+        _mark("intra: solve")
         _fwd_wu_kernel[(NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
                                 DT=_TL[idt], num_warps=cfg["nw_wu"], num_stages=1)
         del TB
