@@ -405,9 +405,11 @@ def _fwd_intra2_kernel(q, k, v, g, beta, cstart, clen, TB, QG, KD, AQK, GAM, sca
 
 
 @triton.jit
-def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr):
+def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr,
+                   CUMSUM: tl.constexpr = False):
     """One (chunk, head): Wk = T (beta k e^G), U = T (beta v) with T [64, 64] from _fwd_intra2_kernel
-    (lower block-triangular; the blocks above the diagonal are never written and are masked here)."""
+    (lower block-triangular; the blocks above the diagonal are never written and are masked here).
+    CUMSUM: ``g`` already holds the in-chunk cumulative gate G (_chunk_cumsum_kernel's output)."""
     c_ = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(cstart + c_)
@@ -424,7 +426,10 @@ def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V
     pw = tl.make_block_ptr(WK + tok * K, (L, K), (H * K, 1), (0, 0), (64, K), (1, 0))
     pv = tl.make_block_ptr(v + tok * V, (L, V), (H * V, 1), (0, 0), (64, V), (1, 0))
     pu = tl.make_block_ptr(U + tok * V, (L, V), (H * V, 1), (0, 0), (64, V), (1, 0))
-    G = tl.cumsum(tl.load(pg, boundary_check=(0,), padding_option="zero"), axis=0)
+    if CUMSUM:
+        G = tl.load(pg, boundary_check=(0,), padding_option="zero")
+    else:
+        G = tl.cumsum(tl.load(pg, boundary_check=(0,), padding_option="zero"), axis=0)
     kg = (tl.load(pk, boundary_check=(0,), padding_option="zero").to(tl.float32) * tl.exp(G) * bb[:, None]).to(DT)
     tl.store(pw, tl.dot(T, kg).to(WK.dtype.element_ty), boundary_check=(0,))
     vb = (tl.load(pv, boundary_check=(0,), padding_option="zero").to(tl.float32) * bb[:, None]).to(DT)
@@ -1333,8 +1338,8 @@ def _mark(name):
 
 # which forward intra-chunk implementation _fwd runs: "v4" (default) = _fwd_strip4_kernel (or _fwd_tiles4_kernel)
 # + _fwd_solve4_kernel + _fwd_wu_kernel; "v5" = v4 with the in-chunk cumulative gate precomputed by
-# _chunk_cumsum_kernel (float32, plus the per-block bound flags) and _fwd_strip5_kernel, which only loads it
-# (ptxas sm_90a, 1 warp, BK 16: 2024 SASS instructions and 130 shuffles vs strip4's 4096 and 423, 220 vs 243
+# _chunk_cumsum_kernel (float32, plus the per-block bound flags) and _fwd_strip5_kernel and _fwd_wu_kernel,
+# which only load it (ptxas sm_90a, 1 warp, BK 16: 2024 SASS instructions and 130 shuffles vs strip4's 4096 and 423, 220 vs 243
 # registers; NOT yet timed on a GPU: benchmarks/kda.py --intra v4,v5 --phases decides); "v2" = _fwd_intra2_kernel + _fwd_wu_kernel; "v3" = _fwd_intra3_kernel
 # (channel-sliced, w/u merged in).  All give the same results up to rounding; the benchmark's --intra flag times
 # them side by side (H200, H=16, T=1M forward: v2 106.7 ms, v3 96-127 ms by setting, v4 82.1 ms).
@@ -1396,7 +1401,6 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
                                            GAM, scale, H, K=K, BK=min(K, cfg["BK"]), DT=_TL[idt],
                                            num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
                                            **_maxnreg(cfg.get("maxnreg")))
-            del GCS
         else:
             strip = _fwd_tiles4_kernel if cfg.get("tiles") else _fwd_strip4_kernel
             strip[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb,
@@ -1409,9 +1413,12 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
                                     num_stages=1)
         del NBUF
         _mark("intra: solve")
-        _fwd_wu_kernel[(NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
-                                DT=_TL[idt], num_warps=cfg["nw_wu"], num_stages=1)
+        v5 = INTRA_IMPL == "v5"
+        _fwd_wu_kernel[(NC, H)](k2, v2, GCS if v5 else g2, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
+                                DT=_TL[idt], CUMSUM=v5, num_warps=cfg["nw_wu"], num_stages=1)
         del TB
+        if v5:
+            del GCS
     elif NC:
         TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         _fwd_intra2_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, QG, KD, AQK, GAM,
