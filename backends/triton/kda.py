@@ -628,6 +628,43 @@ def _fwd_intra3_kernel(q, k, v, g, beta, cstart, clen, WK, U, QG, KD, AQK, GAM, 
 #   _fwd_wu_kernel      (chunk, head): Wk = T (beta k e^G), U = T (beta v), [64, 64] x [64, K] dots
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
+                 scale, K: tl.constexpr, DT: tl.constexpr):
+    """One channel slice of a strip program (_fwd_strip4_kernel / _fwd_strip5_kernel), given the slice's
+    operands and cumulative gates: G64 [64, BK] of the chunk, Gr [16, BK] of row block R, GC / cl / ch [BK]
+    at the chunk's last row / before the block / the block's last row, fr = 1 when the block's gates are
+    >= lb.  Adds the slice's share to the strips a (Akk) and p (P) [16, 64] and stores its QG, KD (and GAM
+    for R = 0); returns (a, p)."""
+    c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+    er = tl.exp(Gr - c[None, :])
+    lim = R * 16 + 16 * fr
+    col = (k64 * tl.exp(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")))).to(DT)
+    a += tl.dot((kr * er).to(DT), tl.trans(col))
+    p += tl.dot((qr * er).to(DT), tl.trans(col))
+    if fr == 0:
+        a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
+        p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+    eG = tl.exp(Gr)
+    tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
+    tl.store(KD + base + orr, (kr * tl.exp(GC[None, :] - Gr)).to(KD.dtype.element_ty), mask=mr)
+    if R == 0:
+        tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
+    return a, p
+
+
+@triton.jit
+def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale):
+    """A strip program's outputs: NB = diag(beta) Akk (strictly lower) and AQK = scale P (lower incl. the
+    diagonal) for the 16 rows of its block."""
+    bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
+    cols = tl.arange(0, 64)
+    ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
+    tl.store(NB + ob, tl.where(cols[None, :] < rows[:, None], a, 0.0) * bb[:, None], mask=mr)
+    tl.store(AQK + ob, (tl.where(cols[None, :] <= rows[:, None], p, 0.0) * scale).to(AQK.dtype.element_ty),
+             mask=mr)
+
+
+@triton.jit
 def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
                        K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
     """One (chunk, head, row block R): NB[rows of R] = diag(beta) Akk (strictly lower, float32, 64 columns),
@@ -673,26 +710,9 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
             fr = (tl.min(tl.min(gr, axis=1), axis=0) >= lb).to(tl.int32)
         else:
             fr = tl.zeros([], dtype=tl.int32)
-        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
-        er = tl.exp(Gr - c[None, :])
-        lim = R * 16 + 16 * fr
-        col = (k64 * tl.exp(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")))).to(DT)
-        a += tl.dot((kr * er).to(DT), tl.trans(col))
-        p += tl.dot((qr * er).to(DT), tl.trans(col))
-        if fr == 0:
-            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
-            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
-        eG = tl.exp(Gr)
-        tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
-        tl.store(KD + base + orr, (kr * tl.exp(GC[None, :] - Gr)).to(KD.dtype.element_ty), mask=mr)
-        if R == 0:
-            tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
-    bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
-    cols = tl.arange(0, 64)
-    ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
-    tl.store(NB + ob, tl.where(cols[None, :] < rows[:, None], a, 0.0) * bb[:, None], mask=mr)
-    tl.store(AQK + ob, (tl.where(cols[None, :] <= rows[:, None], p, 0.0) * scale).to(AQK.dtype.element_ty),
-             mask=mr)
+        a, p = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM,
+                            c_, h, H, scale, K, DT)
+    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale)
 
 
 @triton.jit
@@ -756,28 +776,11 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
         cl = tl.load(GCS + base + row_lo * (H * K) + d, mask=(R > 0) & (d < K), other=0.0)
         ch = tl.load(GCS + base + row_hi * (H * K) + d)
         GC = tl.load(GCS + base + last * (H * K) + d)
-        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
         Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
         Gr = tl.where(mr, Gr, ch[None, :])
-        er = tl.exp(Gr - c[None, :])
-        lim = R * 16 + 16 * fr
-        col = (k64 * tl.exp(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")))).to(DT)
-        a += tl.dot((kr * er).to(DT), tl.trans(col))
-        p += tl.dot((qr * er).to(DT), tl.trans(col))
-        if fr == 0:
-            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
-            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
-        eG = tl.exp(Gr)
-        tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
-        tl.store(KD + base + orr, (kr * tl.exp(GC[None, :] - Gr)).to(KD.dtype.element_ty), mask=mr)
-        if R == 0:
-            tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
-    bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
-    cols = tl.arange(0, 64)
-    ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
-    tl.store(NB + ob, tl.where(cols[None, :] < rows[:, None], a, 0.0) * bb[:, None], mask=mr)
-    tl.store(AQK + ob, (tl.where(cols[None, :] <= rows[:, None], p, 0.0) * scale).to(AQK.dtype.element_ty),
-             mask=mr)
+        a, p = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM,
+                            c_, h, H, scale, K, DT)
+    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale)
 
 
 @triton.jit
