@@ -127,6 +127,15 @@ def sweep(n, Ls, copy_bw):
         {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2},       # 255 / 0
         {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 2, "progs_per_sm": 2},       # 253 / 0
         {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 1, "progs_per_sm": 0},       # 255 / 0, fla-like grid
+        # around the winner above (84-89% of copy; added in the third session, not yet run): more bytes in
+        # flight (deeper pipeline, two sources a step), a third program per SM under a register cap (255
+        # registers x 4 warps x 2 programs fill the 64K register file), 2 warps x 4 programs
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 5, "progs_per_sm": 2},
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 3, "maxnreg": 168},
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 3, "maxnreg": 168},
+        {"impl": "v2", "num_warps": 2, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 4},
     ]
     best, best_score = None, -1.0
     for cfg in cands:
