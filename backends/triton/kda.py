@@ -1222,7 +1222,9 @@ def _gate_kernel(x, A_log, dt_bias, g, n_rows, H, lb, K: tl.constexpr, BR: tl.co
         sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
         out = -a * sp
     else:
-        out = lb * tl.sigmoid(a * z)
+        az = a * z
+        e = tl.exp(-tl.abs(az))                 # sigmoid without overflow (the interpreter warns on exp(+big))
+        out = lb * tl.where(az >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     tl.store(g + off, out, mask=rm[:, None])
 
 
