@@ -301,10 +301,16 @@ class CompiledModule(nn.Module):
                                      f"max_seq_len = {limit} (the context it is built for); running anyway"),
                           stacklevel=4)
 
-    def forward(self, input_ids: torch.Tensor, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        """The model on its single input (token ids [B, T] for the K3 specs); returns its first output.
+
+        ``progress(done, total)`` is called after every op (mtc run's per-op bar). A graph with several inputs
+        or outputs runs through :meth:`run` instead: ``m.run(name=tensor, ...)`` returns the list of outputs."""
         ins = self.graph.inputs()
         if len(ins) != 1:
-            raise MtcError(f"this graph takes {len(ins)} inputs; call run(**inputs)")
+            names = ", ".join(f"{n.attr('name')}=..." for n in ins)
+            raise MtcError(f"this graph takes {len(ins)} inputs ({', '.join(n.attr('name') for n in ins)}): call "
+                           f"m.run({names}), which returns the list of outputs")
         return self.run(**{ins[0].attr("name"): input_ids}, progress=progress)[0]
 
     def run(self, progress=None, **inputs):
@@ -518,14 +524,16 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
 
     Args:
         graph: a graph from dsl.load / dsl.parse / the builder (any stage up to 'graph').
-        target: "reference" (plain float32 PyTorch) or "triton".
+        target: "reference" (plain float32 PyTorch), "triton" (Triton kernels; the CPU interpreter needs
+            TRITON_INTERPRET=1) or "tvm" (TVM kernels for the memory-bound ops, Triton for the rest).
         dtype: parameter/activation dtype (default float32 for "reference"; the spec's for others).
         device: "cpu", "cuda", or "meta" to build the full model without allocating weights.
         seed: parameter initialisation seed (None: torch's global RNG).
         passes / print_after / dump_ir: see passes.PassManager.
         emit_dir: (triton) write the generated kernels there instead of the cache directory.
     Raises:
-        MtcError: an unknown target, or a graph that fails verification.
+        MtcError: an unknown target or device, bfloat16 under the Triton interpreter, target "tvm" without
+            TVM installed, or a graph that fails verification.
     """
     from passes import PIPELINES, PassManager
     if target not in TARGETS:

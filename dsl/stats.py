@@ -86,9 +86,16 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
     # its token input's shape, e.g. i64[2, 16]: then the graph holds 32 tokens whatever seq_len says)
     bind = {sym("B"): 1, sym("T"): T}
     ins = canonical.inputs()
+    free = sorted({str(s) for n in ins for d in n.types[0].shape for s in sympy.sympify(d).free_symbols}
+                  - {"B", "T"})
+    if free:
+        from .errors import MtcError
+        raise MtcError(f"{graph.name}: the input shape symbol(s) {', '.join(free)} have no size here: statistics "
+                       f"count per token at batch B and context T, so name the token dims B and T "
+                       f"(e.g. x: f32[B, T, 64])", ins[0].loc)
     tokens = T
-    if len(ins) == 1 and ins[0].types[0].rank == 2:
-        tokens = int(sympy.Mul(*ins[0].types[0].shape).subs(bind))
+    if len(ins) == 1 and ins[0].types[0].rank == 2 and ins[0].types[0].dtype in ("i64", "i32"):
+        tokens = int(sympy.Mul(*ins[0].types[0].shape).subs(bind))      # token ids [B, T] (maybe fixed)
     cnodes = canonical.node_map()
     by_op: dict[str, float] = {}
     for n in canonical.nodes:

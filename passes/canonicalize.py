@@ -40,7 +40,7 @@ RULES = [
 def expand_layers(g: Graph) -> Graph:
     from dsl.ops import OPS
     b = GraphBuilder(g.name, g.symbols)
-    b.meta = dict(g.meta)
+    b.meta = dict(g.meta, canonicalized=True)      # plan_memory tells a canonical graph from a primitive-op spec
     remap: dict[tuple, Ref] = {}
 
     def m(r: Ref) -> Ref:

@@ -364,9 +364,16 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
                                     or not dtype_bytes > 0 or not math.isfinite(dtype_bytes)):
         raise ValueError(f"plan_memory: dtype_bytes must be a positive number, got {dtype_bytes!r}")
     ops = {n.op for n in graph.nodes}
-    if not ops & set(_LAYER_OPS) and ops & {"kda_chunk", "mla_attention", "moe_experts"}:
+    if graph.meta_get("canonicalized"):
         raise ValueError("plan_memory: this graph is already canonicalized (no layer blocks, so no KV cache or "
                          "KDA state to read); pass the graph as parsed (dsl.load) and, optionally, canonical=")
+    if not ops & set(_LAYER_OPS) and ops & {"kda_chunk", "mla_attention", "moe_experts"}:
+        import warnings
+        from dsl.errors import MtcWarning
+        warnings.warn(MtcWarning(f"plan_memory: {graph.name} writes kda_chunk / mla_attention / moe_experts as "
+                                 f"primitive ops: the KV cache, KDA state and expert-parallel figures are read from "
+                                 f"the layer blocks (kda_layer, mla_layer, moe, latent_moe) and are not counted here"),
+                      stacklevel=2)
     config = dict(graph.meta_get("config", ()))
     compute_dtype = config.get("dtype", "bf16")
     act_b = DTYPES.get(compute_dtype, 2)

@@ -230,3 +230,17 @@ def test_more_gpus_than_experts_dispatch_once_per_gpu(tiny, gpus):
         assert cm.experts < gpus
         assert cm.dispatch_dedup_bytes == pytest.approx(cm.dispatch_bytes, rel=1e-12)
         assert cm.dispatch_bytes == pytest.approx(4096 / gpus * 4 * 32 * 4 * (gpus - 1) / gpus, rel=1e-12)
+
+
+def test_primitive_op_spec_plans_with_a_warning_and_canonical_graphs_are_refused():
+    """A spec written with mla_attention itself (no layer blocks) is planned, saying what it cannot count;
+    the canonical graph of a parsed model (what compile produces) is still refused."""
+    from dsl.errors import MtcWarning
+    g = dsl.parse("model p {\n  forward(q: f32[B, T, 2, 16], k: f32[B, T, 2, 16], v: f32[B, T, 2, 8]) {\n"
+                  "    return mla_attention(q, k, v, scale=0.25)\n  }\n}\n")
+    with pytest.warns(MtcWarning, match="primitive ops"):
+        mp = plan_memory(g, seq_len=1000, gpus=1)
+    assert mp.kv_cache_bytes == 0 and mp.activation_total_bytes > 0
+    c = PassManager(["verify", "infer_shapes", "canonicalize"]).run(dsl.load(ROOT / "models" / "kimi_k3.mtc", "tiny"))
+    with pytest.raises(ValueError, match="already canonicalized"):
+        plan_memory(c, seq_len=1000, gpus=1)

@@ -241,3 +241,16 @@ def test_route_margins_probe_is_exact_and_changes_nothing():
         s = torch.sigmoid(x @ w.t()) + b
         top = s.sort(dim=-1, descending=True).values
         assert margins[layer] == pytest.approx(float((top[:, k - 1] - top[:, k]).min()), abs=1e-6)
+
+
+def test_multi_input_graph_runs_through_run_and_forward_says_so():
+    g = dsl.parse("model two {\n  forward(a: f32[B, T, 8], b: f32[B, T, 8]) {\n    return add(a, b), mul(a, b)\n"
+                  "  }\n}\n")
+    m = dsl.compile(g)
+    a, b = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    with pytest.raises(dsl.MtcError, match=r"call m.run\(a=..., b=...\)"):
+        m(a)
+    s, p = m.run(a=a, b=b)
+    assert torch.equal(s, a + b) and torch.equal(p, a * b)
+    with pytest.raises(TypeError):
+        m(a, b)                                    # progress is keyword-only: a second tensor is refused

@@ -86,3 +86,10 @@ def test_flops_per_token_of_a_fixed_input_shape():
     s = compute_stats(symb, seq_len=20).flops_per_token
     assert f == pytest.approx(s, rel=1e-12)
     assert s == pytest.approx(2 * 32 * 48 + 2 * 48 * 100, rel=1e-12)    # two GEMMs per token
+
+
+def test_input_symbols_other_than_b_and_t_are_a_clear_error():
+    g = dsl.parse("model n {\n  forward(x: f32[N, 64]) {\n    return linear(x, out=32, name=\"p\")\n  }\n}\n",
+                  file="n.mtc")
+    with pytest.raises(dsl.MtcError, match=r"n.mtc:2:11: error: n: the input shape symbol\(s\) N have no size"):
+        compute_stats(g, seq_len=100)
