@@ -44,6 +44,10 @@ def _numel(t) -> int:
     return int(t.numel())
 
 
+#: the largest GPU count the per-GPU figures are computed for (a typo guard: 1e26 GPUs print 0 B/GPU)
+MAX_GPUS = 1 << 20
+
+
 def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int | None = None, batch: int = 1,
                   gpus: int = 1) -> ModelStats:
     """Statistics of a model graph (the 'graph' stage, with layer blocks).
@@ -61,6 +65,9 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         canonical = PassManager().run(graph)
     config = dict(graph.meta_get("config", ()))
     T = int(seq_len or config.get("max_seq_len", 4096))
+    if gpus > MAX_GPUS:
+        from .errors import MtcError
+        raise MtcError(f"gpus = {gpus:,} is more than {MAX_GPUS:,}: per-GPU figures would round to 0 B; check --gpus")
     if T < 1 or batch < 1 or gpus < 1:
         from .errors import MtcError
         raise MtcError(f"sequence length, batch and GPU count must be >= 1 (got T={T}, batch={batch}, gpus={gpus}); "

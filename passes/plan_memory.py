@@ -350,6 +350,9 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         raise TypeError(f"plan_memory: expected a dsl Graph, got {type(graph).__name__}")
     seq_len = _pos_int("seq_len", seq_len)
     gpus = _pos_int("gpus", gpus)
+    from dsl.stats import MAX_GPUS
+    if gpus > MAX_GPUS:
+        raise ValueError(f"plan_memory: gpus = {gpus:,} is more than {MAX_GPUS:,} (per-GPU figures would round to 0)")
     batch = _pos_int("batch", batch)
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"plan_memory: checkpointing must be one of {', '.join(map(repr, CHECKPOINTING))}, "
@@ -382,7 +385,8 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         block_size = block_size if block_size is not None else config.get("block_size")
         if block_size is None:
             raise ValueError("plan_memory: checkpointing='block' needs a block size (the model has no Block AttnRes "
-                             "'block_size' config value); pass block_size= or use checkpointing='layer'")
+                             "'block_size' config value); use checkpointing='layer' (mtc: --checkpointing layer), "
+                             "or pass block_size= from Python")
         block_size = _pos_int("block_size", block_size)
 
     if canonical is None:

@@ -93,3 +93,12 @@ def test_input_symbols_other_than_b_and_t_are_a_clear_error():
                   file="n.mtc")
     with pytest.raises(dsl.MtcError, match=r"n.mtc:2:11: error: n: the input shape symbol\(s\) N have no size"):
         compute_stats(g, seq_len=100)
+
+
+def test_absurd_gpu_counts_are_errors():
+    g = dsl.load(ROOT / "models" / "kimi_k3.mtc", "tiny")
+    with pytest.raises(dsl.MtcError, match="more than 1,048,576"):
+        compute_stats(g, gpus=10 ** 26)
+    from passes.plan_memory import plan_memory
+    with pytest.raises(ValueError, match="more than 1,048,576"):
+        plan_memory(g, seq_len=64, gpus=10 ** 30)
