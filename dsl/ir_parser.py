@@ -131,10 +131,16 @@ def parse_ir(text: str, file: str = "<ir>") -> Graph:
     Raises:
         MtcError: a syntax or checking error, at ``file:line:col`` of the IR text with its excerpt.
     """
+    if text.lstrip().startswith("kernels "):
+        raise MtcError("this is kernel IR (the 'lowered' stage: launches, for reading); parse_ir reads the graph IR "
+                       "of the stages graph, typed, canonical and fused", Loc(file, 1, 1), text)
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:
-        raise MtcError(f"syntax error in IR: {str(e).splitlines()[0]}", Loc(file, e.line, e.column), text) from None
+        from .spec import _syntax_error                 # the spec's friendly wording of lark's errors
+        err = _syntax_error(e, text, file)
+        msg = err.msg.replace("syntax error", "syntax error in IR", 1).replace("PERCENT", "'%' (a value: %0, %x)")
+        raise MtcError(msg, err.loc, text) from None
     tr = _ToGraph(file)
     try:
         g = tr.transform(tree)
