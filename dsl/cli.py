@@ -69,6 +69,51 @@ def _overrides(pairs: list[str]) -> dict:
     return out
 
 
+def _same_file(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_output_file(flag: str, path: str, inputs: dict) -> None:
+    """Before any work: refuse an output FILE that cannot be written (a folder, a missing folder, no write
+    permission) or that is one of the inputs (``inputs``: what -> path, e.g. {"input spec": spec}).
+    Opens the file for appending (nothing is truncated) and removes it again if this check created it."""
+    for what, src in inputs.items():
+        if src is not None and _same_file(path, src):
+            raise MtcError(f"{flag} '{path}' would overwrite the {what}; write to another file")
+    p = Path(path)
+    if p.is_dir():
+        raise MtcError(f"{flag} '{path}' is a directory; give a file name, e.g. {p / 'out'}")
+    if not p.resolve().parent.is_dir():
+        raise MtcError(f"cannot write {flag} '{path}': its folder does not exist")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise MtcError(f"cannot write {flag} '{path}': {e.strerror}") from None
+    if not existed:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+def _check_output_dir(flag: str, path: str) -> None:
+    """Before any work: refuse an output DIR that exists and is not a directory."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise MtcError(f"{flag} '{path}' exists and is not a directory; give a directory (created if missing)")
+
+
+def _write_output(flag: str, path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise MtcError(f"cannot write {flag} '{path}': {e.strerror}") from None
+
+
 def _load(args):
     from . import load
     return load(args.spec, args.variant, **_overrides(args.set))
@@ -145,6 +190,10 @@ def cmd_ir(args) -> int:
         raise MtcError(f"unknown stage '{stage}'{did_you_mean(stage, stages)}; stages: {', '.join(stages)}")
     print_after = _print_after(args.print_after)
     _warn_stage_flags(args, print_after)
+    if args.output:
+        _check_output_file("--output", args.output, {"input spec": args.spec})
+    if args.dump_ir:
+        _check_output_dir("--dump-ir", args.dump_ir)
     g = _load(args)
     if stage == "lowered" and args.seq_len is not None:
         _warn_past_max_seq_len(g, args.seq_len, "--seq-len", "the memory plan is for a context longer than "
@@ -184,10 +233,7 @@ def cmd_ir(args) -> int:
             from passes.fuse_tiles import describe_groups
             text = describe_groups(pm.stages[stage]) + text
     if args.output:
-        try:
-            Path(args.output).write_text(text)
-        except OSError as e:
-            raise MtcError(f"cannot write --output '{args.output}': {e.strerror}") from None
+        _write_output("--output", args.output, text)
         print(f"wrote {args.output} ({text.count(chr(10))} lines)", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -376,12 +422,12 @@ def cmd_run(args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels on the CPU: the interpreter
         # the interpreter evaluates masked-off lanes too (exp of padding); those results are discarded
         warnings.filterwarnings("ignore", category=RuntimeWarning)
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise MtcError(f"--json: the folder of '{args.json}' does not exist")
     c = Console(stderr=False)
     spec = args.spec or str(DEFAULT_SPEC)
     variant = args.variant if (args.variant or args.spec) else "tiny"
     text_path = Path(args.input) if args.input else DEFAULT_TEXT
+    if args.json:
+        _check_output_file("--json", args.json, {"input spec": spec, "--input text": text_path})
     try:
         data = text_path.read_bytes()
     except OSError as e:
@@ -432,7 +478,9 @@ def cmd_run(args) -> int:
         def op_progress(i, total):
             prog.update(ops_task, completed=i + 1, total=total)
 
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            from .errors import MtcWarning          # the runtime's own past-max_seq_len warning: said above
+            warnings.filterwarnings("ignore", message=r".*past the spec's max_seq_len", category=MtcWarning)
             for rows in batches:
                 batch = torch.stack(rows).to(args.device)
                 logits = m(batch[:, :-1], progress=op_progress)
@@ -465,7 +513,7 @@ def cmd_run(args) -> int:
         out = {"model": g.name, "target": args.target, "dtype": dtype_name, "seq_len": T,
                "loss": nll, "tokens": total_tok, "seconds": dt,
                "expert_load": {k: v.tolist() for k, v in loads.items()}}
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        _write_output("--json", args.json, json.dumps(out, indent=2))
         c.print(f"wrote {args.json}")
     return 0
 
@@ -475,6 +523,8 @@ def cmd_compile(args) -> int:
     from passes import PassManager
     from passes.lower import lower
     os.environ.setdefault("TRITON_INTERPRET", "0" if _has_cuda() else "1")
+    if args.emit:
+        _check_output_dir("--emit", args.emit)
     g = _load(args)
     fused = PassManager().run(g)          # no weights are allocated: the full model compiles too
     prog = lower(fused, target="triton")
@@ -566,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="mtc: a compiler-style graph DSL for trillion-parameter sparse MoE models with "
                     "million-token contexts (the Kimi K3 family). Write the architecture as a .mtc spec, "
                     "inspect every IR stage, count parameters/FLOPs/memory, and run it.")
-    p.add_argument("--version", action="version", version=f"mtc {_version()}")
+    p.add_argument("--version", "-V", action="version", version=f"mtc {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     p._mtc_commands = sub.choices          # name -> sub-parser (for _parse's per-command usage)
 
@@ -663,6 +713,37 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
+class _StdoutError(OSError):
+    """Writing to stdout failed (other than a closed pipe): e.g. a full disk or /dev/full."""
+
+
+class _GuardedStdout:
+    """sys.stdout, except that a failed write or flush (not a closed pipe) raises _StdoutError, so that
+    main() can tell it from the OSErrors of files it reads or writes."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, s):
+        try:
+            return self._f.write(s)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _StdoutError(e.errno, e.strerror) from None
+
+    def flush(self):
+        try:
+            return self._f.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _StdoutError(e.errno, e.strerror) from None
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -685,10 +766,18 @@ def main(argv=None) -> int:
         else:
             shown(message, category, filename, lineno, file, line)
     warnings.showwarning = show
+    real_stdout = sys.stdout
+    sys.stdout = _GuardedStdout(real_stdout)
     try:
         rc = args.fn(args)
         sys.stdout.flush()                         # a closed pipe shows here, inside the handler below
         return rc
+    except _StdoutError as e:
+        # stdout cannot take more (`mtc ops > /dev/full`): one line, exit 1, as for a closed pipe
+        print(f"mtc: error: cannot write to stdout: {e.strerror}", file=sys.stderr)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except BrokenPipeError:
         # the reader went away (`mtc ops | head -1`): stop quietly, as the Python docs advise (signal
         # module notes): point stdout at devnull so the interpreter's final flush does not fail again
@@ -703,6 +792,7 @@ def main(argv=None) -> int:
         return 130
     finally:
         warnings.showwarning = shown
+        sys.stdout = real_stdout
 
 
 if __name__ == "__main__":
