@@ -49,6 +49,7 @@ class GraphBuilder:
         self.nodes: list[Node] = []
         self._by_name: dict[str, Node] = {}
         self._param_names: dict[str, Ref] = {}
+        self._param_prefixes: set[str] = set()   # every proper dotted prefix of a parameter name (its modules)
         self._count = 0
         self.source = source      # spec text, for error excerpts
         self.meta: dict[str, Any] = {}
@@ -94,6 +95,16 @@ class GraphBuilder:
                              f"model (Hugging Face layout), so a second top-level call of the same layer op, a second "
                              f"stack, or a layer block in a slot meant for another kind collides; give the second "
                              f"one its own name (name=\"...\" on a top-level op, prefix=\"...\" on a stack)", loc)
+        parts = name.split(".")
+        for j in range(1, len(parts)):
+            head = ".".join(parts[:j])
+            if head in self._param_names:
+                raise self.error(f"parameter '{name}' lies under parameter '{head}': one path cannot be both a "
+                                 f"tensor and a module (a state dict cannot hold both); rename one of them", loc)
+        if name in self._param_prefixes:
+            other = next(p for p in self._param_names if p.startswith(name + "."))
+            raise self.error(f"parameter '{name}' is the module path of parameter '{other}': one path cannot be "
+                             f"both a tensor and a module (a state dict cannot hold both); rename one of them", loc)
         if dtype is not None:
             dtype = canon_dtype(dtype, loc)
         attrs: dict[str, Any] = {"name": name, "init": init}
@@ -110,6 +121,7 @@ class GraphBuilder:
         t = TensorType(dtype or self.dtype, shape)
         n = self.add_node(Node(self._fresh(f"p{len(self._param_names)}"), kind, (), make_attrs(attrs), (t,), loc))
         self._param_names[name] = n.out()
+        self._param_prefixes.update(".".join(parts[:j]) for j in range(1, len(parts)))
         return n.out()
 
     # -- ops --------------------------------------------------------------------------------

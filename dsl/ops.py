@@ -549,6 +549,9 @@ def _mla_params(a, ts):
     d = ts[0].shape[-1]
     H, ql, kl = a["heads"], a["q_lora_rank"], a["kv_lora_rank"]
     dn, dr, dv = a["qk_nope_dim"], a["qk_rope_dim"], a["v_dim"]
+    if dn < 0 or dr < 0 or dn + dr == 0:
+        raise ShapeError(f"qk_nope_dim and qk_rope_dim must be >= 0 with a positive sum (the query/key head dim), "
+                         f"got qk_nope_dim={dn}, qk_rope_dim={dr}")
     p = []
     if ql:
         p += [ParamSpec("q_a_proj.weight", (ql, d)), ParamSpec("q_a_layernorm.weight", (ql,), "ones"),
@@ -578,14 +581,17 @@ def _mla_expand(b: GraphBuilder, inputs, a, loc):
         q = _lin(b, x, P["q_proj"], loc)
     q = _reshape_to(b, q, lead + (H, dn + dr), loc)
     kv = _lin(b, x, P["kv_a_proj_with_mqa"], loc)
-    c = b.call("slice", kv, dim=-1, start=0, end=kl, loc=loc)
-    kr = b.call("slice", kv, dim=-1, start=kl, end=kl + dr, loc=loc)
+    # qk_rope_dim 0: no shared key part (k = the per-head part); qk_nope_dim 0: only the shared part
+    c = b.call("slice", kv, dim=-1, start=0, end=kl, loc=loc) if dr else kv
+    kr = b.call("slice", kv, dim=-1, start=kl, end=kl + dr, loc=loc) if dr else None
     c = b.call("rmsnorm", c, P["kv_a_layernorm"], eps=a["norm_eps"], loc=loc)
     kvb = _reshape_to(b, _lin(b, c, P["kv_b_proj"], loc), lead + (H, dn + dv), loc)
-    kn = b.call("slice", kvb, dim=-1, start=0, end=dn, loc=loc)
-    v = b.call("slice", kvb, dim=-1, start=dn, end=dn + dv, loc=loc)
-    kr = b.call("broadcast", _reshape_to(b, kr, lead + (1, dr), loc), shape=_dims_attr(lead + (H, dr)), loc=loc)
-    k = b.call("concat", kn, kr, dim=-1, loc=loc)
+    kn = b.call("slice", kvb, dim=-1, start=0, end=dn, loc=loc) if dn else None
+    v = b.call("slice", kvb, dim=-1, start=dn, end=dn + dv, loc=loc) if dn else kvb
+    if dr:
+        kr = b.call("broadcast", _reshape_to(b, kr, lead + (1, dr), loc), shape=_dims_attr(lead + (H, dr)),
+                    loc=loc)
+    k = b.call("concat", kn, kr, dim=-1, loc=loc) if dn and dr else (kn if dn else kr)
     o = b.call("mla_attention", q, k, v, scale=1.0 / math.sqrt(dn + dr), causal=True, loc=loc)
     if a["gated"]:
         gate = _reshape_to(b, b.call("sigmoid", _lin(b, x, P["g_proj"], loc), loc=loc), lead + (H, dv), loc)

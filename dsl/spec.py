@@ -5,6 +5,7 @@ Errors point at the spec: ``file:line:col`` with the offending line and a caret.
 """
 from __future__ import annotations
 
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -23,6 +24,23 @@ from .ir import Ref, canon_dtype, sym
 MAX_LAYERS = 4096
 
 CONFIG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dtype": str}
+
+#: the dtypes a model's parameters and activations may have (config field ``dtype``)
+FLOAT_DTYPES = ("f32", "bf16", "f16")
+#: the values of expert_dtype ("" = the model dtype; mxfp4 and fp8 are the quantised expert formats)
+EXPERT_DTYPES = ("", "f32", "bf16", "f16", "mxfp4", "fp8")
+#: a state-dict name: dot-separated identifiers or layer indices
+_NAME_RE = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*|\d+)(?:\.(?:[A-Za-z_][A-Za-z0-9_]*|\d+))*")
+
+
+@lru_cache(maxsize=1)
+def _pass_only_ops() -> frozenset:
+    """Ops that only compiler passes create (``mtc ops``: "not written in a spec")."""
+    try:
+        from .spec_forms import SPEC_FORMS
+        return frozenset(k for k, v in SPEC_FORMS.items() if not v.form)
+    except ImportError:                    # pragma: no cover
+        return frozenset({"qb_route", "attn_residual_phase1", "attn_residual_merge"})
 
 
 @lru_cache(maxsize=1)
@@ -148,7 +166,14 @@ class SpecModel:
                     val = _parse_literal(val, name)
             else:
                 expr, loc = exprs[name]
-                val = Evaluator(self, env).eval(expr)
+                try:
+                    val = Evaluator(self, env).eval(expr)
+                except MtcError as e:
+                    if e.msg.startswith(f"unknown name '{name}'") and e.hint is None:
+                        e.hint = (f"a config field cannot read its own value: a variant assigns '{name}' a new "
+                                  f"value and cannot read the one it replaces; write the value "
+                                  f"({name} = 128) or compute it from other fields")
+                    raise
             env[name] = self._coerce(name, typ, val, loc)
         return env
 
@@ -161,8 +186,16 @@ class SpecModel:
         if not isinstance(val, py) or (py is int and isinstance(val, bool)):
             hint = "booleans are written true / false" if typ == "bool" and val in ("True", "False") else None
             raise self.err(f"config field '{name}' is declared {typ} but its value is {describe(val)}", loc, hint)
-        if typ == "dtype":
+        if typ == "float" and not math.isfinite(val):
+            raise self.err(f"config field '{name}' must be a finite number, got {val}", loc)
+        if typ == "dtype" or (name == "dtype" and typ == "str"):
             val = canon_dtype(val, loc)
+        if name == "dtype" and val not in FLOAT_DTYPES:
+            hint = ("integer dtypes are for token ids: write them on the forward's inputs (ids: i64[B, T])"
+                    if val[0] in "ib" else "quantised formats are for expert weights: moe(..., expert_dtype=...)"
+                    if val in EXPERT_DTYPES else None)
+            raise self.err(f"config field 'dtype' (the parameter and activation dtype) must be a floating "
+                           f"type ({', '.join(FLOAT_DTYPES)}), got \"{val}\"", loc, hint)
         return val
 
 
@@ -206,7 +239,10 @@ class Evaluator:
         return int(t.children[0])
 
     def e_float(self, t):
-        return float(t.children[0])
+        v = float(t.children[0])
+        if not math.isfinite(v):
+            raise self.err(f"number {t.children[0]} is too large (it is not a finite float)", t)
+        return v
 
     def e_string(self, t):
         return str(t.children[0])[1:-1]
@@ -239,6 +275,7 @@ class Evaluator:
             raise self.err(f"unknown name '{name}'{did_you_mean(name, list(self.env) + list(syms))}", t, hint)
         if self.b is not None:
             self.b.used.add(name)
+            self.b._read_since.add(name)
         return self.env[name]
 
     def _num(self, v, t, what, symbols=False):
@@ -331,6 +368,8 @@ class SpecBuilder:
         self.blocks: dict[str, Block] = {}
         self.used: set[str] = set()            # names read by the forward (for the unused-name warnings)
         self.dim_syms: dict[str, sympy.Symbol] = {}   # the forward inputs' shape symbols (bare B, T in shapes)
+        self._assigned: dict[str, Loc] = {}     # forward name -> where it was last assigned
+        self._read_since: set[str] = set()      # names read since their last assignment
 
     def apply(self, fname: str, args: list, kwargs: dict, loc: Loc, arg_locs: list | None = None):
         from .ops import OPS
@@ -343,6 +382,11 @@ class SpecBuilder:
         if fname not in OPS:
             raise self.spec.err(f"unknown op '{fname}'{did_you_mean(fname, list(OPS) + list(self.blocks))}", loc)
         od = OPS[fname]
+        if fname in _pass_only_ops():
+            raise self.spec.err(f"'{fname}' is not written in a spec: only the compiler's passes create it "
+                                f"(it has no spec form)", loc,
+                                "`mtc ops` lists the ops a spec can call")
+        self._check_attrs(fname, od, kwargs, loc)
         if od.is_layer and not args:
             for k in kwargs:
                 if k not in od.attrs and k not in od.param_attrs:
@@ -363,6 +407,27 @@ class SpecBuilder:
                 raise self.spec.err(f"argument {i + 1} of '{fname}' must be a tensor, got {describe(a)}",
                                     arg_locs[i] if arg_locs else loc, hint)
         return self.b.call(fname, *args, loc=loc, **kwargs)
+
+    def _check_attrs(self, fname: str, od, kwargs: dict, loc: Loc) -> None:
+        """Spec-level checks of a call's keywords, at the call: booleans are true/false, floats are finite,
+        name= is a dotted state-dict path, dtypes are floating. Raises MtcError at ``loc``."""
+        defaults = {**od.attrs, **od.param_attrs}
+        for k, v in kwargs.items():
+            if isinstance(defaults.get(k), bool) and not isinstance(v, bool):
+                raise self.spec.err(f"{fname}: {k} must be true or false, got {describe(v)}", loc)
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, float) and not math.isfinite(x):
+                    raise self.spec.err(f"{fname}: {k} must be a finite number, got {x}", loc)
+            if k == "name" and v is not None:
+                if not isinstance(v, str) or not _NAME_RE.fullmatch(v):
+                    raise self.spec.err(f"{fname}: name must be a string of dot-separated identifiers "
+                                        f"(model.layers.0.mlp), got {describe(v)}", loc,
+                                        "each part is a letter or '_' then letters, digits or '_', or a layer "
+                                        "index (digits); no empty parts, spaces or leading/trailing dots")
+            if k == "expert_dtype" and v not in EXPERT_DTYPES:
+                raise self.spec.err(f"{fname}: expert_dtype must be one of "
+                                    f"{', '.join(describe(x) for x in EXPERT_DTYPES)}, got {describe(v)}", loc,
+                                    "\"\" keeps the model dtype; integer dtypes cannot hold weights")
 
     def _apply_block(self, blk: Block, args, name, loc):
         if len(args) != 1 or not isinstance(args[0], Ref):
@@ -390,17 +455,15 @@ class SpecBuilder:
         for ch in fwd.children:
             if isinstance(ch, lark.Tree) and ch.data == "param":
                 pname, dt = str(ch.children[0]), str(ch.children[1])
-                dims = [str(d.children[0]) for d in ch.children[2:]]
-                for d in dims:
-                    if not d.isdigit():
-                        self.dim_syms.setdefault(d, sym(d))
                 self.env[pname] = self.b.input(pname, canon_dtype(dt, self.spec.loc(ch)),
-                                               [int(d) if d.isdigit() else d for d in dims], self.spec.loc(ch))
+                                               [self._input_dim(pname, d) for d in ch.children[2:]],
+                                               self.spec.loc(ch))
                 continue
-            if ch.data == "let":
-                self.env[str(ch.children[0])] = ev.eval(ch.children[1])
-            elif ch.data == "stack":
-                self.env[str(ch.children[0])] = self._stack(ch, ev)
+            if ch.data in ("let", "stack"):
+                name = str(ch.children[0])
+                val = ev.eval(ch.children[1]) if ch.data == "let" else self._stack(ch, ev)
+                self._assign(name, self.spec.loc(ch))
+                self.env[name] = val
             elif ch.data == "ret":
                 if outputs is not None:
                     raise self.spec.err("forward has a second return; one return lists every output "
@@ -413,6 +476,42 @@ class SpecBuilder:
             raise self.spec.err("forward has no return statement", self.spec.loc(fwd))
         self._warn_unused(fwd)
         return self.b.build(outputs)
+
+    def _assign(self, name: str, loc: Loc) -> None:
+        """Record a forward assignment; warn when it replaces a value assigned before and never read."""
+        import warnings
+        from .errors import MtcWarning
+        first = self._assigned.get(name)
+        if first is not None and name not in self._read_since:
+            warnings.warn(MtcWarning(f"'{name}' is redefined; the first value (line {first.line}) is never used",
+                                     loc), stacklevel=3)
+        self._assigned[name] = loc
+        self._read_since.discard(name)
+
+    def _input_dim(self, pname: str, d) -> int | str:
+        """One dim of a forward input's shape: an integer, a config int (replaced by its value, as in a reshape
+        shape) or a shape symbol (B, T: bound when the model runs). Raises MtcError at the dim otherwise."""
+        tok = d.children[0]
+        text, loc = str(tok), self.spec.loc(tok)
+        if text.isdigit():
+            if int(text) < 1:
+                raise self.spec.err(f"input '{pname}': dimension {text} must be positive", loc)
+            return int(text)
+        if text in self.config:
+            v = self.config[text]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise self.spec.err(f"input '{pname}': dimension '{text}' names a config field whose value is "
+                                    f"{describe(v)}; a dimension is a positive integer or a shape symbol", loc)
+            self.used.add(text)
+            return v
+        if text in self.blocks:
+            raise self.spec.err(f"input '{pname}': dimension '{text}' names a block; a dimension is an integer, "
+                                f"a config int or a shape symbol (B, T)", loc)
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", text):
+            raise self.spec.err(f"input '{pname}': '{text}' is not a usable shape symbol; a dimension is an "
+                                f"integer, a config int or a symbol such as B or T", loc)
+        self.dim_syms.setdefault(text, sym(text))
+        return text
 
     def _warn_unused(self, fwd) -> None:
         """MtcWarning for blocks never applied, forward inputs never read, and values never read (dropped from
@@ -581,6 +680,9 @@ def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
 def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> MtcError:
     """A lark parse failure as an MtcError at the place it was found."""
     if isinstance(e, lark.exceptions.UnexpectedCharacters):
+        if text[e.pos_in_stream] == '"':
+            return MtcError("unterminated string: a '\"' is missing before the end of the line",
+                            Loc(file, e.line, e.column), text, "a string is on one line: \"text\"")
         return MtcError(f"unexpected character {text[e.pos_in_stream]!r}", Loc(file, e.line, e.column), text)
     if isinstance(e, lark.exceptions.UnexpectedToken):
         tok = e.token

@@ -123,3 +123,46 @@ def test_pass_manager_dump_and_print_after(tmp_path, capsys):
     assert "IR after canonicalize" in capsys.readouterr().out
     assert [n for n, _ in pm.timings] == ["verify", "infer_shapes", "canonicalize", "batch_attn_residual",
                                               "fuse_tiles"]
+
+
+def _mla(dn, dr):
+    spec = f"""model m {{
+  forward(x: f32[B, T, 24]) {{
+    return mla_layer(x, heads=2, kv_lora_rank=12, qk_nope_dim={dn}, qk_rope_dim={dr}, v_dim=10, gated=false,
+                     name="a")
+  }}
+}}"""
+    return dsl.compile(dsl.parse(spec), target="reference").eval()
+
+
+@pytest.mark.parametrize("zero", ["rope", "nope"])
+def test_mla_with_a_zero_qk_part_equals_the_full_layer_with_that_part_switched_off(zero):
+    """qk_rope_dim=0 (NoPE only) / qk_nope_dim=0: the same function as the full layer (dn=16, dr=8) whose
+    query rows for the missing part are zero and whose other query rows are rescaled so that the softmax
+    scale 1/sqrt(dn + dr) matches."""
+    import torch
+    H, dn, dr, dv, T = 2, 16, 8, 10, 63
+    full = _mla(dn, dr)
+    part = _mla(dn, 0) if zero == "rope" else _mla(0, dr)
+    sp, sf = part.state_dict(), full.state_dict()
+    new = {k: v.clone() for k, v in sf.items()}
+    keep = (slice(0, dn), slice(dn, dn + dr))[zero == "nope"]
+    kdim = dn if zero == "rope" else dr
+    q = torch.zeros(H, dn + dr, 24)
+    q[:, keep] = sp["a.q_proj.weight"].view(H, kdim, 24) * ((dn + dr) / kdim) ** 0.5
+    new["a.q_proj.weight"] = q.reshape(H * (dn + dr), 24)
+    new["a.o_proj.weight"] = sp["a.o_proj.weight"]
+    new["a.kv_a_layernorm.weight"] = sp["a.kv_a_layernorm.weight"]
+    if zero == "rope":
+        new["a.kv_a_proj_with_mqa.weight"][:12] = sp["a.kv_a_proj_with_mqa.weight"]
+        new["a.kv_b_proj.weight"] = sp["a.kv_b_proj.weight"]
+    else:
+        new["a.kv_a_proj_with_mqa.weight"] = sp["a.kv_a_proj_with_mqa.weight"]
+        kvb = new["a.kv_b_proj.weight"].view(H, dn + dv, 12)
+        kvb[:, dn:] = sp["a.kv_b_proj.weight"].view(H, dv, 12)
+        new["a.kv_b_proj.weight"] = kvb.reshape(H * (dn + dv), 12)
+    full.load_state_dict(new)
+    x = torch.randn(2, T, 24)
+    a, b = part(x), full(x)
+    assert torch.isfinite(a).all()
+    assert ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt() < 1e-5
