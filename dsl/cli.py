@@ -603,7 +603,8 @@ def cmd_ops(args) -> int:
             lines.append(_wrap(od.doc))
             out.append("\n".join(lines))
         if args.op and form is not None and form.example:
-            out.append("example (a whole spec; `mtc stats` / `mtc ir` accept it):\n"
+            out.append("example (a whole spec: `mtc stats`, `mtc ir` at every --stage and dsl.compile(target="
+                       "\"reference\" or \"triton\") accept it):\n"
                        + "".join(f"    {ln}\n" for ln in form.example.splitlines()))
     print("\n".join(out))
     return 0

@@ -4,8 +4,11 @@ The op registry (:mod:`dsl.ops`) gives every op's graph signature: its tensor in
 parameters it owns* (``linear(x, weight)``). In a spec, an op that owns parameters creates them itself,
 sized by keywords and named by ``name=`` (their state-dict prefix), so one writes
 ``y = linear(x, out=N, name="proj")``. This table gives that spec form, notes on the keywords, and a
-complete example spec that builds (``tests/test_cli.py`` loads every example and checks that every
-registered op has an entry here).
+complete example spec that builds (``tests/test_cli.py`` loads every example, runs ``mtc stats`` and
+``mtc ir`` at every ``--stage`` on it, compiles it for the reference and Triton targets, and checks that
+every registered op has an entry here). Examples take [B, T, ...] inputs (the symbols ``mtc stats``
+binds; moe_experts' token dim is written T) and sizes the Triton kernels take (head dims powers of two
+>= 16).
 
 Each entry: ``SpecForm(form, notes, example)``; ``form`` is ``None`` for ops that a spec cannot write
 (the two-phase AttnRes ops made by a pass; the multi-output ``qb_route``); ``example`` is a whole spec
@@ -84,22 +87,23 @@ SPEC_FORMS: dict[str, SpecForm] = {
     "kda_chunk": SpecForm("o = kda_chunk(q, k, v, g, beta, scale=S)",
                           "q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H]; scale optional (default "
                           "K^-0.5)",
-                          _spec("q: f32[B, T, 2, 16], k: f32[B, T, 2, 16], v: f32[B, T, 2, 8], "
+                          _spec("q: f32[B, T, 2, 16], k: f32[B, T, 2, 16], v: f32[B, T, 2, 16], "
                                 "g: f32[B, T, 2, 16], beta: f32[B, T, 2]",
                                 "o = kda_chunk(q, k, v, g, beta)", "return o")),
     "mla_attention": SpecForm("o = mla_attention(q, k, v, scale=S, causal=true)",
                               "q, k [B, T, H, D], v [B, T, H, Dv]; scale required",
-                              _spec("q: f32[B, T, 2, 16], k: f32[B, T, 2, 16], v: f32[B, T, 2, 8]",
+                              _spec("q: f32[B, T, 2, 16], k: f32[B, T, 2, 16], v: f32[B, T, 2, 16]",
                                     "o = mla_attention(q, k, v, scale=0.25)", "return o")),
     "qb_route": SpecForm(None, "three outputs (topk_idx, topk_weight, scores), which a spec cannot unpack: "
                                "it runs inside the latent_moe and moe layers"),
     "situ_glu": SpecForm("h = situ_glu(a, b, beta_gate=4.0, beta_up=25.0)", "a: gate branch, b: up branch",
                          _spec(f"{X}, b: f32[B, T, 64]", "h = situ_glu(x, b)", "return h")),
     "moe_experts": SpecForm('u = moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, activation="situ")',
-                            "x_lat [N, l], topk_idx/topk_weight [N, k], w1/w3 [E, I, l], w2 [E, l, I]; "
+                            "x_lat [N, l] (N tokens; the example names them T), topk_idx/topk_weight [N, k], "
+                            "w1/w3 [E, I, l], w2 [E, l, I]; "
                             f"{_WEIGHT_IN}; normally it runs inside latent_moe / moe, fed by qb_route",
-                            _spec("x: f32[N, 16], idx: i64[N, 2], w: f32[N, 2], w1: f32[4, 8, 16], "
-                                  "w3: f32[4, 8, 16], w2: f32[4, 16, 8]",
+                            _spec("x: f32[T, 16], idx: i64[T, 2], w: f32[T, 2], w1: f32[4, 16, 16], "
+                                  "w3: f32[4, 16, 16], w2: f32[4, 16, 16]",
                                   "u = moe_experts(x, idx, w, w1, w3, w2)", "return u")),
     "attn_residual": SpecForm("h = attn_residual(query, rms_weight, s1, s2, ...)",
                               f"query, rms_weight [d], sources [..., d]; {_WEIGHT_IN}; "

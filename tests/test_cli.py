@@ -301,10 +301,12 @@ def test_stats_of_a_fixed_input_shape(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # mtc ops: how a spec writes each op
 def test_every_op_has_a_spec_form_whose_example_builds(tmp_path):
+    import importlib.util
     import warnings
     import dsl
     from dsl.ops import OPS
     from dsl.spec_forms import SPEC_FORMS, STACK
+    has_tvm = importlib.util.find_spec("tvm") is not None      # --stage tvm prints Apache TVM's TVMScript
     assert set(SPEC_FORMS) == set(OPS)
     for name, f in [*SPEC_FORMS.items(), ("stack", STACK)]:
         if f.form is None:
@@ -317,11 +319,23 @@ def test_every_op_has_a_spec_form_whose_example_builds(tmp_path):
             g = dsl.load(str(p))
         ops = {n.op for n in g.nodes}
         assert (name in ops) if name != "stack" else {"kda_layer", "mla_layer", "glu_ffn"} <= ops, name
+        # what `mtc ops OP` says of it: `mtc stats`, every `mtc ir` stage and compile(target=reference /
+        # triton) accept it (B, T inputs; head dims the Triton kernels take)
+        stages = ["graph", "typed", "canonical", "fused", "lowered"] + (["tvm"] if has_tvm else [])
+        for args in (["stats", "--json"], ["ir", "--stage", "lowered", "--target", "tvm"],
+                     *(["ir", "--stage", st] for st in stages)):
+            r = in_process(args[0], str(p), *args[1:])
+            assert r.returncode == 0 and r.stdout, (name, args, r.stderr)
+        assert json.loads(in_process("stats", str(p), "--json").stdout)["seq_len"] > 0
+        for target in ("reference", "triton"):
+            dsl.compile(g, target=target, device="meta")
 
 
 @pytest.mark.parametrize("op,needles", [
     ("linear", ['in a spec:  y = linear(x, out=N, name="...")', "out (required), name (required)",
-                "graph op:   linear(x, weight)", "example"]),
+                "graph op:   linear(x, weight)",
+                'example (a whole spec: `mtc stats`, `mtc ir` at every --stage and dsl.compile(target="reference" or '
+                '"triton") accept it)']),
     ("embedding", ["embedding(ids, vocab=V, dim=D", 'name="model.embed_tokens"']),
     ("rmsnorm", ['rmsnorm(x, eps=1e-6, name="model.norm")']),
     ("stack", ['prefix="model.layers"', 'residual="add"', "block_size=", "attn = ", "ffn = "]),
