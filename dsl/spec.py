@@ -20,6 +20,8 @@ from .builder import GraphBuilder
 from .errors import Loc, MtcError, did_you_mean
 from .ir import Ref, canon_dtype, sym
 
+#: the largest dimension a forward input may have (an int32 index; larger is a typo)
+MAX_DIM = 2**31 - 1
 #: the most layers a stack may have (the graph is built layer by layer; K3 has 93)
 MAX_LAYERS = 4096
 
@@ -494,14 +496,14 @@ class SpecBuilder:
         tok = d.children[0]
         text, loc = str(tok), self.spec.loc(tok)
         if text.isdigit():
-            if int(text) < 1:
-                raise self.spec.err(f"input '{pname}': dimension {text} must be positive", loc)
+            if not 1 <= int(text) <= MAX_DIM:
+                raise self.spec.err(f"input '{pname}': dimension {text} must be between 1 and {MAX_DIM}", loc)
             return int(text)
         if text in self.config:
             v = self.config[text]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > MAX_DIM:
                 raise self.spec.err(f"input '{pname}': dimension '{text}' names a config field whose value is "
-                                    f"{describe(v)}; a dimension is a positive integer or a shape symbol", loc)
+                                    f"{describe(v)}; a dimension is an integer from 1 to {MAX_DIM} or a shape symbol", loc)
             self.used.add(text)
             return v
         if text in self.blocks:

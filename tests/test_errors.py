@@ -346,6 +346,10 @@ def test_an_input_dim_naming_a_non_int_config_field_is_an_error():
     assert _loc(e) == (6, 24) and "dimension 'f' names a config field whose value is 0.5" in e.msg
     e = _err(_small(dims="B, T, d").replace("d: int = 24", "d: int = 0"))
     assert _loc(e) == (6, 24) and "whose value is 0" in e.msg
+    e = _err(_small(dims="B, T, d").replace("d: int = 24", "d: int = 99999999999999999999"))
+    assert _loc(e) == (6, 24) and "whose value is 99999999999999999999" in e.msg
+    e = _err(_small(dims="B, T, 0"))
+    assert _loc(e) == (6, 24) and "dimension 0 must be between 1 and" in e.msg
 
 
 @pytest.mark.parametrize("call, shown", [
