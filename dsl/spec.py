@@ -380,6 +380,7 @@ class SpecBuilder:
             self.used.add(fname)
             if kwargs.keys() - {"name"}:
                 raise self.spec.err(f"block '{fname}' is already configured; pass only name= when applying it", loc)
+            self._check_attrs(fname, OPS[target.op], kwargs, loc)
             return self._apply_block(target, args, kwargs.get("name"), loc)
         if fname not in OPS:
             raise self.spec.err(f"unknown op '{fname}'{did_you_mean(fname, list(OPS) + list(self.blocks))}", loc)
@@ -562,6 +563,9 @@ class SpecBuilder:
             raise self.spec.err(f"residual=\"attn_res\" needs block_size=<positive int>, "
                                 f"got {describe(block_size)}", loc)
         prefix = kw.get("prefix", "model.layers")
+        if not isinstance(prefix, str) or not _NAME_RE.fullmatch(prefix):
+            raise self.spec.err(f"stack: prefix must be a string of dot-separated identifiers (model.layers), "
+                                f"got {describe(prefix)}", loc)
         eps = kw.get("norm_eps", 1e-6)
         slots = [(str(s.children[0]), s.children[1], self.spec.loc(s)) for s in node.children[2:]]
         names = [s[0] for s in slots]

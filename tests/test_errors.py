@@ -458,3 +458,15 @@ def test_a_variant_reading_the_field_it_sets_gets_a_hint():
 def test_an_unterminated_string():
     e = _err(_small('return rmsnorm(x, name="abc)'))
     assert _loc(e) == (7, 28) and e.msg.startswith("unterminated string")
+
+
+def test_a_bad_name_on_a_block_application_or_a_stack_prefix():
+    text = _small('y = g(x, name="a..b")\n    return y').replace("  forward", "  block g = glu_ffn(inter=8)\n  forward")
+    e = _err(text)
+    assert _loc(e) == (8, 9) and e.msg.endswith('name must be a string of dot-separated identifiers '
+                                                '(model.layers.0.mlp), got "a..b"')
+    text = _small('y = stack(x, layers=1, prefix="m.") {\n      attn = k\n      ffn = g\n    }\n    return y')
+    text = text.replace("  forward", "  block g = glu_ffn(inter=8)\n  block k = kda_layer(heads=2, head_dim=12)\n"
+                        "  forward")
+    e = _err(text)
+    assert _loc(e) == (9, 5) and 'prefix must be a string of dot-separated identifiers' in e.msg
