@@ -393,6 +393,7 @@ def _qb_route(ts, a):
     if b.rank != 1 or not _eq(b.shape[0], w.shape[0]):
         raise ShapeError(f"bias {_shape(b)} must be [E] = [{w.shape[0]}]")
     k = a["top_k"]
+    _positive(a, "routed_scaling")
     if w.shape[0].is_number and not 1 <= k <= int(w.shape[0]):
         raise ShapeError(f"top_k = {k} must be in [1, E = {w.shape[0]}]")
     N = x.shape[0]
@@ -405,7 +406,17 @@ register("qb_route", _qb_route, n_data_inputs=3, inputs=("x", "weight", "bias"),
          doc="sigmoid router, top-k on score + bias (Quantile Balancing), unbiased renormalised weights")
 
 
+def _positive(a, *keys):
+    """ShapeError unless each attribute is a finite number > 0 (the SiTU betas divide; a routed_scaling <= 0
+    flips or zeroes the expert mix)."""
+    for k in keys:
+        v = a[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise ShapeError(f"{k} must be a finite number > 0, got {v!r}")
+
+
 def _situ(ts, a):
+    _positive(a, "beta_gate", "beta_up")
     return _binary(ts, a)
 
 
@@ -426,6 +437,8 @@ def _moe_experts(ts, a):
         raise ShapeError(f"w2 {_shape(w2)} must be [E, l, I] = [{E}, {L}, {I}]")
     if a["activation"] not in ("situ", "silu"):
         raise ShapeError(f"activation must be 'situ' or 'silu', got {a['activation']!r}")
+    if a["activation"] == "situ":
+        _positive(a, "beta_gate", "beta_up")
     return [x]
 
 
@@ -485,6 +498,8 @@ def _kda_params(a, ts):
     H, K = a["heads"], a["head_dim"]
     V = a["v_head_dim"] or K
     W, fr, gr = a["conv_size"], a["forget_rank"] or K, a["gate_rank"]
+    if not 1 <= W <= 64:
+        raise ShapeError(f"conv_size = {W} must be in [1, 64] (the short convolution's width, 4 in Kimi Linear)")
     p = [ParamSpec("q_proj.weight", (H * K, d)), ParamSpec("k_proj.weight", (H * K, d)),
          ParamSpec("v_proj.weight", (H * V, d)),
          ParamSpec("q_conv1d.weight", (H * K, 1, W), "conv"), ParamSpec("k_conv1d.weight", (H * K, 1, W), "conv"),
@@ -650,6 +665,7 @@ def _moe_params(a, ts, latent: bool):
     w = a["latent"] if latent else d
     if not 1 <= k <= E:
         raise ShapeError(f"top_k = {k} must be in [1, experts = {E}]")
+    _positive(a, "routed_scaling", *(("beta_gate", "beta_up") if a["act"] == "situ" else ()))
     p = [ParamSpec("gate.weight", (E, d)),
          ParamSpec("gate.e_score_correction_bias", (E,), "zeros", kind="buffer", dtype="f32")]
     if latent:

@@ -470,3 +470,17 @@ def test_a_bad_name_on_a_block_application_or_a_stack_prefix():
                         "  forward")
     e = _err(text)
     assert _loc(e) == (9, 5) and 'prefix must be a string of dot-separated identifiers' in e.msg
+
+
+@pytest.mark.parametrize("call,msg", [
+    ('moe(x, experts=8, top_k=2, inter=16, routed_scaling=-1.0, name="m")', "routed_scaling must be a finite number > 0"),
+    ('moe(x, experts=8, top_k=2, inter=16, beta_gate=0.0, name="m")', "beta_gate must be a finite number > 0"),
+    ('latent_moe(x, experts=8, top_k=2, inter=16, latent=16, beta_up=-2.0, name="m")',
+     "beta_up must be a finite number > 0"),
+    ('kda_layer(x, heads=2, head_dim=16, conv_size=99, name="k")', "conv_size = 99 must be in [1, 64]"),
+])
+def test_layer_attributes_out_of_range_are_located_errors(call, msg):
+    text = ("model m {\n  forward(input_ids: i64[B, T]) {\n    x = embedding(input_ids, vocab=64, dim=32)\n"
+            f"    y = {call}\n    return lm_head(y, vocab=64)\n  }}\n}}\n")
+    e = _err(text)
+    assert msg in e.msg and _loc(e) == (4, 9), (e.msg, _loc(e))
