@@ -330,17 +330,10 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
     raise ValueError(f"attn_residual: unknown impl {impl!r}; one of {ATTN_RESIDUAL_IMPLS}")
 
 
-def _attn_residual_twopass_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str,
-                                  eps: float) -> Kernel:
-    """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), per token row i:
-
-        ss_l = sum_d s_l[i]^2,  dot_l = sum_d query * rms_weight * s_l[i]
-        logit_l = dot_l * rsqrt(ss_l / d + eps)          (= <query, RMSNorm(s_l[i]; rms_weight, eps)>)
-        p = softmax_l(logit) in float32,  y[i] = sum_l p_l s_l[i]   (sources' dtype)
-
-    The TVMScript of commit b963733 (restored unchanged: the kernel measured correct on the H200). The L
-    sources are L separate buffers (no stacking copy); L, d are compile-time constants. Scheduled by
-    _sched_attn_residual_twopass."""
+def _attn_residual_head(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str) -> str:
+    """The checked arguments and the TVMScript head shared by both attn_residual kernels: the prim_func
+    header and the buffers Q [d], W [d], S0..S{L-1} [n, d] (L separate sources) and Y [n, d].
+    Raises ValueError for L < 1, d < 1 or an unsupported dtype."""
     if L < 1:
         raise ValueError(f"attn_residual: needs at least one source, got L = {L}")
     if d < 1:
@@ -355,6 +348,21 @@ def _attn_residual_twopass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
     for l in range(L):
         src += f'    S{l} = T.match_buffer(s{l}_h, (n, {d}), "{src_dtype}")\n'
     src += f'    Y = T.match_buffer(y_h, (n, {d}), "{src_dtype}")\n'
+    return src
+
+
+def _attn_residual_twopass_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str,
+                                  eps: float) -> Kernel:
+    """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), per token row i:
+
+        ss_l = sum_d s_l[i]^2,  dot_l = sum_d query * rms_weight * s_l[i]
+        logit_l = dot_l * rsqrt(ss_l / d + eps)          (= <query, RMSNorm(s_l[i]; rms_weight, eps)>)
+        p = softmax_l(logit) in float32,  y[i] = sum_l p_l s_l[i]   (sources' dtype)
+
+    The TVMScript of commit b963733 (restored unchanged: the kernel measured correct on the H200). The L
+    sources are L separate buffers (no stacking copy); L, d are compile-time constants. Scheduled by
+    _sched_attn_residual_twopass."""
+    src = _attn_residual_head(d, L, src_dtype, q_dtype, w_dtype)
     for l in range(L):
         src += f'    SS{l} = T.sblock_alloc_buffer((n,), "float32")\n'
         src += f'    DT{l} = T.sblock_alloc_buffer((n,), "float32")\n'
@@ -431,20 +439,7 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
     once, with 128-bit loads, into registers); prefetch: the load of source l is issued with source
     l - prefetch (more bytes in flight; costs registers). Built for cuda with StorageRewrite off
     (NO_STORAGE_REWRITE: the race that gave nan / inf on the H200); UNVERIFIED on the GPU since."""
-    if L < 1:
-        raise ValueError(f"attn_residual: needs at least one source, got L = {L}")
-    if d < 1:
-        raise ValueError(f"attn_residual: the hidden size d must be >= 1, got {d}")
-    for dt, what in ((src_dtype, "sources"), (q_dtype, "query"), (w_dtype, "rms_weight")):
-        _check_dtype(dt, f"attn_residual {what}")
-    params = ["q_h", "w_h"] + [f"s{l}_h" for l in range(L)] + ["y_h"]
-    src = _header("attn_residual", params)
-    src += "    n = T.int64()\n"
-    src += f'    Q = T.match_buffer(q_h, ({d},), "{q_dtype}")\n'
-    src += f'    W = T.match_buffer(w_h, ({d},), "{w_dtype}")\n'
-    for l in range(L):
-        src += f'    S{l} = T.match_buffer(s{l}_h, (n, {d}), "{src_dtype}")\n'
-    src += f'    Y = T.match_buffer(y_h, (n, {d}), "{src_dtype}")\n'
+    src = _attn_residual_head(d, L, src_dtype, q_dtype, w_dtype)
     if L > 1:
         for l in range(L):
             for nm in ("SS", "DT", "LG", "M"):
