@@ -12,9 +12,9 @@ Two phases, on two machines (issue 7: compile once, deploy without the compiler)
    attn_residual d=7168 with L in {2, 8, 16, 25}; short_conv C=12288 (KDA q/k/v, 96 x 128) W=4;
    l2norm d=128 (one KDA head). Each group is exported in the schedule variants of VARIANTS below (the
    first is backends/tvm's default; the others' keys carry a __<attributes> suffix): what is fastest
-   can only be measured, so one --run times them all. attn_residual's default is the two-pass kernel
-   (impl "twopass", measured correct on the H200); its one-pass variants (impl "onepass", race fixed
-   but never run on a GPU) carry the suffix __unverified and "(UNVERIFIED on the GPU)" in the table.
+   can only be measured, so one --run times them all. attn_residual's default is the one-pass kernel
+   with grouped all-reduces (backends/tvm/kernels.onepass_defaults); the two-pass kernel and the other
+   one-pass settings are variants, checked against the reference in the same run like every module.
    The export fails if a generated CUDA source writes shared memory from every thread without a guard
    (backends.tvm.build.shared_write_hazards: the race of the first one-pass build).
 
@@ -99,12 +99,20 @@ VARIANTS = {
     # stay as variants so that a run shows the difference
     "rmsnorm": [{}, {"threads": 896}, {"vec": 1, "threads": 256}],
     "situ_glu": [{}, {"unroll": 2}, {"threads": 128, "unroll": 4}],
-    # the default is impl "twopass" (the b963733 kernel, measured correct on the H200). The one-pass
-    # kernel gave nan / inf on the H200 in every variant (a shared-memory race of its cuda build, fixed
-    # since: backends/tvm/kernels.NO_STORAGE_REWRITE): its variants are exported marked UNVERIFIED (key
-    # suffix __unverified) until a GPU run shows them correct; "_note" is a label, not a kernel attribute
-    "attn_residual": [{}, {"impl": "onepass", "_note": "unverified"},
-                      {"impl": "onepass", "threads": 448, "prefetch": 3, "_note": "unverified"}],
+    # the default is the one-pass kernel with grouped all-reduces and kernels.onepass_defaults(d, L)
+    # (448 threads, 3 sources per all-reduce, prefetch 2 groups up to L = 8 and 1 above), chosen from the
+    # H200 runs of 2026-11-29 (4th session): there the two-pass kernel (then the default) was 1.32-2.82x
+    # Triton at L >= 8 and the ungrouped one-pass kernel (4L barriers per row) 1.65-1.78x; group 2 / 4
+    # and prefetch 1-3 were within 10% of the default, 896 threads 5-20% slower, group 8 spilled (8.4x
+    # at L = 25). The variants around the default stay so that every run shows the neighbourhood.
+    "attn_residual": [{}, {"impl": "twopass"}, {"impl": "onepass", "threads": 448, "prefetch": 3},
+                      {"impl": "onepass", "threads": 448, "group": 2, "prefetch": 2},
+                      {"impl": "onepass", "threads": 448, "group": 3, "prefetch": 2},
+                      {"impl": "onepass", "threads": 448, "group": 4, "prefetch": 1},
+                      {"impl": "onepass", "threads": 448, "group": 5, "prefetch": 1},
+                      {"impl": "onepass", "threads": 448, "group": 6, "prefetch": 1},
+                      {"impl": "onepass", "threads": 448, "group": 3, "prefetch": 0},
+                      {"impl": "onepass", "threads": 224, "group": 3, "prefetch": 1}],
     "short_conv": [{}, {"vec": 1, "threads": 256, "tile_t": 8}, {"vec": 2, "threads": 128, "tile_t": 16}],
     "l2norm": [{}, {"rows": 32}, {"vec": 1, "threads": 32, "rows": 8}],
 }

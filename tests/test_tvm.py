@@ -2,6 +2,7 @@
 formula, at odd sizes, on fresh random inputs; the disk cache; export_library round trips; CUDA builds
 (compiled only, no GPU needed)."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,33 +127,45 @@ def test_attn_residual(n, d, L):
     assert rel_rms(y, R.attn_residual(q, srcs, w, eps=1e-6)) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["twopass", "onepass"])
+@pytest.mark.parametrize("impl,group", [("twopass", None), ("onepass", None), ("onepass", 1), ("onepass", 4)])
 @pytest.mark.parametrize("n,d,L", [(1, 100, 1), (37, 100, 2), (63, 448, 9)])
-def test_attn_residual_impls_llvm(impl, n, d, L):
-    """Both implementations (the default two-pass one and the one-pass variant), called through their
+def test_attn_residual_impls_llvm(impl, group, n, d, L):
+    """Both implementations (the default two-pass one and the one-pass variant, also with the sums of
+    `group` sources reduced together: L = 9, group 4 leaves a last group of one), called through their
     kernels directly, on large logits (the softmax is peaked, exp underflows for most sources)."""
     q, w = torch.randn(d) * 3, 1 + 0.1 * torch.randn(d)
     srcs = [torch.randn(n, d) * (0.5 + 2 * torch.rand(1).item()) for _ in range(L)]
-    k = V.kernel_for("attn_residual", d=d, L=L, eps=1e-6, impl=impl)
-    assert dict(k.sched)["impl"] == impl
+    k = V.kernel_for("attn_residual", d=d, L=L, eps=1e-6, impl=impl,
+                     **({} if group is None else {"group": group}))
+    assert dict(k.sched)["impl"] == impl and dict(k.sched).get("group") == group
     y = torch.empty(n, d)
     B.get_function(k, "llvm")(q, w, *srcs, y)
     assert rel_rms(y, naive_attn_residual(q, srcs, w, 1e-6)) < 1e-5
 
 
 def test_attn_residual_default_is_the_measured_kernel():
-    """target="tvm" and the default export use impl "twopass" (the b963733 kernel, measured correct on
-    the H200); the one-pass kernel is only a named variant, with its own cache key."""
+    """target="tvm" and the default export use the one-pass kernel with the measured schedule
+    (kernels.onepass_defaults: 448 threads at d = 7168 in bf16, 3 sources per all-reduce, 2 groups
+    prefetched up to L = 8, 1 above); the two-pass kernel is a named variant with its own cache key."""
     k = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16")
-    assert dict(k.sched)["impl"] == "twopass" and "LG[vi, vl]" in k.source and "Z[vi]" in k.source
-    k1 = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="onepass")
-    assert B.cache_key(k, "cuda") != B.cache_key(k1, "cuda")
+    assert dict(k.sched) == {"impl": "onepass", "threads": 448, "vec": 8, "prefetch": 2, "group": 3}
+    assert dict(V.kernel_for("attn_residual", d=7168, L=25, dtype="bfloat16").sched)["prefetch"] == 1
+    assert V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="onepass").sched != k.sched
+    k2 = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="twopass")
+    assert "LG[vi, vl]" in k2.source and "Z[vi]" in k2.source
+    assert B.cache_key(k, "cuda") != B.cache_key(k2, "cuda")
     with pytest.raises(ValueError, match="twopass"):
-        V.kernel_for("attn_residual", d=7168, L=8, threads=448)
+        V.kernel_for("attn_residual", d=7168, L=8, impl="twopass", threads=448)
     with pytest.raises(ValueError, match="impl"):
         V.kernel_for("attn_residual", d=7168, L=8, impl="bogus")
     with pytest.raises(ValueError, match="impl"):
         V.kernel_for("rmsnorm", d=7168, impl="onepass")
+    with pytest.raises(ValueError, match="twopass"):
+        V.kernel_for("attn_residual", d=7168, L=8, impl="twopass", group=2)
+    with pytest.raises(ValueError, match="group must be >= 1"):
+        V.kernel_for("attn_residual", d=7168, L=8, impl="onepass", group=0)
+    with pytest.raises(ValueError, match="group"):
+        V.kernel_for("rmsnorm", d=7168, group=2)
 
 
 def test_attn_residual_bf16_leading_shape_and_output_norm():
@@ -341,17 +354,28 @@ def _unguarded_shared_writes(src: str) -> list[str]:
     import re
     shared = set(re.findall(r"__shared__ alignas\(\d+\) \w+ (\w+)\[", src))
     lines = src.splitlines()
-    bad = []
+    bad, depth_if, depth = [], [], 0        # depth_if: brace depths at which an if (...) { block opened
     for i, ln in enumerate(lines):
+        st = ln.strip()
         m = re.match(r"\s*(?:\(\(volatile \w+\*\))?(\w+)\)?\[[^\]]*\]\s*=[^=]", ln)
-        if m and m.group(1) in shared and not lines[i - 1].strip().startswith("if ("):
-            bad.append(ln.strip())
+        if m and m.group(1) in shared and not depth_if and not lines[i - 1].strip().startswith("if ("):
+            bad.append(st)
+        for ch in st:
+            if ch == "{":
+                depth += 1
+                if st.startswith("if ("):
+                    depth_if.append(depth)
+            elif ch == "}":
+                if depth_if and depth_if[-1] == depth:
+                    depth_if.pop()
+                depth -= 1
     return bad
 
 
 @pytest.mark.parametrize("impl,d,L,extra,fixed", [
     ("twopass", 7168, 1, {}, True), ("twopass", 1000, 3, {}, False),     # L >= 2: the b963733 build as is
-    ("onepass", 512, 3, {}, True), ("onepass", 7168, 2, {"threads": 448}, True)])
+    ("onepass", 512, 3, {}, True), ("onepass", 7168, 2, {"threads": 448}, True),
+    ("onepass", 7168, 25, {"threads": 448, "group": 4}, True)])
 def test_cuda_attn_residual_no_shared_race(impl, d, L, extra, fixed):
     """Multi-warp all-reduces: no row scalar is computed in place in the shared all-reduce result (the
     StorageRewrite + LowerThreadAllreduce race, kernels.NO_STORAGE_REWRITE); where the fix applies, the
@@ -366,3 +390,31 @@ def test_cuda_attn_residual_no_shared_race(impl, d, L, extra, fixed):
     if fixed:
         ex, _ = B.compile_kernel(dataclasses.replace(k, cuda_pass_config=()), "cuda")
         assert _unguarded_shared_writes(ex.mod.imports[0].inspect_source())
+
+
+@pytest.mark.parametrize("group,syncs", [(None, 2 * 2 * 25), (1, 2 * 25), (4, 2 * 7), (25, 2)])
+def test_cuda_attn_residual_grouped_all_reduce(group, syncs):
+    """The grouped one-pass kernel: the 2G sums of G sources form ONE all-reduce (one pair of barriers),
+    so L = 25 has 2 * ceil(25 / G) __syncthreads against 2 * 2L without groups; each source row is still
+    read once."""
+    extra = {} if group is None else {"group": group}
+    k = V.kernel_for("attn_residual", d=7168, L=25, dtype="bfloat16", impl="onepass", threads=448, **extra)
+    ex, _ = B.compile_kernel(k, "cuda")
+    src = ex.mod.imports[0].inspect_source()
+    assert src.count("__syncthreads") == syncs
+    assert all(src.count(f"*(uint4*)(S{l}_ptr") == 2 for l in range(25))     # 7168 / (448 * 8) = 2 vectors
+
+
+def test_sum_reducer_registration_exits_cleanly(tmp_path):
+    """Registering the n-value sum reducer (kernels.ensure_sum_reducer) and building with it must not crash
+    the interpreter at exit (TVM 0.27 frees a Python callback from a static destructor: SIGSEGV / abort
+    without the extra reference)."""
+    import subprocess
+    import sys
+    code = ("from backends.tvm import kernels as K, build as B; import backends.tvm as V\n"
+            "k = V.kernel_for('attn_residual', d=1024, L=5, dtype='bfloat16', impl='onepass', group=2)\n"
+            "ex, _ = B.compile_kernel(k, 'cuda'); print(ex.mod.imports[0].inspect_source().count('__syncthreads'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "6"           # ceil(5 / 2) = 3 all-reduces, 2 barriers each

@@ -144,9 +144,9 @@ def kernel_for(op: str, **a) -> _K.Kernel:
     rmsnorm: d, eps, dtype, w_dtype; l2norm: d, eps, dtype; silu / sigmoid: dtype; add / mul: dtype,
     b_dtype; situ_glu: dtype, b_dtype, out_dtype, beta_gate, beta_up (the elementwise ops also take the
     layout / schedule attributes vec, threads, unroll: see kernels.elementwise_source); attn_residual: d, L, eps, dtype,
-    q_dtype, w_dtype and impl ("twopass", the default: the b963733 kernel measured correct on the H200;
-    "onepass": the online-softmax kernel, whose cuda build is unverified on the GPU, with the schedule
-    attributes threads, vec, prefetch); rmsnorm / l2norm also take the cuda schedule attributes threads,
+    q_dtype, w_dtype and impl (default: "onepass", the online-softmax kernel with grouped all-reduces and
+    the schedule of kernels.onepass_defaults; "onepass" with the schedule attributes threads, vec,
+    prefetch, group; "twopass": the b963733 kernel; see kernels.attn_residual_source); rmsnorm / l2norm also take the cuda schedule attributes threads,
     vec, rows; short_conv: C, W, dtype, w_dtype (and vec, threads, tile_t); router_scores: d, E, dtype, w_dtype. Dtypes are
     "float32" / "float16" / "bfloat16" (default float32; out_dtype defaults to dtype).
     Raises ValueError for an unknown op or attribute, TypeError for an unsupported dtype."""
@@ -161,13 +161,14 @@ def kernel_for(op: str, **a) -> _K.Kernel:
         k = _K.elementwise_source(op, (dt, a.pop("b_dtype", dt)), a.pop("out_dtype", dt),
                                   beta_gate=a.pop("beta_gate", 4.0), beta_up=a.pop("beta_up", 25.0), **ew)
     elif op in ("rmsnorm", "l2norm", "attn_residual"):
-        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows", "vec", "prefetch") if k_ in a}
+        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows", "vec", "prefetch", "group") if k_ in a}
         if "impl" in a:
             if op != "attn_residual":
                 raise ValueError(f"tvm backend: {op} takes no 'impl' attribute")
             rs["impl"] = str(a.pop("impl"))
-        if op != "attn_residual" and "prefetch" in rs:
-            raise ValueError(f"tvm backend: {op} takes no 'prefetch' attribute")
+        for only in ("prefetch", "group"):
+            if op != "attn_residual" and only in rs:
+                raise ValueError(f"tvm backend: {op} takes no {only!r} attribute")
         if op == "attn_residual" and "rows" in rs:
             raise ValueError("tvm backend: attn_residual takes no 'rows' attribute (one row per block)")
         if op == "rmsnorm":

@@ -121,12 +121,18 @@ def shared_write_hazards(src: str) -> list[str]:
     absent."""
     import re
     shared = set(re.findall(r"__shared__ alignas\(\d+\) \w+ (\w+)\[", src))
-    lines = src.splitlines()
-    out = []
-    for i, ln in enumerate(lines):
+    out, braces, prev = [], [], ""          # braces: one flag per open "{": opened by an if (...)?
+    for ln in src.splitlines():
+        st = ln.strip()
         m = re.match(r"\s*(?:\(\(volatile \w+\*\))?(\w+)\)?\[[^\]]*\]\s*=[^=]", ln)
-        if m and m.group(1) in shared and not (i and lines[i - 1].strip().startswith("if (")):
-            out.append(ln.strip())
+        if m and m.group(1) in shared and not (any(braces) or prev.startswith("if (")):
+            out.append(st)
+        for ch in st:                       # a multi-value all-reduce writes several words in one if block
+            if ch == "{":
+                braces.append(st.startswith("if (") or st.startswith("} else"))
+            elif ch == "}" and braces:
+                braces.pop()
+        prev = st
     return out
 
 

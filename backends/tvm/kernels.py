@@ -286,7 +286,7 @@ def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dty
 # attn_residual: softmax over L sources of <query, RMSNorm(source)>, then the weighted sum of sources
 # ----------------------------------------------------------------------------------------------------
 
-ATTN_RESIDUAL_IMPLS = ("twopass", "onepass")   # the first is the default
+ATTN_RESIDUAL_IMPLS = ("onepass", "twopass")   # the first is the default
 
 # The cuda race of the one-pass kernel (found in its generated CUDA source; nan / inf on the H200): a row
 # scalar computed from an all-reduce result, e.g. LG = DT * rsqrt(SS / d + eps), is a one-element
@@ -304,30 +304,52 @@ NO_STORAGE_REWRITE = (("tirx.disable_storage_rewrite", True),)
 
 
 def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
-                         impl: str = "twopass", threads: int | None = None, vec: int | None = None,
-                         prefetch: int | None = None) -> Kernel:
+                         impl: str | None = None, threads: int | None = None, vec: int | None = None,
+                         prefetch: int | None = None, group: int | None = None) -> Kernel:
     """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual): the kernel of implementation ``impl``.
 
-    impl = "twopass" (default; the kernel of commit b963733, measured CORRECT on the H200: relative RMS
-    error 2.0e-05..3.7e-05 in bf16 at d = 7168, L = 2..25; benchmarks/results/tvm.md): all 2L row sums
-    first, then the softmax over the L logits, then the weighted sum re-reading the sources; cuda: one
-    row per block of 256 threads. Takes no schedule attributes.
+    impl = None (default): "onepass" with the schedule of onepass_defaults(d, L, src_dtype) for every
+    attribute not given (grouped all-reduces; measured on the H200, benchmarks/results/tvm.md).
     impl = "onepass": the one-pass online-softmax kernel (_attn_residual_onepass_source; schedule
-    attributes threads, vec, prefetch). Its cuda build of 43bdfdd..69786ea gave WRONG results (nan /
-    inf) on the H200 in every variant: a shared-memory race of the build, fixed since by building it
-    with StorageRewrite off (NO_STORAGE_REWRITE, where the race is explained). The fix is UNVERIFIED on
-    the GPU (checked here only in the generated CUDA source); its llvm build passes the CPU tests.
+    attributes threads, vec, prefetch, group; unset ones keep that function's own defaults: 2 sources
+    prefetched, one all-reduce per sum, d / vec threads). Its first cuda builds gave nan / inf on the
+    H200 (a shared-memory race of the build, fixed by building with StorageRewrite off:
+    NO_STORAGE_REWRITE, where the race is explained); measured correct on the H200 since.
+    impl = "twopass": the kernel of commit b963733 (all 2L row sums first, then the softmax over the L
+    logits, then the weighted sum re-reading the sources; cuda: one row per block of 256 threads). Takes
+    no schedule attributes. Both measured correct on the H200: relative RMS error 2.0e-05..3.8e-05 in
+    bf16 at d = 7168, L = 2..25.
     Raises ValueError for an unknown impl, or schedule attributes given to "twopass"."""
+    if impl is None:
+        dflt = onepass_defaults(d, L, src_dtype)
+        threads = dflt["threads"] if threads is None else threads
+        group = dflt["group"] if group is None else group
+        prefetch = dflt["prefetch"] if prefetch is None else prefetch
+        impl = "onepass"
     if impl == "twopass":
-        given = [n for n, v in (("threads", threads), ("vec", vec), ("prefetch", prefetch)) if v is not None]
+        given = [n for n, v in (("threads", threads), ("vec", vec), ("prefetch", prefetch), ("group", group))
+                 if v is not None]
         if given:
             raise ValueError(f"attn_residual: impl 'twopass' takes no schedule attribute(s) {', '.join(given)} "
                              f"(they belong to impl='onepass')")
         return _attn_residual_twopass_source(d, L, src_dtype, q_dtype, w_dtype, eps)
     if impl == "onepass":
         return _attn_residual_onepass_source(d, L, src_dtype, q_dtype, w_dtype, eps, threads=threads, vec=vec,
-                                             prefetch=2 if prefetch is None else prefetch)
+                                             prefetch=2 if prefetch is None else prefetch, group=group)
     raise ValueError(f"attn_residual: unknown impl {impl!r}; one of {ATTN_RESIDUAL_IMPLS}")
+
+
+def onepass_defaults(d: int, L: int, src_dtype: str) -> dict:
+    """The default cuda schedule of the one-pass attn_residual kernel: threads = d / (2 vec) (two 128-bit
+    vectors of each source row per thread: 448 at d = 7168 in bf16) when that is a multiple of 32 and
+    <= 1024, else None (the kernel's own choice); group G = 3 sources per all-reduce, prefetch P (in
+    groups) 2 up to L = 8 and 1 above. The best of the H200 runs of 2026-11-29 (benchmarks/results/tvm.md,
+    N = 16384, d = 7168, bf16; Triton 0.36 / 0.67 / 1.17 / 1.73 ms): L = 2 0.187 ms (90% of copy
+    bandwidth), L = 8 G 3 / P 2 0.690 ms (G 2 / P 2 0.741), L = 16 G 3 / P 1 1.441 ms (G 2 / P 2 1.56,
+    G 4 / P 1 1.74), L = 25 G 3 / P 1 2.226 ms (G 4 / P 1 2.26, no groups 3.08). Larger G or P spill
+    registers (G 8: 15.5 ms at L = 25)."""
+    group, prefetch = (3, 2) if L <= 8 else (3, 1)
+    return {"threads": _norm_threads(d, _lanes(src_dtype)) or None, "group": group, "prefetch": prefetch}
 
 
 def _attn_residual_head(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str) -> str:
@@ -417,8 +439,26 @@ def _attn_residual_twopass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
                   cuda_pass_config=NO_STORAGE_REWRITE if L == 1 else ())
 
 
+def _ss_dot_blocks(l: int, d: int, s: str, qw: str) -> str:
+    """The two reduction blocks of source l in the ungrouped one-pass kernel: SS{l} = sum s^2, DT{l} =
+    sum q w s (s, qw: float32 TVMScript expressions of one element)."""
+    return (f"    for i, k in T.grid(n, {d}):\n"
+            f'        with T.sblock("ss{l}"):\n'
+            '            vi, vk = T.axis.remap("SR", [i, k])\n'
+            "            with T.init():\n"
+            f"                SS{l}[vi] = T.float32(0)\n"
+            f"            SS{l}[vi] = SS{l}[vi] + {s} * {s}\n"
+            f"    for i, k in T.grid(n, {d}):\n"
+            f'        with T.sblock("dot{l}"):\n'
+            '            vi, vk = T.axis.remap("SR", [i, k])\n'
+            "            with T.init():\n"
+            f"                DT{l}[vi] = T.float32(0)\n"
+            f"            DT{l}[vi] = DT{l}[vi] + {qw} * {s}\n")
+
+
 def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
-                                  threads: int | None = None, vec: int | None = None, prefetch: int = 2) -> Kernel:
+                                  threads: int | None = None, vec: int | None = None, prefetch: int = 2,
+                                  group: int | None = None) -> Kernel:
     """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), per token row i:
 
         ss_l = sum_d s_l[i]^2,  dot_l = sum_d query * rms_weight * s_l[i]
@@ -438,7 +478,13 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
     8 for 16-bit sources, threads = d / vec when <= 1024 (896 at d = 7168): each source row is then read
     once, with 128-bit loads, into registers); prefetch: the load of source l is issued with source
     l - prefetch (more bytes in flight; costs registers). Built for cuda with StorageRewrite off
-    (NO_STORAGE_REWRITE: the race that gave nan / inf on the H200); UNVERIFIED on the GPU since."""
+    (NO_STORAGE_REWRITE: the race that gave nan / inf on the H200); measured correct on the H200 since
+    (relative RMS error 2.0e-05..3.7e-05 in bf16 at d = 7168, L = 2..25; benchmarks/results/tvm.md).
+    group: None = two block-wide all-reduces per source (its sum of squares, then its dot product), i.e.
+    2L barrier pairs per row; G >= 1 = the 2G sums of G consecutive sources in ONE all-reduce (one
+    multi-value reduction block per group, reduced with a registered 2G-value sum reducer:
+    ensure_sum_reducer), i.e. ceil(L / G) barrier pairs per row; prefetch then counts groups.
+    Raises ValueError for group < 1."""
     src = _attn_residual_head(d, L, src_dtype, q_dtype, w_dtype)
     if L > 1:
         for l in range(L):
@@ -456,26 +502,51 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
                 "            vi = T.axis.spatial(n, i)\n"
                 f"            {expr}\n")
 
+    if group is not None and group < 1:
+        raise ValueError(f"attn_residual: group must be >= 1 (sources per all-reduce), got {group}")
     qw = f"{_f32('Q[vk]', q_dtype)} * {_f32('W[vk]', w_dtype)}"
     reductions, row_blocks, accs, order = [], [], [], []
+    red_writes, first_use, n_values, bodies = {}, {}, set(), {}
     out = _f32("S0[vi, vk]", src_dtype)
     for l in range(L if L > 1 else 0):
         s = _f32(f"S{l}[vi, vk]", src_dtype)
-        src += (f"    for i, k in T.grid(n, {d}):\n"
-                f'        with T.sblock("ss{l}"):\n'
-                '            vi, vk = T.axis.remap("SR", [i, k])\n'
-                "            with T.init():\n"
-                f"                SS{l}[vi] = T.float32(0)\n"
-                f"            SS{l}[vi] = SS{l}[vi] + {s} * {s}\n")
-        src += (f"    for i, k in T.grid(n, {d}):\n"
-                f'        with T.sblock("dot{l}"):\n'
-                '            vi, vk = T.axis.remap("SR", [i, k])\n'
-                "            with T.init():\n"
-                f"                DT{l}[vi] = T.float32(0)\n"
-                f"            DT{l}[vi] = DT{l}[vi] + {qw} * {s}\n")
-        reductions += [f"ss{l}", f"dot{l}"]
-        src += row(f"lg{l}", f"LG{l}[vi] = DT{l}[vi] * T.rsqrt(SS{l}[vi] / {_c(d)} + {_c(eps)})")
-        order += [f"ss{l}", f"dot{l}", f"lg{l}"]
+        if group is not None:
+            if l % group == 0:                       # one reduction block for the group's 2G sums
+                members = range(l, min(L, l + group))
+                name = f"sd{l // group}"
+                src += (f"    for i, k in T.grid(n, {d}):\n"
+                        f'        with T.sblock("{name}"):\n'
+                        '            vi, vk = T.axis.remap("SR", [i, k])\n'
+                        "            with T.init():\n")
+                for j in members:
+                    src += f"                SS{j}[vi] = T.float32(0)\n                DT{j}[vi] = T.float32(0)\n"
+                # cuda: the update as let bindings, then the stores (the form TVM's reducer matching needs
+                # for a multi-value cross-thread reduction); llvm: plain stores (TVM 0.27's llvm build of
+                # the let form gives wrong results for bf16 sources; no cross-thread reduction there)
+                let, direct = "", ""
+                for j in members:
+                    sj = _f32(f"S{j}[vi, vk]", src_dtype)
+                    let += (f"            ss{j}: T.let = SS{j}[vi] + {sj} * {sj}\n"
+                            f"            dt{j}: T.let = DT{j}[vi] + {qw} * {sj}\n")
+                    direct += (f"            SS{j}[vi] = SS{j}[vi] + {sj} * {sj}\n"
+                               f"            DT{j}[vi] = DT{j}[vi] + {qw} * {sj}\n")
+                for j in members:
+                    let += f"            SS{j}[vi] = ss{j}\n            DT{j}[vi] = dt{j}\n"
+                bodies[f"#@{name}@\n"] = (direct, let)
+                src += f"#@{name}@\n"
+                reductions.append(name)
+                red_writes[name] = 2 * len(members)
+                n_values.add(2 * len(members))
+                order.append(name)
+            first_use[f"S{l}"] = f"sd{l // group}"
+            src += row(f"lg{l}", f"LG{l}[vi] = DT{l}[vi] * T.rsqrt(SS{l}[vi] / {_c(d)} + {_c(eps)})")
+            order.append(f"lg{l}")
+        else:
+            src += _ss_dot_blocks(l, d, s, qw)
+            reductions += [f"ss{l}", f"dot{l}"]
+            first_use[f"S{l}"] = f"ss{l}"
+            src += row(f"lg{l}", f"LG{l}[vi] = DT{l}[vi] * T.rsqrt(SS{l}[vi] / {_c(d)} + {_c(eps)})")
+            order += [f"ss{l}", f"dot{l}", f"lg{l}"]
         if l == 0:
             src += row("m0", "M0[vi] = LG0[vi]")
             row_blocks += ["lg0", "m0"]
@@ -512,18 +583,61 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
     if L == 1:
         sources, first_use, vectors = {"S0": ["out"]}, {}, ["S0"]
     else:
-        sources = {"Q": [f"dot{l}" for l in range(L)], "W": [f"dot{l}" for l in range(L)]}
+        qw_users = sorted({b for b in reductions if not b.startswith("ss")}, key=reductions.index)
+        sources = {"Q": qw_users, "W": list(qw_users)}
         for l in range(L):
-            cons = [f"ss{l}", f"dot{l}"]
+            cons = [f"sd{l // group}"] if group is not None else [f"ss{l}", f"dot{l}"]
             cons.append(f"a{l}" if 0 < l < L - 1 else "out" if l == L - 1 else ("a1" if L > 2 else "out"))
             sources[f"S{l}"] = cons
-        first_use, vectors = {f"S{l}": f"ss{l}" for l in range(L)}, ["Q", "W"]
-    return Kernel("attn_residual", "attn_residual", src,
-                  {"d": d, "L": L, "reductions": reductions, "row_blocks": row_blocks, "accs": accs,
+        vectors = ["Q", "W"]
+    sched = (("impl", "onepass"), ("threads", threads), ("vec", vec), ("prefetch", prefetch))
+    if group is not None:
+        sched += (("group", group),)
+    cuda_src = None
+    if bodies:
+        cuda_src = src
+        for mark, (direct, let) in bodies.items():
+            src, cuda_src = src.replace(mark, direct), cuda_src.replace(mark, let)
+    return Kernel("attn_residual", "attn_residual", src, cuda_source=cuda_src,
+                  info={"d": d, "L": L, "reductions": reductions, "row_blocks": row_blocks, "accs": accs,
                    "order": order, "out": "out", "sources": sources, "first_use": first_use,
-                   "vectors": vectors, "impl": "onepass"},
-                  sched=(("impl", "onepass"), ("threads", threads), ("vec", vec), ("prefetch", prefetch)),
-                  cuda_pass_config=NO_STORAGE_REWRITE)
+                   "vectors": vectors, "impl": "onepass", "reduction_writes": red_writes,
+                   "sum_reducers": sorted(v for v in n_values if v > 1)},
+                  sched=sched, cuda_pass_config=NO_STORAGE_REWRITE)
+
+
+# sizes n of the n-value float32 sum reducers registered with TVM's schedule in this process
+_SUM_REDUCERS: set[int] = set()
+
+
+def ensure_sum_reducer(n: int) -> None:
+    """Register with TVM (s_tir.schedule.RegisterReducer) the reducer that sums n float32 values
+    elementwise, ((x_1 + y_1, ..., x_n + y_n), identity 0), once per process, so that a reduction block
+    writing n buffers (the grouped one-pass attn_residual) becomes ONE cross-thread all-reduce of n values
+    on cuda (TVM registers only one-value sums and two-value argmax / argmin). The two getter functions
+    are converted to TVM FFI functions and given one extra reference that is never released: TVM's
+    registry is a static object destroyed after the Python interpreter, and freeing a Python callback
+    then crashes the process at exit (TVM 0.27, seen here: SIGSEGV in PyGILState_Ensure)."""
+    if n < 2 or n in _SUM_REDUCERS:
+        return
+    import ctypes
+    import tvm
+    import tvm_ffi
+    import tvm_ffi.libinfo
+    from tvm import tirx
+
+    def combiner(x, y):
+        return [a + b for a, b in zip(x, y)]
+
+    def identity(values):
+        return [tirx.const(0.0, "float32") for _ in values]
+
+    fns = [tvm_ffi.convert(combiner), tvm_ffi.convert(identity)]
+    lib = ctypes.CDLL(tvm_ffi.libinfo.find_libtvm_ffi())
+    for f in fns:
+        lib.TVMFFIObjectIncRef(ctypes.c_void_p(f.__chandle__()))
+    tvm.get_global_func("s_tir.schedule.RegisterReducer")(n, *fns)
+    _SUM_REDUCERS.add(n)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -608,6 +722,8 @@ def schedule(kernel: Kernel, kind: str):
     import tvm.s_tir
     if kind not in ("llvm", "cuda"):
         raise ValueError(f"tvm schedule: kind must be 'llvm' or 'cuda', got {kind!r}")
+    for nv in kernel.info.get("sum_reducers", ()):
+        ensure_sum_reducer(nv)
     sch = tvm.s_tir.Schedule(parse(kernel, kind))
     fn = {"elementwise": _sched_elementwise, "rownorm": _sched_rows, "attn_residual": _sched_attn_residual,
           "short_conv": _sched_short_conv, "router": _sched_router}[kernel.family]
@@ -808,7 +924,8 @@ def _sched_rows_vec(sch, info):
     for name in info["reductions"]:
         b = sch.get_sblock(name)
         tile(b, reduce=True)
-        sch.set_scope(b, 0, "local")
+        for j in range(info.get("reduction_writes", {}).get(name, 1)):
+            sch.set_scope(b, j, "local")
     for name in info["row_blocks"]:
         sch.set_scope(sch.get_sblock(name), 0, "local")
     for name in accs:
