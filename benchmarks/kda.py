@@ -16,7 +16,7 @@ largest case for several segment counts and state-kernel launch settings (backen
 --intra v2,v3,v4 times each listed forward intra-chunk implementation (backends.triton.kda.INTRA_IMPL: v2 =
 _fwd_intra2_kernel + _fwd_wu_kernel, v3 = _fwd_intra3_kernel, v4 = _fwd_strip4_kernel + _fwd_solve4_kernel +
 _fwd_wu_kernel, v5 = v4 with the in-chunk cumulative gate precomputed: _chunk_cumsum_kernel + _fwd_strip5_kernel)
-against the same fla time, one row each; --intra4-sweep / --intra5-sweep likewise for v4 / v5 (INTRA4_CFG);
+against the same fla time, one row each; --intra4-sweep / --intra5-sweep likewise for v4 / v5 (INTRA4_CFG / INTRA5_CFG);
 --intra3-sweep times the v3 forward (and its intra phase) at the largest case over launch settings
 (backends.triton.kda.INTRA3_CFG: channel slice BK, value slice BV, warps, split into two launches).
 Usage: source .device/prelude.sh; python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
@@ -69,8 +69,9 @@ def main():
     ap.add_argument("--phases", action="store_true", help="per-phase times of the mtc forward")
     ap.add_argument("--sweep", action="store_true",
                     help="mtc forward at the largest case over segment counts / state-kernel settings")
-    ap.add_argument("--intra", default="v4",
-                    help="comma-separated forward intra implementations to time, e.g. v2,v4 (default v4)")
+    ap.add_argument("--intra", default="v5",
+                    help="comma-separated forward intra implementations to time, e.g. v4,v5 (default v5, "
+                         "backends.triton.kda's default)")
     ap.add_argument("--intra3-sweep", action="store_true",
                     help="v3 forward at the largest case over INTRA3_CFG launch settings")
     ap.add_argument("--intra4-sweep", action="store_true",
@@ -222,9 +223,9 @@ def phases(tk, kda_chunk, T, H, reps=5):
 
 def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
     """Forward times of intra implementation impl ("v3", "v4" or "v5") over its launch settings (INTRA3_CFG /
-    INTRA4_CFG, which v5 shares; restores them and INTRA_IMPL)."""
+    INTRA4_CFG / INTRA5_CFG; restores them and INTRA_IMPL)."""
     q, k, v, g, beta = make(T, H)
-    table = tk.INTRA3_CFG if impl == "v3" else tk.INTRA4_CFG
+    table = {"v3": tk.INTRA3_CFG, "v5": tk.INTRA5_CFG}.get(impl, tk.INTRA4_CFG)
     saved, saved_impl = dict(table), tk.INTRA_IMPL
     out = []
     if impl == "v3":
@@ -234,8 +235,14 @@ def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
                 dict(base, BK=64, BV=64, num_warps=8, split=True), dict(base, BK=16)]
     elif impl == "v5":
         base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=8)
-        cfgs = [dict(base), dict(base, nw_strip=2), dict(base, BK=32, nw_strip=2), dict(base, BK=32, nw_strip=4),
-                dict(base, nw_strip=2, ns_strip=2), dict(base, nw_cumsum=4)]
+        # (H200, H=16, T=1M, 2026-11-29: BK 32 / 4 warps 72.9 ms, BK 16 / 1 warp 80.8, BK 16 / 2 warps 77.2,
+        # BK 32 / 2 warps 78.7: more warps per strip program pay; this list goes further that way)
+        # second round (BK 64 / 4 warps 69.7 ms, BK 32 / 4 warps / 2 stages 71.1, BK 64 / 8 warps 73.2,
+        # BK 32 / 8 warps 74.9, BK 16 / 4 warps 79.1; a register cap of 128 or 8 w/u warps: no gain): now
+        # around BK 64 / 4 warps
+        cfgs = [dict(base, BK=64, nw_strip=4), dict(base, BK=64, nw_strip=4, ns_strip=2),
+                dict(base, BK=128, nw_strip=4), dict(base, BK=128, nw_strip=8), dict(base, BK=64, nw_strip=2),
+                dict(base, BK=64, nw_strip=4, nw_solve=2), dict(base, BK=64, nw_strip=4, nw_cumsum=4)]
     else:
         base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
         cfgs = [dict(base), dict(base, tiles=True), dict(base, tiles=True, maxnreg=128),

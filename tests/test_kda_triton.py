@@ -220,13 +220,14 @@ for fn in (tk._fwd_strip4_kernel, tk._fwd_tiles4_kernel):
     ck = build(fn, sig, dict(K=128, BK=cfg4["BK"], FAST=True, DT=tk.tl.bfloat16), cfg4["nw_strip"], cfg4["ns_strip"])
     assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v4 strip kernel: no tensor-core instruction"
     assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+cfg5 = tk.INTRA5_CFG
 sig5 = dict(q=P, k=P, GCS=F, FB=I, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
             H="i32", K="constexpr", BK="constexpr", DT="constexpr")
-ck = build(tk._fwd_strip5_kernel, sig5, dict(K=128, BK=cfg4["BK"], DT=tk.tl.bfloat16), cfg4["nw_strip"],
-           cfg4["ns_strip"])
+ck = build(tk._fwd_strip5_kernel, sig5, dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16), cfg5["nw_strip"],
+           cfg5["ns_strip"])
 assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v5 strip kernel: no tensor-core instruction"
 ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
-                                         FAST="constexpr"), dict(K=128, FAST=True), cfg4["nw_cumsum"], 1)
+                                         FAST="constexpr"), dict(K=128, FAST=True), cfg5["nw_cumsum"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32"), {}, cfg4["nw_solve"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared

@@ -1345,10 +1345,10 @@ def _mark(name):
 # + _fwd_solve4_kernel + _fwd_wu_kernel; "v5" = v4 with the in-chunk cumulative gate precomputed by
 # _chunk_cumsum_kernel (float32, plus the per-block bound flags) and _fwd_strip5_kernel and _fwd_wu_kernel,
 # which only load it (ptxas sm_90a, 1 warp, BK 16: 2024 SASS instructions and 130 shuffles vs strip4's 4096 and 423, 220 vs 243
-# registers; NOT yet timed on a GPU: benchmarks/kda.py --intra v4,v5 --phases decides); "v2" = _fwd_intra2_kernel + _fwd_wu_kernel; "v3" = _fwd_intra3_kernel
+# registers; launch settings INTRA5_CFG); "v2" = _fwd_intra2_kernel + _fwd_wu_kernel; "v3" = _fwd_intra3_kernel
 # (channel-sliced, w/u merged in).  All give the same results up to rounding; the benchmark's --intra flag times
-# them side by side (H200, H=16, T=1M forward: v2 106.7 ms, v3 96-127 ms by setting, v4 82.1 ms).
-INTRA_IMPL = "v4"
+# them side by side (H200, H=16, T=1M forward: v2 106.7 ms, v3 96-127 ms by setting, v4 79.8 ms, v5 69.7 ms).
+INTRA_IMPL = "v5"
 # launch configuration of _fwd_intra3_kernel: channel slice BK, value slice BV (powers of two >= 16); split =
 # two launches (the Akk side with T, WK, KD, U, then the P side with AQK, QG, GAM) instead of one; maxnreg =
 # a register cap per thread for ptxas (None: none; ptxas -v for sm_90a at the defaults: 255 registers, 0-20 B
@@ -1359,7 +1359,15 @@ INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False, maxnreg=
 # (tiles: _fwd_tiles4_kernel in place of _fwd_strip4_kernel; maxnreg: register cap of that kernel)
 # (defaults: the best of benchmarks/kda.py --intra4-sweep on the H200, 2026-11-29: intra+solve 42.4 ms at
 # H=16, T=1M against 49.4 at BK=32 / 2 warps and 67.1 for v2's intra kernel)
-INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=8)
+INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
+# launch configuration of the v5 kernels (same keys, tiles unused, plus the warps of _chunk_cumsum_kernel).
+# Defaults: the best of benchmarks/kda.py --intra5-sweep on the H200 (2026-11-29, H=16, T=1M forward):
+# BK 64 / 4 warps 69.7 ms (strip 22.2 ms) against BK 32 / 4 warps 72.9, BK 16 / 1 warp 80.8 (strip 33.7)
+# and v4 at its best setting 79.8 (strip 35.5): with the gate's cumulative sum precomputed the strip
+# kernel is no longer register-bound, so wider channel slices and more warps pay
+# (second sweep: BK 128 / 8 warps 68.5, BK 64 / 4 warps 69.2, 2 stages 71.6; the cumsum kernel with 4
+# warps instead of 8: 4.85 ms instead of 5.64, in both sweeps)
+INTRA5_CFG = dict(BK=64, nw_strip=4, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4)
 
 
 def _maxnreg(n):
@@ -1394,7 +1402,7 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
         _mark("intra")
         _mark("w/u")
     elif NC and INTRA_IMPL in ("v4", "v5"):
-        cfg = INTRA4_CFG
+        cfg = INTRA5_CFG if INTRA_IMPL == "v5" else INTRA4_CFG
         NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         if INTRA_IMPL == "v5":
             GCS = torch.empty(N, H, K, dtype=torch.float32, device=dev)
