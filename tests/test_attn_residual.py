@@ -494,3 +494,20 @@ def test_gpu_two_phase_bf16(acc_dtype, mix, monkeypatch):
         assert out.dtype == torch.bfloat16
         want = _naive(queries[k], bank + [partial], ws[k], EPS, ow)
         assert _rel(out, want) < (2 if acc_dtype == torch.bfloat16 else 1) * _tol(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_forward_does_not_synchronise():
+    # the source-offset table reaches the GPU through pinned memory (guard.device_table): no stream
+    # synchronisation per call, so the CPU can queue the following kernels while this one runs
+    n, d, L = 4096 + 5, 7168, 5
+    query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
+    T.attn_residual(query, sources, w)                              # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = T.attn_residual(query, sources, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    rows = torch.arange(n, device="cuda")
+    assert _rel(y, _naive_rows(query, sources, w, None, rows)) < _tol(torch.bfloat16)

@@ -47,6 +47,8 @@ import triton.language as tl
 
 import importlib
 
+from .guard import device_table
+
 # the module itself (backends.reference re-exports a function of the same name)
 _ref = importlib.import_module("backends.reference.attn_residual")
 
@@ -492,7 +494,7 @@ def _offset_table(tensors: Sequence[torch.Tensor], where: str):
     for i, p in enumerate(ptrs):
         if (p - ptrs[0]) % es:
             raise ValueError(f"{where}: source {i} is not element-aligned relative to source 0")
-    offs = torch.tensor([(p - ptrs[0]) // es for p in ptrs], dtype=torch.int64, device=base.device)
+    offs = device_table([(p - ptrs[0]) // es for p in ptrs], torch.int64, base.device)
     vec = 16 // es if all(p % 16 == 0 for p in ptrs) else 1
     return base, offs, vec
 

@@ -1,4 +1,4 @@
-"""Checks shared by the Triton entry points."""
+"""Checks and host-side helpers shared by the Triton entry points."""
 from __future__ import annotations
 
 import os
@@ -28,3 +28,22 @@ def check_interpreter_dot_dtype(where: str, **tensors) -> None:
         raise TypeError(f"{where}: {', '.join(bad)} in bfloat16 under TRITON_INTERPRET=1: triton's CPU interpreter "
                         f"computes bfloat16 tl.dot wrongly (silent garbage); use float32 or float16 on the CPU "
                         f"(bfloat16 runs on a GPU), or the reference backend")
+
+
+def device_table(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host-built table (list / numpy array of ints) as a tensor on ``device``, WITHOUT a device
+    synchronisation on CUDA.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and then synchronises the stream,
+    so the CPU waits for all queued GPU work before every call (no launching ahead; a GPU bubble per
+    call). Here the table goes through pinned memory with ``non_blocking=True``: the copy is queued on the
+    current stream and torch's caching host allocator keeps the pinned block until the copy has run. If
+    pinned memory cannot be had (RuntimeError), the synchronising copy is used. On other devices: a plain
+    copy."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        try:
+            return t.pin_memory().to(device, non_blocking=True)
+        except RuntimeError:
+            pass
+    return t.to(device)

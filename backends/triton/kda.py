@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import check_interpreter_dot_dtype
+from .guard import check_interpreter_dot_dtype, device_table
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -1284,16 +1284,14 @@ def _tables(B, T, cu_seqlens, seg_chunks, device):
     cst = np.concatenate(cst) if nc else np.zeros(0, np.int64)
     cln = np.concatenate(cln) if nc else np.zeros(0, np.int64)
 
-    def dev(x):
-        return torch.as_tensor(np.asarray(x, dtype=np.int32), device=device)
+    def dev(x, dt=np.int32):              # host table -> device, without a stream synchronisation
+        return device_table(np.asarray(x, dtype=dt), torch.int32 if dt == np.int32 else torch.int64, device)
 
     sq0a, sq1a = np.asarray(sq0), np.asarray(sq1)
     return dict(cstart=dev(cst), clen=dev(cln), seg_c0=dev(seg0), seg_c1=dev(seg1), seg_t0=dev(st0),
-                seg_t1=dev(st1),
-                seg_seq=torch.as_tensor(np.asarray(segseq, np.int64), device=device),
+                seg_t1=dev(st1), seg_seq=dev(segseq, np.int64),
                 seq_s0=dev(sq0), seq_s1=dev(sq1), n_chunks=nc, n_seg=len(seg0), n_seq=len(bounds),
-                first_seg=torch.as_tensor(sq0a.astype(np.int64), device=device),
-                last_seg=torch.as_tensor((sq1a - 1).astype(np.int64), device=device),
+                first_seg=dev(sq0a, np.int64), last_seg=dev(sq1a - 1, np.int64),
                 segmented=bool((sq1a - sq0a > 1).any()))
 
 

@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from backends.reference import moe as _ref
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
-from .guard import check_interpreter_dot_dtype
+from .guard import check_interpreter_dot_dtype, device_table
 
 __all__ = [
     "qb_route",
@@ -126,7 +126,7 @@ def _router_logits(x, weight):
     if n == 0:
         return logits
     cfg = _cfg("router", x)
-    offs = torch.tensor([0, n], dtype=torch.int64, device=x.device)
+    offs = device_table([0, n], torch.int64, x.device)
     m_tiles = _cdiv(n, cfg["BM"])
     sched = (torch.zeros(m_tiles, dtype=torch.int64, device=x.device),
              torch.zeros(1, dtype=torch.int64, device=x.device), m_tiles)
