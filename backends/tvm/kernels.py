@@ -820,7 +820,8 @@ def _sched_rows(sch, info, kind):
         for name in reversed(producers):
             sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
         for name in producers:
-            sch.set_scope(sch.get_sblock(name), 0, "local")
+            for j in range(info.get("reduction_writes", {}).get(name, 1)):    # every sum of a grouped block
+                sch.set_scope(sch.get_sblock(name), j, "local")
         return
     d = info["d"]
     if info.get("vec", 1) > 1 and d % (info.get("threads", CUDA_THREADS) * info["vec"]) == 0:
