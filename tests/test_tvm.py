@@ -418,3 +418,28 @@ def test_sum_reducer_registration_exits_cleanly(tmp_path):
                        cwd=str(Path(__file__).resolve().parents[1]))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-1] == "6"           # ceil(5 / 2) = 3 all-reduces, 2 barriers each
+
+
+def test_attn_residual_min_blocks_launch_bounds():
+    """min_blocks reaches the CUDA source as __launch_bounds__(threads, min_blocks) (cuda text only; the llvm
+    text and results are unchanged); bad values are clear errors."""
+    k = V.kernel_for("attn_residual", d=1024, L=5, dtype="bfloat16", min_blocks=1)
+    assert dict(k.sched)["min_blocks"] == 1 and dict(k.sched)["impl"] == "onepass"
+    assert "launch_bounds_min_blocks_per_sm" in k.text("cuda") and "launch_bounds" not in k.text("llvm")
+    ex, _ = B.compile_kernel(k, "cuda")
+    assert "__launch_bounds__(64, 1)" in ex.mod.imports[0].inspect_source()       # 1024 / (2 * 8) threads
+    plain = V.kernel_for("attn_residual", d=1024, L=5, dtype="bfloat16")
+    ex, _ = B.compile_kernel(plain, "cuda")
+    assert "__launch_bounds__(64)" in ex.mod.imports[0].inspect_source()
+    q, w = torch.randn(1024), torch.randn(1024)
+    srcs = [torch.randn(9, 1024) for _ in range(5)]
+    k32 = V.kernel_for("attn_residual", d=1024, L=5, eps=1e-6, min_blocks=1)
+    y = torch.empty(9, 1024)
+    B.get_function(k32, "llvm")(q, w, *srcs, y)
+    assert rel_rms(y, naive_attn_residual(q, srcs, w, 1e-6)) < 1e-5
+    with pytest.raises(ValueError, match="min_blocks must be >= 1"):
+        V.kernel_for("attn_residual", d=1024, L=5, min_blocks=0)
+    with pytest.raises(ValueError, match="twopass"):
+        V.kernel_for("attn_residual", d=1024, L=5, impl="twopass", min_blocks=1)
+    with pytest.raises(ValueError, match="min_blocks"):
+        V.kernel_for("rmsnorm", d=1024, min_blocks=1)

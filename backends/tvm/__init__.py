@@ -146,7 +146,7 @@ def kernel_for(op: str, **a) -> _K.Kernel:
     layout / schedule attributes vec, threads, unroll: see kernels.elementwise_source); attn_residual: d, L, eps, dtype,
     q_dtype, w_dtype and impl (default: "onepass", the online-softmax kernel with grouped all-reduces and
     the schedule of kernels.onepass_defaults; "onepass" with the schedule attributes threads, vec,
-    prefetch, group; "twopass": the b963733 kernel; see kernels.attn_residual_source); rmsnorm / l2norm also take the cuda schedule attributes threads,
+    prefetch, group, min_blocks; "twopass": the b963733 kernel; see kernels.attn_residual_source); rmsnorm / l2norm also take the cuda schedule attributes threads,
     vec, rows; short_conv: C, W, dtype, w_dtype (and vec, threads, tile_t); router_scores: d, E, dtype, w_dtype. Dtypes are
     "float32" / "float16" / "bfloat16" (default float32; out_dtype defaults to dtype).
     Raises ValueError for an unknown op or attribute, TypeError for an unsupported dtype."""
@@ -161,12 +161,12 @@ def kernel_for(op: str, **a) -> _K.Kernel:
         k = _K.elementwise_source(op, (dt, a.pop("b_dtype", dt)), a.pop("out_dtype", dt),
                                   beta_gate=a.pop("beta_gate", 4.0), beta_up=a.pop("beta_up", 25.0), **ew)
     elif op in ("rmsnorm", "l2norm", "attn_residual"):
-        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows", "vec", "prefetch", "group") if k_ in a}
+        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows", "vec", "prefetch", "group", "min_blocks") if k_ in a}
         if "impl" in a:
             if op != "attn_residual":
                 raise ValueError(f"tvm backend: {op} takes no 'impl' attribute")
             rs["impl"] = str(a.pop("impl"))
-        for only in ("prefetch", "group"):
+        for only in ("prefetch", "group", "min_blocks"):
             if op != "attn_residual" and only in rs:
                 raise ValueError(f"tvm backend: {op} takes no {only!r} attribute")
         if op == "attn_residual" and "rows" in rs:

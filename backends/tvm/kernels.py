@@ -305,13 +305,14 @@ NO_STORAGE_REWRITE = (("tirx.disable_storage_rewrite", True),)
 
 def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
                          impl: str | None = None, threads: int | None = None, vec: int | None = None,
-                         prefetch: int | None = None, group: int | None = None) -> Kernel:
+                         prefetch: int | None = None, group: int | None = None,
+                         min_blocks: int | None = None) -> Kernel:
     """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual): the kernel of implementation ``impl``.
 
     impl = None (default): "onepass" with the schedule of onepass_defaults(d, L, src_dtype) for every
     attribute not given (grouped all-reduces; measured on the H200, benchmarks/results/tvm.md).
     impl = "onepass": the one-pass online-softmax kernel (_attn_residual_onepass_source; schedule
-    attributes threads, vec, prefetch, group; unset ones keep that function's own defaults: 2 sources
+    attributes threads, vec, prefetch, group, min_blocks; unset ones keep that function's own defaults: 2 sources
     prefetched, one all-reduce per sum, d / vec threads). Its first cuda builds gave nan / inf on the
     H200 (a shared-memory race of the build, fixed by building with StorageRewrite off:
     NO_STORAGE_REWRITE, where the race is explained); measured correct on the H200 since.
@@ -327,15 +328,16 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
         prefetch = dflt["prefetch"] if prefetch is None else prefetch
         impl = "onepass"
     if impl == "twopass":
-        given = [n for n, v in (("threads", threads), ("vec", vec), ("prefetch", prefetch), ("group", group))
-                 if v is not None]
+        given = [n for n, v in (("threads", threads), ("vec", vec), ("prefetch", prefetch), ("group", group),
+                                ("min_blocks", min_blocks)) if v is not None]
         if given:
             raise ValueError(f"attn_residual: impl 'twopass' takes no schedule attribute(s) {', '.join(given)} "
                              f"(they belong to impl='onepass')")
         return _attn_residual_twopass_source(d, L, src_dtype, q_dtype, w_dtype, eps)
     if impl == "onepass":
         return _attn_residual_onepass_source(d, L, src_dtype, q_dtype, w_dtype, eps, threads=threads, vec=vec,
-                                             prefetch=2 if prefetch is None else prefetch, group=group)
+                                             prefetch=2 if prefetch is None else prefetch, group=group,
+                                             min_blocks=min_blocks)
     raise ValueError(f"attn_residual: unknown impl {impl!r}; one of {ATTN_RESIDUAL_IMPLS}")
 
 
@@ -458,7 +460,7 @@ def _ss_dot_blocks(l: int, d: int, s: str, qw: str) -> str:
 
 def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
                                   threads: int | None = None, vec: int | None = None, prefetch: int = 2,
-                                  group: int | None = None) -> Kernel:
+                                  group: int | None = None, min_blocks: int | None = None) -> Kernel:
     """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), per token row i:
 
         ss_l = sum_d s_l[i]^2,  dot_l = sum_d query * rms_weight * s_l[i]
@@ -484,7 +486,11 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
     2L barrier pairs per row; G >= 1 = the 2G sums of G consecutive sources in ONE all-reduce (one
     multi-value reduction block per group, reduced with a registered 2G-value sum reducer:
     ensure_sum_reducer), i.e. ceil(L / G) barrier pairs per row; prefetch then counts groups.
-    Raises ValueError for group < 1."""
+    min_blocks: None, or the minimum resident blocks per multiprocessor promised to the CUDA compiler
+    (``__launch_bounds__(threads, min_blocks)``, through TVM's tirx.launch_bounds_min_blocks_per_sm
+    attribute; cuda text only, L >= 2). nvcc 13 for sm_90 at d = 7168, L = 25, 448 threads, G 3 / P 1:
+    128 registers and 46 bytes of spill stores without it, 128 registers and no spills with 1.
+    Raises ValueError for group < 1 or min_blocks < 1."""
     src = _attn_residual_head(d, L, src_dtype, q_dtype, w_dtype)
     if L > 1:
         for l in range(L):
@@ -504,6 +510,8 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
 
     if group is not None and group < 1:
         raise ValueError(f"attn_residual: group must be >= 1 (sources per all-reduce), got {group}")
+    if min_blocks is not None and min_blocks < 1:
+        raise ValueError(f"attn_residual: min_blocks must be >= 1 (blocks per multiprocessor), got {min_blocks}")
     qw = f"{_f32('Q[vk]', q_dtype)} * {_f32('W[vk]', w_dtype)}"
     reductions, row_blocks, accs, order = [], [], [], []
     red_writes, first_use, n_values, bodies = {}, {}, set(), {}
@@ -548,7 +556,7 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
             src += row(f"lg{l}", f"LG{l}[vi] = DT{l}[vi] * T.rsqrt(SS{l}[vi] / {_c(d)} + {_c(eps)})")
             order += [f"ss{l}", f"dot{l}", f"lg{l}"]
         if l == 0:
-            src += row("m0", "M0[vi] = LG0[vi]")
+            src += row("m0", "#@m0@")
             row_blocks += ["lg0", "m0"]
             order.append("m0")
             continue
@@ -593,11 +601,19 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
     sched = (("impl", "onepass"), ("threads", threads), ("vec", vec), ("prefetch", prefetch))
     if group is not None:
         sched += (("group", group),)
-    cuda_src = None
-    if bodies:
-        cuda_src = src
-        for mark, (direct, let) in bodies.items():
-            src, cuda_src = src.replace(mark, direct), cuda_src.replace(mark, let)
+    if min_blocks is not None:
+        sched += (("min_blocks", min_blocks),)
+    m0 = "M0[vi] = LG0[vi]"
+    # the launch-bounds attribute: an AttrStmt inside the kernel (any block under the row loop; here the
+    # one-line block m0), which TVM's LaunchBoundsAttrExtractor turns into __launch_bounds__(t, min_blocks)
+    bodies["#@m0@"] = (m0, m0 if min_blocks is None else
+                       f'with T.attr(T.int32(0), "tirx.launch_bounds_min_blocks_per_sm", {int(min_blocks)}):\n'
+                       f"                {m0}")
+    cuda_src = src
+    for mark, (direct, let) in bodies.items():
+        src, cuda_src = src.replace(mark, direct), cuda_src.replace(mark, let)
+    if cuda_src == src:
+        cuda_src = None
     return Kernel("attn_residual", "attn_residual", src, cuda_source=cuda_src,
                   info={"d": d, "L": L, "reductions": reductions, "row_blocks": row_blocks, "accs": accs,
                    "order": order, "out": "out", "sources": sources, "first_use": first_use,
