@@ -439,6 +439,8 @@ def test_attn_residual_min_blocks_launch_bounds():
     assert rel_rms(y, naive_attn_residual(q, srcs, w, 1e-6)) < 1e-5
     with pytest.raises(ValueError, match="min_blocks must be >= 1"):
         V.kernel_for("attn_residual", d=1024, L=5, min_blocks=0)
+    with pytest.raises(ValueError, match="L >= 2"):
+        V.kernel_for("attn_residual", d=1024, L=1, min_blocks=1)
     with pytest.raises(ValueError, match="twopass"):
         V.kernel_for("attn_residual", d=1024, L=5, impl="twopass", min_blocks=1)
     with pytest.raises(ValueError, match="min_blocks"):

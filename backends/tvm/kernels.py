@@ -512,6 +512,8 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
         raise ValueError(f"attn_residual: group must be >= 1 (sources per all-reduce), got {group}")
     if min_blocks is not None and min_blocks < 1:
         raise ValueError(f"attn_residual: min_blocks must be >= 1 (blocks per multiprocessor), got {min_blocks}")
+    if min_blocks is not None and L == 1:
+        raise ValueError("attn_residual: min_blocks applies to L >= 2 (with one source the kernel is a copy)")
     qw = f"{_f32('Q[vk]', q_dtype)} * {_f32('W[vk]', w_dtype)}"
     reductions, row_blocks, accs, order = [], [], [], []
     red_writes, first_use, n_values, bodies = {}, {}, set(), {}
