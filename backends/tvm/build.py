@@ -115,7 +115,7 @@ def shared_write_hazards(src: str) -> list[str]:
     """Lines of generated CUDA that assign to a ``__shared__`` buffer outside an ``if (...)`` guard.
 
     TVM's all-reduce writes its shared words only under ``if (threadIdx.x == 0)`` (or a per-warp
-    guard); an unguarded write is every thread of the block storing to one shared word with no barrier,
+    guard), or each thread its own word (``red_buf[threadIdx.x] = ...``); an unguarded write is every thread of the block storing to one shared word with no barrier,
     the race that made the one-pass attn_residual kernel return nan / inf on the H200 (see
     kernels.NO_STORAGE_REWRITE). A lint on the text, not a proof: an empty list means this pattern is
     absent."""
@@ -125,7 +125,8 @@ def shared_write_hazards(src: str) -> list[str]:
     for ln in src.splitlines():
         st = ln.strip()
         m = re.match(r"\s*(?:\(\(volatile \w+\*\))?(\w+)\)?\[[^\]]*\]\s*=[^=]", ln)
-        if m and m.group(1) in shared and not (any(braces) or prev.startswith("if (")):
+        per_thread = "threadIdx" in ln.split("=")[0]      # red_buf[threadIdx.x] = ...: a slot per thread
+        if m and m.group(1) in shared and not (any(braces) or prev.startswith("if (") or per_thread):
             out.append(st)
         for ch in st:                       # a multi-value all-reduce writes several words in one if block
             if ch == "{":

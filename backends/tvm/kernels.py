@@ -868,7 +868,8 @@ def _sched_rows(sch, info, kind):
         b = sch.get_sblock(name)
         _, rt = sch.split(sch.get_loops(b)[-1], [None, tx])
         sch.bind(rt, "threadIdx.x")
-        sch.set_scope(b, 0, "local")           # all-reduce result lands in every thread's registers
+        for j in range(info.get("reduction_writes", {}).get(name, 1)):
+            sch.set_scope(b, j, "local")       # all-reduce result lands in every thread's registers
     for name in info["row_blocks"]:            # a few float32 per row: every thread computes them
         sch.set_scope(sch.get_sblock(name), 0, "local")
     for name in accs:                          # the row accumulator: d / tx float32 per thread, same
