@@ -17,11 +17,13 @@ backends/runtime.py's reference table); ``tvmscript(op, **attrs)`` prints a kern
 ``mtc ir --stage tvm``.
 
 The kernels are forward only: when autograd needs a gradient through an op (grad mode on and an input
-requiring grad) the op_table entries run the reference op instead, which gives the same values.
+requiring grad) every public op here, and the op_table entries, run the reference op instead (same
+values, with its gradient), so a gradient is never dropped silently.
 TVM (``pip install -e ".[tvm]"``) is imported lazily, on the first kernel call.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -207,6 +209,30 @@ def tvmscript(op_name: str, *, scheduled: str | None = None, **shape_attrs) -> s
 # the ops
 # ----------------------------------------------------------------------------------------------------
 
+def _reference_router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x.float() @ weight.float().t())
+
+
+def _grad_via_reference(name: str):
+    """Decorator for the public ops: when autograd needs a gradient through the call (grad mode on and a
+    tensor argument, or a tensor in a list argument, requiring grad), run backends.reference's op of the
+    same name and signature instead (the TVM kernels have no backward)."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            flat = []
+            for a in list(args) + list(kwargs.values()):
+                flat.extend(a if isinstance(a, (list, tuple)) else [a])
+            if _needs_grad(flat):
+                if name == "router_scores":
+                    return _reference_router_scores(*args, **kwargs)
+                from backends import reference as R
+                return getattr(R, name)(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return wrapper
+    return deco
+
+@_grad_via_reference("rmsnorm")
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim: y = x * rsqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019,
     eq. 4), float32 math. x [..., d]; weight [d]. Returns [..., d] in x's dtype.
@@ -225,6 +251,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torc
     return y
 
 
+@_grad_via_reference("l2norm")
 def l2norm(x: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """y = x * rsqrt(sum(x^2, -1) + eps) over the last dim (KDA's q/k normalisation), float32 math.
     x [..., d] -> [..., d] in x's dtype. Raises ValueError (eps <= 0 / 0-dim x), TypeError (dtype)."""
@@ -270,11 +297,13 @@ def _unary(op: str, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@_grad_via_reference("silu")
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x) (Elfwing et al. 2018), float32 math; any shape, result in x's dtype."""
     return _unary("silu", x)
 
 
+@_grad_via_reference("sigmoid")
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)), float32 math; any shape, result in x's dtype."""
     return _unary("sigmoid", x)
@@ -297,16 +326,19 @@ def _binary(op: str, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | 
     return y
 
 
+@_grad_via_reference("add")
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a + b (broadcast), float32 math, result in a's dtype."""
     return _binary("add", a, b)
 
 
+@_grad_via_reference("mul")
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a * b (broadcast), float32 math, result in a's dtype."""
     return _binary("mul", a, b)
 
 
+@_grad_via_reference("situ_glu")
 def situ_glu(a: torch.Tensor, b: torch.Tensor, *, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
     """SiTU-GLU (spec/OPS.md situ_glu): h = (bg * tanh(a / bg) * sigmoid(a)) * (bu * tanh(b / bu)).
 
@@ -321,6 +353,7 @@ def situ_glu(a: torch.Tensor, b: torch.Tensor, *, beta_gate: float = 4.0, beta_u
                    beta_gate=float(beta_gate), beta_up=float(beta_up))
 
 
+@_grad_via_reference("attn_residual")
 def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weight: torch.Tensor, *,
                   eps: float = 1e-6, output_rms_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Block Attention Residuals (arXiv 2603.15031; spec/OPS.md attn_residual).
@@ -348,6 +381,7 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     return y
 
 
+@_grad_via_reference("short_conv")
 def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
                output_final_state: bool = False):
     """Causal depthwise convolution over time: y[b,t,c] = sum_j w[c, j] * x[b, t - W + 1 + j, c].
@@ -383,6 +417,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     return y, final
 
 
+@_grad_via_reference("router_scores")
 def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """scores = sigmoid(x @ weight^T) in float32 (spec/OPS.md qb_route). x [N, d]; weight [E, d];
     returns [N, E] float32. Raises ValueError on a shape mismatch, TypeError on unsupported dtypes."""
@@ -398,6 +433,7 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return s
 
 
+@_grad_via_reference("qb_route")
 def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     """The sigmoid router (spec/OPS.md qb_route) with the scores from the TVM kernel and the selection of
     the reference backend: returns (topk_idx [N, k] int64, topk_weight [N, k] float32, scores [N, E]
