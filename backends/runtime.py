@@ -532,7 +532,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         passes / print_after / dump_ir: see passes.PassManager.
         emit_dir: (triton) write the generated kernels there instead of the cache directory.
     Raises:
-        MtcError: an unknown target or device, bfloat16 under the Triton interpreter, target "tvm" without
+        MtcError: an unknown target or device, a dtype other than float32 / float16 / bfloat16 for
+            "triton" / "tvm", bfloat16 under the Triton interpreter, target "tvm" without
             TVM installed, or a graph that fails verification.
     """
     from passes import PIPELINES, PassManager
@@ -558,6 +559,9 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if target in ("triton", "tvm") and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise MtcError(f"target '{target}' on the CPU runs its Triton kernels under the interpreter: set "
                        f"TRITON_INTERPRET=1 before triton is imported (mtc run does this itself)")
+    if target in ("triton", "tvm") and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise MtcError(f"target '{target}': the kernels take float32, float16 or bfloat16, got "
+                       f"{str(dtype).replace('torch.', '')}; use target='reference' for it")
     if dev.type != "meta":
         _check_interpreter_dtype(target, dtype)
     if target == "tvm":

@@ -69,7 +69,14 @@ class MtcError(Exception):
 
 
 def did_you_mean(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1)
+    """' (did you mean 'x'?)' for the closest of ``choices`` (an exact match ignoring case and surrounding
+    blanks first: 'TVM' -> 'tvm'), or ''."""
+    choices = list(choices)
+    folded = {str(c).strip().lower(): c for c in choices}
+    key = str(name).strip().lower()
+    if key in folded and folded[key] != name:
+        return f" (did you mean '{folded[key]}'?)"
+    close = difflib.get_close_matches(name, choices, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

@@ -118,6 +118,11 @@ def test_bad_inputs_are_clear_errors(tiny):
         tiny(torch.tensor([[1, 300]]))
     with pytest.raises(dsl.MtcError, match="unknown target"):
         dsl.compile(dsl.load(K3, "tiny"), target="cuda")
+    with pytest.raises(dsl.MtcError, match="did you mean 'tvm'"):
+        dsl.compile(dsl.load(K3, "tiny"), target="TVM")
+    for target in ("triton", "tvm"):             # no float64 kernels: refused at compile, not at the forward
+        with pytest.raises(dsl.MtcError, match="float32, float16 or bfloat16, got float64"):
+            dsl.compile(dsl.load(K3, "tiny"), target=target, dtype="f64")
 
 
 def test_cli_main_job_runs(tmp_path):
