@@ -481,3 +481,21 @@ def test_public_ops_keep_gradients():
     assert rel_rms(gs, torch.autograd.grad(torch.sigmoid(x @ wr.t()).sum(), [x])[0]) < 1e-6
     with torch.no_grad():
         assert not V.attn_residual(q, srcs, w).requires_grad
+
+
+def test_damaged_cache_file_is_rebuilt(tmp_path, monkeypatch, capsys):
+    """A cached library that does not load (truncated on disk) is rebuilt once, with the build notice on
+    stderr; the result is right."""
+    monkeypatch.setenv("MTC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MTC_QUIET", raising=False)
+    B.clear_memo()
+    k = V.kernel_for("rmsnorm", d=96, eps=1e-6)
+    path = B.build(k, "llvm")
+    assert "built TVM kernel rmsnorm for llvm (d=96" in capsys.readouterr().err
+    path.write_bytes(path.read_bytes()[:100])
+    B.clear_memo()
+    x, w = torch.randn(7, 96), torch.randn(96)
+    y = V.rmsnorm(x, w, eps=1e-6)
+    assert "built TVM kernel rmsnorm" in capsys.readouterr().err          # rebuilt
+    assert rel_rms(y, R.rmsnorm(x, w, eps=1e-6)) < 1e-5
+    B.clear_memo()

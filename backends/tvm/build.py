@@ -16,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .kernels import SCHEDULE_VERSION, Kernel, schedule
@@ -89,6 +91,7 @@ def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
     path = library_path(kernel, kind)
     if path.exists() and not force:
         return path
+    t0 = time.perf_counter()
     ex, mod = compile_kernel(kernel, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.parent / f"{kernel.name}.tvmscript.py").write_text(kernel.text(kind))
@@ -103,6 +106,12 @@ def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    if not os.environ.get("MTC_QUIET"):
+        shape = [(k, kernel.info[k]) for k in ("d", "L", "C", "W", "E") if isinstance(kernel.info.get(k), int)]
+        attrs = ", ".join(f"{k}={v}" for k, v in shape + [kv for kv in kernel.sched if kv[1] is not None])
+        print(f"mtc: built TVM kernel {kernel.name} for {kind}{f' ({attrs})' if attrs else ''} in "
+              f"{time.perf_counter() - t0:.1f} s -> {path.parent} (cached; MTC_QUIET=1 hides this)",
+              file=sys.stderr, flush=True)
     return path
 
 
@@ -159,7 +168,9 @@ def get_function(kernel: Kernel, kind: str):
     """The callable for ``kernel`` on ``kind`` (in-process memo -> disk cache -> compile).
 
     Call it with torch tensors (passed through DLPack, no copy): inputs then outputs, in the order of the
-    kernel's parameters. Raises ValueError for an unknown kind; TVM errors propagate."""
+    kernel's parameters. A cached library that does not load (damaged on disk) is rebuilt once.
+    Raises ValueError for an unknown kind, RuntimeError when even the rebuilt library does not load;
+    TVM build errors propagate."""
     key = cache_key(kernel, kind) + kind
     fn = _LOADED.get(key)
     if fn is not None:
@@ -167,7 +178,19 @@ def get_function(kernel: Kernel, kind: str):
     with _LOCK:
         fn = _LOADED.get(key)
         if fn is None:
-            fn = _LOADED[key] = load(build(kernel, kind), kernel.name)
+            path = build(kernel, kind)
+            try:
+                fn = load(path, kernel.name)
+            except Exception as first:        # a damaged cache file (truncated, foreign): rebuild it once
+                path = build(kernel, kind, force=True)
+                try:
+                    fn = load(path, kernel.name)
+                except Exception as again:
+                    raise RuntimeError(f"tvm backend: the built library {path} does not load even after a "
+                                       f"rebuild ({' '.join(str(again).split())[-300:]}); delete "
+                                       f"{path.parent} and retry (first error: "
+                                       f"{' '.join(str(first).split())[-200:]})") from None
+            _LOADED[key] = fn
     return fn
 
 
