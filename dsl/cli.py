@@ -422,7 +422,7 @@ def cmd_run(args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels on the CPU: the interpreter
         # the interpreter evaluates masked-off lanes too (exp of padding); those results are discarded
         warnings.filterwarnings("ignore", category=RuntimeWarning)
-    c = Console(stderr=False)
+    c = Console(stderr=False, soft_wrap=True)    # piped output: whole lines, not wrapped at 80 columns
     spec = args.spec or str(DEFAULT_SPEC)
     variant = args.variant if (args.variant or args.spec) else "tiny"
     text_path = Path(args.input) if args.input else DEFAULT_TEXT
@@ -469,14 +469,30 @@ def cmd_run(args) -> int:
     total_loss, total_tok = 0.0, 0
     loads: dict[str, torch.Tensor] = {}
     t1 = time.perf_counter()
+    # on a terminal: live bars (windows, and the ops of the current window); otherwise (piped, CI logs)
+    # a plain line on stderr at most every 10 s, so a long run is never silent
+    plain = not c.is_terminal
+    last_note = [time.perf_counter()]
+
+    def note(done):
+        now = time.perf_counter()
+        if plain and (now - last_note[0] >= 10 or done == n):
+            last_note[0] = now
+            print(f"mtc run: {done}/{n} windows, {now - t1:.0f} s", file=sys.stderr, flush=True)
+
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total} windows"), TimeElapsedColumn(), console=c,
-                  transient=True) as prog:
-        task = prog.add_task("forward", total=n)
-        ops_task = prog.add_task("  ops of this window", total=1)
+                  TextColumn("{task.completed}/{task.total} {task.fields[unit]}"), TimeElapsedColumn(),
+                  console=c, transient=True, disable=plain) as prog:
+        task = prog.add_task("forward", total=n, unit="windows")
+        ops_task = prog.add_task("  ops of this window", total=1, unit="ops")
+        done_windows = [0]
 
         def op_progress(i, total):
             prog.update(ops_task, completed=i + 1, total=total)
+            if plain and time.perf_counter() - last_note[0] >= 10:
+                last_note[0] = time.perf_counter()
+                print(f"mtc run: window {done_windows[0] + 1}/{n}, op {i + 1}/{total}, "
+                      f"{last_note[0] - t1:.0f} s", file=sys.stderr, flush=True)
 
         with torch.no_grad(), warnings.catch_warnings():
             from .errors import MtcWarning          # the runtime's own past-max_seq_len warning: said above
@@ -493,6 +509,8 @@ def cmd_run(args) -> int:
                 for k, v in m.routing_stats.items():
                     loads[k] = loads.get(k, 0) + v.cpu()
                 prog.update(task, advance=len(rows))
+                done_windows[0] += len(rows)
+                note(done_windows[0])
     dt = time.perf_counter() - t1
     nll = total_loss / total_tok
     c.print(f"loss {nll:.4f} nats/token ({nll / 0.6931471805599453:.3f} bits/byte), perplexity "
