@@ -86,7 +86,10 @@ def model_tvmscript(g, scheduled: str | None = None) -> str:
             seen[key] = []
             order.append((key, n.op, a))
         seen[key].append(n.name)
-    out = [f"# {len(order)} distinct TVM kernels for {g.name} (target llvm / cuda sm_90)"]
+    which = ("unscheduled TVMScript (the same for llvm and cuda sm_90; mtc ir --stage tvm --tvm-schedule "
+             "llvm|cuda shows a target's schedule)" if scheduled is None
+             else f"TVMScript after the {scheduled} schedule")
+    out = [f"# {len(order)} distinct TVM kernels for {g.name}: {which}"]
     for key, op, a in order:
         users = seen[key]
         out.append(f"\n# ---- {op} {a}: used by {len(users)} node(s): "
