@@ -262,10 +262,12 @@ class CompiledModule(nn.Module):
     # -- IR access ----------------------------------------------------------------------------
     def ir(self, stage: str = "canonical") -> str:
         """The printed IR of one stage ("graph", "typed", "canonical", "fused", "lowered"), or "tvm": the
-        TVMScript of the TVM kernels the model needs (as ``mtc ir --stage tvm``; unscheduled source)."""
+        TVMScript of the TVM kernels the model needs in the module's dtype (as ``mtc ir --stage tvm``;
+        unscheduled source)."""
         if stage == "tvm" and "canonical" in self.stages:
             from backends.tvm import model_tvmscript
-            return model_tvmscript(self.stages["canonical"])
+            dt = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(self.dtype)
+            return model_tvmscript(self.stages["canonical"], dtype=dt)
         if stage == "lowered" and stage not in self.stages and "fused" in self.stages:
             from passes.lower import lower      # the reference target keeps no kernel IR: lower on demand
             self.stages["lowered"] = lower(self.stages["fused"], self.target if self.target != "reference"

@@ -201,6 +201,9 @@ def test_target_tvm_without_tvm_is_a_clear_error(monkeypatch):
 def test_tvm_ir_stage_and_unknown_stage(tiny):
     text = tiny.ir("tvm")
     assert text.startswith("# ") and "@T.prim_func" in text and "def rmsnorm" in text
+    assert "'dtype': 'float32'" in text and "'dtype': 'float16'" not in text
+    half = dsl.compile(dsl.load(K3, "tiny"), target="reference", dtype="f16").ir("tvm")   # the module's dtype
+    assert "'dtype': 'float16'" in half and "'dtype': 'float32'" not in half and '"float16")' in half
     with pytest.raises(dsl.MtcError, match="stages: graph, typed, canonical, fused, lowered, tvm"):
         tiny.ir("nope")
 

@@ -50,13 +50,15 @@ def available() -> bool:
     return True
 
 
-def model_tvmscript(g, scheduled: str | None = None) -> str:
+def model_tvmscript(g, scheduled: str | None = None, dtype: str | None = None) -> str:
     """The TVMScript of every distinct TVM kernel a graph needs (``mtc ir --stage tvm``, ``m.ir("tvm")``).
 
     Args:
         g: a typed graph (the 'canonical' stage: what compile(target="tvm") runs, the direct AttnRes form).
         scheduled: None (the unscheduled source, pure Python), "llvm" or "cuda" (after that target's
             schedule; needs TVM).
+        dtype: None (the graph's own dtypes), or "float32" / "float16" / "bfloat16": the dtype a compiled
+            module runs in (compile(..., dtype=...) casts every float tensor to it), used for every kernel.
     Returns:
         One text: a header, then per distinct kernel a comment line with its attributes and users, then its
         TVMScript."""
@@ -81,6 +83,8 @@ def model_tvmscript(g, scheduled: str | None = None) -> str:
             a.update(C=int(wt.shape[0]), W=int(wt.shape[2]), w_dtype=dt[wt.dtype])
         elif n.op == "situ_glu":
             a.update(beta_gate=float(n.attr("beta_gate")), beta_up=float(n.attr("beta_up")))
+        if dtype is not None:
+            a.update({k_: dtype for k_ in ("dtype", "q_dtype", "w_dtype", "b_dtype") if k_ in a})
         key = repr((n.op, sorted(a.items())))
         if key not in seen:
             seen[key] = []
