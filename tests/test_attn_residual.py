@@ -511,3 +511,19 @@ def test_gpu_forward_does_not_synchronise():
         torch.cuda.set_sync_debug_mode("default")
     rows = torch.arange(n, device="cuda")
     assert _rel(y, _naive_rows(query, sources, w, None, rows)) < _tol(torch.bfloat16)
+
+
+def test_interpreter_bf16_warns_once(monkeypatch):
+    # under TRITON_INTERPRET=1 bf16 results are rounded toward zero by the interpreter: a warning, once
+    import backends.triton.guard as G
+    if not G.interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 (the CPU interpreter)")
+    monkeypatch.setattr(G, "_BF16_WARNED", set())
+    query, sources, w = _inputs(3, (5, 64), torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="rounds bfloat16 results toward zero"):
+        T.attn_residual(query, sources, w)
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        T.attn_residual(query, sources, w)                   # the second call is quiet
+    assert not [x for x in seen if "rounds bfloat16" in str(x.message)]

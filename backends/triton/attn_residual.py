@@ -47,7 +47,7 @@ import triton.language as tl
 
 import importlib
 
-from .guard import device_table
+from .guard import device_table, warn_interpreter_bf16
 
 # the module itself (backends.reference re-exports a function of the same name)
 _ref = importlib.import_module("backends.reference.attn_residual")
@@ -644,6 +644,7 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     """
     shape, dtype, d = _ref.check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight)
     _check_device(sources[0], "attn_residual")
+    warn_interpreter_bf16("backends.triton.attn_residual", *sources)
     xs = [_flat(s, d) for s in sources]
     out = _AttnResFn.apply(query.contiguous(), rms_weight.contiguous(),
                            output_rms_weight.contiguous() if output_rms_weight is not None else None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -47,3 +48,21 @@ def device_table(values, dtype: torch.dtype, device: torch.device) -> torch.Tens
         except RuntimeError:
             pass
     return t.to(device)
+
+
+_BF16_WARNED: set = set()
+
+
+def warn_interpreter_bf16(where: str, *tensors) -> None:
+    """Warn once per entry point when a kernel without ``tl.dot`` gets bfloat16 tensors under
+    TRITON_INTERPRET=1: triton 3.6's interpreter rounds bfloat16 stores toward zero, so results are biased
+    by up to one bf16 step (seen: 59% of attn_residual outputs one step smaller in magnitude than the
+    reference's). Not an error (the values are close); float32 / float16 are exact there, and on a GPU
+    bf16 rounds to nearest."""
+    if not interpreted() or where in _BF16_WARNED:
+        return
+    if any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors):
+        _BF16_WARNED.add(where)
+        warnings.warn(f"{where}: bfloat16 under TRITON_INTERPRET=1: triton's CPU interpreter rounds bfloat16 "
+                      f"results toward zero (up to one bf16 step off the reference); use float32 or float16 "
+                      f"on the CPU for exact comparisons", RuntimeWarning, stacklevel=3)
