@@ -120,10 +120,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     explicit = args.targets is not None
     targets = [t.strip() for t in (args.targets if explicit else "triton,tvm").split(",") if t.strip()]
-    unknown = [t for t in targets if t not in ("reference", "triton", "tvm")]
-    if unknown or not targets:
-        ap.error(f"--targets: unknown target(s) {', '.join(map(repr, unknown))}; choose from triton, tvm"
-                 if unknown else "--targets: name at least one target (triton, tvm)")   # exit status 2
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is first imported
     import torch
