@@ -150,7 +150,9 @@ def test_qb_update_matches_naive(n, e, k, ema):
     nb = ref.qb_update(s, b, top_k=k, ema=ema)
     assert nb.dtype == torch.float32 and nb.shape == (e,)
     expect = naive_qb(s, b, k, ema)
-    assert rel_rms(nb, expect) < 1e-6
+    # float32 module vs this float64 derivation: centring cancels the common part of b_hat, so the error of
+    # the rest is some float32 ulps of |b_hat| (worst of 4000 draws: 1.34e-6; CI once saw 1.01e-6 > 1e-6)
+    assert rel_rms(nb, expect) < 1e-5
     if ema == 0.0:
         assert abs(float(nb.double().mean())) < 1e-6
 
