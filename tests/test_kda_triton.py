@@ -86,7 +86,11 @@ def test_bound_violation_is_caught_not_assumed(impl):
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
     o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
     assert torch.isfinite(o).all()
-    assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
+    # the final state after decays of exp(-40) per step is ill-conditioned in float32: the float32 reference
+    # itself is off the float64 recurrence by up to ~1.9e-5 (seen), so the bound is relative to its error
+    _, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    assert rel_rms(o[0], o_n) < 2e-5
+    assert rel_rms(S[0], S_n) < max(2e-5, 2 * rel_rms(S_r[0], S_n))
 
 
 def test_softplus_gate_strong_decay(impl):
@@ -147,7 +151,11 @@ def test_intra3_channel_slices_and_per_block_bound_check(split, monkeypatch):
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
     o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
     assert torch.isfinite(o).all()
-    assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
+    # the final state after decays of exp(-40) per step is ill-conditioned in float32: the float32 reference
+    # itself is off the float64 recurrence by up to ~1.9e-5 (seen), so the bound is relative to its error
+    _, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    assert rel_rms(o[0], o_n) < 2e-5
+    assert rel_rms(S[0], S_n) < max(2e-5, 2 * rel_rms(S_r[0], S_n))
 
 
 def test_gate_and_step():
