@@ -234,15 +234,18 @@ def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
                 dict(base, maxnreg=168), dict(base, maxnreg=128), dict(base, split=True, maxnreg=168),
                 dict(base, BK=64, BV=64, num_warps=8, split=True), dict(base, BK=16)]
     elif impl == "v5":
-        base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=8)
+        base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=8,
+                    r_fast=False)
         # (H200, H=16, T=1M, 2026-11-29: BK 32 / 4 warps 72.9 ms, BK 16 / 1 warp 80.8, BK 16 / 2 warps 77.2,
         # BK 32 / 2 warps 78.7: more warps per strip program pay; this list goes further that way)
         # second round (BK 64 / 4 warps 69.7 ms, BK 32 / 4 warps / 2 stages 71.1, BK 64 / 8 warps 73.2,
         # BK 32 / 8 warps 74.9, BK 16 / 4 warps 79.1; a register cap of 128 or 8 w/u warps: no gain): now
         # around BK 64 / 4 warps
-        cfgs = [dict(base, BK=64, nw_strip=4), dict(base, BK=64, nw_strip=4, ns_strip=2),
-                dict(base, BK=128, nw_strip=4), dict(base, BK=128, nw_strip=8), dict(base, BK=64, nw_strip=2),
-                dict(base, BK=64, nw_strip=4, nw_solve=2), dict(base, BK=64, nw_strip=4, nw_cumsum=4)]
+        # third round: the strip kernel's 4 row blocks of a chunk as consecutive programs (r_fast: its
+        # [64, K] column operands then come from L2 for 3 of the 4; see INTRA5_CFG)
+        base = dict(base, BK=64, nw_strip=4, nw_cumsum=4)
+        cfgs = [dict(base), dict(base, r_fast=True), dict(base, r_fast=True, BK=128, nw_strip=8),
+                dict(base, r_fast=True, BK=32), dict(base, r_fast=True, nw_strip=8)]
     else:
         base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
         cfgs = [dict(base), dict(base, tiles=True), dict(base, tiles=True, maxnreg=128),

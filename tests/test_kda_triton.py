@@ -30,14 +30,15 @@ def naive(q, k, v, g, beta, scale, S0):
     return (torch.stack(outs, 0) if outs else None), S
 
 
-@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles", "v5"])
+@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles", "v5", "v5-rfast"])
 def impl(request, monkeypatch):
     """Run the test with each forward intra-chunk implementation (tk.INTRA_IMPL; "v4-tiles": v4 with
-    _fwd_tiles4_kernel); v3 and v4 with the smallest channel/value slices so that their slice loops run
-    more than once."""
+    _fwd_tiles4_kernel; "v5-rfast": v5 with the strip kernel's row blocks as consecutive programs); v3, v4
+    and v5 with the smallest channel/value slices so that their slice loops run more than once."""
     monkeypatch.setattr(tk, "INTRA_IMPL", request.param.split("-")[0])
     monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16))
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=request.param.endswith("tiles")))
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, r_fast=request.param.endswith("rfast")))
     return request.param
 
 
@@ -231,9 +232,10 @@ for fn in (tk._fwd_strip4_kernel, tk._fwd_tiles4_kernel):
 cfg5 = tk.INTRA5_CFG
 sig5 = dict(q=P, k=P, GCS=F, FB=I, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
             H="i32", K="constexpr", BK="constexpr", DT="constexpr")
-ck = build(tk._fwd_strip5_kernel, sig5, dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16), cfg5["nw_strip"],
-           cfg5["ns_strip"])
-assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v5 strip kernel: no tensor-core instruction"
+for r_fast in (False, True):
+    ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr"),
+               dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=r_fast), cfg5["nw_strip"], cfg5["ns_strip"])
+    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v5 strip kernel: no tensor-core instruction"
 ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
                                          FAST="constexpr"), dict(K=128, FAST=True), cfg5["nw_cumsum"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
@@ -277,10 +279,11 @@ def test_hopper_compile_uses_tensor_cores():
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3"),
                                          (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"),
-                                         (4, None, "v5"), (4, 8, "v5")])
+                                         (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast")))
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,
@@ -292,10 +295,11 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles", "v5"])
+@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles", "v5", "v5-rfast"])
 def test_gpu_bf16_grad(intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast")))
     B, T, H, K, V = 1, 1024, 2, 128, 128
     ins = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     ins = [t.requires_grad_() for t in ins]

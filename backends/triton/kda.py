@@ -741,15 +741,21 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
 
 @triton.jit
 def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
-                       K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+                       K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, R_FAST: tl.constexpr = False):
     """_fwd_strip4_kernel's outputs from the precomputed in-chunk cumulative gate (GCS, FB of
     _chunk_cumsum_kernel): no scan and no row extraction in the kernel, only loads.  The anchor c of row
     block R: the middle of its G range when FB says the block's gates are >= lb (then one dense
     [16, BK] x [BK, 64] dot covers every causal tile, the diagonal one included), else G before the block
-    (exponents <= 0; the diagonal tile token pair by token pair)."""
-    c_ = tl.program_id(0)
+    (exponents <= 0; the diagonal tile token pair by token pair).
+    Grid (NC, H, 4), or with R_FAST (4 * NC, H): the 4 row blocks of a chunk as consecutive programs, so
+    that the [64, K] column operands (k, G) the 4 programs each load are still in L2 for 3 of them."""
+    if R_FAST:
+        c_ = tl.program_id(0) // 4
+        R = tl.program_id(0) % 4
+    else:
+        c_ = tl.program_id(0)
+        R = tl.program_id(2)
     h = tl.program_id(1)
-    R = tl.program_id(2)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     rows64 = tl.arange(0, 64)
@@ -1365,7 +1371,13 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # kernel is no longer register-bound, so wider channel slices and more warps pay
 # (second sweep: BK 128 / 8 warps 68.5, BK 64 / 4 warps 69.2, 2 stages 71.6; the cumsum kernel with 4
 # warps instead of 8: 4.85 ms instead of 5.64, in both sweeps)
-INTRA5_CFG = dict(BK=64, nw_strip=4, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4)
+# r_fast: launch the strip kernel's 4 row blocks of a chunk as consecutive programs (grid (4 NC, H)
+# instead of (NC, H, 4), where they run NC * H programs apart). Each of the 4 loads the chunk's [64, K]
+# k (bf16) and G (float32), 48 KB per (chunk, head); apart they miss L2, so at H=16, T=1M the kernel moves
+# ~67 GB of loads + 15 GB of stores against ~32 GB once each (~20 ms vs ~8 ms at 4.2 TB/s; measured
+# strip phase 22 ms). NOT timed yet: benchmarks/kda.py --intra5-sweep has it
+INTRA5_CFG = dict(BK=64, nw_strip=4, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
+                  r_fast=False)
 
 
 def _maxnreg(n):
@@ -1408,10 +1420,11 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
             _chunk_cumsum_kernel[(NC, H)](g2, tab["cstart"], tab["clen"], GCS, FB, lb, H, K=K, FAST=fast,
                                           num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
             _mark("intra: cumsum")
-            _fwd_strip5_kernel[(NC, H, 4)](q2, k2, GCS, FB, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK,
-                                           GAM, scale, H, K=K, BK=min(K, cfg["BK"]), DT=_TL[idt],
-                                           num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
-                                           **_maxnreg(cfg.get("maxnreg")))
+            r_fast = bool(cfg.get("r_fast"))
+            _fwd_strip5_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
+                q2, k2, GCS, FB, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, H, K=K,
+                BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, num_warps=cfg["nw_strip"],
+                num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
         else:
             strip = _fwd_tiles4_kernel if cfg.get("tiles") else _fwd_strip4_kernel
             strip[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb,
