@@ -269,7 +269,7 @@ def _warn_stage_flags(args, print_after: set) -> None:
         _warn(f"--tvm-schedule only affects --stage tvm; ignored at --stage {args.stage}")
     args.gpus = args.gpus or 1
     args.checkpointing = args.checkpointing or "layer"
-    args.target = args.target or "triton"
+    args.target = args.target or ("tvm" if args.stage == "tvm" else "triton")   # --stage tvm is target tvm
 
 
 def _tvm_report(args, g) -> str:
