@@ -628,6 +628,19 @@ def _fwd_intra3_kernel(q, k, v, g, beta, cstart, clen, WK, U, QG, KD, AQK, GAM, 
 #   _fwd_wu_kernel      (chunk, head): Wk = T (beta k e^G), U = T (beta v), [64, 64] x [64, K] dots
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr):
+    """The row geometry of strip program (chunk c_, head h, row block R): (t0, L, rows64, rows, base, m64,
+    mr) = chunk start and length, the chunk's 64 rows and the block's 16, the 64-bit element base of
+    (t0, h) and the in-chunk row masks of both."""
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows64 = tl.arange(0, 64)
+    rows = R * 16 + tl.arange(0, 16)
+    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
+    return t0, L, rows64, rows, base, (rows64 < L)[:, None], (rows < L)[:, None]
+
+
+@triton.jit
 def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
                  scale, K: tl.constexpr, DT: tl.constexpr):
     """One channel slice of a strip program (_fwd_strip4_kernel / _fwd_strip5_kernel), given the slice's
@@ -680,14 +693,7 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
     c_ = tl.program_id(0)
     h = tl.program_id(1)
     R = tl.program_id(2)
-    t0 = tl.load(cstart + c_)
-    L = tl.load(clen + c_)
-    rows64 = tl.arange(0, 64)
-    r16 = tl.arange(0, 16)
-    rows = R * 16 + r16
-    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
-    m64 = (rows64 < L)[:, None]
-    mr = (rows < L)[:, None]
+    t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
     a = tl.zeros([16, 64], dtype=tl.float32)
     p = tl.zeros([16, 64], dtype=tl.float32)
     for ks in range(0, K, BK):
@@ -756,14 +762,7 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
         c_ = tl.program_id(0)
         R = tl.program_id(2)
     h = tl.program_id(1)
-    t0 = tl.load(cstart + c_)
-    L = tl.load(clen + c_)
-    rows64 = tl.arange(0, 64)
-    r16 = tl.arange(0, 16)
-    rows = R * 16 + r16
-    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
-    m64 = (rows64 < L)[:, None]
-    mr = (rows < L)[:, None]
+    t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
     fr = tl.load(FB + (tl.cast(c_, tl.int64) * H + h) * 4 + R)
     # rows past the chunk's end have G = G of its last row (as a scan of zero-padded gates gives)
     last = L - 1
@@ -1345,11 +1344,11 @@ def _mark(name):
         PROFILE.append((name, e))
 
 
-# which forward intra-chunk implementation _fwd runs: "v4" (default) = _fwd_strip4_kernel (or _fwd_tiles4_kernel)
-# + _fwd_solve4_kernel + _fwd_wu_kernel; "v5" = v4 with the in-chunk cumulative gate precomputed by
-# _chunk_cumsum_kernel (float32, plus the per-block bound flags) and _fwd_strip5_kernel and _fwd_wu_kernel,
-# which only load it (ptxas sm_90a, 1 warp, BK 16: 2024 SASS instructions and 130 shuffles vs strip4's 4096 and 423, 220 vs 243
-# registers; launch settings INTRA5_CFG); "v2" = _fwd_intra2_kernel + _fwd_wu_kernel; "v3" = _fwd_intra3_kernel
+# which forward intra-chunk implementation _fwd runs: "v5" (default) = v4 with the in-chunk cumulative gate
+# precomputed by _chunk_cumsum_kernel (float32, plus the per-block bound flags) and _fwd_strip5_kernel and
+# _fwd_wu_kernel, which only load it (ptxas sm_90a, 1 warp, BK 16: 2024 SASS instructions and 130 shuffles
+# vs strip4's 4096 and 423, 220 vs 243 registers; launch settings INTRA5_CFG); "v4" = _fwd_strip4_kernel
+# (or _fwd_tiles4_kernel) + _fwd_solve4_kernel + _fwd_wu_kernel; "v2" = _fwd_intra2_kernel + _fwd_wu_kernel; "v3" = _fwd_intra3_kernel
 # (channel-sliced, w/u merged in).  All give the same results up to rounding; the benchmark's --intra flag times
 # them side by side (H200, H=16, T=1M forward: v2 106.7 ms, v3 96-127 ms by setting, v4 79.8 ms, v5 69.7 ms).
 INTRA_IMPL = "v5"
