@@ -266,8 +266,7 @@ class CompiledModule(nn.Module):
         unscheduled source)."""
         if stage == "tvm" and "canonical" in self.stages:
             from backends.tvm import model_tvmscript
-            dt = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(self.dtype)
-            return model_tvmscript(self.stages["canonical"], dtype=dt)
+            return model_tvmscript(self.stages["canonical"], dtype=str(self.dtype).removeprefix("torch."))
         if stage == "lowered" and stage not in self.stages and "fused" in self.stages:
             from passes.lower import lower      # the reference target keeps no kernel IR: lower on demand
             self.stages["lowered"] = lower(self.stages["fused"], self.target if self.target != "reference"
@@ -290,8 +289,9 @@ class CompiledModule(nn.Module):
     def _warn_past_max_seq_len(self, inputs: dict) -> None:
         """One MtcWarning per module when a token input is longer than the spec's max_seq_len (the context
         the model is built for: it runs, but positions past it were never trained or planned)."""
-        limit = dict(self.graph.meta_get("config", ())).get("max_seq_len")
-        if not isinstance(limit, int) or getattr(self, "_warned_seq_len", False):
+        from dsl.stats import declared_max_seq_len
+        limit = declared_max_seq_len(self.graph)
+        if limit is None or getattr(self, "_warned_seq_len", False):
             return
         longest = max((x.shape[-1] for x in inputs.values() if isinstance(x, torch.Tensor)
                        and x.dtype in (torch.int64, torch.int32) and x.dim() >= 1), default=0)

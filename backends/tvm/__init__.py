@@ -239,6 +239,7 @@ def _grad_via_reference(name: str):
         return wrapper
     return deco
 
+
 @_grad_via_reference("rmsnorm")
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim: y = x * rsqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019,
@@ -471,15 +472,14 @@ def op_table() -> dict[str, Callable]:
     table: attributes from ``node.attr(...)``; attn_residual's inputs are (query, rms_weight, *sources)).
 
     Keys: rmsnorm, l2norm, silu, sigmoid, mul, add, situ_glu, attn_residual, short_conv, qb_route. Each
-    entry runs the TVM kernel, or the reference op when autograd needs a gradient through it or a dtype /
-    device has no TVM kernel (float64, say); both give the same values."""
+    entry runs the TVM op, or the reference op when a dtype / device has no TVM kernel (float64, say);
+    when autograd needs a gradient the TVM ops themselves run the reference (_grad_via_reference). Both
+    give the same values."""
     from backends import reference as R
 
     def guarded(tvm_fn, ref_fn):
         def fn(n, *ts):
-            if _needs_grad(ts) or not _supported(ts):
-                return ref_fn(n, *ts)
-            return tvm_fn(n, *ts)
+            return tvm_fn(n, *ts) if _supported(ts) else ref_fn(n, *ts)
         return fn
 
     def attn(mod):

@@ -124,8 +124,8 @@ def shared_write_hazards(src: str) -> list[str]:
     """Lines of generated CUDA that assign to a ``__shared__`` buffer outside an ``if (...)`` guard.
 
     TVM's all-reduce writes its shared words only under ``if (threadIdx.x == 0)`` (or a per-warp
-    guard), or each thread its own word (``red_buf[threadIdx.x] = ...``); an unguarded write is every thread of the block storing to one shared word with no barrier,
-    the race that made the one-pass attn_residual kernel return nan / inf on the H200 (see
+    guard), or each thread its own word (``red_buf[threadIdx.x] = ...``); an unguarded write is every
+    thread of the block storing to one shared word with no barrier, the race that made the one-pass attn_residual kernel return nan / inf on the H200 (see
     kernels.NO_STORAGE_REWRITE). A lint on the text, not a proof: an empty list means this pattern is
     absent."""
     import re

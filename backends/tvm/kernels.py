@@ -312,8 +312,8 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
     impl = None (default): "onepass" with the schedule of onepass_defaults(d, L, src_dtype) for every
     attribute not given (grouped all-reduces; measured on the H200, benchmarks/results/tvm.md).
     impl = "onepass": the one-pass online-softmax kernel (_attn_residual_onepass_source; schedule
-    attributes threads, vec, prefetch, group, min_blocks; unset ones keep that function's own defaults: 2 sources
-    prefetched, one all-reduce per sum, d / vec threads). Its first cuda builds gave nan / inf on the
+    attributes threads, vec, prefetch, group, min_blocks; unset ones keep that function's own defaults:
+    2 sources prefetched, one all-reduce per sum, d / vec threads). Its first cuda builds gave nan / inf on the
     H200 (a shared-memory race of the build, fixed by building with StorageRewrite off:
     NO_STORAGE_REWRITE, where the race is explained); measured correct on the H200 since.
     impl = "twopass": the kernel of commit b963733 (all 2L row sums first, then the softmax over the L
