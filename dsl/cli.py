@@ -390,15 +390,11 @@ def _check_run_input(g) -> None:
                        f"{ins[0].attr('name')}: {t.dtype}[B, T], or run it from Python")
 
 
-def _max_seq_len(g):
-    v = dict(g.meta_get("config", ())).get("max_seq_len")
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
 def _warn_past_max_seq_len(g, T: int, flag: str, what: str) -> None:
     """A warning when the context length T is past the spec's max_seq_len (the model still runs: its
     attention has no position embeddings; KDA is recurrent and MLA is NoPE)."""
-    m = _max_seq_len(g)
+    from .stats import declared_max_seq_len
+    m = declared_max_seq_len(g)
     if m is not None and T > m:
         _warn(f"{flag} {T:,} is beyond the spec's max_seq_len = {m:,} of model '{g.name}'; {what}")
 
@@ -560,18 +556,10 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _lit(v) -> str:
-    """A default value as a spec writes it: "text", true/false, numbers as Python prints them."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return f'"{v}"'
-    return repr(v)
-
-
 def _keywords(od) -> str:
     """An op's spec keywords: required ones first as 'k (required)', then 'k=default', then name=."""
     from .builder import REQUIRED
+    from .spec import describe as _lit            # a default value as a spec writes it
     kw = {**od.param_attrs, **od.attrs}
     req = [f"{k} (required)" for k, v in kw.items() if v is REQUIRED]
     opt = [f"{k} (optional)" if v is None else f"{k}={_lit(v)}" for k, v in kw.items() if v is not REQUIRED]

@@ -48,6 +48,13 @@ def _numel(t) -> int:
 MAX_GPUS = 1 << 20
 
 
+def declared_max_seq_len(graph: Graph) -> int | None:
+    """The spec's max_seq_len config value (the context the model is declared for), or None when the spec
+    sets none (or sets something other than an integer)."""
+    v = dict(graph.meta_get("config", ())).get("max_seq_len")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int | None = None, batch: int = 1,
                   gpus: int = 1) -> ModelStats:
     """Statistics of a model graph (the 'graph' stage, with layer blocks).
