@@ -99,25 +99,35 @@ VARIANTS = {
     # stay as variants so that a run shows the difference
     "rmsnorm": [{}, {"threads": 896}, {"vec": 1, "threads": 256}],
     "situ_glu": [{}, {"unroll": 2}, {"threads": 128, "unroll": 4}],
-    # the default is the one-pass kernel with grouped all-reduces and kernels.onepass_defaults(d, L)
+    # (before the 5th session) the default was the one-pass kernel with grouped all-reduces and kernels.onepass_defaults(d, L)
     # (448 threads, 3 sources per all-reduce, prefetch 2 groups up to L = 8 and 1 above), chosen from the
     # H200 runs of 2026-11-29 (4th session): there the two-pass kernel (then the default) was 1.32-2.82x
     # Triton at L >= 8 and the ungrouped one-pass kernel (4L barriers per row) 1.65-1.78x; group 2 / 4
     # and prefetch 1-3 were within 10% of the default, 896 threads 5-20% slower, group 8 spilled (8.4x
     # at L = 25). The variants around the default stay so that every run shows the neighbourhood.
-    "attn_residual": [{}, {"impl": "twopass"}, {"impl": "onepass", "threads": 448, "prefetch": 3},
+    "attn_residual": [{}, {"impl": "onepass", "threads": 448, "group": 3, "prefetch": 1}, {"impl": "twopass"},
                       {"impl": "onepass", "threads": 448, "group": 2, "prefetch": 2},
                       {"impl": "onepass", "threads": 448, "group": 3, "prefetch": 2},
                       {"impl": "onepass", "threads": 448, "group": 4, "prefetch": 1},
-                      {"impl": "onepass", "threads": 448, "group": 5, "prefetch": 1},
-                      {"impl": "onepass", "threads": 448, "group": 6, "prefetch": 1},
-                      {"impl": "onepass", "threads": 448, "group": 3, "prefetch": 0},
-                      {"impl": "onepass", "threads": 224, "group": 3, "prefetch": 1},
-                      # __launch_bounds__(448, 1): no register spills where the plain bound spills 22-46 bytes
-                      # (nvcc 13, sm_90; not yet timed)
                       {"min_blocks": 1},
-                      {"impl": "onepass", "threads": 448, "group": 2, "prefetch": 2, "min_blocks": 1},
-                      {"impl": "onepass", "threads": 448, "group": 4, "prefetch": 1, "min_blocks": 1}],
+                      # 5th session: the pipelined kernel (cuda: hand-written TensorIR, the sources stream
+                      # through a ring of `stages` shared-memory rows with cp.async, `group` sources per
+                      # barrier; about 64 registers, so two blocks of 448 threads per SM). Dropped after the
+                      # 5th session's first run (benchmarks/results/tvm.md): one-pass prefetch 3 / group 5, 6
+                      # / group 3 prefetch 0 / 224 threads (1.43-8.7x Triton at L = 25), 896 threads (G 1-3,
+                      # P 0-3: 1.54-2.24x; 72 registers, 28 warps per SM but still one block) and
+                      # __launch_bounds__(448, 2) (1.71-1.74x: spills)
+                      # 2nd run: 448 threads (two vectors each) 0.91-1.21x Triton, 224 threads (four) 0.86-1.10x:
+                      # the default is now pipelined with 224 threads, 4 stages, group 1
+                      {"impl": "pipelined", "threads": 448},
+                      {"impl": "pipelined", "threads": 448, "stages": 4, "group": 2},
+                      {"impl": "pipelined", "threads": 448, "stages": 8, "group": 4},
+                      {"impl": "pipelined", "threads": 224, "stages": 3},
+                      {"impl": "pipelined", "threads": 224, "stages": 6},
+                      {"impl": "pipelined", "threads": 224, "stages": 4, "group": 2},
+                      {"impl": "pipelined", "threads": 224, "stages": 6, "group": 3},
+                      {"impl": "pipelined", "threads": 224, "stages": 8, "group": 4},
+                      {"impl": "pipelined", "threads": 128}],
     "short_conv": [{}, {"vec": 1, "threads": 256, "tile_t": 8}, {"vec": 2, "threads": 128, "tile_t": 16}],
     "l2norm": [{}, {"rows": 32}, {"vec": 1, "threads": 32, "rows": 8}],
 }
@@ -158,7 +168,7 @@ def groups(dtype: str, variants: bool = True) -> list[dict]:
 # phase 1: export
 # ----------------------------------------------------------------------------------------------------
 
-def do_export(out_dir: Path, kind: str, dtype: str) -> None:
+def do_export(out_dir: Path, kind: str, dtype: str, only: set[str] | None = None) -> None:
     import tvm
     from backends.tvm import kernel_for
     from backends.tvm.build import export, library_path, shared_write_hazards, target_spec
@@ -166,6 +176,8 @@ def do_export(out_dir: Path, kind: str, dtype: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     entries, total = [], 0
     for g in groups(dtype, variants=kind == "cuda"):
+        if only and g["op"] not in only:
+            continue
         k = kernel_for(g["op"], **dict(g["attrs"]))
         t0 = time.perf_counter()
         path = export(k, kind, out_dir / f"{g['key']}.so")
@@ -369,7 +381,8 @@ def copy_bandwidth() -> float:
     return 2 * 2 * 1024 ** 3 * 2 / t
 
 
-def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None) -> int:
+def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None,
+           only: set[str] | None = None) -> int:
     import torch
     from backends.tvm.build import load
 
@@ -406,6 +419,10 @@ def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None) ->
     entries = manifest["modules"]
     if quick:
         entries = [e for e in entries if e["op"] != "attn_residual" or e["attrs"]["L"] in (2, 16)]
+    if only:
+        entries = [e for e in entries if e["op"] in only]
+        if not entries:
+            raise SystemExit(f"{in_dir}/manifest.json holds no module of --only {','.join(sorted(only))}")
     if out_md is not None:
         out_md.parent.mkdir(parents=True, exist_ok=True)
         OUT_MD[:] = [out_md]
@@ -524,21 +541,30 @@ def main(argv=None) -> int:
                    help="token count N for --run (default 16384; 8192 with --quick; 37 with --cpu-smoke)")
     p.add_argument("--quick", action="store_true",
                    help="--run: N = 8192, attn_residual only at L in {2, 16}, no copy-bandwidth measurement")
+    p.add_argument("--only", default=None, metavar="OPS",
+                   help="comma-separated ops (rmsnorm, situ_glu, attn_residual, short_conv, l2norm): export or "
+                        "run only their modules (e.g. --only attn_residual to time its schedule variants)")
     p.add_argument("--out", type=Path, default=None,
                    help="--run: also write the table to this markdown file (on the GPU machine: $OUT/tvm.md; "
                         "commit it as benchmarks/results/tvm.md)")
     args = p.parse_args(argv)
+    only = None
+    if args.only:
+        only = {o.strip() for o in args.only.split(",") if o.strip()}
+        unknown = only - set(VARIANTS)
+        if unknown:
+            p.error(f"--only: unknown op(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"             # before triton is imported
     if args.export is not None:
         d = Path(args.export or (".device/tvm_kernels_cpu" if args.cpu_smoke else ".device/tvm_kernels"))
-        do_export(d, "llvm" if args.cpu_smoke else "cuda", "float32" if args.cpu_smoke else "bfloat16")
+        do_export(d, "llvm" if args.cpu_smoke else "cuda", "float32" if args.cpu_smoke else "bfloat16", only)
         return 0
     d = Path(args.run or (".device/tvm_kernels_cpu" if args.cpu_smoke else ".device/tvm_kernels"))
     n = args.tokens or (37 if args.cpu_smoke else 8192 if args.quick else 16384)
     if n < 1:
         raise SystemExit(f"--tokens must be >= 1, got {n}")
-    return do_run(d, args.cpu_smoke, n, args.quick, args.out)
+    return do_run(d, args.cpu_smoke, n, args.quick, args.out, only)
 
 
 if __name__ == "__main__":

@@ -144,13 +144,29 @@ def test_attn_residual_impls_llvm(impl, group, n, d, L):
 
 
 def test_attn_residual_default_is_the_measured_kernel():
-    """target="tvm" and the default export use the one-pass kernel with the measured schedule
-    (kernels.onepass_defaults: 448 threads at d = 7168 in bf16, 3 sources per all-reduce, 2 groups
-    prefetched up to L = 8, 1 above); the two-pass kernel is a named variant with its own cache key."""
+    """target="tvm" and the default export use the fastest kernel of the H200 runs: the pipelined one
+    (224 threads at d = 7168 in bf16, a ring of 4 rows, one barrier per source), and the grouped one-pass
+    kernel with kernels.onepass_defaults (448 threads, 3 sources per all-reduce, 2 groups prefetched up
+    to L = 8, 1 above) where the row has no whole-warp layout or one-pass attributes are given; the
+    two-pass kernel is a named variant with its own cache key."""
     k = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16")
-    assert dict(k.sched) == {"impl": "onepass", "threads": 448, "vec": 8, "prefetch": 2, "group": 3}
-    assert dict(V.kernel_for("attn_residual", d=7168, L=25, dtype="bfloat16").sched)["prefetch"] == 1
-    assert V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="onepass").sched != k.sched
+    assert dict(k.sched) == {"impl": "pipelined", "threads": 224, "stages": 8, "group": 4}
+    assert dict(V.kernel_for("attn_residual", d=7168, L=2, dtype="bfloat16").sched) == {
+        "impl": "pipelined", "threads": 224, "stages": 2, "group": 2}
+    wide = dict(V.kernel_for("attn_residual", d=32768, L=25, dtype="bfloat16").sched)   # 64 KiB rows
+    assert wide["stages"] == 3 and wide["group"] == 3           # capped by the 200 KiB shared-memory budget
+    with pytest.raises(ValueError, match="shared memory"):
+        V.kernel_for("attn_residual", d=32768, L=25, dtype="bfloat16", impl="pipelined", stages=4)
+    huge = V.kernel_for("attn_residual", d=131072, L=3, dtype="bfloat16")               # 256 KiB rows
+    assert dict(huge.sched)["impl"] == "onepass"
+    with pytest.raises(ValueError, match="whole rows in shared memory"):
+        V.kernel_for("attn_residual", d=131072, L=3, dtype="bfloat16", impl="pipelined")
+    one = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", min_blocks=1)     # a one-pass attribute
+    assert dict(one.sched) == {"impl": "onepass", "threads": 448, "vec": 8, "prefetch": 2, "group": 3, "min_blocks": 1}
+    assert dict(V.kernel_for("attn_residual", d=7168, L=25, dtype="bfloat16", min_blocks=1).sched)["prefetch"] == 1
+    fallback = V.kernel_for("attn_residual", d=1000, L=3, dtype="bfloat16")          # 125 vectors: no warp layout
+    assert dict(fallback.sched)["impl"] == "onepass" and dict(fallback.sched)["group"] == 3
+    assert k.text("llvm") == V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", prefetch=2).text("llvm")
     k2 = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="twopass")
     assert "LG[vi, vl]" in k2.source and "Z[vi]" in k2.source
     assert B.cache_key(k, "cuda") != B.cache_key(k2, "cuda")
@@ -442,7 +458,7 @@ def test_attn_residual_min_blocks_launch_bounds():
     assert "launch_bounds_min_blocks_per_sm" in k.text("cuda") and "launch_bounds" not in k.text("llvm")
     ex, _ = B.compile_kernel(k, "cuda")
     assert "__launch_bounds__(64, 1)" in ex.mod.imports[0].inspect_source()       # 1024 / (2 * 8) threads
-    plain = V.kernel_for("attn_residual", d=1024, L=5, dtype="bfloat16")
+    plain = V.kernel_for("attn_residual", d=1024, L=5, dtype="bfloat16", prefetch=2)       # one-pass defaults
     ex, _ = B.compile_kernel(plain, "cuda")
     assert "__launch_bounds__(64)" in ex.mod.imports[0].inspect_source()
     q, w = torch.randn(1024), torch.randn(1024)
@@ -499,3 +515,55 @@ def test_damaged_cache_file_is_rebuilt(tmp_path, monkeypatch, capsys):
     assert "built TVM kernel rmsnorm" in capsys.readouterr().err          # rebuilt
     assert rel_rms(y, R.rmsnorm(x, w, eps=1e-6)) < 1e-5
     B.clear_memo()
+
+
+@pytest.mark.parametrize("d,L,dt,stages,group", [
+    (7168, 25, "bfloat16", None, None), (7168, 25, "bfloat16", 6, 3), (7168, 2, "bfloat16", None, None),
+    (1024, 3, "float32", 3, 2), (1152, 5, "float32", 5, 5), (256, 1, "float16", None, None), (4096, 64, "bfloat16", 7, 4)])
+def test_cuda_attn_residual_pipelined_source(d, L, dt, stages, group):
+    """The pipelined kernel's CUDA: every source row copied once with 16-byte cp.async per thread vector,
+    one commit group per source plus one per ring slot beyond the last, ceil(L / G) waits and ONE barrier
+    per group of sources (the warp partials go through two alternating shared arrays), the output written
+    once with 128-bit stores, dynamic shared memory above 48 KiB, no unguarded shared-memory write."""
+    import math
+    extra = {k_: v for k_, v in (("stages", stages), ("group", group)) if v is not None}
+    k = V.kernel_for("attn_residual", d=d, L=L, dtype=dt, q_dtype=dt, w_dtype=dt, impl="pipelined", **extra)
+    sch = dict(k.sched)
+    R, G, t = sch["stages"], sch["group"], sch["threads"]
+    vec = 4 if dt == "float32" else 8
+    assert R == min(stages or 8, L) and G == min(group or 4, R) and (d // vec) % t == 0 and t % 32 == 0
+    ex, _ = B.compile_kernel(k, "cuda")
+    src = ex.mod.imports[0].inspect_source()
+    vpt = d // vec // t
+    for l in range(L):
+        assert src.count(f"(&(S{l}_ptr[") == vpt            # cp.async sources: each vector of the row once
+    assert src.count("cp_async_cg_async_cg_shared_global_16(") == L * vpt + 1    # + the helper's definition
+    assert src.count("commit_group();") == L + R
+    assert src.count("__syncthreads") == math.ceil(L / G)
+    assert src.count(f"*({'float4' if dt == 'float32' else 'uint4'}*)(Y_ptr") == vpt
+    assert ("extern __shared__" in src) == (R * d * (4 if dt == "float32" else 2) > 48 * 1024)
+    assert _unguarded_shared_writes(src) == [] and B.shared_write_hazards(src) == []
+    assert k.text("llvm") == V.kernel_for("attn_residual", d=d, L=L, dtype=dt, q_dtype=dt, w_dtype=dt).text("llvm")
+
+
+def test_attn_residual_pipelined_llvm_and_errors():
+    """impl='pipelined' on the CPU runs the default one-pass kernel (same results as the reference); its
+    attributes are checked with clear errors."""
+    q, w = torch.randn(1024), torch.randn(1024)
+    srcs = [torch.randn(37, 1024) for _ in range(3)]
+    k = V.kernel_for("attn_residual", d=1024, L=3, eps=1e-6, impl="pipelined")
+    y = torch.empty(37, 1024)
+    B.get_function(k, "llvm")(q, w, *srcs, y)
+    assert rel_rms(y, naive_attn_residual(q, srcs, w, 1e-6)) < 1e-5
+    with pytest.raises(ValueError, match="multiple of 32"):
+        V.kernel_for("attn_residual", d=1000, L=3, dtype="bfloat16", impl="pipelined")   # 125 vectors
+    with pytest.raises(ValueError, match="threads"):
+        V.kernel_for("attn_residual", d=7168, L=3, dtype="bfloat16", impl="pipelined", threads=300)
+    with pytest.raises(ValueError, match="stages >= group"):
+        V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="pipelined", stages=2, group=3)
+    with pytest.raises(ValueError, match="group must be >= 1"):
+        V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="pipelined", group=0)
+    with pytest.raises(ValueError, match="prefetch"):
+        V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="pipelined", prefetch=1)
+    with pytest.raises(ValueError, match="stages"):
+        V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="onepass", stages=3)

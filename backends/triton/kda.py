@@ -1374,9 +1374,11 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # instead of (NC, H, 4), where they run NC * H programs apart). Each of the 4 loads the chunk's [64, K]
 # k (bf16) and G (float32), 48 KB per (chunk, head); apart they miss L2, so at H=16, T=1M the kernel moves
 # ~67 GB of loads + 15 GB of stores against ~32 GB once each (~20 ms vs ~8 ms at 4.2 TB/s; measured
-# strip phase 22 ms). NOT timed yet: benchmarks/kda.py --intra5-sweep has it
-INTRA5_CFG = dict(BK=64, nw_strip=4, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
-                  r_fast=False)
+# strip phase 22 ms). Timed on the H200 (5th session, --intra5-sweep, H=16, T=1M forward, fla 65.5 ms):
+# r_fast off 68.7 ms (strip 22.9), on 64.1 (strip 18.2), on + 8 strip warps 63.4 (strip 17.8), on + BK 128 /
+# 8 warps 64.0, on + BK 32 64.5: the default is now r_fast with 8 strip warps
+INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
+                  r_fast=True)
 
 
 def _maxnreg(n):

@@ -138,6 +138,13 @@ def _call(kernel: _K.Kernel, kind: str, *tensors: torch.Tensor) -> None:
         fn(*tensors)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned start (the cuda kernels read rows with 128-bit loads and
+    cp.async; a view into the middle of a tensor may start anywhere): a copy only when it is not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _check_eps(eps, where):
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"{where}: eps must be a positive number, got {eps!r}")
@@ -153,9 +160,9 @@ def kernel_for(op: str, **a) -> _K.Kernel:
     rmsnorm: d, eps, dtype, w_dtype; l2norm: d, eps, dtype; silu / sigmoid: dtype; add / mul: dtype,
     b_dtype; situ_glu: dtype, b_dtype, out_dtype, beta_gate, beta_up (the elementwise ops also take the
     layout / schedule attributes vec, threads, unroll: see kernels.elementwise_source); attn_residual: d, L, eps, dtype,
-    q_dtype, w_dtype and impl (default: "onepass", the online-softmax kernel with grouped all-reduces and
-    the schedule of kernels.onepass_defaults; "onepass" with the schedule attributes threads, vec,
-    prefetch, group, min_blocks; "twopass": the b963733 kernel; see kernels.attn_residual_source); rmsnorm / l2norm also take the cuda schedule attributes threads,
+    q_dtype, w_dtype and impl (default: "pipelined" where the row has a whole-warp layout, else "onepass"
+    with the schedule of kernels.onepass_defaults: see kernels.attn_residual_source; "onepass" with the schedule attributes threads, vec,
+    prefetch, group, min_blocks; "pipelined" (cuda: cp.async ring) with threads, stages, group; "twopass": the b963733 kernel; see kernels.attn_residual_source); rmsnorm / l2norm also take the cuda schedule attributes threads,
     vec, rows; short_conv: C, W, dtype, w_dtype (and vec, threads, tile_t); router_scores: d, E, dtype, w_dtype. Dtypes are
     "float32" / "float16" / "bfloat16" (default float32; out_dtype defaults to dtype).
     Raises ValueError for an unknown op or attribute, TypeError for an unsupported dtype."""
@@ -170,12 +177,13 @@ def kernel_for(op: str, **a) -> _K.Kernel:
         k = _K.elementwise_source(op, (dt, a.pop("b_dtype", dt)), a.pop("out_dtype", dt),
                                   beta_gate=a.pop("beta_gate", 4.0), beta_up=a.pop("beta_up", 25.0), **ew)
     elif op in ("rmsnorm", "l2norm", "attn_residual"):
-        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows", "vec", "prefetch", "group", "min_blocks") if k_ in a}
+        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows", "vec", "prefetch", "group", "min_blocks", "stages")
+              if k_ in a}
         if "impl" in a:
             if op != "attn_residual":
                 raise ValueError(f"tvm backend: {op} takes no 'impl' attribute")
             rs["impl"] = str(a.pop("impl"))
-        for only in ("prefetch", "group", "min_blocks"):
+        for only in ("prefetch", "group", "min_blocks", "stages"):
             if op != "attn_residual" and only in rs:
                 raise ValueError(f"tvm backend: {op} takes no {only!r} attribute")
         if op == "attn_residual" and "rows" in rs:
@@ -382,8 +390,8 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     y = torch.empty(shape, dtype=dtype, device=query.device)
     if y.numel():
         k = kernel_for("attn_residual", d=d, L=len(sources), eps=float(eps), dtype=sdt, q_dtype=qdt, w_dtype=wdt)
-        _call(k, kind, query.contiguous(), rms_weight.contiguous(),
-              *[s.contiguous().view(-1, d) for s in sources], y.view(-1, d))
+        _call(k, kind, _aligned(query), _aligned(rms_weight), *[_aligned(s).view(-1, d) for s in sources],
+              y.view(-1, d))
     if output_rms_weight is not None:
         y = rmsnorm(y, output_rms_weight, eps=eps)
     return y

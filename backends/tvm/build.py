@@ -108,7 +108,10 @@ def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
             os.unlink(tmp)
     if not os.environ.get("MTC_QUIET"):
         shape = [(k, kernel.info[k]) for k in ("d", "L", "C", "W", "E") if isinstance(kernel.info.get(k), int)]
-        attrs = ", ".join(f"{k}={v}" for k, v in shape + [kv for kv in kernel.sched if kv[1] is not None])
+        sched = [kv for kv in kernel.sched if kv[1] is not None]
+        if kind != "cuda" and kernel.info.get("cuda_prescheduled"):     # its cuda schedule does not apply here
+            sched = [("impl", f"{dict(sched).get('impl')} (cuda only; this build: the one-pass kernel)")]
+        attrs = ", ".join(f"{k}={v}" for k, v in shape + sched)
         print(f"mtc: built TVM kernel {kernel.name} for {kind}{f' ({attrs})' if attrs else ''} in "
               f"{time.perf_counter() - t0:.1f} s -> {path.parent} (cached; MTC_QUIET=1 hides this)",
               file=sys.stderr, flush=True)

@@ -286,7 +286,7 @@ def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dty
 # attn_residual: softmax over L sources of <query, RMSNorm(source)>, then the weighted sum of sources
 # ----------------------------------------------------------------------------------------------------
 
-ATTN_RESIDUAL_IMPLS = ("onepass", "twopass")   # the first is the default
+ATTN_RESIDUAL_IMPLS = ("onepass", "twopass", "pipelined")   # the first is the default
 
 # The cuda race of the one-pass kernel (found in its generated CUDA source; nan / inf on the H200): a row
 # scalar computed from an all-reduce result, e.g. LG = DT * rsqrt(SS / d + eps), is a one-element
@@ -306,11 +306,13 @@ NO_STORAGE_REWRITE = (("tirx.disable_storage_rewrite", True),)
 def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
                          impl: str | None = None, threads: int | None = None, vec: int | None = None,
                          prefetch: int | None = None, group: int | None = None,
-                         min_blocks: int | None = None) -> Kernel:
+                         min_blocks: int | None = None, stages: int | None = None) -> Kernel:
     """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual): the kernel of implementation ``impl``.
 
-    impl = None (default): "onepass" with the schedule of onepass_defaults(d, L, src_dtype) for every
-    attribute not given (grouped all-reduces; measured on the H200, benchmarks/results/tvm.md).
+    impl = None (default): "pipelined" where it fits (d / vec a multiple of 32, e.g. d = 7168: the fastest
+    kernel of the H200 runs, benchmarks/results/tvm.md) and no one-pass-only attribute (vec, prefetch,
+    min_blocks) is given; else "onepass" with the schedule of onepass_defaults(d, L, src_dtype) for every
+    attribute not given (grouped all-reduces).
     impl = "onepass": the one-pass online-softmax kernel (_attn_residual_onepass_source; schedule
     attributes threads, vec, prefetch, group, min_blocks; unset ones keep that function's own defaults:
     2 sources prefetched, one all-reduce per sum, d / vec threads). Its first cuda builds gave nan / inf on the
@@ -320,7 +322,15 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
     logits, then the weighted sum re-reading the sources; cuda: one row per block of 256 threads). Takes
     no schedule attributes. Both measured correct on the H200: relative RMS error 2.0e-05..3.8e-05 in
     bf16 at d = 7168, L = 2..25.
+    impl = "pipelined": on cuda a hand-written TensorIR kernel that streams the sources through a ring of
+    ``stages`` shared-memory row buffers with cp.async (see _attn_residual_pipelined_source; attributes
+    threads, stages, group); on llvm the default one-pass kernel.
     Raises ValueError for an unknown impl, or schedule attributes given to "twopass"."""
+    if impl is None and vec is None and prefetch is None and min_blocks is None \
+            and _pipelined_fits(d, src_dtype, threads):
+        impl = "pipelined"
+    if stages is not None and impl != "pipelined":
+        raise ValueError("attn_residual: 'stages' belongs to impl='pipelined'")
     if impl is None:
         dflt = onepass_defaults(d, L, src_dtype)
         threads = dflt["threads"] if threads is None else threads
@@ -338,6 +348,13 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
         return _attn_residual_onepass_source(d, L, src_dtype, q_dtype, w_dtype, eps, threads=threads, vec=vec,
                                              prefetch=2 if prefetch is None else prefetch, group=group,
                                              min_blocks=min_blocks)
+    if impl == "pipelined":
+        given = [n for n, v in (("vec", vec), ("prefetch", prefetch), ("min_blocks", min_blocks)) if v is not None]
+        if given:
+            raise ValueError(f"attn_residual: impl 'pipelined' takes no schedule attribute(s) {', '.join(given)} "
+                             f"(its attributes are threads, stages, group)")
+        return _attn_residual_pipelined_source(d, L, src_dtype, q_dtype, w_dtype, eps, threads=threads,
+                                               stages=stages, group=group)
     raise ValueError(f"attn_residual: unknown impl {impl!r}; one of {ATTN_RESIDUAL_IMPLS}")
 
 
@@ -624,6 +641,209 @@ def _attn_residual_onepass_source(d: int, L: int, src_dtype: str, q_dtype: str, 
                   sched=sched, cuda_pass_config=NO_STORAGE_REWRITE)
 
 
+# defaults of the pipelined attn_residual kernel: the best of the H200 run of the 5th session (N = 16384,
+# d = 7168, bf16, benchmarks/results/tvm.md): 224 threads, a ring of 8 rows, 4 sources per barrier; TVM /
+# Triton time 0.76 / 0.88 / 0.97 / 0.90 at L = 2 / 8 / 16 / 25 (100% of copy bandwidth at L = 25) against
+# 0.74 / 0.89 / 1.10 / 1.06 with 4 rows and 1 source per barrier
+PIPELINED_STAGES, PIPELINED_GROUP = 8, 4
+PIPELINED_SMEM_LIMIT = 200 * 1024        # bytes of ring per block (sm_90 allows 227 KiB of shared memory)
+
+
+def pipelined_threads(d: int, src_dtype: str) -> int:
+    """Default threads per row of the pipelined attn_residual kernel: four 128-bit vectors per thread (224
+    at d = 7168 in bf16: 0.76-0.97x the Triton kernel's time on the H200 at L = 2..25 with 8 stages and
+    groups of 4, against 0.78-1.12x with 448 threads x 2 vectors; benchmarks/results/tvm.md), else two,
+    else one; 0 when d / vec is not a
+    multiple of 32 (the kernel needs whole warps: its sums go through warp shuffles)."""
+    vec = _lanes(src_dtype)
+    if d % vec:
+        return 0
+    nv = d // vec
+    for per in (4, 2, 1):
+        if nv % per == 0 and (nv // per) % 32 == 0 and nv // per <= 1024:
+            return nv // per
+    return 0
+
+
+def _pipelined_fits(d: int, src_dtype: str, threads: int | None) -> bool:
+    """Whether the pipelined kernel has a whole-warp layout for this row (with these threads, if given)."""
+    vec = _lanes(src_dtype)
+    if d * (4 if src_dtype == "float32" else 2) > PIPELINED_SMEM_LIMIT:
+        return False
+    if threads is None:
+        return bool(pipelined_threads(d, src_dtype))
+    return d % vec == 0 and threads % 32 == 0 and 0 < threads <= 1024 and (d // vec) % threads == 0
+
+
+def _attn_residual_pipelined_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
+                                    threads: int | None = None, stages: int | None = None,
+                                    group: int | None = None) -> Kernel:
+    """Block AttnRes (arXiv 2603.15031; spec/OPS.md attn_residual), the math of the one-pass kernel (online
+    softmax over the L sources, Milakov & Gimelshein 2018 alg. 3; float32 sums and accumulator), written
+    for cuda directly as thread-bound TensorIR instead of being scheduled:
+
+    * one token row per block of ``threads`` threads; thread t owns the 128-bit vectors t, t + threads, ...
+      of the row (vec = 8 bf16 / fp16, 4 float32 elements each);
+    * the sources stream through a ring of ``stages`` row buffers in shared memory with cp.async
+      (``cp.async.cg.shared.global`` 16 bytes, one commit group per source, ``cp.async.wait_group``): a
+      thread only ever reads the vectors it copied itself, so the ring needs no barrier, and the bytes in
+      flight cost no registers (the register-prefetching one-pass kernel needs 128 registers at L >= 8,
+      i.e. one block of 14 warps per SM; this one about 64, two blocks);
+    * ``group`` G sources per block-wide reduction: their 2G partial sums (sum of squares, dot with
+      query * rms_weight) are reduced in each warp with shuffles, written by lane 0 to one of two
+      alternating shared arrays, and summed by every thread after ONE barrier (ceil(L / G) barriers per
+      row); the accumulator update re-reads the G rows from the ring;
+    * after a group is consumed its ring slots are refilled with the sources ``stages`` ahead.
+
+    llvm text: the default one-pass kernel (the CPU build has no cp.async); the cuda text is built with no
+    schedule (``info["cuda_prescheduled"]``). Defaults: threads = pipelined_threads(d, src_dtype), stages
+    = PIPELINED_STAGES, group = PIPELINED_GROUP, each capped by L and by the rows that fit in
+    PIPELINED_SMEM_LIMIT bytes (group also by stages). Shared memory: stages * d * element size bytes
+    (dynamic shared memory above 48 KiB). Measured on the H200 (d = 7168, bf16, L = 2..25): correct
+    (relative RMS error 2.1e-05..3.8e-05, Triton's 2.2e-05..3.8e-05) in every setting tried.
+    Raises ValueError when d / vec is not a multiple of 32 (no whole-warp layout: use "onepass"), for
+    threads that do not divide the row's vectors into whole warps, stages beyond the shared-memory limit,
+    stages < group or group < 1."""
+    portable = _attn_residual_onepass_source(d, L, src_dtype, q_dtype, w_dtype, eps,
+                                             **{k: v for k, v in onepass_defaults(d, L, src_dtype).items()})
+    vec = _lanes(src_dtype)
+    esz = 4 if src_dtype == "float32" else 2
+    row_bytes = d * esz
+    if row_bytes > PIPELINED_SMEM_LIMIT:
+        raise ValueError(f"attn_residual: impl 'pipelined' keeps whole rows in shared memory; a row of d = {d} is "
+                         f"{row_bytes} bytes, over the {PIPELINED_SMEM_LIMIT} allowed: use impl='onepass'")
+    if threads is None:
+        threads = pipelined_threads(d, src_dtype)
+        if not threads:
+            raise ValueError(f"attn_residual: impl 'pipelined' needs d / {vec} to be a multiple of 32 "
+                             f"(whole warps of 128-bit vectors), got d = {d}; use impl='onepass'")
+    nv = d // vec if d % vec == 0 else 0
+    if not nv or threads % 32 or threads > 1024 or nv % threads:
+        raise ValueError(f"attn_residual: impl 'pipelined' with {threads} threads needs d / {vec} = {d / vec:g} "
+                         f"to be a multiple of the threads, and the threads a multiple of 32 and <= 1024")
+    fit = max(1, PIPELINED_SMEM_LIMIT // row_bytes)         # ring rows that fit the shared memory of a block
+    if group is not None and group < 1:
+        raise ValueError(f"attn_residual: group must be >= 1 (sources per block-wide reduction), got {group}")
+    if stages is not None and stages > fit:
+        raise ValueError(f"attn_residual: impl 'pipelined' with stages = {stages} needs {stages * row_bytes} bytes of "
+                         f"shared memory, over the {PIPELINED_SMEM_LIMIT} allowed (at most {fit} rows of {row_bytes} "
+                         f"bytes)")
+    stages = min(PIPELINED_STAGES if stages is None else stages, L, fit)
+    group = min(PIPELINED_GROUP, stages) if group is None else min(group, L)
+    if stages < group:
+        raise ValueError(f"attn_residual: impl 'pipelined' needs stages >= group (the ring holds a whole group), "
+                         f"got stages {stages}, group {group}")
+    vpt, W, G, R = nv // threads, threads // 32, group, stages
+    E = vpt * vec
+    smem = R * d * esz
+    scope = "shared" if smem <= 48 * 1024 else "shared.dyn"
+    f32 = lambda e: _f32(e, src_dtype)                                    # noqa: E731
+    col = lambda u: f"(tx + {threads * u}) * {vec}"                       # noqa: E731  (first element of vector u)
+    o: list[str] = []
+    a = o.append
+    params = ["q_h", "w_h"] + [f"s{l}_h" for l in range(L)] + ["y_h"]
+    a("@T.prim_func")
+    a(f"def attn_residual({', '.join(p_ + ': T.handle' for p_ in params)}):")
+    a('    T.func_attr({"global_symbol": "attn_residual", "tirx.noalias": True})')
+    a("    n = T.int64()")
+    a(f'    Q = T.match_buffer(q_h, ({d},), "{q_dtype}")')
+    a(f'    W = T.match_buffer(w_h, ({d},), "{w_dtype}")')
+    for l in range(L):
+        a(f'    S{l} = T.match_buffer(s{l}_h, (n, {d}), "{src_dtype}")')
+    a(f'    Y = T.match_buffer(y_h, (n, {d}), "{src_dtype}")')
+    a('    bx = T.launch_thread("blockIdx.x", n)')
+    a(f'    tx = T.launch_thread("threadIdx.x", {threads})')
+    a(f'    ring = T.alloc_shared([{R}, {d}], "{src_dtype}", scope="{scope}")')
+    # two reduction arrays used by alternate groups: a write to one is separated from the previous reads
+    # of the same array by the other group's barrier (separate buffers, so TVM's barrier insertion sees it)
+    a(f'    red0 = T.alloc_shared([{W}, {2 * G}], "float32")')
+    a(f'    red1 = T.alloc_shared([{W}, {2 * G}], "float32")')
+    a(f'    qw = T.alloc_local([{E}], "float32")')
+    a(f'    acc = T.alloc_local([{E}], "float32")')
+    a(f'    ps = T.alloc_local([{2 * G}], "float32")')
+    a('    st = T.alloc_local([4], "float32")')             # running max m, running sum z, alpha, new max
+    a(f'    xb = T.alloc_local([{vec}], "{src_dtype}")')
+    a(f'    qb = T.alloc_local([{vec}], "{q_dtype}")')
+    a(f'    wb = T.alloc_local([{vec}], "{w_dtype}")')
+    for u in range(vpt):                                   # query * rms_weight, once per thread, in float32
+        a(f"    for v in T.vectorized({vec}):")
+        a(f"        qb[v] = Q[{col(u)} + v]")
+        a(f"    for v in T.vectorized({vec}):")
+        a(f"        wb[v] = W[{col(u)} + v]")
+        a(f"    for v in T.unroll({vec}):")
+        a(f"        qw[{u * vec} + v] = {_f32('qb[v]', q_dtype)} * {_f32('wb[v]', w_dtype)}")
+
+    def issue(l):              # source l -> ring slot l % R (an empty commit group past the last source)
+        if l < L:
+            for u in range(vpt):
+                a(f"    T.ptx.cp.async_.cg.shared.global_(T.address_of(ring[{l % R}, {col(u)}]), "
+                  f"T.address_of(S{l}[bx, {col(u)}]), 16)")
+        a("    T.ptx.cp.async_.commit_group()")
+
+    def load(slot, u):
+        a(f"    for v in T.vectorized({vec}):")
+        a(f"        xb[v] = ring[{slot}, {col(u)} + v]")
+
+    for l in range(R):
+        issue(l)
+    for g in range((L + G - 1) // G):
+        mem = list(range(g * G, min(L, g * G + G)))
+        # committed so far: sources 0 .. g G + R - 1 (one group each); the last of this group done
+        a(f"    T.ptx.cp.async_.wait_group({R - len(mem)})")
+        for j, l in enumerate(mem):
+            a(f"    ps[{2 * j}] = T.float32(0)")
+            a(f"    ps[{2 * j + 1}] = T.float32(0)")
+            for u in range(vpt):
+                load(l % R, u)
+                a(f"    for v in T.unroll({vec}):")
+                a(f"        ps[{2 * j}] = ps[{2 * j}] + {f32('xb[v]')} * {f32('xb[v]')}")
+                a(f"        ps[{2 * j + 1}] = ps[{2 * j + 1}] + qw[{u * vec} + v] * {f32('xb[v]')}")
+        nvals = 2 * len(mem)
+        for off in (16, 8, 4, 2, 1):
+            for i in range(nvals):
+                a(f"    ps[{i}] = ps[{i}] + T.tvm_warp_shuffle_xor(T.uint32(4294967295), ps[{i}], {off}, 32, 32)")
+        red = f"red{g % 2}"
+        a("    if tx % 32 == 0:")
+        for i in range(nvals):
+            a(f"        {red}[tx // 32, {i}] = ps[{i}]")
+        a('    T.tvm_storage_sync("shared")')
+        for j, l in enumerate(mem):
+            a("    ps[0] = T.float32(0)")
+            a("    ps[1] = T.float32(0)")
+            for w in range(W):             # every thread sums the warps' partials in the same order
+                a(f"    ps[0] = ps[0] + {red}[{w}, {2 * j}]")
+                a(f"    ps[1] = ps[1] + {red}[{w}, {2 * j + 1}]")
+            a(f"    ps[1] = ps[1] * T.rsqrt(ps[0] / {_c(d)} + {_c(eps)})")        # the logit
+            if l == 0:
+                a("    st[0] = ps[1]")
+                a("    st[1] = T.float32(1)")
+                for u in range(vpt):
+                    load(l % R, u)
+                    a(f"    for v in T.unroll({vec}):")
+                    a(f"        acc[{u * vec} + v] = {f32('xb[v]')}")
+            else:
+                a("    st[3] = T.max(st[0], ps[1])")
+                a("    st[2] = T.exp(st[0] - st[3])")                 # alpha = exp(m_old - m_new)
+                a("    ps[1] = T.exp(ps[1] - st[3])")                 # beta = exp(logit - m_new)
+                a("    st[1] = st[1] * st[2] + ps[1]")
+                a("    st[0] = st[3]")
+                for u in range(vpt):
+                    load(l % R, u)
+                    a(f"    for v in T.unroll({vec}):")
+                    a(f"        acc[{u * vec} + v] = acc[{u * vec} + v] * st[2] + ps[1] * {f32('xb[v]')}")
+        for l in mem:                      # the group's slots are free (this thread read its own vectors)
+            issue(l + R)
+    for u in range(vpt):
+        a(f"    for v in T.unroll({vec}):")
+        a(f"        xb[v] = {_store(f'acc[{u * vec} + v] / st[1]', src_dtype)}")
+        a(f"    for v in T.vectorized({vec}):")
+        a(f"        Y[bx, {col(u)} + v] = xb[v]")
+    sched = (("impl", "pipelined"), ("threads", threads), ("stages", R), ("group", G))
+    return Kernel("attn_residual", "attn_residual", portable.source, cuda_source="\n".join(o) + "\n",
+                  info={**portable.info, "impl": "pipelined", "cuda_prescheduled": True, "smem_bytes": smem},
+                  sched=sched, cuda_pass_config=NO_STORAGE_REWRITE)
+
+
 # sizes n of the n-value float32 sum reducers registered with TVM's schedule in this process
 _SUM_REDUCERS: set[int] = set()
 
@@ -740,6 +960,9 @@ def schedule(kernel: Kernel, kind: str):
     import tvm.s_tir
     if kind not in ("llvm", "cuda"):
         raise ValueError(f"tvm schedule: kind must be 'llvm' or 'cuda', got {kind!r}")
+    if kind == "cuda" and kernel.info.get("cuda_prescheduled"):
+        import tvm
+        return tvm.IRModule({"main": parse(kernel, kind)})     # thread-bound already: nothing to schedule
     for nv in kernel.info.get("sum_reducers", ()):
         ensure_sum_reducer(nv)
     sch = tvm.s_tir.Schedule(parse(kernel, kind))
