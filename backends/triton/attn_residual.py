@@ -482,6 +482,11 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 #: (H200, 2026-11-29, N = 65536: v2 with 4 warps, 3 stages, 2 programs per SM reached 3.58 / 3.81 / 3.78 TB/s
 #: at L = 2 / 8 / 25, 84-89% of the 4.28 TB/s copy; the v1 setting before it 2.61 / 2.92 / 3.12)
 FWD_DEFAULT: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2}
+#: The same with two sources per step (one cross-warp reduction round per two sources), used from
+#: FWD_WIDE_L sources on: H200, 5th session, N = 16384 sweep: 4.07 / 4.14 TB/s (95% / 97% of copy) at
+#: L = 8 / 25 against 3.78 / 3.81 for FWD_DEFAULT, but 2.19 against 2.31 at L = 2
+FWD_DEFAULT_WIDE: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2}
+FWD_WIDE_L = 6
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 FWD_CONFIG: dict = {}
 
@@ -533,7 +538,7 @@ def _fwd(query, xs, w, ow, eps, save):
     out = torch.empty_like(xs[0])
     bt, bd, nw = _row_tile(d, n)
     big = bd * bt >= 2048 and not _INTERPRET
-    cfg = dict(FWD_DEFAULT if big else {})
+    cfg = dict((FWD_DEFAULT_WIDE if L >= FWD_WIDE_L else FWD_DEFAULT) if big else {})
     cfg.update(FWD_CONFIG)
     bt = cfg.get("bt", bt)
     nw = cfg.get("num_warps", nw)
