@@ -139,10 +139,11 @@ def _call(kernel: _K.Kernel, kind: str, *tensors: torch.Tensor) -> None:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned start (the cuda kernels read rows with 128-bit loads and
-    cp.async; a view into the middle of a tensor may start anywhere): a copy only when it is not."""
+    """``t`` contiguous with a 32-byte aligned start (the cuda kernels read rows with 128-bit loads and
+    cp.async, and a float32 query / weight beside 16-bit sources with 256-bit loads; a view into the middle
+    of a tensor may start anywhere): a copy only when it is not."""
     t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    return t if t.data_ptr() % 32 == 0 else t.clone()
 
 
 def _check_eps(eps, where):

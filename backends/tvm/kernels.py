@@ -286,7 +286,7 @@ def rownorm_source(kind: str, d: int, x_dtype: str, w_dtype: str | None, out_dty
 # attn_residual: softmax over L sources of <query, RMSNorm(source)>, then the weighted sum of sources
 # ----------------------------------------------------------------------------------------------------
 
-ATTN_RESIDUAL_IMPLS = ("onepass", "twopass", "pipelined")   # the first is the default
+ATTN_RESIDUAL_IMPLS = ("onepass", "twopass", "pipelined")   # default: attn_residual_source (impl=None)
 
 # The cuda race of the one-pass kernel (found in its generated CUDA source; nan / inf on the H200): a row
 # scalar computed from an all-reduce result, e.g. LG = DT * rsqrt(SS / d + eps), is a one-element
@@ -817,20 +817,18 @@ def _attn_residual_pipelined_source(d: int, L: int, src_dtype: str, q_dtype: str
             if l == 0:
                 a("    st[0] = ps[1]")
                 a("    st[1] = T.float32(1)")
-                for u in range(vpt):
-                    load(l % R, u)
-                    a(f"    for v in T.unroll({vec}):")
-                    a(f"        acc[{u * vec} + v] = {f32('xb[v]')}")
+                upd = lambda u: f32("xb[v]")                               # noqa: E731  (a_0 = s_0)
             else:
                 a("    st[3] = T.max(st[0], ps[1])")
                 a("    st[2] = T.exp(st[0] - st[3])")                 # alpha = exp(m_old - m_new)
                 a("    ps[1] = T.exp(ps[1] - st[3])")                 # beta = exp(logit - m_new)
                 a("    st[1] = st[1] * st[2] + ps[1]")
                 a("    st[0] = st[3]")
-                for u in range(vpt):
-                    load(l % R, u)
-                    a(f"    for v in T.unroll({vec}):")
-                    a(f"        acc[{u * vec} + v] = acc[{u * vec} + v] * st[2] + ps[1] * {f32('xb[v]')}")
+                upd = lambda u: f"acc[{u * vec} + v] * st[2] + ps[1] * {f32('xb[v]')}"   # noqa: E731
+            for u in range(vpt):
+                load(l % R, u)
+                a(f"    for v in T.unroll({vec}):")
+                a(f"        acc[{u * vec} + v] = {upd(u)}")
         for l in mem:                      # the group's slots are free (this thread read its own vectors)
             issue(l + R)
     for u in range(vpt):
