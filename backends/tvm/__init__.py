@@ -90,15 +90,20 @@ def model_tvmscript(g, scheduled: str | None = None, dtype: str | None = None) -
             seen[key] = []
             order.append((key, n.op, a))
         seen[key].append(n.name)
-    which = ("unscheduled TVMScript (the same for llvm and cuda sm_90; mtc ir --stage tvm --tvm-schedule "
-             "llvm|cuda shows a target's schedule)" if scheduled is None
-             else f"TVMScript after the {scheduled} schedule")
+    which = ("unscheduled TVMScript of the llvm build (kernels marked 'cuda text differs' are built for cuda "
+             "sm_90 from another text; mtc ir --stage tvm --tvm-schedule llvm|cuda shows a target's scheduled "
+             "kernel)" if scheduled is None else f"TVMScript after the {scheduled} schedule")
     out = [f"# {len(order)} distinct TVM kernels for {g.name}: {which}"]
     for key, op, a in order:
         users = seen[key]
+        k = kernel_for(op, **dict(a))
+        differs = ""
+        if scheduled is None and k.cuda_source is not None:
+            differs = (" [cuda text differs: " + ("the pipelined kernel, cp.async ring" if k.info.get("cuda_prescheduled")
+                                                  else "fast-math intrinsics") + "]")
         out.append(f"\n# ---- {op} {a}: used by {len(users)} node(s): "
-                   f"{', '.join('%' + u for u in users[:6])}{' ...' if len(users) > 6 else ''}")
-        out.append(tvmscript(op, scheduled=scheduled, **a))
+                   f"{', '.join('%' + u for u in users[:6])}{' ...' if len(users) > 6 else ''}{differs}")
+        out.append(k.source if scheduled is None else _K.schedule(k, scheduled).script())
     return "\n".join(out) + "\n"
 
 
