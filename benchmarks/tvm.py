@@ -386,6 +386,9 @@ def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None,
     from backends.tvm.build import load
 
     global TRITON
+    if not (in_dir / "manifest.json").is_file():
+        raise SystemExit(f"{in_dir}: no manifest.json here; export the modules first (python benchmarks/tvm.py "
+                         f"--export {in_dir}{' --cpu-smoke' if cpu else ''})")
     manifest = json.loads((in_dir / "manifest.json").read_text())
     want = "llvm" if cpu else "cuda"
     if manifest["kind"] != want:
@@ -502,12 +505,13 @@ def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None,
         gb = math.exp(sum(math.log(b[0]) for b in best.values()) / len(best))
         worst = max(best.values(), key=lambda b: b[0])
         emit(f"best variants: geometric-mean TVM/Triton {gb:.2f}x, worst {worst[0]:.2f}x ({worst[5]} {worst[6]}); "
-             f"every group within 1.25x: {'yes' if worst[0] <= 1.25 else 'NO'}")
+             + (f"every group within 1.25x: {'yes' if worst[0] <= 1.25 else 'NO'}" if not cpu
+                else "(CPU smoke run: no verdict, the timings mean nothing)"))
     if not ratios:
         ratios = [1.0]
     gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
     emit(f"default variants: geometric-mean TVM/Triton time ratio over {len(ratios)} kernels: {gm:.2f}x "
-         f"(target <= 1.25x: {'met' if gm <= 1.25 else 'NOT met'})")
+         + (f"(target <= 1.25x: {'met' if gm <= 1.25 else 'NOT met'})" if not cpu else "(CPU smoke run: no verdict)"))
     if out_md is not None:
         out_md.parent.mkdir(parents=True, exist_ok=True)
         out_md.write_text("\n".join(LINES) + "\n")
@@ -548,19 +552,23 @@ def main(argv=None) -> int:
                         "commit it as benchmarks/results/tvm.md)")
     args = p.parse_args(argv)
     only = None
-    if args.only:
+    if args.only is not None:
         only = {o.strip() for o in args.only.split(",") if o.strip()}
+        if not only:
+            p.error("--only: give at least one op, e.g. --only attn_residual")
         unknown = only - set(VARIANTS)
         if unknown:
             p.error(f"--only: unknown op(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"             # before triton is imported
+    if args.export is not None and (args.tokens is not None or args.out is not None or args.quick):
+        p.error("--tokens, --quick and --out apply to --run, not to --export")
     if args.export is not None:
         d = Path(args.export or (".device/tvm_kernels_cpu" if args.cpu_smoke else ".device/tvm_kernels"))
         do_export(d, "llvm" if args.cpu_smoke else "cuda", "float32" if args.cpu_smoke else "bfloat16", only)
         return 0
     d = Path(args.run or (".device/tvm_kernels_cpu" if args.cpu_smoke else ".device/tvm_kernels"))
-    n = args.tokens or (37 if args.cpu_smoke else 8192 if args.quick else 16384)
+    n = args.tokens if args.tokens is not None else (37 if args.cpu_smoke else 8192 if args.quick else 16384)
     if n < 1:
         raise SystemExit(f"--tokens must be >= 1, got {n}")
     return do_run(d, args.cpu_smoke, n, args.quick, args.out, only)

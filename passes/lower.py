@@ -159,7 +159,9 @@ class KernelProgram:
         return out
 
 
-TVM_OPS = ("rmsnorm", "l2norm", "silu", "sigmoid", "add", "mul", "situ_glu", "attn_residual", "short_conv")
+# the ops backends/tvm runs (backends.tvm.op_table; qb_route: TVM router scores, then the reference's top-k)
+TVM_OPS = ("rmsnorm", "l2norm", "silu", "sigmoid", "add", "mul", "situ_glu", "attn_residual", "short_conv",
+           "qb_route")
 
 
 def _cdiv(a, b) -> sympy.Expr:
@@ -282,7 +284,11 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
         if target == "tvm" and all(m.op in TVM_OPS + VIEWS for m in ms) and backend != "library":
             # TensorIR kernels (backends/tvm), one per op for now; the rest falls back to Triton
             kernel, backend = "tvm[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]", "tvm"
-            prologue, epilogue = [], []
+            prologue, epilogue, tiles = [], [], {}      # TVM kernels have their own schedules (mtc ir --stage tvm)
+        elif target == "tvm":
+            # a library GEMM with a fused elementwise epilogue: the runtime runs that op with its TVM kernel
+            for op in TVM_OPS:
+                kernel = kernel.replace(f"triton.{op}", f"tvm.{op}")
         grid = [] if backend in ("library", "tvm", "reference") else _grid(kind, anchor, types, tiles)
         # AttnRes kernels carry an output RMSNorm: the runtime (target triton) runs an absorbed RMSNorm of the
         # same eps there (backends/runtime.py, CompiledModule._fused_norm_epilogues)

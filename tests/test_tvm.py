@@ -12,6 +12,7 @@ tvm = pytest.importorskip("tvm")
 import backends.reference as R  # noqa: E402
 import backends.tvm as V  # noqa: E402
 from backends.tvm import build as B  # noqa: E402
+from backends.tvm import kernels as K  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -584,3 +585,43 @@ def test_attn_residual_misaligned_views():
     fixed = V._aligned(srcs[0])
     assert fixed.data_ptr() % 32 == 0 and torch.equal(fixed, srcs[0])
     assert V._aligned(w).data_ptr() == w.data_ptr()             # an aligned tensor is not copied
+
+
+@pytest.mark.parametrize("op,attrs,msg", [
+    ("attn_residual", dict(L=2), "needs the attribute d"),
+    ("rmsnorm", dict(), "needs the attribute d"),
+    ("attn_residual", dict(d=64, L=2, eps=-1.0), "eps must be a positive number"),
+    ("l2norm", dict(d=64, eps=0), "eps must be a positive number"),
+    ("attn_residual", dict(d=7168, L=2, impl="pipelined", stages=0), "stages must be >= 1"),
+    ("attn_residual", dict(d=7168, L=2, stages=2.5), "stages must be an integer"),
+    ("attn_residual", dict(d=7168, L=2, impl="onepass", threads=0), "threads must be >= 1"),
+    ("rmsnorm", dict(d=7168, threads=2048), "threads must be <= 1024"),
+    ("attn_residual", dict(d=7168, L=2, vec=3), "vec must be 1, 2, 4 or 8"),
+    ("silu", dict(unroll=-1), "unroll must be >= 1"),
+    ("short_conv", dict(C=64, tile_t=0), "tile_t must be >= 1"),
+    ("attn_residual", dict(d=64, L="2"), "L must be an integer"),
+    ("attn_residual", dict(d=64.0, L=2), "d must be an integer"),
+    ("attn_residual", dict(d=64, L=2, group=True), "group must be an integer"),
+    ("router_scores", dict(d=64), "needs the attribute E")])
+def test_kernel_for_checks_attributes(op, attrs, msg):
+    """kernel_for refuses missing, non-integer and out-of-range attributes with a ValueError naming them
+    (they used to surface later as KeyError, ZeroDivisionError, TVM schedule errors or NaN)."""
+    with pytest.raises(ValueError, match=msg):
+        V.kernel_for(op, **attrs)
+
+
+def test_pipelined_threads_long_rows():
+    """Rows longer than 1024 threads x 4 vectors take 8 or 16 vectors per thread (float32 d = 32768: 8192
+    vectors, 1024 threads), so the pipelined kernel still applies; rows with no whole-warp split say so."""
+    assert K.pipelined_threads(32768, "float32") == 1024
+    assert K.pipelined_threads(7168, "bfloat16") == 224
+    assert K.pipelined_threads(1000, "bfloat16") == 0
+    k = V.kernel_for("attn_residual", d=32768, L=3, dtype="float32", impl="pipelined")
+    assert dict(k.sched)["threads"] == 1024 and dict(k.sched)["stages"] == 1     # one 128 KiB row fits
+
+
+def test_attn_residual_sources_checked_like_the_reference():
+    q, w = torch.randn(64), torch.randn(64)
+    for bad in (None, 5, (torch.randn(3, 64) for _ in range(2)), torch.randn(2, 3, 64)):
+        with pytest.raises(TypeError, match="sources must be a list"):
+            V.attn_residual(q, bad, w)

@@ -66,9 +66,18 @@ def model_tvmscript(g, scheduled: str | None = None, dtype: str | None = None) -
     nodes = g.node_map()
     seen: dict[str, list[str]] = {}
     order = []
+    def in_type(n, i):
+        r = n.inputs[i]
+        return nodes[r.node].types[r.index]
+
     for n in g.nodes:
         t = n.types[0] if n.types else None
-        if n.op not in OPS or n.op == "router_scores" or t is None or t.dtype not in dt:
+        op = n.op
+        if op == "qb_route":                  # TVM scores the router (router_scores), the reference selects
+            op, t = "router_scores", in_type(n, 0)
+        elif op not in OPS or op == "router_scores":
+            continue
+        if t is None or t.dtype not in dt:
             continue
         a = {"dtype": dt[t.dtype]}
         if n.op in ("rmsnorm", "l2norm"):
@@ -83,12 +92,15 @@ def model_tvmscript(g, scheduled: str | None = None, dtype: str | None = None) -
             a.update(C=int(wt.shape[0]), W=int(wt.shape[2]), w_dtype=dt[wt.dtype])
         elif n.op == "situ_glu":
             a.update(beta_gate=float(n.attr("beta_gate")), beta_up=float(n.attr("beta_up")))
+        elif op == "router_scores":
+            wt = in_type(n, 1)
+            a.update(d=int(t.shape[-1]), E=int(wt.shape[0]), w_dtype=dt[wt.dtype])
         if dtype is not None:
             a.update({k_: dtype for k_ in ("dtype", "q_dtype", "w_dtype", "b_dtype") if k_ in a})
-        key = repr((n.op, sorted(a.items())))
+        key = repr((op, sorted(a.items())))
         if key not in seen:
             seen[key] = []
-            order.append((key, n.op, a))
+            order.append((key, op, a))
         seen[key].append(n.name)
     which = ("unscheduled TVMScript of the llvm build (kernels marked 'cuda text differs' are built for cuda "
              "sm_90 from another text; mtc ir --stage tvm --tvm-schedule llvm|cuda shows a target's scheduled "
@@ -99,8 +111,12 @@ def model_tvmscript(g, scheduled: str | None = None, dtype: str | None = None) -
         k = kernel_for(op, **dict(a))
         differs = ""
         if scheduled is None and k.cuda_source is not None:
-            differs = (" [cuda text differs: " + ("the pipelined kernel, cp.async ring" if k.info.get("cuda_prescheduled")
-                                                  else "fast-math intrinsics") + "]")
+            why = ("the pipelined kernel (cp.async ring, impl=pipelined)" if k.info.get("cuda_prescheduled")
+                   else "fast-math intrinsics" if "__" in k.cuda_source and "__" not in k.source
+                   else "the reductions as let-bound updates")
+            differs = f" [cuda text differs: {why}]"
+        if op == "attn_residual":
+            differs += f" [cuda kernel: {', '.join(f'{k_}={v}' for k_, v in k.sched if v is not None)}]"
         out.append(f"\n# ---- {op} {a}: used by {len(users)} node(s): "
                    f"{', '.join('%' + u for u in users[:6])}{' ...' if len(users) > 6 else ''}{differs}")
         out.append(k.source if scheduled is None else _K.schedule(k, scheduled).script())
@@ -160,6 +176,46 @@ def _check_eps(eps, where):
 # kernel selection (pure Python: also what tvmscript() prints)
 # ----------------------------------------------------------------------------------------------------
 
+# lowest allowed value of each integer attribute of kernel_for (threads also <= 1024: a CUDA block)
+_INT_ATTRS = {"threads": 1, "rows": 1, "vec": 1, "prefetch": 0, "group": 1, "min_blocks": 1, "stages": 1,
+              "unroll": 1, "tile_t": 1, "d": 1, "L": 1, "C": 1, "W": 1, "E": 1}
+
+
+def _int_attr(op: str, name: str, v) -> int:
+    """An integer kernel attribute, checked: a Python / numpy integer (not a bool, float or string) within
+    its range (_INT_ATTRS; threads <= 1024, vec one of 1, 2, 4, 8). Raises ValueError naming it."""
+    import operator
+    if isinstance(v, bool):
+        raise ValueError(f"tvm backend: {op} attribute {name} must be an integer, got {v!r}")
+    try:
+        iv = operator.index(v)
+    except TypeError:
+        raise ValueError(f"tvm backend: {op} attribute {name} must be an integer, got {v!r}") from None
+    lo = _INT_ATTRS[name]
+    if iv < lo:
+        raise ValueError(f"tvm backend: {op} attribute {name} must be >= {lo}, got {iv}")
+    if name == "threads" and iv > 1024:
+        raise ValueError(f"tvm backend: {op} attribute threads must be <= 1024 (one CUDA block), got {iv}")
+    if name == "vec" and iv not in (1, 2, 4, 8):
+        raise ValueError(f"tvm backend: {op} attribute vec must be 1, 2, 4 or 8 (elements per access), got {iv}")
+    return iv
+
+
+def _shape_attr(op: str, a: dict, name: str, default=None) -> int:
+    """A required (or defaulted) shape attribute of kernel_for, checked by _int_attr."""
+    if name not in a:
+        if default is None:
+            raise ValueError(f"tvm backend: {op} needs the attribute {name}")
+        return default
+    return _int_attr(op, name, a.pop(name))
+
+
+def _eps_attr(op: str, a: dict) -> float:
+    eps = a.pop("eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"tvm backend: {op} attribute eps must be a positive number, got {eps!r}")
+    return float(eps)
+
 def kernel_for(op: str, **a) -> _K.Kernel:
     """The kernel specialisation for ``op`` with compile-time attributes ``a``.
 
@@ -171,10 +227,13 @@ def kernel_for(op: str, **a) -> _K.Kernel:
     prefetch, group, min_blocks; "pipelined" (cuda: cp.async ring) with threads, stages, group; "twopass": the b963733 kernel; see kernels.attn_residual_source); rmsnorm / l2norm also take the cuda schedule attributes threads,
     vec, rows; short_conv: C, W, dtype, w_dtype (and vec, threads, tile_t); router_scores: d, E, dtype, w_dtype. Dtypes are
     "float32" / "float16" / "bfloat16" (default float32; out_dtype defaults to dtype).
-    Raises ValueError for an unknown op or attribute, TypeError for an unsupported dtype."""
+    Integer attributes must be integers in range (threads 1..1024, vec 1 / 2 / 4 / 8, prefetch >= 0, the
+    others >= 1) and eps a positive number.
+    Raises ValueError for an unknown op, a missing, unknown or out-of-range attribute, TypeError for an
+    unsupported dtype."""
     dt = a.pop("dtype", "float32")
     if op in ("silu", "sigmoid", "add", "mul", "situ_glu"):
-        ew = {k: int(a.pop(k)) for k in ("vec", "threads", "unroll") if k in a}
+        ew = {k: _int_attr(op, k, a.pop(k)) for k in ("vec", "threads", "unroll") if k in a}
     if op in ("silu", "sigmoid"):
         k = _K.elementwise_source(op, (dt,), dt, **ew)
     elif op in ("add", "mul"):
@@ -183,8 +242,8 @@ def kernel_for(op: str, **a) -> _K.Kernel:
         k = _K.elementwise_source(op, (dt, a.pop("b_dtype", dt)), a.pop("out_dtype", dt),
                                   beta_gate=a.pop("beta_gate", 4.0), beta_up=a.pop("beta_up", 25.0), **ew)
     elif op in ("rmsnorm", "l2norm", "attn_residual"):
-        rs = {k_: int(a.pop(k_)) for k_ in ("threads", "rows", "vec", "prefetch", "group", "min_blocks", "stages")
-              if k_ in a}
+        rs = {k_: _int_attr(op, k_, a.pop(k_))
+              for k_ in ("threads", "rows", "vec", "prefetch", "group", "min_blocks", "stages") if k_ in a}
         if "impl" in a:
             if op != "attn_residual":
                 raise ValueError(f"tvm backend: {op} takes no 'impl' attribute")
@@ -195,18 +254,20 @@ def kernel_for(op: str, **a) -> _K.Kernel:
         if op == "attn_residual" and "rows" in rs:
             raise ValueError("tvm backend: attn_residual takes no 'rows' attribute (one row per block)")
         if op == "rmsnorm":
-            k = _K.rownorm_source("rmsnorm", int(a.pop("d")), dt, a.pop("w_dtype", "float32"), dt,
-                                  a.pop("eps", 1e-6), **rs)
+            k = _K.rownorm_source("rmsnorm", _shape_attr(op, a, "d"), dt, a.pop("w_dtype", "float32"), dt,
+                                  _eps_attr(op, a), **rs)
         elif op == "l2norm":
-            k = _K.rownorm_source("l2norm", int(a.pop("d")), dt, None, dt, a.pop("eps", 1e-6), **rs)
+            k = _K.rownorm_source("l2norm", _shape_attr(op, a, "d"), dt, None, dt, _eps_attr(op, a), **rs)
         else:
-            k = _K.attn_residual_source(int(a.pop("d")), int(a.pop("L")), dt, a.pop("q_dtype", "float32"),
-                                        a.pop("w_dtype", "float32"), a.pop("eps", 1e-6), **rs)
+            k = _K.attn_residual_source(_shape_attr(op, a, "d"), _shape_attr(op, a, "L"), dt,
+                                        a.pop("q_dtype", "float32"), a.pop("w_dtype", "float32"), _eps_attr(op, a),
+                                        **rs)
     elif op == "short_conv":
-        sc = {k_: int(a.pop(k_)) for k_ in ("vec", "threads", "tile_t") if k_ in a}
-        k = _K.short_conv_source(int(a.pop("C")), int(a.pop("W", 4)), dt, a.pop("w_dtype", dt), dt, **sc)
+        sc = {k_: _int_attr(op, k_, a.pop(k_)) for k_ in ("vec", "threads", "tile_t") if k_ in a}
+        k = _K.short_conv_source(_shape_attr(op, a, "C"), _shape_attr(op, a, "W", 4), dt, a.pop("w_dtype", dt), dt,
+                                 **sc)
     elif op == "router_scores":
-        k = _K.router_source(int(a.pop("d")), int(a.pop("E")), dt, a.pop("w_dtype", dt))
+        k = _K.router_source(_shape_attr(op, a, "d"), _shape_attr(op, a, "E"), dt, a.pop("w_dtype", dt))
     else:
         raise ValueError(f"tvm backend: no kernel for op {op!r}; kernels: {', '.join(OPS)}")
     if a:
@@ -387,9 +448,9 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     the sources' dtype. One kernel per (d, L, dtypes, eps); the sources are read in place (no stacking).
     Raises TypeError / ValueError (via the reference's argument checks) on bad input."""
     from backends.reference.attn_residual import check_attn_residual_args
-    sources = list(sources)
     shape, dtype, d = check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight,
                                                where="tvm attn_residual")
+    sources = list(sources)
     where = "tvm attn_residual"
     sdt, qdt, wdt = _dt(sources[0], "sources", where), _dt(query, "query", where), _dt(rms_weight, "rms_weight", where)
     kind = _kind(query, rms_weight, *sources, where=where)

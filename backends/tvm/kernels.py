@@ -653,13 +653,13 @@ def pipelined_threads(d: int, src_dtype: str) -> int:
     """Default threads per row of the pipelined attn_residual kernel: four 128-bit vectors per thread (224
     at d = 7168 in bf16: 0.76-0.97x the Triton kernel's time on the H200 at L = 2..25 with 8 stages and
     groups of 4, against 0.78-1.12x with 448 threads x 2 vectors; benchmarks/results/tvm.md), else two,
-    else one; 0 when d / vec is not a
+    else one (8 or 16 for rows longer than 4096 vectors); 0 when d / vec is not a
     multiple of 32 (the kernel needs whole warps: its sums go through warp shuffles)."""
     vec = _lanes(src_dtype)
     if d % vec:
         return 0
     nv = d // vec
-    for per in (4, 2, 1):
+    for per in (4, 2, 1, 8, 16):          # 8 / 16 vectors per thread only for rows too long for 1024 x 4
         if nv % per == 0 and (nv // per) % 32 == 0 and nv // per <= 1024:
             return nv // per
     return 0
@@ -715,8 +715,9 @@ def _attn_residual_pipelined_source(d: int, L: int, src_dtype: str, q_dtype: str
     if threads is None:
         threads = pipelined_threads(d, src_dtype)
         if not threads:
-            raise ValueError(f"attn_residual: impl 'pipelined' needs d / {vec} to be a multiple of 32 "
-                             f"(whole warps of 128-bit vectors), got d = {d}; use impl='onepass'")
+            raise ValueError(f"attn_residual: impl 'pipelined' needs the row's d / {vec} 128-bit vectors to split "
+                             f"into whole warps (a multiple of 32 threads, at most 1024, with 1, 2, 4, 8 or 16 "
+                             f"vectors each), got d = {d}; use impl='onepass'")
     nv = d // vec if d % vec == 0 else 0
     if not nv or threads % 32 or threads > 1024 or nv % threads:
         raise ValueError(f"attn_residual: impl 'pipelined' with {threads} threads needs d / {vec} = {d / vec:g} "
