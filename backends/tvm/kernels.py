@@ -653,8 +653,8 @@ def pipelined_threads(d: int, src_dtype: str) -> int:
     """Default threads per row of the pipelined attn_residual kernel: four 128-bit vectors per thread (224
     at d = 7168 in bf16: 0.76-0.97x the Triton kernel's time on the H200 at L = 2..25 with 8 stages and
     groups of 4, against 0.78-1.12x with 448 threads x 2 vectors; benchmarks/results/tvm.md), else two,
-    else one (8 or 16 for rows longer than 4096 vectors); 0 when d / vec is not a
-    multiple of 32 (the kernel needs whole warps: its sums go through warp shuffles)."""
+    else one (8 or 16 for rows longer than 4096 vectors); 0 when none of these splits the row's d / vec
+    vectors into whole warps of at most 1024 threads (its sums go through warp shuffles)."""
     vec = _lanes(src_dtype)
     if d % vec:
         return 0
@@ -701,11 +701,11 @@ def _attn_residual_pipelined_source(d: int, L: int, src_dtype: str, q_dtype: str
     PIPELINED_SMEM_LIMIT bytes (group also by stages). Shared memory: stages * d * element size bytes
     (dynamic shared memory above 48 KiB). Measured on the H200 (d = 7168, bf16, L = 2..25): correct
     (relative RMS error 2.1e-05..3.8e-05, Triton's 2.2e-05..3.8e-05) in every setting tried.
-    Raises ValueError when d / vec is not a multiple of 32 (no whole-warp layout: use "onepass"), for
+    Raises ValueError when the row has no whole-warp layout (pipelined_threads; use "onepass"), for
     threads that do not divide the row's vectors into whole warps, stages beyond the shared-memory limit,
     stages < group or group < 1."""
     portable = _attn_residual_onepass_source(d, L, src_dtype, q_dtype, w_dtype, eps,
-                                             **{k: v for k, v in onepass_defaults(d, L, src_dtype).items()})
+                                             **onepass_defaults(d, L, src_dtype))
     vec = _lanes(src_dtype)
     esz = 4 if src_dtype == "float32" else 2
     row_bytes = d * esz
