@@ -470,11 +470,11 @@ def cmd_run(args) -> int:
     plain = not c.is_terminal
     last_note = [time.perf_counter()]
 
-    def note(done):
+    def note(what, force=False):
         now = time.perf_counter()
-        if plain and (now - last_note[0] >= 10 or done == n):
+        if plain and (force or now - last_note[0] >= 10):
             last_note[0] = now
-            print(f"mtc run: {done}/{n} windows, {now - t1:.0f} s", file=sys.stderr, flush=True)
+            print(f"mtc run: {what}, {now - t1:.0f} s", file=sys.stderr, flush=True)
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total} {task.fields[unit]}"), TimeElapsedColumn(),
@@ -485,10 +485,7 @@ def cmd_run(args) -> int:
 
         def op_progress(i, total):
             prog.update(ops_task, completed=i + 1, total=total)
-            if plain and time.perf_counter() - last_note[0] >= 10:
-                last_note[0] = time.perf_counter()
-                print(f"mtc run: window {done_windows[0] + 1}/{n}, op {i + 1}/{total}, "
-                      f"{last_note[0] - t1:.0f} s", file=sys.stderr, flush=True)
+            note(f"window {done_windows[0] + 1}/{n}, op {i + 1}/{total}")
 
         with torch.no_grad(), warnings.catch_warnings():
             from .errors import MtcWarning          # the runtime's own past-max_seq_len warning: said above
@@ -506,7 +503,7 @@ def cmd_run(args) -> int:
                     loads[k] = loads.get(k, 0) + v.cpu()
                 prog.update(task, advance=len(rows))
                 done_windows[0] += len(rows)
-                note(done_windows[0])
+                note(f"{done_windows[0]}/{n} windows", force=done_windows[0] == n)
     dt = time.perf_counter() - t1
     nll = total_loss / total_tok
     c.print(f"loss {nll:.4f} nats/token ({nll / 0.6931471805599453:.3f} bits/byte), perplexity "

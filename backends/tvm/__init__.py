@@ -119,7 +119,7 @@ def model_tvmscript(g, scheduled: str | None = None, dtype: str | None = None) -
             differs += f" [cuda kernel: {', '.join(f'{k_}={v}' for k_, v in k.sched if v is not None)}]"
         out.append(f"\n# ---- {op} {a}: used by {len(users)} node(s): "
                    f"{', '.join('%' + u for u in users[:6])}{' ...' if len(users) > 6 else ''}{differs}")
-        out.append(k.source if scheduled is None else _K.schedule(k, scheduled).script())
+        out.append(_text(k, scheduled))
     return "\n".join(out) + "\n"
 
 
@@ -211,9 +211,11 @@ def _shape_attr(op: str, a: dict, name: str, default=None) -> int:
 
 
 def _eps_attr(op: str, a: dict) -> float:
-    eps = a.pop("eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"tvm backend: {op} attribute eps must be a positive number, got {eps!r}")
+    """kernel_for's eps (default 1e-6), checked by _check_eps (and not a bool)."""
+    eps, where = a.pop("eps", 1e-6), f"tvm backend: {op} attribute"
+    if isinstance(eps, bool):
+        raise ValueError(f"{where}: eps must be a positive number, got {eps!r}")
+    _check_eps(eps, where)
     return float(eps)
 
 def kernel_for(op: str, **a) -> _K.Kernel:
@@ -281,10 +283,12 @@ def tvmscript(op_name: str, *, scheduled: str | None = None, **shape_attrs) -> s
     ``shape_attrs`` as for :func:`kernel_for` (e.g. ``tvmscript("rmsnorm", d=7168, eps=1e-6)``). With
     ``scheduled="llvm"`` or ``"cuda"`` the text after that target's schedule is returned instead (needs
     TVM); without, the unscheduled source (pure Python)."""
-    k = kernel_for(op_name, **shape_attrs)
-    if scheduled is None:
-        return k.source
-    return _K.schedule(k, scheduled).script()
+    return _text(kernel_for(op_name, **shape_attrs), scheduled)
+
+
+def _text(k: _K.Kernel, scheduled: str | None) -> str:
+    """A kernel's unscheduled (llvm) TVMScript, or its text after the schedule of target ``scheduled``."""
+    return k.source if scheduled is None else _K.schedule(k, scheduled).script()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -76,9 +76,11 @@ def _c(v: float) -> str:
     return f"T.float32({float(v)!r})"
 
 
-def _header(name: str, params: list[str]) -> str:
+def _header(name: str, params: list[str], s_tir: bool = True) -> str:
+    """The prim_func decorator, signature and attributes; s_tir=False for a kernel written thread-bound
+    (T.launch_thread) instead of as schedulable blocks."""
     args = ", ".join(f"{p}: T.handle" for p in params)
-    return (f"@T.prim_func(s_tir=True)\n"
+    return (f"@T.prim_func{'(s_tir=True)' if s_tir else ''}\n"
             f"def {name}({args}):\n"
             f'    T.func_attr({{"global_symbol": "{name}", "tirx.noalias": True}})\n')
 
@@ -327,7 +329,7 @@ def attn_residual_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: 
     threads, stages, group); on llvm the default one-pass kernel.
     Raises ValueError for an unknown impl, or schedule attributes given to "twopass"."""
     if impl is None and vec is None and prefetch is None and min_blocks is None \
-            and _pipelined_fits(d, src_dtype, threads):
+            and _pipelined_problem(d, src_dtype, threads) is None:
         impl = "pipelined"
     if stages is not None and impl != "pipelined":
         raise ValueError("attn_residual: 'stages' belongs to impl='pipelined'")
@@ -371,10 +373,10 @@ def onepass_defaults(d: int, L: int, src_dtype: str) -> dict:
     return {"threads": _norm_threads(d, _lanes(src_dtype)) or None, "group": group, "prefetch": prefetch}
 
 
-def _attn_residual_head(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str) -> str:
-    """The checked arguments and the TVMScript head shared by both attn_residual kernels: the prim_func
-    header and the buffers Q [d], W [d], S0..S{L-1} [n, d] (L separate sources) and Y [n, d].
-    Raises ValueError for L < 1, d < 1 or an unsupported dtype."""
+def _attn_residual_head(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, s_tir: bool = True) -> str:
+    """The checked arguments and the TVMScript head shared by the attn_residual kernels: the prim_func
+    header (_header's s_tir) and the buffers Q [d], W [d], S0..S{L-1} [n, d] (L separate sources) and
+    Y [n, d]. Raises ValueError for L < 1, d < 1 or an unsupported dtype."""
     if L < 1:
         raise ValueError(f"attn_residual: needs at least one source, got L = {L}")
     if d < 1:
@@ -382,7 +384,7 @@ def _attn_residual_head(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: s
     for dt, what in ((src_dtype, "sources"), (q_dtype, "query"), (w_dtype, "rms_weight")):
         _check_dtype(dt, f"attn_residual {what}")
     params = ["q_h", "w_h"] + [f"s{l}_h" for l in range(L)] + ["y_h"]
-    src = _header("attn_residual", params)
+    src = _header("attn_residual", params, s_tir)
     src += "    n = T.int64()\n"
     src += f'    Q = T.match_buffer(q_h, ({d},), "{q_dtype}")\n'
     src += f'    W = T.match_buffer(w_h, ({d},), "{w_dtype}")\n'
@@ -665,14 +667,23 @@ def pipelined_threads(d: int, src_dtype: str) -> int:
     return 0
 
 
-def _pipelined_fits(d: int, src_dtype: str, threads: int | None) -> bool:
-    """Whether the pipelined kernel has a whole-warp layout for this row (with these threads, if given)."""
+def _pipelined_problem(d: int, src_dtype: str, threads: int | None) -> str | None:
+    """None when the pipelined kernel fits this row (a ring row in shared memory, a whole-warp layout with
+    these threads or pipelined_threads' default), else what does not fit, as an error message."""
     vec = _lanes(src_dtype)
-    if d * (4 if src_dtype == "float32" else 2) > PIPELINED_SMEM_LIMIT:
-        return False
+    row_bytes = d * (16 // vec)
+    if row_bytes > PIPELINED_SMEM_LIMIT:
+        return (f"attn_residual: impl 'pipelined' keeps whole rows in shared memory; a row of d = {d} is "
+                f"{row_bytes} bytes, over the {PIPELINED_SMEM_LIMIT} allowed: use impl='onepass'")
     if threads is None:
-        return bool(pipelined_threads(d, src_dtype))
-    return d % vec == 0 and threads % 32 == 0 and 0 < threads <= 1024 and (d // vec) % threads == 0
+        if not pipelined_threads(d, src_dtype):
+            return (f"attn_residual: impl 'pipelined' needs the row's d / {vec} 128-bit vectors to split into "
+                    f"whole warps (a multiple of 32 threads, at most 1024, with 1, 2, 4, 8 or 16 vectors each), "
+                    f"got d = {d}; use impl='onepass'")
+    elif d % vec or threads % 32 or not 0 < threads <= 1024 or (d // vec) % threads:
+        return (f"attn_residual: impl 'pipelined' with {threads} threads needs d / {vec} = {d / vec:g} to be a "
+                f"multiple of the threads, and the threads a multiple of 32 and <= 1024")
+    return None
 
 
 def _attn_residual_pipelined_source(d: int, L: int, src_dtype: str, q_dtype: str, w_dtype: str, eps: float, *,
@@ -706,22 +717,13 @@ def _attn_residual_pipelined_source(d: int, L: int, src_dtype: str, q_dtype: str
     stages < group or group < 1."""
     portable = _attn_residual_onepass_source(d, L, src_dtype, q_dtype, w_dtype, eps,
                                              **onepass_defaults(d, L, src_dtype))
+    problem = _pipelined_problem(d, src_dtype, threads)
+    if problem:
+        raise ValueError(problem)
     vec = _lanes(src_dtype)
-    esz = 4 if src_dtype == "float32" else 2
-    row_bytes = d * esz
-    if row_bytes > PIPELINED_SMEM_LIMIT:
-        raise ValueError(f"attn_residual: impl 'pipelined' keeps whole rows in shared memory; a row of d = {d} is "
-                         f"{row_bytes} bytes, over the {PIPELINED_SMEM_LIMIT} allowed: use impl='onepass'")
-    if threads is None:
-        threads = pipelined_threads(d, src_dtype)
-        if not threads:
-            raise ValueError(f"attn_residual: impl 'pipelined' needs the row's d / {vec} 128-bit vectors to split "
-                             f"into whole warps (a multiple of 32 threads, at most 1024, with 1, 2, 4, 8 or 16 "
-                             f"vectors each), got d = {d}; use impl='onepass'")
-    nv = d // vec if d % vec == 0 else 0
-    if not nv or threads % 32 or threads > 1024 or nv % threads:
-        raise ValueError(f"attn_residual: impl 'pipelined' with {threads} threads needs d / {vec} = {d / vec:g} "
-                         f"to be a multiple of the threads, and the threads a multiple of 32 and <= 1024")
+    esz = 16 // vec
+    row_bytes, nv = d * esz, d // vec
+    threads = pipelined_threads(d, src_dtype) if threads is None else threads
     fit = max(1, PIPELINED_SMEM_LIMIT // row_bytes)         # ring rows that fit the shared memory of a block
     if group is not None and group < 1:
         raise ValueError(f"attn_residual: group must be >= 1 (sources per block-wide reduction), got {group}")
@@ -740,18 +742,8 @@ def _attn_residual_pipelined_source(d: int, L: int, src_dtype: str, q_dtype: str
     scope = "shared" if smem <= 48 * 1024 else "shared.dyn"
     f32 = lambda e: _f32(e, src_dtype)                                    # noqa: E731
     col = lambda u: f"(tx + {threads * u}) * {vec}"                       # noqa: E731  (first element of vector u)
-    o: list[str] = []
+    o: list[str] = [_attn_residual_head(d, L, src_dtype, q_dtype, w_dtype, s_tir=False).rstrip("\n")]
     a = o.append
-    params = ["q_h", "w_h"] + [f"s{l}_h" for l in range(L)] + ["y_h"]
-    a("@T.prim_func")
-    a(f"def attn_residual({', '.join(p_ + ': T.handle' for p_ in params)}):")
-    a('    T.func_attr({"global_symbol": "attn_residual", "tirx.noalias": True})')
-    a("    n = T.int64()")
-    a(f'    Q = T.match_buffer(q_h, ({d},), "{q_dtype}")')
-    a(f'    W = T.match_buffer(w_h, ({d},), "{w_dtype}")')
-    for l in range(L):
-        a(f'    S{l} = T.match_buffer(s{l}_h, (n, {d}), "{src_dtype}")')
-    a(f'    Y = T.match_buffer(y_h, (n, {d}), "{src_dtype}")')
     a('    bx = T.launch_thread("blockIdx.x", n)')
     a(f'    tx = T.launch_thread("threadIdx.x", {threads})')
     a(f'    ring = T.alloc_shared([{R}, {d}], "{src_dtype}", scope="{scope}")')
@@ -1044,6 +1036,13 @@ def _sched_elementwise(sch, info, kind):
         sch.unroll(iu)
 
 
+def _local_writes(sch, block, info, name):
+    """Every buffer a reduction block writes (2G sums for a grouped attn_residual block, else one) in
+    thread-local scope."""
+    for j in range(info.get("reduction_writes", {}).get(name, 1)):
+        sch.set_scope(block, j, "local")
+
+
 def _sched_rows(sch, info, kind):
     """Row-wise kernels: the output block's row loop carries every per-row producer (compute_at)."""
     out = sch.get_sblock(info["out"])
@@ -1060,8 +1059,7 @@ def _sched_rows(sch, info, kind):
         for name in reversed(producers):
             sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
         for name in producers:
-            for j in range(info.get("reduction_writes", {}).get(name, 1)):    # every sum of a grouped block
-                sch.set_scope(sch.get_sblock(name), j, "local")
+            _local_writes(sch, sch.get_sblock(name), info, name)
         return
     d = info["d"]
     if info.get("vec", 1) > 1 and d % (info.get("threads", CUDA_THREADS) * info["vec"]) == 0:
@@ -1090,8 +1088,7 @@ def _sched_rows(sch, info, kind):
         b = sch.get_sblock(name)
         _, rt = sch.split(sch.get_loops(b)[-1], [None, tx])
         sch.bind(rt, "threadIdx.x")
-        for j in range(info.get("reduction_writes", {}).get(name, 1)):
-            sch.set_scope(b, j, "local")       # all-reduce result lands in every thread's registers
+        _local_writes(sch, b, info, name)      # all-reduce result lands in every thread's registers
     for name in info["row_blocks"]:            # a few float32 per row: every thread computes them
         sch.set_scope(sch.get_sblock(name), 0, "local")
     for name in accs:                          # the row accumulator: d / tx float32 per thread, same
@@ -1166,8 +1163,7 @@ def _sched_rows_vec(sch, info):
     for name in info["reductions"]:
         b = sch.get_sblock(name)
         tile(b, reduce=True)
-        for j in range(info.get("reduction_writes", {}).get(name, 1)):
-            sch.set_scope(b, j, "local")
+        _local_writes(sch, b, info, name)
     for name in info["row_blocks"]:
         sch.set_scope(sch.get_sblock(name), 0, "local")
     for name in accs:
