@@ -52,6 +52,31 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
 
+def bench_graph(fn) -> float:
+    """GPU time of one call without the host: fn captured once into a CUDA graph (after 3 warm-up calls on a
+    side stream, so autotuning and table building happen outside the capture), then the replay timed like
+    bench (L2 flushed before every replay). Small calls (L = 2 at N = 16384 is ~0.17 ms) otherwise also
+    count the host's launch work whenever it outlasts the L2 flush queued before them. nan if the call
+    cannot be captured (a host synchronisation inside it)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    except Exception as e:  # noqa: BLE001 - reported, the column shows nan
+        print(f"(graph capture failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        torch.cuda.synchronize()
+        return float("nan")
+    t = bench(g.replay)
+    del g
+    return t
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a = a.float()
     b = b.float()
@@ -96,8 +121,23 @@ def prune_fla(fla_fused_mod, keep_all: bool) -> str:
             f"4 warps and 3 stages dropped to fit the device budget)")
 
 
-def sweep(n, Ls, copy_bw):
-    emit(f"\n## Sweep of our forward's launch settings (N = {n}, d = {D}, bf16)\n")
+#: settings for few sources (the flat loop has only L steps per row there, so fewer bytes are in flight per
+#: program at the same stages): both sources in one step, two rows per step, deeper rings, 3 programs per SM
+SMALL_L_CANDS = [
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2},       # the default
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 5, "progs_per_sm": 2},
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 2, "progs_per_sm": 2},
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
+    {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1},
+    {"impl": "v2", "num_warps": 8, "bt": 2, "bl": 1, "ns": 3, "progs_per_sm": 1},
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 3, "maxnreg": 168},
+    {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
+]
+
+
+def sweep(n, Ls, copy_bw, small=False):
+    emit(f"\n## Sweep of our forward's launch settings (N = {n}, d = {D}, bf16; GPU time from CUDA-graph replays)\n")
     emit("| setting | " + " | ".join(f"L={L} TB/s" for L in Ls) + f" | err (L={Ls[-1]}, 4096 rows) |")
     emit("|---|" + "---|" * (len(Ls) + 1))
     data = {L: make(L, n) for L in Ls}
@@ -124,6 +164,8 @@ def sweep(n, Ls, copy_bw):
         {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 2},
         {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 6, "progs_per_sm": 2},
     ]
+    if small:
+        cands = SMALL_L_CANDS
     best, best_score = None, -1.0
     for cfg in cands:
         T.FWD_CONFIG.clear()
@@ -133,7 +175,7 @@ def sweep(n, Ls, copy_bw):
             err = rel(T.attn_residual(qc, sc, wc)[rows], ref)
             for L in Ls:
                 q, s, w = data[L]
-                t = bench(lambda: T.attn_residual(q, s, w))
+                t = bench_graph(lambda: T.attn_residual(q, s, w))
                 tbs.append((L + 1) * n * D * 2 / t)
         except Exception as e:  # a setting that does not compile/launch is skipped, and said so
             emit(f"| {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
@@ -240,9 +282,12 @@ def sweep_phase1(n, B, copy_bw):
 def main_table(Ns, Ls, copy_bw, fla_fused, onorm=False):
     emit(f"\n## Forward, bf16, d = {D}{', with the fused output norm' if onorm else ''}: ours vs fla "
          f"fused_attnres\n")
+    emit("ms = median per call (do_bench: L2 flushed, host launch work included when it outlasts the flush); "
+         "graph = the same call replayed from a CUDA graph (GPU time only).\n")
     emit("| N | L | GB moved | GFLOP | ours ms | ours TB/s | ours %copy | ours %4.2TB/s | ours TFLOP/s | "
-         "ours err | fla ms | fla TB/s | fla %copy | fla err | speed-up |")
-    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+         "ours err | fla ms | fla TB/s | fla %copy | fla err | speed-up | ours graph ms | ours graph %copy | "
+         "fla graph ms | fla graph %copy | graph speed-up |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for n in Ns:
         for L in Ls:
@@ -265,6 +310,13 @@ def main_table(Ns, Ls, copy_bw, fla_fused, onorm=False):
                 ratios.append(tf / t)
             else:
                 row += " - | - | - | - | - |"
+            tg = bench_graph(lambda: T.attn_residual(q, s, w, output_rms_weight=ow))
+            row += f" {tg * 1e3:.3f} | {nbytes / tg / copy_bw:.1%} |"
+            if fla_fused is not None:
+                tfg = bench_graph(lambda: fla_fused(q, s, w, output_rms_weight=ow))
+                row += f" {tfg * 1e3:.3f} | {nbytes / tfg / copy_bw:.1%} | {tfg / tg:.2f}x |"
+            else:
+                row += " - | - | - |"
             emit(row)
             q = s = w = out = ref = None  # free
             torch.cuda.empty_cache()
@@ -390,6 +442,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="N = 16384 only, L in {2, 25}; no 2^32 section")
     ap.add_argument("--sweep", action="store_true", help="sweep our forward's launch settings first, use the best")
     ap.add_argument("--sweep-n", type=int, default=65536, help="token count of the forward sweep (default 65536)")
+    ap.add_argument("--sweep-l", default="2,8,25",
+                    help="comma list of source counts of the forward sweep (default 2,8,25); with only counts "
+                         "below the wide threshold (FWD_WIDE_L) the small-L settings are swept")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla baseline")
     ap.add_argument("--fla-all-configs", action="store_true", help="let fla autotune over all 24 of its configs")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: table,onorm,2e32,block,p1sweep (the phase-1 / merge part of --sweep)")
@@ -415,7 +470,13 @@ def main(argv=None):
     Ns = [16384] if a.quick else [16384, 65536]
     Ls = [2, 25] if a.quick else [2, 8, 16, 25]
     if a.sweep:
-        fbest = sweep(a.sweep_n, [2, 8, 25], copy_bw)
+        try:
+            sLs = [int(x) for x in a.sweep_l.split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"--sweep-l: expected a comma list of integers, got {a.sweep_l!r}")
+        if not sLs or min(sLs) < 1:
+            ap.error(f"--sweep-l: expected source counts >= 1, got {a.sweep_l!r}")
+        fbest = sweep(a.sweep_n, sLs, copy_bw, small=max(sLs) < T.FWD_WIDE_L)
         pbest, mbest = sweep_phase1(16384, 8, copy_bw) if "p1sweep" not in skip else ({}, {})
         emit(f"\nSWEEP RESULT: forward FWD_DEFAULT <- {fbest}; phase 1 P1_DEFAULT updated with "
              f"{pbest or '{} (default)'}; MERGE_DEFAULT <- {mbest or '{} (default)'}")

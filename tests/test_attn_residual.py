@@ -221,6 +221,28 @@ def test_triton_forward_views_and_aliases():
     assert _rel(out, _naive(query, sources, w)) < _tol(torch.float32)
 
 
+
+def test_triton_offset_tables_are_reused_and_right():
+    # the int64 offset table of a source list is built once per set of relative offsets and then reused;
+    # a list at other offsets gets its own table, and both calls stay right
+    n, d = 33, 24
+    bank = torch.randn(6, n, d)
+    query, _, w = _inputs(1, (n, d), torch.float32)
+    a = [bank[4], bank[1], bank[3]]
+    b = [bank[1], bank[5], bank[0], bank[2]]
+    _, ta, _ = T._offset_table(a, "test")
+    _, ta2, _ = T._offset_table(list(a), "test")
+    _, tb, _ = T._offset_table(b, "test")
+    assert ta is ta2
+    assert ta.tolist() == [0, -3 * n * d, -1 * n * d]
+    assert tb.tolist() == [0, 4 * n * d, -1 * n * d, 1 * n * d]
+    for srcs in (a, b, a):
+        assert _rel(T.attn_residual(query, srcs, w), _naive(query, srcs, w)) < _tol(torch.float32)
+    # the cache is bounded
+    for k in range(T._TABLES_MAX + 5):
+        T._cached_table((0, k + 10_000), torch.device("cpu"))
+    assert len(T._TABLES) <= T._TABLES_MAX
+
 def _grads(fn, query, sources, w, ow, gy):
     ins = [query, w] + list(sources) + ([ow] if ow is not None else [])
     ins = [t.detach().clone().requires_grad_(True) for t in ins]
@@ -342,7 +364,7 @@ def compile_(fn, sig, const, nw):
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw}).asm["ptx"]
 
-fsig = {"base": "*bf16", "offs": "*i64", "qw_buf": "*fp32", "ow": "*bf16", "out": "*bf16", "logit_buf": "*fp32",
+fsig = {"base": "*bf16", "offs": "*i64", "q_buf": "*bf16", "w_buf": "*bf16", "ow": "*bf16", "out": "*bf16", "logit_buf": "*fp32",
         "lse_buf": "*fp32", "N": "i32", "L": "i32", "eps": "fp32", "TPP": "i32"}
 ptx = compile_(T._fwd_kernel, fsig, {"D": 7168, "BT": 2, "BD": 8192, "VEC": 8, "HAS_ONORM": True, "SAVE": False,
                                      "PF": 1, "NS": 1, "QW_REG": True}, 16)
@@ -355,7 +377,7 @@ ptx = compile_(T._phase1_logits_kernel, {"base": "*bf16", "offs": "*i64", "qwT":
                {"D": 7168, "BT": 64, "BK": 64, "QP": 32, "VEC": 8, "eps": 1e-6, "NS": 4}, 4)
 assert "wgmma" in ptx, "phase 1 logits: no wgmma"
 f2sig = dict(fsig, NB="i32")
-f2sig = {k: f2sig[k] for k in ("base", "offs", "qw_buf", "ow", "out", "logit_buf", "lse_buf", "N", "L", "NB", "eps",
+f2sig = {k: f2sig[k] for k in ("base", "offs", "q_buf", "w_buf", "ow", "out", "logit_buf", "lse_buf", "N", "L", "NB", "eps",
                                "TPP")}
 for bt, bl, ns, nw, qr in ((1, 1, 4, 16, True), (1, 2, 3, 16, True), (2, 1, 3, 16, True), (1, 1, 4, 8, True),
                            (1, 2, 1, 16, True), (2, 2, 2, 16, False)):

@@ -39,6 +39,7 @@ Public functions: ``attn_residual``, ``attn_residual_phase1``, ``attn_residual_m
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -64,7 +65,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _fwd_kernel(
     base, offs,                   # base pointer (sources' dtype) and int64 element offsets [L]
-    qw_buf, ow,                   # [D] f32 query * rms_weight, output-norm weight (ow unused if not HAS_ONORM)
+    q_buf, w_buf, ow,             # [D] query, rms_weight (any float dtype; q*w is formed in float32 here),
+                                  # output-norm weight (ow unused if not HAS_ONORM)
     out,                          # [N, D] sources' dtype
     logit_buf, lse_buf,           # [L, N] f32, [N] f32 (only written if SAVE)
     N, L, eps, TPP,               # TPP: token tiles per program (persistent loop)
@@ -82,7 +84,8 @@ def _fwd_kernel(
     cols = tl.arange(0, BD)
     cmask = cols < D
     if QW_REG:
-        qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
+        qw = (tl.load(q_buf + cols, mask=cmask, other=0.0).to(tl.float32)
+              * tl.load(w_buf + cols, mask=cmask, other=0.0).to(tl.float32))
         if HAS_ONORM:
             oww = tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)
     t0 = pid * TPP
@@ -110,7 +113,8 @@ def _fwd_kernel(
         lgp = logit_buf                                                 # advances by N per source (64-bit)
         for i in tl.range(0, L, num_stages=NS):
             if not QW_REG:
-                qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
+                qw = (tl.load(q_buf + cols, mask=cmask, other=0.0).to(tl.float32)
+                      * tl.load(w_buf + cols, mask=cmask, other=0.0).to(tl.float32))
             if PF == 0:
                 off = tl.multiple_of(tl.load(offs + i), VEC)
                 x = tl.load(base + off + tile, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -157,7 +161,8 @@ def _fwd_kernel(
 @triton.jit
 def _fwd2_kernel(
     base, offs,                   # base pointer (sources' dtype) and int64 element offsets [L]
-    qw_buf, ow,                   # [D] f32 query * rms_weight, output-norm weight (ow unused if not HAS_ONORM)
+    q_buf, w_buf, ow,             # [D] query, rms_weight (any float dtype; q*w is formed in float32 here),
+                                  # output-norm weight (ow unused if not HAS_ONORM)
     out,                          # [N, D] sources' dtype
     logit_buf, lse_buf,           # [L, N] f32, [N] f32 (only written if SAVE)
     N, L, NB, eps, TPP,           # NB = cdiv(L, BL) source blocks; TPP: token tiles per program
@@ -180,7 +185,8 @@ def _fwd2_kernel(
     cmask = cols < D
     ll = tl.arange(0, BL)
     if QW_REG:
-        qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
+        qw = (tl.load(q_buf + cols, mask=cmask, other=0.0).to(tl.float32)
+              * tl.load(w_buf + cols, mask=cmask, other=0.0).to(tl.float32))
     if OW_REG and HAS_ONORM:
         ow_r = tl.load(ow + cols, mask=cmask, other=0.0)
     m = tl.full([BT], float("-inf"), tl.float32)
@@ -200,7 +206,8 @@ def _fwd2_kernel(
         x = tl.load(base + off[:, None, None] + tile[None, :, :], mask=smask[:, None, None] & mask[None, :, :],
                     other=0.0, eviction_policy="evict_first").to(tl.float32)   # [BL, BT, BD]
         if not QW_REG:
-            qw = tl.load(qw_buf + cols, mask=cmask, other=0.0)
+            qw = (tl.load(q_buf + cols, mask=cmask, other=0.0).to(tl.float32)
+                  * tl.load(w_buf + cols, mask=cmask, other=0.0).to(tl.float32))
         ss = tl.sum(x * x, axis=2)                                      # [BL, BT]
         dot = tl.sum(x * qw[None, None, :], axis=2)
         lg = dot * tl.rsqrt(ss / D + eps)
@@ -499,9 +506,46 @@ def _offset_table(tensors: Sequence[torch.Tensor], where: str):
     for i, p in enumerate(ptrs):
         if (p - ptrs[0]) % es:
             raise ValueError(f"{where}: source {i} is not element-aligned relative to source 0")
-    offs = device_table([(p - ptrs[0]) // es for p in ptrs], torch.int64, base.device)
+    offs = _cached_table(tuple((p - ptrs[0]) // es for p in ptrs), base.device)
     vec = 16 // es if all(p % 16 == 0 for p in ptrs) else 1
     return base, offs, vec
+
+
+#: offset tables already on the device, keyed by (device, offsets); a model's activations come back at the same
+#: relative offsets step after step (torch's caching allocator), so after the first step a call builds no
+#: table: no pinned-memory copy and no host work on the launch path (at L = 2, N = 16384 the whole kernel
+#: takes ~0.17 ms, so ~10 us of host work per call shows). The tables hold offsets, not pointers: a stale
+#: entry is still a right table for the same offsets. Bounded (least recently used dropped first).
+_TABLES: "OrderedDict[tuple, tuple]" = OrderedDict()
+_TABLES_MAX = 256
+
+
+def _cached_table(offsets: tuple, device: torch.device) -> torch.Tensor:
+    key = (str(device), offsets)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        table, ready, stream = hit
+        if ready is not None:
+            if ready.query():                    # the copy has run: nothing to order any more
+                _TABLES[key] = (table, None, None)
+            elif (torch.cuda.current_stream(device) != stream
+                  and not torch.cuda.is_current_stream_capturing()):
+                # still being copied on another stream: this stream waits for that copy
+                torch.cuda.current_stream(device).wait_event(ready)
+        return table
+    table = device_table(list(offsets), torch.int64, device)
+    ready = stream = None
+    if table.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        stream = torch.cuda.current_stream(table.device)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    elif table.device.type == "cuda":
+        return table  # built inside a CUDA graph capture: its copy belongs to the graph, not cached
+    _TABLES[key] = (table, ready, stream)
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return table
 
 
 def _flat(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -546,7 +590,6 @@ def _fwd(query, xs, w, ow, eps, save):
     ns = cfg.get("ns", 1) if pf == 0 else 1
     qw_reg = cfg.get("qw_reg", True)
     dev = xs[0].device
-    qw = query.float() * w.float()
     if save:
         logit = torch.empty((L, n), dtype=torch.float32, device=dev)
         lse = torch.empty((n,), dtype=torch.float32, device=dev)
@@ -562,10 +605,11 @@ def _fwd(query, xs, w, ow, eps, save):
         ns = cfg.get("ns", 1)
         # the pipeline keeps ns - 1 steps in shared memory (plus q*w when it is re-read): settings chosen
         # for bf16 would not fit for float32 sources, so fewer stages then (the same result)
-        while ns > 1 and (ns - 1) * (bl * bt * bd * xs[0].element_size() + (0 if qw_reg else 4 * bd)) > 200 * 1024:
+        while ns > 1 and (ns - 1) * (bl * bt * bd * xs[0].element_size()
+                                + (0 if qw_reg else (query.element_size() + w.element_size()) * bd)) > 200 * 1024:
             ns -= 1
         _fwd2_kernel[(grid,)](
-            base, offs, qw, ow if ow is not None else qw, out, logit, lse,
+            base, offs, query, w, ow if ow is not None else w, out, logit, lse,
             n, L, triton.cdiv(L, bl), float(eps), tpp, D=d, BT=bt, BD=bd, BL=bl, VEC=vec,
             HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg, OW_REG=qw_reg and not cfg.get("maxnreg"),
             num_warps=nw,
@@ -576,7 +620,7 @@ def _fwd(query, xs, w, ow, eps, save):
         tpp = max(1, triton.cdiv(n_tiles, progs))
         grid = triton.cdiv(n_tiles, tpp)
         _fwd_kernel[(grid,)](
-            base, offs, qw, ow if ow is not None else qw, out, logit, lse,
+            base, offs, query, w, ow if ow is not None else w, out, logit, lse,
             n, L, float(eps), tpp, D=d, BT=bt, BD=bd, VEC=vec,
             HAS_ONORM=ow is not None, SAVE=save, PF=pf, NS=ns, QW_REG=qw_reg, num_warps=nw,
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
