@@ -19,6 +19,9 @@ _fwd_wu_kernel, v5 = v4 with the in-chunk cumulative gate precomputed: _chunk_cu
 against the same fla time, one row each; --intra4-sweep / --intra5-sweep likewise for v4 / v5 (INTRA4_CFG / INTRA5_CFG);
 --intra3-sweep times the v3 forward (and its intra phase) at the largest case over launch settings
 (backends.triton.kda.INTRA3_CFG: channel slice BK, value slice BV, warps, split into two launches).
+--bwd v1,v2 times each listed backward (backends.triton.kda.BWD_IMPL; v2@WARPSxSTAGES sets the dS chain's
+launch settings, v2:BKxWARPS the pair kernel's) in the fwd+bwd rows, one row each; with --phases also the time
+of each backward phase.
 Usage: source .device/prelude.sh; python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
 """
 from __future__ import annotations
@@ -72,6 +75,11 @@ def main():
     ap.add_argument("--intra", default="v5",
                     help="comma-separated forward intra implementations to time, e.g. v4,v5 (default v5, "
                          "backends.triton.kda's default)")
+    ap.add_argument("--bwd", default="v2",
+                    help="comma-separated backwards to time in the fwd+bwd rows, e.g. v1,v2 "
+                         "(backends.triton.kda.BWD_IMPL; default v2). Launch-setting variants of v2: "
+                         "v2@WARPSxSTAGES for the dS chain (BWD_DH_CFG), v2:BKxWARPS for the pair kernel "
+                         "(BWD_INTRA_CFG), e.g. v2@4x2:16x4")
     ap.add_argument("--intra3-sweep", action="store_true",
                     help="v3 forward at the largest case over INTRA3_CFG launch settings")
     ap.add_argument("--intra4-sweep", action="store_true",
@@ -84,6 +92,15 @@ def main():
     intras = [x.strip() for x in args.intra.split(",") if x.strip()]
     if not intras or any(x not in ("v2", "v3", "v4", "v5") for x in intras):
         ap.error(f"--intra: expected a comma-separated subset of v2,v3,v4,v5, got {args.intra!r}")
+    bwds = [x.strip() for x in args.bwd.split(",") if x.strip()]
+    for b in bwds:
+        try:
+            parse_bwd(b)
+        except ValueError:
+            ap.error(f"--bwd: expected v1, v2, v2@WARPSxSTAGES (the dS chain) and/or v2:BKxWARPS (the pair "
+                     f"kernel), e.g. v2@4x2 or v2:16x4 or v2@4x2:16x4; got {b!r}")
+    if not bwds:
+        ap.error("--bwd: give at least one implementation")
     import triton
     from fla.ops.kda import chunk_kda
     import backends.triton.kda as tk
@@ -139,33 +156,43 @@ def main():
                     o1 = run_fla().detach()
                     t_fla = triton.testing.do_bench(run_fla, warmup=50, rep=args.rep, grad_to_none=gn,
                                                     return_mode="median")
-                    for impl in intras:
+                    # forward rows: one per intra implementation; fwd+bwd rows: one per backward (default intra)
+                    variants = [(i, bwds[0]) for i in intras] if not grad else [(default_intra, b) for b in bwds]
+                    for impl, bwd in variants:
                         tk.INTRA_IMPL = impl
+                        set_bwd(tk, bwd)
                         o2 = run_mtc().detach()
                         err = rel(o2, o1)
                         del o2
                         t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
                                                         return_mode="median")
-                        res[impl] = (t_mtc, err)
+                        res[impl if not grad else bwd] = (t_mtc, err)
+                        if grad and args.phases:
+                            ph = phases(tk, kda_chunk, T, H, bwd=True)
+                            res[impl if not grad else bwd] += (ph,)
                     del o1
             except torch.OutOfMemoryError as e:  # noqa: PERF203
                 print(f"| {H} | {T} | {mode} | OOM: {str(e)[:60]} |", flush=True)
                 continue
             finally:
                 tk.INTRA_IMPL = default_intra
+                set_bwd(tk, None)
                 q = k = v = g = beta = do = None
                 torch.cuda.empty_cache()
             fl = flops_fwd(T, H) * (3.5 if grad else 1.0)
             by = bytes_fwdbwd(T, H) if grad else bytes_fwd(T, H)
-            for impl, (t_mtc, err) in res.items():
+            for impl, (t_mtc, err, *ph) in res.items():
                 tf, tb = fl / (t_mtc * 1e-3), by / (t_mtc * 1e-3)
-                tag = f" [{impl}]" if len(intras) > 1 else ""
+                tag = f" [{impl}]" if (len(intras) > 1 and not grad) or (len(bwds) > 1 and grad) else ""
                 line = (f"| {H} | {T} | {mode}{tag} | {t_fla:.3f} | {t_mtc:.3f} | {t_fla / t_mtc:.2f}x | "
                         f"{fl / 1e9:.0f} | {by / 1e9:.2f} | {tf / 1e12:.1f} | {100 * tf / MM_PEAK:.1f}% | "
                         f"{tb / 1e12:.2f} | {100 * tb / BW_PEAK:.1f}% | {err:.1e} |")
                 print(line, flush=True)
                 lines.append(line)
                 ratios[(H, T, mode, impl)] = t_fla / t_mtc
+                if ph:
+                    lines.append(f"|   | phases (bwd {impl}) H={H} T={T} | {ph[0]} |")
+                    print(lines[-1], flush=True)
                 write()
             if args.phases and mode == "fwd":
                 for impl in intras:
@@ -206,14 +233,55 @@ def main():
     write()
 
 
-def phases(tk, kda_chunk, T, H, reps=5):
-    """Median time of each mtc forward phase (ms) over a few calls, as 'name a.bc, ...'."""
+def parse_bwd(spec):
+    """'v2@4x2:16x4' -> ('v2', (4, 2) or None, (16, 4) or None); ValueError if malformed."""
+    head, _, pair = spec.partition(":")
+    impl, _, dh = head.partition("@")
+
+    def pair_of(x):
+        a, b = x.split("x")
+        return int(a), int(b)
+    if impl not in ("v1", "v2") or ((dh or pair) and impl != "v2"):
+        raise ValueError(spec)
+    return impl, (pair_of(dh) if dh else None), (pair_of(pair) if pair else None)
+
+
+def set_bwd(tk, spec):
+    """Select the backward (tk.BWD_IMPL) and its launch settings from a --bwd item ('v1', 'v2', 'v2@4x2',
+    'v2:16x4'); None restores the module defaults."""
+    if not hasattr(set_bwd, "saved"):
+        set_bwd.saved = (tk.BWD_IMPL, dict(tk.BWD_DH_CFG), dict(tk.BWD_INTRA_CFG))
+    impl, cfg, icfg = set_bwd.saved
+    tk.BWD_DH_CFG.clear()
+    tk.BWD_DH_CFG.update(cfg)
+    tk.BWD_INTRA_CFG.clear()
+    tk.BWD_INTRA_CFG.update(icfg)
+    tk.BWD_IMPL = impl
+    if spec is None:
+        return
+    impl, dh, pair = parse_bwd(spec)
+    tk.BWD_IMPL = impl
+    if dh:
+        tk.BWD_DH_CFG.update(num_warps=dh[0], num_stages=dh[1])
+    if pair:
+        tk.BWD_INTRA_CFG.update(BK=pair[0], nw_pair=pair[1])
+
+
+def phases(tk, kda_chunk, T, H, reps=5, bwd=False):
+    """Median time of each mtc forward phase (ms) over a few calls, as 'name a.bc, ...'; with bwd, of the
+    forward and the backward (the backward's phases start at 'bwd: ...')."""
     q, k, v, g, beta = make(T, H)
     per = {}
-    with torch.no_grad():
+    if bwd:
+        for t in (q, k, v, g, beta):
+            t.requires_grad_()
+        do = torch.randn(1, T, H, 128, device="cuda").bfloat16()
+    with torch.enable_grad() if bwd else torch.no_grad():
         for _ in range(reps):
             tk.PROFILE = []
-            kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            o, _ = kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            if bwd:
+                o.backward(do)
             torch.cuda.synchronize()
             ev, tk.PROFILE = tk.PROFILE, None
             for (_, a), (name, b) in zip(ev[:-1], ev[1:]):

@@ -137,6 +137,36 @@ def test_gradients_match_reference_autograd(lb, seg, gate, intra, monkeypatch):
         assert rel_rms(a, b) < 5e-5, name
 
 
+@pytest.mark.parametrize("bwd,K,lb", [("v1", 16, -5.0), ("v2", 16, -5.0), ("v2", 64, -5.0), ("v2", 64, None)])
+def test_backward_impls_with_cu_seqlens_segments_and_states(bwd, K, lb, monkeypatch):
+    # both backwards (BWD_IMPL) against the reference's autograd: packed sequences of uneven lengths (one
+    # empty, ones shorter than a chunk), segments of 2 chunks, initial and final states; at K = 64 the v2
+    # intra backward runs in 4 channel slices of 16, with the bound promised (dense diagonal tiles; the
+    # gate breaks it in some channels of some rows, so slices differ) and without (safe diagonal tiles)
+    monkeypatch.setattr(tk, "BWD_IMPL", bwd)
+    monkeypatch.setattr(tk, "BWD_INTRA_CFG", dict(tk.BWD_INTRA_CFG, BK=16))
+    lens = [130, 5, 0, 200, 64]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T, H, V = int(cu[-1]), 2, 32
+    q, k, v, g, beta, _ = make(1, T, H, K, V, at_bound=True)
+    g[:, 140:170, :, K // 2:K // 2 + 8] = -12.0 * torch.rand(1, 30, H, 8)
+    S0 = torch.randn(len(lens), H, K, V)
+    ins = [t.requires_grad_() for t in (q, k, v, g, beta, S0)]
+    do, dS = torch.randn(1, T, H, V), torch.randn(len(lens), H, K, V)
+    o, S = tk.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, cu_seqlens=cu, lower_bound=lb,
+                        segment_chunks=2)
+    gx = torch.autograd.grad((o * do).sum() + (S * dS).sum(), ins)
+    o_r, S_r = R.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, cu_seqlens=cu)
+    gr = torch.autograd.grad((o_r * do).sum() + (S_r * dS).sum(), ins)
+    for name, a, b in zip("q k v g beta h0".split(), gx, gr):
+        assert rel_rms(a, b) < 5e-5, name
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tk, "BWD_IMPL", "v9")
+        o, _ = tk.kda_chunk(*ins[:5], lower_bound=-5.0)
+        with pytest.raises(ValueError, match="BWD_IMPL"):
+            o.sum().backward()
+
+
 @pytest.mark.parametrize("split", [False, True, "v4", "v4-tiles", "v5"])
 def test_intra3_channel_slices_and_per_block_bound_check(split, monkeypatch):
     # K = 64 in slices of 16: the gate breaks the promised bound only in channels 20..40 (slices 1 and 2)
@@ -250,6 +280,28 @@ for mode, sw in ((0, 128), (1, 256)):
                tk.H_CFG["num_warps"], tk.H_CFG["num_stages"])
     assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "state kernel: no tensor-core instruction"
     assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
+sig = dict(QG=P, WK=P, KD=P, AQK=P, GAM=F, DO=P, HB=P, DS_END=F, DHB=P, DU=P, DGP=F, DS_OUT=F, seg_t0=I,
+           seg_t1=I, seg_c0=I, seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr")
+ck = build(tk._bwd_dh_kernel, sig, dict(K=128, V=128, BV=32), tk.BWD_DH_CFG["num_warps"],
+           tk.BWD_DH_CFG["num_stages"])
+assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward dS chain: no tensor-core instruction"
+assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
+sig = dict(k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, BM=F, DU=P, DWK=P, DB=F, DKG=F, dv_=P, dbeta=P, H="i32",
+           K="constexpr", V="constexpr", DT="constexpr")
+ck = build(tk._bwd_ut_kernel, sig, dict(K=128, V=128, DT=tk.tl.bfloat16), tk.BWD_INTRA_CFG["nw_ut"], 1)
+assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward UT kernel: no tensor-core instruction"
+sig = dict(q=P, k=P, g=F, beta=P, cstart=I, clen=I, DKG=F, DB=F, DAQK=P, DQG=P, DKD=P, DGAM=F, dq=P, dk_=P,
+           dg=F, scale="fp32", lb="fp32", H="i32", K="constexpr", BK="constexpr", FAST="constexpr", DT="constexpr",
+           SAFE="constexpr")
+for safe in (False, True):
+    ck = build(tk._bwd_pair_kernel, sig, dict(K=128, BK=tk.BWD_INTRA_CFG["BK"], FAST=True, DT=tk.tl.bfloat16,
+                                              SAFE=safe), tk.BWD_INTRA_CFG["nw_pair"], 1)
+    assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward pair kernel: no tensor-core instruction"
+sig = dict(WK=P, U=P, QG=P, AQK=P, DO=P, HB=P, DHB=P, DU=P, DWK=P, DQG=P, DKD=P, DAQK=P, cstart=I, clen=I,
+           H="i32", K="constexpr", V="constexpr")
+ck = build(tk._bwd_chunk_kernel, sig, dict(K=128, V=128), 8, 1)
+assert "wgmma" in ck.asm["ptx"], "backward chunk kernel: no wgmma"
+assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 sig = dict(QG=P, AQK=P, VN=P, HB=P, O=P, cstart=I, clen=I, H="i32", K="constexpr", V="constexpr",
            BV="constexpr")
 ck = build(tk._fwd_o_kernel, sig, dict(K=128, V=128, BV=128), 4, 1)
@@ -295,9 +347,10 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles", "v5", "v5-rfast"])
+@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles", "v5", "v5-rfast", "v5-bwd1"])
 def test_gpu_bf16_grad(intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
+    monkeypatch.setattr(tk, "BWD_IMPL", "v1" if intra.endswith("bwd1") else "v2")
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
     monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast")))
     B, T, H, K, V = 1, 1024, 2, 128, 128

@@ -666,13 +666,16 @@ def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr,
 
 
 @triton.jit
-def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale):
+def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: tl.constexpr):
     """A strip program's outputs: NB = diag(beta) Akk (strictly lower) and AQK = scale P (lower incl. the
-    diagonal) for the 16 rows of its block."""
+    diagonal) for the 16 rows of its block; with SAVE_B also BM = Akk before beta (for the backward)."""
     bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
     cols = tl.arange(0, 64)
     ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
-    tl.store(NB + ob, tl.where(cols[None, :] < rows[:, None], a, 0.0) * bb[:, None], mask=mr)
+    a = tl.where(cols[None, :] < rows[:, None], a, 0.0)
+    tl.store(NB + ob, a * bb[:, None], mask=mr)
+    if SAVE_B:
+        tl.store(BM + ob, a, mask=mr)
     tl.store(AQK + ob, (tl.where(cols[None, :] <= rows[:, None], p, 0.0) * scale).to(AQK.dtype.element_ty),
              mask=mr)
 
@@ -718,7 +721,7 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
             fr = tl.zeros([], dtype=tl.int32)
         a, p = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM,
                             c_, h, H, scale, K, DT)
-    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale)
+    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, NB, False)
 
 
 @triton.jit
@@ -747,7 +750,8 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
 
 @triton.jit
 def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
-                       K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, R_FAST: tl.constexpr = False):
+                       K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, R_FAST: tl.constexpr = False,
+                       BM=None, SAVE_B: tl.constexpr = False):
     """_fwd_strip4_kernel's outputs from the precomputed in-chunk cumulative gate (GCS, FB of
     _chunk_cumsum_kernel): no scan and no row extraction in the kernel, only loads.  The anchor c of row
     block R: the middle of its G range when FB says the block's gates are >= lb (then one dense
@@ -785,7 +789,7 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
         Gr = tl.where(mr, Gr, ch[None, :])
         a, p = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM,
                             c_, h, H, scale, K, DT)
-    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale)
+    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
 
 
 @triton.jit
@@ -1117,6 +1121,256 @@ def _bwd_state_kernel(WK, U, QG, KD, AQK, GAM, DO, HBUF, DS_END, DS_OUT, DU, DWK
 
 
 @triton.jit
+def _bwd_dh_kernel(QG, WK, KD, AQK, GAM, DO, HB, DS_END, DHB, DU, DGP, DS_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
+                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """The serial part of the backward (BWD_IMPL "v2"): the reverse chain of the state gradient dS of one
+    segment, one head and BV columns of V, and only what needs dS on the way.
+
+    Per chunk c, walked from the segment end (X = dS after the chunk, float32 [K, BV]):
+        DHB[c] = X (intermediate dtype; the per-chunk gradients of _bwd_chunk_kernel read it)
+        DGP[c, vb] = sum_v HB[c] * X          (the decay gradient, partial over this program's columns)
+        dW = A^T dO + KD X;  DU[rows] = dW    (the gradient of the new values W = U - Wk S)
+        X <- diag(gam) X + QG^T dO - Wk^T dW.
+    Columns are independent here (every product keeps V's columns apart), so V / BV programs per head and
+    segment run side by side; the products that sum over V (dA, dQG, dKD, dWk) are left to the parallel
+    per-chunk kernel. Token addresses are affine in the chunk counter within a segment (as _fwd_h_kernel);
+    rows past the segment end read as 0. DS_OUT gets dS at the segment start."""
+    vb = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    ts = tl.load(seg_t0 + s).to(tl.int64)
+    te = tl.load(seg_t1 + s).to(tl.int64)
+    c0 = tl.load(seg_c0 + s)
+    c1 = tl.load(seg_c1 + s)
+    rows = tl.arange(0, 64)
+    dk = tl.arange(0, K)
+    cols = vb * BV + tl.arange(0, BV)
+    NVB: tl.constexpr = V // BV
+    X = tl.load(DS_END + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :])
+    ok = rows[:, None] * (H * K) + dk[None, :]
+    oo = rows[:, None] * (H * V) + cols[None, :]
+    oa = rows[:, None] * (H * 64) + rows[None, :]
+    oh = dk[:, None] * V + cols[None, :]
+    nch = c1 - c0
+    for jj in range(0, nch):
+        j = nch - 1 - jj
+        c = tl.cast(c0 + j, tl.int64)
+        tb = ts + j * 64
+        rm = (tb + rows) < te
+        gam = tl.load(GAM + (c * H + h) * K + dk)
+        A = tl.load(AQK + (tb * H + h) * 64 + oa, mask=rm[:, None], other=0.0)
+        do = tl.load(DO + (tb * H + h) * V + oo, mask=rm[:, None], other=0.0)
+        kd = tl.load(KD + (tb * H + h) * K + ok, mask=rm[:, None], other=0.0)
+        S0 = tl.load(HB + (c * H + h) * K * V + oh).to(tl.float32)
+        Xd = X.to(kd.dtype)
+        tl.store(DHB + (c * H + h) * K * V + oh, X.to(DHB.dtype.element_ty))
+        tl.store(DGP + ((c * H + h) * NVB + vb) * K + dk, tl.sum(S0 * X, axis=1))
+        dW = tl.dot(tl.trans(A), do.to(A.dtype)) + tl.dot(kd, Xd)
+        tl.store(DU + (tb * H + h) * V + oo, dW.to(DU.dtype.element_ty), mask=rm[:, None])
+        qg = tl.load(QG + (tb * H + h) * K + ok, mask=rm[:, None], other=0.0)
+        wk = tl.load(WK + (tb * H + h) * K + ok, mask=rm[:, None], other=0.0)
+        X = X * gam[:, None] + tl.dot(tl.trans(qg), do.to(qg.dtype)) - tl.dot(tl.trans(wk), dW.to(wk.dtype))
+    tl.store(DS_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :], X)
+
+
+@triton.jit
+def _bwd_chunk_kernel(WK, U, QG, AQK, DO, HB, DHB, DU, DWK, DQG, DKD, DAQK, cstart, clen, H,
+                      K: tl.constexpr, V: tl.constexpr):
+    """The per-chunk gradients that sum over V (BWD_IMPL "v2"), every (chunk, head) at once, from the
+    chunk-entry state S0 = HB[c] and the chunk-exit state gradient X = DHB[c] of _bwd_dh_kernel:
+        W = U - Wk S0;  dA = tril(dO W^T);  dQG = dO S0^T;  dKD = W X^T;  dWk = -dW S0^T."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c).to(tl.int64)
+    L = tl.load(clen + c)
+    rows = tl.arange(0, 64)
+    rm = rows < L
+    dk = tl.arange(0, K)
+    dv = tl.arange(0, V)
+    offk = (t0 + rows)[:, None] * (H * K) + h * K + dk[None, :]
+    offo = (t0 + rows)[:, None] * (H * V) + h * V + dv[None, :]
+    offa = (t0 + rows)[:, None] * (H * 64) + h * 64 + rows[None, :]
+    oh = ((tl.cast(c, tl.int64) * H + h) * K + dk[:, None]) * V + dv[None, :]
+    wk = tl.load(WK + offk, mask=rm[:, None], other=0.0)
+    S0 = tl.load(HB + oh).to(wk.dtype)
+    uu = tl.load(U + offo, mask=rm[:, None], other=0.0).to(tl.float32)
+    W = (uu - tl.dot(wk, S0)).to(wk.dtype)
+    do = tl.load(DO + offo, mask=rm[:, None], other=0.0).to(wk.dtype)
+    dA = tl.dot(do, tl.trans(W))
+    dA = tl.where(rows[None, :] <= rows[:, None], dA, 0.0)
+    tl.store(DAQK + offa, dA.to(DAQK.dtype.element_ty), mask=rm[:, None])
+    tl.store(DQG + offk, tl.dot(do, tl.trans(S0)).to(DQG.dtype.element_ty), mask=rm[:, None])
+    X = tl.load(DHB + oh).to(wk.dtype)
+    tl.store(DKD + offk, tl.dot(W, tl.trans(X)).to(DKD.dtype.element_ty), mask=rm[:, None])
+    dW = tl.load(DU + offo, mask=rm[:, None], other=0.0).to(wk.dtype)
+    tl.store(DWK + offk, (-tl.dot(dW, tl.trans(S0))).to(DWK.dtype.element_ty), mask=rm[:, None])
+
+
+@triton.jit
+def _bwd_ut_kernel(k, v, g, beta, cstart, clen, TB, BM, DU, DWK, DB, DKG, dv_, dbeta, H,
+                   K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr):
+    """Backward of the UT transform for one (chunk, head) (BWD_IMPL "v2", first of two intra kernels).
+
+    From T = (I + diag(b) Bm)^-1 (TB) and Bm (BM, the strictly lower k-k decay products before beta), both
+    float32 [64, 64] from the forward's strip and solve kernels, and the gradients of U = T diag(b) V and
+    Wk = T diag(b) (k e^G):
+        dT = dU (b v)^T + dWk (b k e^G)^T;  dv = b T^T dU;  dAkk = -tril_<(T^T dT T^T);
+        dbeta = sum_v v T^T dU + sum_d k e^G T^T dWk + sum_j dAkk Bm;  DB = diag(b) dAkk (float32);
+        DKG = diag(b) T^T dWk (float32 [64, K]: the gradient of Kg = k e^G through Wk).
+    The channel-wise rest (the pair-product backward, dq, dk, dg) is _bwd_pair_kernel's."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(cstart + c).to(tl.int64)
+    L = tl.load(clen + c)
+    rows = tl.arange(0, 64)
+    rm = rows < L
+    dk = tl.arange(0, K)
+    dvv = tl.arange(0, V)
+    offk = (t0 + rows)[:, None] * (H * K) + h * K + dk[None, :]
+    offv = (t0 + rows)[:, None] * (H * V) + h * V + dvv[None, :]
+    offa = (t0 + rows)[:, None] * (H * 64) + h * 64 + rows[None, :]
+    bb = tl.load(beta + (t0 + rows) * H + h, mask=rm, other=0.0).to(tl.float32)
+    # TB holds only T's lower 16x16 tiles (the solve kernel writes no others)
+    T = tl.load(TB + offa, mask=rm[:, None] & (rows[None, :] <= rows[:, None]), other=0.0)
+    Tt = tl.trans(T)
+    vv = tl.load(v + offv, mask=rm[:, None], other=0.0).to(tl.float32)
+    dU = tl.load(DU + offv, mask=rm[:, None], other=0.0)
+    TtdU = _dt(Tt, dU, DT)
+    tl.store(dv_ + offv, (TtdU * bb[:, None]).to(dv_.dtype.element_ty), mask=rm[:, None])
+    dbo = tl.sum(vv * TtdU, axis=1)
+    dT = _dt(dU, tl.trans(vv * bb[:, None]), DT)
+    kk = tl.load(k + offk, mask=rm[:, None], other=0.0).to(tl.float32)
+    G = tl.cumsum(tl.load(g + offk, mask=rm[:, None], other=0.0).to(tl.float32), axis=0)
+    Kg = kk * tl.exp(G)
+    dWk = tl.load(DWK + offk, mask=rm[:, None], other=0.0)
+    TtdW = _dt(Tt, dWk, DT)
+    dbo += tl.sum(Kg * TtdW, axis=1)
+    tl.store(DKG + offk, TtdW * bb[:, None], mask=rm[:, None])
+    dT += _dt(dWk, tl.trans(Kg * bb[:, None]), DT)
+    dAkk = -_dt(_dt(Tt, dT, DT), Tt, DT)
+    dAkk = tl.where(rows[None, :] < rows[:, None], dAkk, 0.0)
+    Bm = tl.load(BM + offa, mask=rm[:, None], other=0.0)
+    dbo += tl.sum(dAkk * Bm, axis=1)
+    tl.store(DB + offa, dAkk * bb[:, None], mask=rm[:, None])
+    tl.store(dbeta + (t0 + rows) * H + h, dbo.to(dbeta.dtype.element_ty), mask=rm)
+
+
+@triton.jit
+def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, lb, H,
+                     K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr, SAFE: tl.constexpr):
+    """The channel-wise part of the intra-chunk backward for one (chunk, head, BK channels) (BWD_IMPL "v2").
+
+    The decay products M_ij = sum_d a_id b_jd e^(G_id - G_jd) (P: a = q, b = k; Bm: a = b = k) are sums over
+    channels of per-channel terms, so given their gradients dP = scale AQK-gradient (DAQK) and dBm = DB
+    [64, 64] each channel's da, db follow on its own: da_i = sum_j dM_ij b_j e^(G_i - G_j),
+    db_j = sum_i dM_ij a_i e^(G_i - G_j), blocked by 16 rows with an anchor per block exactly as the
+    forward (dense tensor-core tiles when this slice's gates are >= lb, else the diagonal tile pair by pair).
+    Then the gradients through QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and Kg = k e^G (DKG, the
+    gradient of Kg from Wk = T diag(b) Kg, from _bwd_ut_kernel), the cumulative gate's reverse sum, and the
+    stores of dq, dk, dg for the slice.
+    SAFE = False: only the slices whose gates are >= lb (dense diagonal tiles; the others return at once);
+    SAFE = True: only the others (diagonal tiles pair by pair). Two launches, each compiled without the
+    other's code. Addresses: 64-bit scalar bases of (chunk start, head) and 32-bit offsets inside the chunk
+    (a [64, 64] tile of int64 offsets alone would take 64 registers per thread at 4 warps)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    ks = tl.program_id(2) * BK
+    t0 = tl.load(cstart + c).to(tl.int64)
+    L = tl.load(clen + c)
+    rows = tl.arange(0, 64)
+    rm = rows < L
+    d = ks + tl.arange(0, BK)
+    bk_ = (t0 * H + h) * K                  # 64-bit element bases of the chunk's first row
+    ba_ = (t0 * H + h) * 64
+    ok_ = rows[:, None] * (H * K) + d[None, :]
+    gg = tl.load(g + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
+    if FAST:
+        ok = (tl.min(tl.min(gg, axis=1), axis=0) >= lb).to(tl.int32)
+    else:
+        ok = tl.zeros([], dtype=tl.int32)
+    if SAFE:
+        if ok == 0:
+            _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, t0, L, rows, rm,
+                       d, bk_, ba_, ok_, K, BK, DT, 0)
+    else:
+        if ok == 1:
+            _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, t0, L, rows, rm,
+                       d, bk_, ba_, ok_, K, BK, DT, 1)
+
+
+@triton.jit
+def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, t0, L, rows, rm, d, bk_,
+               ba_, ok_, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, fast: tl.constexpr):
+    """_bwd_pair_kernel after the gate's load, for one kind of slice (fast: dense diagonal tiles or not)."""
+    qq = tl.load(q + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
+    kk = tl.load(k + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
+    G = tl.cumsum(gg, axis=0)
+    r16 = tl.arange(0, 16)
+    dq_p = tl.zeros([64, BK], dtype=tl.float32)
+    dk_r = tl.zeros([64, BK], dtype=tl.float32)
+    dk_c = tl.zeros([64, BK], dtype=tl.float32)
+    for r in range(4):      # a loop, not unrolled: unrolled, the 4 blocks' loads are hoisted (255 registers)
+        a = r * 16
+        m = a + 8 * fast
+        Gm = _row_of(G, rows, m)
+        # the block's rows of q, k (reloaded: L1 hits) and of G; the block's rows and columns of dP and dBm
+        # straight from memory (no [64, 64] tile held across the loop)
+        rb = a + r16
+        rbm = rb < L
+        orb = rb[:, None] * (H * K) + d[None, :]
+        q_r = tl.load(q + bk_ + orb, mask=rbm[:, None], other=0.0).to(tl.float32)
+        k_r = tl.load(k + bk_ + orb, mask=rbm[:, None], other=0.0).to(tl.float32)
+        G_r = _get_rows(G, r, 4, 16, BK)
+        er = tl.exp(G_r - Gm[None, :])
+        lim = a + 16 * fast
+        kb = kk * tl.exp(tl.where(rows[:, None] < lim, Gm[None, :] - G, float("-inf")))
+        orow = rb[:, None] * (H * 64) + rows[None, :]
+        dP_r = tl.load(DAQK + ba_ + orow, mask=rbm[:, None], other=0.0).to(tl.float32) * scale
+        dB_r = tl.load(DB + ba_ + orow, mask=rbm[:, None], other=0.0)
+        dq_blk = er * _dt(dP_r, kb, DT)
+        dkr_blk = er * _dt(dB_r, kb, DT)
+        e = a + 15 - 8 * fast
+        Ge = _row_of(G, rows, e)
+        lo = a + 16 - 16 * fast
+        xe = tl.exp(tl.where(rows[:, None] >= lo, G - Ge[None, :], float("-inf")))
+        ocol = rows[:, None] * (H * 64) + rb[None, :]
+        dP_c = tl.load(DAQK + ba_ + ocol, mask=rm[:, None], other=0.0).to(tl.float32) * scale
+        dB_c = tl.load(DB + ba_ + ocol, mask=rm[:, None], other=0.0)
+        ec = tl.exp(Ge[None, :] - G_r)
+        dkc_blk = ec * (_dt(tl.trans(dP_c), qq * xe, DT) + _dt(tl.trans(dB_c), kk * xe, DT))
+        if not fast:
+            odia = rb[:, None] * (H * 64) + rb[None, :]
+            dP_rr = tl.load(DAQK + ba_ + odia, mask=rbm[:, None], other=0.0).to(tl.float32) * scale
+            dB_rr = tl.load(DB + ba_ + odia, mask=rbm[:, None], other=0.0)
+            dq_blk += _diag_da(dP_rr, k_r, G_r)
+            dkr_blk += _diag_da(dB_rr, k_r, G_r)
+            dkc_blk += _diag_db(dP_rr, q_r, G_r) + _diag_db(dB_rr, k_r, G_r)
+        dq_p = _put_rows(dq_p, dq_blk, r, 4, 16, BK)
+        dk_r = _put_rows(dk_r, dkr_blk, r, 4, 16, BK)
+        dk_c = _put_rows(dk_c, dkc_blk, r, 4, 16, BK)
+    eG = tl.exp(G)
+    dG = qq * dq_p + kk * dk_r - kk * dk_c
+    dqg = tl.load(DQG + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
+    dqo = dq_p + dqg * scale * eG
+    dG += dqg * scale * qq * eG
+    dKg = tl.load(DKG + bk_ + ok_, mask=rm[:, None], other=0.0)
+    dko = dk_r + dk_c + dKg * eG
+    dG += dKg * kk * eG
+    GL = _row_of(G, rows, 63)
+    ed = tl.exp(GL[None, :] - G)
+    dkd = tl.load(DKD + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
+    dko += dkd * ed
+    dG -= dkd * kk * ed
+    dgam = tl.load(DGAM + (tl.cast(c, tl.int64) * H + h) * K + d)
+    dGL = tl.sum(dkd * kk * ed, axis=0) + dgam * tl.exp(GL)
+    dG += tl.where(rows[:, None] == 63, dGL[None, :], 0.0)
+    dgo = tl.cumsum(dG, axis=0, reverse=True)
+    tl.store(dq + bk_ + ok_, dqo.to(dq.dtype.element_ty), mask=rm[:, None])
+    tl.store(dk_ + bk_ + ok_, dko.to(dk_.dtype.element_ty), mask=rm[:, None])
+    tl.store(dg + bk_ + ok_, dgo.to(dg.dtype.element_ty), mask=rm[:, None])
+
+
+@triton.jit
 def _bwd_intra_kernel(q, k, v, g, beta, cstart, clen, DU, DWK, DQG, DKD, DAQK, DGAM,
                       dq, dk_, dv_, dg, dbeta, scale, lb, H,
                       K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
@@ -1386,7 +1640,36 @@ def _maxnreg(n):
     return {} if n is None or _interpret() else dict(maxnreg=int(n))
 
 
-def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
+def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, save_b):
+    """The v5 intra-chunk products of every (chunk, head): the in-chunk cumulative gate GCS, the strips
+    (QG, KD, AQK, GAM written into the given tensors) and T = (I + diag(beta) Akk)^-1 (TB, float32
+    [N, H, 64]); with save_b also Bm = Akk before beta (BM, float32 [N, H, 64], for the backward).
+    Returns (TB, GCS, BM or None)."""
+    N, dev, NC = q2.shape[0], q2.device, tab["n_chunks"]
+    cfg = INTRA5_CFG
+    NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
+    BM = torch.empty(N, H, 64, dtype=torch.float32, device=dev) if save_b else None
+    GCS = torch.empty(N, H, K, dtype=torch.float32, device=dev)
+    FB = torch.empty(NC, H, 4, dtype=torch.int32, device=dev)
+    _chunk_cumsum_kernel[(NC, H)](g2, tab["cstart"], tab["clen"], GCS, FB, lb, H, K=K, FAST=fast,
+                                  num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
+    _mark("intra: cumsum")
+    r_fast = bool(cfg.get("r_fast"))
+    _fwd_strip5_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
+        q2, k2, GCS, FB, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, H, K=K,
+        BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, BM=BM if save_b else NBUF, SAVE_B=save_b,
+        num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
+    _mark("intra: strip")
+    TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
+    _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, num_warps=cfg["nw_solve"], num_stages=1)
+    _mark("intra: solve")
+    return TB, GCS, BM
+
+
+def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False, keep_t=False):
+    """The forward. keep_t (BWD_IMPL "v2" under autograd): also return T and Bm of every chunk ((TB, BM),
+    float32 [N, H, 64] each) for the backward, from the v5 intra kernels (other intra implementations: None,
+    the backward recomputes them)."""
     if INTRA_IMPL not in ("v2", "v3", "v4", "v5"):
         raise ValueError(f"backends.triton.kda.INTRA_IMPL must be 'v2', 'v3', 'v4' or 'v5', got {INTRA_IMPL!r}")
     B, T, H, K = q.shape
@@ -1402,6 +1685,7 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
     U = torch.empty(N, H, V, dtype=idt, device=dev)
     AQK = torch.empty(N, H, 64, dtype=idt, device=dev)
     GAM = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
+    kept = None
     _mark("start")
     if NC and INTRA_IMPL == "v3":
         for part in ((1, 2) if INTRA3_CFG["split"] else (0,)):
@@ -1412,38 +1696,31 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
                                         **_maxnreg(INTRA3_CFG.get("maxnreg")))
         _mark("intra")
         _mark("w/u")
-    elif NC and INTRA_IMPL in ("v4", "v5"):
-        cfg = INTRA5_CFG if INTRA_IMPL == "v5" else INTRA4_CFG
+    elif NC and INTRA_IMPL == "v5":
+        TB, GCS, BM = _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, keep_t)
+        _fwd_wu_kernel[(NC, H)](k2, v2, GCS, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
+                                DT=_TL[idt], CUMSUM=True, num_warps=INTRA5_CFG["nw_wu"], num_stages=1)
+        del GCS
+        if keep_t:
+            kept = (TB, BM)
+        del TB
+    elif NC and INTRA_IMPL == "v4":
+        cfg = INTRA4_CFG
         NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
-        if INTRA_IMPL == "v5":
-            GCS = torch.empty(N, H, K, dtype=torch.float32, device=dev)
-            FB = torch.empty(NC, H, 4, dtype=torch.int32, device=dev)
-            _chunk_cumsum_kernel[(NC, H)](g2, tab["cstart"], tab["clen"], GCS, FB, lb, H, K=K, FAST=fast,
-                                          num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
-            _mark("intra: cumsum")
-            r_fast = bool(cfg.get("r_fast"))
-            _fwd_strip5_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
-                q2, k2, GCS, FB, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, H, K=K,
-                BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, num_warps=cfg["nw_strip"],
-                num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
-        else:
-            strip = _fwd_tiles4_kernel if cfg.get("tiles") else _fwd_strip4_kernel
-            strip[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb,
-                              H, K=K, BK=min(K, cfg["BK"]), FAST=fast, DT=_TL[idt],
-                              num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
-                              **_maxnreg(cfg.get("maxnreg")))
+        strip = _fwd_tiles4_kernel if cfg.get("tiles") else _fwd_strip4_kernel
+        strip[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb,
+                          H, K=K, BK=min(K, cfg["BK"]), FAST=fast, DT=_TL[idt],
+                          num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
+                          **_maxnreg(cfg.get("maxnreg")))
         _mark("intra: strip")
         TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, num_warps=cfg["nw_solve"],
                                     num_stages=1)
         del NBUF
         _mark("intra: solve")
-        v5 = INTRA_IMPL == "v5"
-        _fwd_wu_kernel[(NC, H)](k2, v2, GCS if v5 else g2, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
-                                DT=_TL[idt], CUMSUM=v5, num_warps=cfg["nw_wu"], num_stages=1)
+        _fwd_wu_kernel[(NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
+                                DT=_TL[idt], CUMSUM=False, num_warps=cfg["nw_wu"], num_stages=1)
         del TB
-        if v5:
-            del GCS
     elif NC:
         TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         _fwd_intra2_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, QG, KD, AQK, GAM,
@@ -1466,11 +1743,29 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False):
     del VN
     final = S_OUT.index_select(0, tab["last_seg"])
     saved = (WK, U, QG, KD, AQK, GAM, S_IN)
-    return o.view(B, T, H, V), final, saved, (HB if store_h else None)
+    return o.view(B, T, H, V), final, saved, (HB if store_h else None), kept
 
 
 # launch configuration of the serial state kernel (the benchmark may override it for a sweep)
 H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2)
+
+# which backward runs the state-gradient chain: "v2" (default) = _bwd_dh_kernel, the serial reverse chain of dS
+# alone with V split into BV-column programs (like the forward's state pass), then _bwd_chunk_kernel, the
+# per-chunk products that sum over V, for every chunk at once; "v1" = _bwd_state_kernel MODE 0, one program
+# per (segment, head) over all of V that does both on the serial path (H200, H=16, 64K: 4.1 ms for v1's state
+# kernel against 1.2 + 1.3 ms for v2's two). v2 also splits the intra-chunk backward into _bwd_ut_kernel (UT
+# transform, per chunk) and _bwd_pair_kernel (decay products, per channel slice); v1 runs _bwd_intra_kernel.
+# H200 fwd+bwd at H=16 (6th session): v1 5.05 / 39.0 ms at 8K / 64K, v2 2.29 / 16.9, fla 2.27 / 17.5.
+BWD_IMPL = "v2"
+# launch configuration of _bwd_dh_kernel: per step it loads A, dO, KD, QG, Wk and HB (~68 KB at K=V=128, BV=32),
+# so a 2-stage pipeline needs ~132 KB of shared memory and allows one CTA per SM; 1 stage allows three
+BWD_DH_CFG = dict(num_warps=4, num_stages=1)
+# launch configuration of the v2 intra backward: warps of _bwd_ut_kernel, channel slice and warps of
+# _bwd_pair_kernel. H200 (6th session, H=16, fwd+bwd; pair kernel phase at 8K / 64K): BK 32 / 4 warps 0.90 /
+# 6.96 ms, BK 64 / 8 warps 1.10 / 8.62, BK 16 / 4 warps 1.85 / 14.5, BK 32 / 8 warps 2.00 / 15.9 (v1's single
+# intra kernel: 3.67 / 29.1 ms, 8.5 KB of register spills per thread). ptxas sm_90a, BK 32 / 4 warps: 244
+# registers, no spills; ut kernel at 8 warps: none
+BWD_INTRA_CFG = dict(nw_ut=8, BK=32, nw_pair=4)
 
 
 def _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn):
@@ -1516,7 +1811,7 @@ def _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd, 
     return S_ENTRY
 
 
-def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht):
+def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B * T
@@ -1525,7 +1820,9 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht):
     WK, U, QG, KD, AQK, GAM, S_IN = saved
     NC, NS = tab["n_chunks"], tab["n_seg"]
     # chunk-start states, recomputed from the saved segment entry states (never kept from the forward)
+    _mark("bwd: start")
     HB, _, _ = _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn=False)
+    _mark("bwd: state pass")
     do2 = do.reshape(N, H, V).contiguous()
     dS_end = _entry_states(WK, U, QG, KD, AQK, GAM, dht, tab, H, K, V, BV, dev, mode_bwd=True, DO=do2)
     DU = torch.empty(N, H, V, dtype=idt, device=dev)
@@ -1534,19 +1831,64 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht):
     DAQK = torch.empty(N, H, 64, dtype=idt, device=dev)
     DGAM = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
     DS0 = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
-    _bwd_state_kernel[(NS, H, 1)](WK, U, QG, KD, AQK, GAM, do2, HB, dS_end, DS0, DU, DWK, DQG, DKD, DAQK, DGAM,
-                                  tab["cstart"], tab["clen"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=V,
-                                  SW=V, MODE=0, num_warps=8, num_stages=1)
+    _mark("bwd: dS at segment ends")
+    if BWD_IMPL == "v1":
+        _bwd_state_kernel[(NS, H, 1)](WK, U, QG, KD, AQK, GAM, do2, HB, dS_end, DS0, DU, DWK, DQG, DKD, DAQK,
+                                      DGAM, tab["cstart"], tab["clen"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V,
+                                      BV=V, SW=V, MODE=0, num_warps=8, num_stages=1)
+        _mark("bwd: state grads")
+    elif BWD_IMPL == "v2":
+        BVD = min(BV, V)
+        NVB = V // BVD
+        DHB = torch.empty_like(HB)
+        DGP = torch.empty(max(NC, 1), H, NVB, K, dtype=torch.float32, device=dev)
+        _bwd_dh_kernel[(NVB, H, NS)](QG, WK, KD, AQK, GAM, do2, HB, dS_end, DHB, DU, DGP, DS0, tab["seg_t0"],
+                                     tab["seg_t1"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BVD,
+                                     num_warps=BWD_DH_CFG["num_warps"], num_stages=BWD_DH_CFG["num_stages"])
+        _mark("bwd: dS chain")
+        torch.sum(DGP, dim=2, out=DGAM)
+        del DGP
+        if NC:
+            _bwd_chunk_kernel[(NC, H)](WK, U, QG, AQK, do2, HB, DHB, DU, DWK, DQG, DKD, DAQK, tab["cstart"],
+                                       tab["clen"], H, K=K, V=V, num_warps=8, num_stages=1)
+        del DHB
+        _mark("bwd: chunk grads")
+    else:
+        raise ValueError(f"backends.triton.kda.BWD_IMPL must be 'v1' or 'v2', got {BWD_IMPL!r}")
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dg = torch.empty_like(g)
     db = torch.empty_like(beta)
-    if NC:
+    if NC and BWD_IMPL == "v1":
         _bwd_intra_kernel[(NC, H)](q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, V), g.reshape(N, H, K),
                                    beta.reshape(N, H), tab["cstart"], tab["clen"], DU, DWK, DQG, DKD, DAQK, DGAM,
                                    dq, dk, dv, dg, db, scale, lb, H, K=K, V=V, FAST=fast, DT=_TL[idt], num_warps=8,
                                    num_stages=1)
+    elif NC:
+        q2, k2, v2, g2, b2 = (q.reshape(N, H, K), k.reshape(N, H, K), v.reshape(N, H, V), g.reshape(N, H, K),
+                              beta.reshape(N, H))
+        if kept is None:
+            # T and Bm were not kept by the forward (another intra implementation): the v5 kernels again,
+            # their other outputs into scratch
+            scratch = (torch.empty_like(QG), torch.empty_like(KD), torch.empty_like(AQK), torch.empty_like(GAM))
+            TB, _, BM = _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, *scratch, True)
+            del scratch
+        else:
+            TB, BM = kept
+        DB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
+        DKG = torch.empty(N, H, K, dtype=torch.float32, device=dev)
+        _bwd_ut_kernel[(NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, BM, DU, DWK, DB, DKG, dv, db, H, K=K,
+                                V=V, DT=_TL[idt], num_warps=BWD_INTRA_CFG["nw_ut"], num_stages=1)
+        del TB, BM
+        _mark("bwd: ut")
+        BK = min(K, BWD_INTRA_CFG["BK"])
+        for safe in ((False, True) if fast else (True,)):
+            _bwd_pair_kernel[(NC, H, K // BK)](q2, k2, g2, b2, tab["cstart"], tab["clen"], DKG, DB, DAQK, DQG,
+                                               DKD, DGAM, dq, dk, dg, scale, lb, H, K=K, BK=BK, FAST=fast,
+                                               DT=_TL[idt], SAFE=safe, num_warps=BWD_INTRA_CFG["nw_pair"],
+                                               num_stages=1)
+    _mark("bwd: intra")
     dh0 = DS0.index_select(0, tab["first_seg"]) if h0 is not None else None
     return dq, dk, dv, dg, db, dh0
 
@@ -1554,19 +1896,25 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht):
 class _KDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale, tab, fast, lb, BV):
-        o, final, saved, _ = _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV)
-        ctx.save_for_backward(q, k, v, g, beta, h0, *saved)
+        keep = (BWD_IMPL == "v2" and INTRA_IMPL == "v5" and tab["n_chunks"] > 0
+                and any(ctx.needs_input_grad[:6]))
+        o, final, saved, _, kept = _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=keep)
+        kept = kept or ()
+        ctx.save_for_backward(q, k, v, g, beta, h0, *saved, *kept)
+        ctx.n_kept = len(kept)
         ctx.meta = (scale, tab, fast, lb, BV)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, *saved = ctx.saved_tensors
+        kept = tuple(saved[len(saved) - ctx.n_kept:]) if ctx.n_kept else None
+        saved = saved[:len(saved) - ctx.n_kept]
         scale, tab, fast, lb, BV = ctx.meta
         if dht is not None:
             dht = dht.float().contiguous()
         dq, dk, dv, dg, db, dh0 = _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved,
-                                       do.contiguous(), dht)
+                                       do.contiguous(), dht, kept)
         return dq, dk, dv, dg, db, dh0, None, None, None, None, None
 
 
