@@ -145,6 +145,7 @@ def test_backward_impls_with_cu_seqlens_segments_and_states(bwd, K, lb, monkeypa
     # gate breaks it in some channels of some rows, so slices differ) and without (safe diagonal tiles)
     monkeypatch.setattr(tk, "BWD_IMPL", bwd)
     monkeypatch.setattr(tk, "BWD_INTRA_CFG", dict(tk.BWD_INTRA_CFG, BK=16))
+    monkeypatch.setattr(tk, "BWD_CHUNK_KV", 16 * K)      # the chunk kernel's sums over V in two blocks of 16
     lens = [130, 5, 0, 200, 64]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     T, H, V = int(cu[-1]), 2, 32
@@ -299,9 +300,10 @@ for safe in (False, True):
     assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward pair kernel: no tensor-core instruction"
 sig = dict(WK=P, U=P, QG=P, AQK=P, DO=P, HB=P, DHB=P, DU=P, DWK=P, DQG=P, DKD=P, DAQK=P, cstart=I, clen=I,
            H="i32", K="constexpr", V="constexpr")
-ck = build(tk._bwd_chunk_kernel, sig, dict(K=128, V=128), 8, 1)
-assert "wgmma" in ck.asm["ptx"], "backward chunk kernel: no wgmma"
-assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+for K_, V_ in ((128, 128), (256, 256), (64, 256)):
+    ck = build(tk._bwd_chunk_kernel, dict(sig, BVC="constexpr"), dict(K=K_, V=V_, BVC=min(V_, 16384 // K_)), 8, 1)
+    assert "wgmma" in ck.asm["ptx"], "backward chunk kernel: no wgmma"
+    assert ck.metadata.shared <= 227 * 1024, (K_, V_, ck.metadata.shared)
 sig = dict(QG=P, AQK=P, VN=P, HB=P, O=P, cstart=I, clen=I, H="i32", K="constexpr", V="constexpr",
            BV="constexpr")
 ck = build(tk._fwd_o_kernel, sig, dict(K=128, V=128, BV=128), 4, 1)

@@ -35,9 +35,17 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
    K x K x V product per segment), and then every segment runs step 2 in parallel from its own entry state.
 4. Backward: the state gradient obeys the transposed recurrence
    dS_prev = (diag(e^(G_C)) - Wk^T Kd) dS + (q e^G)^T dO - Wk^T P^T dO, computed with the same segment
-   algebra in reverse (``_bwd_state_kernel``), which also emits the per-chunk gradients of Wk, U, P and
-   the decayed operands; ``_bwd_intra_kernel`` turns those into dq, dk, dv, dg, dbeta (UT transform
-   backward, pairwise-decay products with the same anchored dense dots, reverse cumsum for dg).
+   algebra in reverse (``_bwd_state_kernel`` MODE 1 for the segment maps).  ``BWD_IMPL = "v2"`` (the
+   default) then keeps only the chain itself on the serial path: ``_bwd_dh_kernel`` (grid V/BV x heads x
+   segments, like step 2) stores each chunk's exit-state gradient (DHB), the gradient of the new values
+   dW = P^T dO + Kd dS and the decay gradient's partial sums; ``_bwd_chunk_kernel`` (parallel over chunks x
+   heads) forms the products that sum over V (gradients of P, q e^G, k e^(G_C - G), Wk).  The intra-chunk
+   backward is two parallel kernels: ``_bwd_ut_kernel`` per chunk (UT transform backward from the T and
+   Bm the forward kept: dv, dbeta, and the gradients of Akk and of k e^G) and ``_bwd_pair_kernel`` per
+   (chunk, head, 32-channel slice) (the pairwise-decay products backward with the same anchored dense
+   dots, dq, dk, and the reverse cumsum for dg; slices within the bound and the others in two launches).
+   ``"v1"``: ``_bwd_state_kernel`` MODE 0 does the chain and the per-chunk products in one program per
+   (segment, head), and ``_bwd_intra_kernel`` the whole intra backward per chunk (it spills registers).
 """
 from __future__ import annotations
 
@@ -1175,10 +1183,12 @@ def _bwd_dh_kernel(QG, WK, KD, AQK, GAM, DO, HB, DS_END, DHB, DU, DGP, DS_OUT, s
 
 @triton.jit
 def _bwd_chunk_kernel(WK, U, QG, AQK, DO, HB, DHB, DU, DWK, DQG, DKD, DAQK, cstart, clen, H,
-                      K: tl.constexpr, V: tl.constexpr):
+                      K: tl.constexpr, V: tl.constexpr, BVC: tl.constexpr):
     """The per-chunk gradients that sum over V (BWD_IMPL "v2"), every (chunk, head) at once, from the
     chunk-entry state S0 = HB[c] and the chunk-exit state gradient X = DHB[c] of _bwd_dh_kernel:
-        W = U - Wk S0;  dA = tril(dO W^T);  dQG = dO S0^T;  dKD = W X^T;  dWk = -dW S0^T."""
+        W = U - Wk S0;  dA = tril(dO W^T);  dQG = dO S0^T;  dKD = W X^T;  dWk = -dW S0^T,
+    each a sum over V, taken in column blocks of BVC (= V up to K*V = 128*128; the [K, V] operands of larger
+    heads would not fit the shared memory at once)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(cstart + c).to(tl.int64)
@@ -1186,24 +1196,32 @@ def _bwd_chunk_kernel(WK, U, QG, AQK, DO, HB, DHB, DU, DWK, DQG, DKD, DAQK, csta
     rows = tl.arange(0, 64)
     rm = rows < L
     dk = tl.arange(0, K)
-    dv = tl.arange(0, V)
     offk = (t0 + rows)[:, None] * (H * K) + h * K + dk[None, :]
-    offo = (t0 + rows)[:, None] * (H * V) + h * V + dv[None, :]
     offa = (t0 + rows)[:, None] * (H * 64) + h * 64 + rows[None, :]
-    oh = ((tl.cast(c, tl.int64) * H + h) * K + dk[:, None]) * V + dv[None, :]
     wk = tl.load(WK + offk, mask=rm[:, None], other=0.0)
-    S0 = tl.load(HB + oh).to(wk.dtype)
-    uu = tl.load(U + offo, mask=rm[:, None], other=0.0).to(tl.float32)
-    W = (uu - tl.dot(wk, S0)).to(wk.dtype)
-    do = tl.load(DO + offo, mask=rm[:, None], other=0.0).to(wk.dtype)
-    dA = tl.dot(do, tl.trans(W))
+    dA = tl.zeros([64, 64], dtype=tl.float32)
+    dqg = tl.zeros([64, K], dtype=tl.float32)
+    dkd = tl.zeros([64, K], dtype=tl.float32)
+    dwk = tl.zeros([64, K], dtype=tl.float32)
+    for vs in tl.static_range(0, V, BVC):
+        dv = vs + tl.arange(0, BVC)
+        offo = (t0 + rows)[:, None] * (H * V) + h * V + dv[None, :]
+        oh = ((tl.cast(c, tl.int64) * H + h) * K + dk[:, None]) * V + dv[None, :]
+        S0 = tl.load(HB + oh).to(wk.dtype)
+        uu = tl.load(U + offo, mask=rm[:, None], other=0.0).to(tl.float32)
+        W = (uu - tl.dot(wk, S0)).to(wk.dtype)
+        do = tl.load(DO + offo, mask=rm[:, None], other=0.0).to(wk.dtype)
+        dA += tl.dot(do, tl.trans(W))
+        dqg += tl.dot(do, tl.trans(S0))
+        X = tl.load(DHB + oh).to(wk.dtype)
+        dkd += tl.dot(W, tl.trans(X))
+        dW = tl.load(DU + offo, mask=rm[:, None], other=0.0).to(wk.dtype)
+        dwk -= tl.dot(dW, tl.trans(S0))
     dA = tl.where(rows[None, :] <= rows[:, None], dA, 0.0)
     tl.store(DAQK + offa, dA.to(DAQK.dtype.element_ty), mask=rm[:, None])
-    tl.store(DQG + offk, tl.dot(do, tl.trans(S0)).to(DQG.dtype.element_ty), mask=rm[:, None])
-    X = tl.load(DHB + oh).to(wk.dtype)
-    tl.store(DKD + offk, tl.dot(W, tl.trans(X)).to(DKD.dtype.element_ty), mask=rm[:, None])
-    dW = tl.load(DU + offo, mask=rm[:, None], other=0.0).to(wk.dtype)
-    tl.store(DWK + offk, (-tl.dot(dW, tl.trans(S0))).to(DWK.dtype.element_ty), mask=rm[:, None])
+    tl.store(DQG + offk, dqg.to(DQG.dtype.element_ty), mask=rm[:, None])
+    tl.store(DKD + offk, dkd.to(DKD.dtype.element_ty), mask=rm[:, None])
+    tl.store(DWK + offk, dwk.to(DWK.dtype.element_ty), mask=rm[:, None])
 
 
 @triton.jit
@@ -1766,6 +1784,9 @@ BWD_DH_CFG = dict(num_warps=4, num_stages=1)
 # intra kernel: 3.67 / 29.1 ms, 8.5 KB of register spills per thread). ptxas sm_90a, BK 32 / 4 warps: 244
 # registers, no spills; ut kernel at 8 warps: none
 BWD_INTRA_CFG = dict(nw_ut=8, BK=32, nw_pair=4)
+# _bwd_chunk_kernel takes V in column blocks of BWD_CHUNK_KV // K (K = V = 128: one block, 64 KB of shared
+# memory; K = V = 256 at once would need 256 KB, over the H200's 227)
+BWD_CHUNK_KV = 128 * 128
 
 
 def _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn):
@@ -1850,7 +1871,8 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=No
         del DGP
         if NC:
             _bwd_chunk_kernel[(NC, H)](WK, U, QG, AQK, do2, HB, DHB, DU, DWK, DQG, DKD, DAQK, tab["cstart"],
-                                       tab["clen"], H, K=K, V=V, num_warps=8, num_stages=1)
+                                       tab["clen"], H, K=K, V=V, BVC=min(V, max(16, BWD_CHUNK_KV // K)), num_warps=8,
+                                       num_stages=1)
         del DHB
         _mark("bwd: chunk grads")
     else:
