@@ -36,4 +36,11 @@ def test_two_phase_model_equals_direct_model():
     assert any(n.op == "attn_residual_phase1" for n in fused.graph.nodes)
     ids = clear_ids(direct, (2, 77))          # no top-k near-tie that float rounding could flip
     a, b = fused(ids), direct(ids)
-    assert ((a - b).norm() / b.norm()).item() < 1e-4      # float32 rounding through 9 layers
+    # float32 rounding through 9 layers: ~1e-5 per token. clear_ids keeps top-k near-ties (< 1e-5) out of the
+    # direct model's routing, but the two forms' router scores can differ by about as much, so a token's
+    # top-k may still switch (MTC_SEED=3132543942: tokens 3 and 5 of one sequence at 2e-3, the later tokens
+    # of that sequence up to 1e-4 through the causal mixers, the median token at 6e-6, the whole output
+    # 2.1e-4). A wrong merge or phase 1 moves every token by far more (~1e-1).
+    tok = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+    assert tok.median().item() < 2e-5, tok.sort().values[-8:]
+    assert tok.max().item() < 1e-2 and ((a - b).norm() / b.norm()).item() < 1e-3

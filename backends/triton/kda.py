@@ -64,6 +64,9 @@ __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 CHUNK = 64
 # the most negative promised bound for which the dense diagonal tiles stay in range (8 * 10 = 80 < 88)
 FAST_LOWER_BOUND_LIMIT = -10.0
+# the same for float16 operands: the anchored factors reach e^(8 |L|) and float16 ends at 65504 ~ e^11.09, so
+# the dense tiles need L >= -1.25 there; a lower bound below that runs the safe path (same result)
+FP16_FAST_LOWER_BOUND_LIMIT = -1.25
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1873,7 +1876,7 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=No
             _bwd_chunk_kernel[(NC, H)](WK, U, QG, AQK, do2, HB, DHB, DU, DWK, DQG, DKD, DAQK, tab["cstart"],
                                        tab["clen"], H, K=K, V=V, BVC=min(V, max(16, BWD_CHUNK_KV // K)), num_warps=8,
                                        num_stages=1)
-        del DHB
+        del DHB, HB
         _mark("bwd: chunk grads")
     else:
         raise ValueError(f"backends.triton.kda.BWD_IMPL must be 'v1' or 'v2', got {BWD_IMPL!r}")
@@ -1902,7 +1905,7 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=No
         DKG = torch.empty(N, H, K, dtype=torch.float32, device=dev)
         _bwd_ut_kernel[(NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, BM, DU, DWK, DB, DKG, dv, db, H, K=K,
                                 V=V, DT=_TL[idt], num_warps=BWD_INTRA_CFG["nw_ut"], num_stages=1)
-        del TB, BM
+        del TB, BM, kept, DU, DWK      # (TB and BM live on in the autograd context when the forward kept them)
         _mark("bwd: ut")
         BK = min(K, BWD_INTRA_CFG["BK"])
         for safe in ((False, True) if fast else (True,)):
@@ -1917,9 +1920,10 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=No
 
 class _KDAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, tab, fast, lb, BV):
-        keep = (BWD_IMPL == "v2" and INTRA_IMPL == "v5" and tab["n_chunks"] > 0
-                and any(ctx.needs_input_grad[:6]))
+    def forward(ctx, q, k, v, g, beta, h0, scale, tab, fast, lb, BV, grad):
+        # grad: autograd was on at the call and an input needs a gradient (inside forward grad mode is off,
+        # and needs_input_grad says True under no_grad too)
+        keep = BWD_IMPL == "v2" and INTRA_IMPL == "v5" and tab["n_chunks"] > 0 and grad
         o, final, saved, _, kept = _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=keep)
         kept = kept or ()
         ctx.save_for_backward(q, k, v, g, beta, h0, *saved, *kept)
@@ -1937,7 +1941,7 @@ class _KDAFunction(torch.autograd.Function):
             dht = dht.float().contiguous()
         dq, dk, dv, dg, db, dh0 = _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved,
                                        do.contiguous(), dht, kept)
-        return dq, dk, dv, dg, db, dh0, None, None, None, None, None
+        return dq, dk, dv, dg, db, dh0, None, None, None, None, None, None
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -1958,6 +1962,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
             FAST_LOWER_BOUND_LIMIT (-10) <= L < 0 promised by the gate (kda_gate's sigmoid form): the
             diagonal tiles are dense tensor-core dots.  The promise is checked per chunk inside the
             kernel (min of g); a chunk that breaks it takes the safe path, so the result is right anyway.
+            float16 q/k/v: the dense tiles need L >= FP16_FAST_LOWER_BOUND_LIMIT (-1.25; e^(8 |L|) must
+            fit float16); a lower L runs the safe path everywhere (same result, slower).
         segment_chunks: chunks per segment for the long-context split (None: chosen from the GPU size;
             a huge value disables it).  The result does not depend on it beyond rounding.
         check_finite: scan the inputs for NaN/inf first (one reduction and a host sync); off by default
@@ -1984,7 +1990,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         if not (FAST_LOWER_BOUND_LIMIT <= lb < 0):
             raise ValueError(f"{where}: lower_bound must be in [{FAST_LOWER_BOUND_LIMIT}, 0) for the dense "
                              f"diagonal tiles, got {lower_bound!r}; pass None for the safe path")
-        fast = True
+        # float16 tiles cannot hold e^(8 |L|) past L = -1.25 (NaN / inf otherwise): the safe path then
+        fast = not (q.dtype == torch.float16 and lb < FP16_FAST_LOWER_BOUND_LIMIT)
     else:
         lb, fast = 0.0, False
     if check_finite:
@@ -2000,7 +2007,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     tab = _tables(B, T, cu_seqlens, seg, q.device)
     qc, kc, vc, gc, bc = (t.contiguous() for t in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    o, final = _KDAFunction.apply(qc, kc, vc, gc, bc, h0, scale, tab, fast, lb, BV)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
+    o, final = _KDAFunction.apply(qc, kc, vc, gc, bc, h0, scale, tab, fast, lb, BV, grad)
     return o, (final if output_final_state else None)
 
 
