@@ -201,7 +201,17 @@ def _check_experts(n, l, e, i, k, idx=None, wt=None, act="situ", weights=None, g
         want = torch.autograd.grad((ru * g).sum(), (x, wt, w1, w3, w2))
         for name, a_, b_ in zip(("x", "topk_weight", "w1", "w3", "w2"), got, want):
             assert a_.shape == b_.shape, name
-            err = rel_rms(a_, b_) if b_.abs().max() > 0 else float(a_.abs().max())
+            if name == "topk_weight":
+                # d wt[t, j] = <g[t], y_j(x[t])>, a dot product that can cancel to near 0 (n = 1, k = 1:
+                # one such number; MTC_SEED=3524158700 gave 1.4e-4 relative to it): its error is measured
+                # against the sum it rounds, sum_c |g[t, c]| |y_j(x[t])_c|, y_j = expert j's output
+                ones = torch.ones(n, 1, dtype=wt.dtype, device=DEV)
+                y = torch.stack([naive_experts(x.detach(), idx[:, j:j + 1], ones, w1.detach(), w3.detach(),
+                                               w2.detach(), act) for j in range(idx.shape[1])], dim=1)
+                scale = (g.double().abs()[:, None, :] * y.abs()).sum(-1)        # [n, k]
+                err = float(((a_.double() - b_.double()).abs() / scale.clamp_min(1e-30)).max())
+            else:
+                err = rel_rms(a_, b_) if b_.abs().max() > 0 else float(a_.abs().max())
             assert err < 1e-4, (name, err)
 
 
