@@ -528,7 +528,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         graph: a graph from dsl.load / dsl.parse / the builder (any stage up to 'graph').
         target: "reference" (plain float32 PyTorch), "triton" (Triton kernels; the CPU interpreter needs
             TRITON_INTERPRET=1) or "tvm" (TVM kernels for the memory-bound ops, Triton for the rest).
-        dtype: parameter/activation dtype (default float32 for "reference"; the spec's for others).
+        dtype: parameter/activation dtype (default float32 for every target; the spec's ``dtype`` field is
+            not applied: pass dtype="bf16" / torch.bfloat16 for a bf16 model on the GPU).
         device: "cpu", "cuda", or "meta" to build the full model without allocating weights.
         seed: parameter initialisation seed (None: torch's global RNG).
         passes / print_after / dump_ir: see passes.PassManager.

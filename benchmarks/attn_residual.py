@@ -450,9 +450,20 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of sections to skip: table,onorm,2e32,block,p1sweep (the phase-1 / merge part of --sweep)")
     ap.add_argument("--out", default="benchmarks/results/attn_residual.md", help="where to write the table")
     a = ap.parse_args(argv)
+    try:
+        sLs = [int(x) for x in a.sweep_l.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sweep-l: expected a comma list of integers, got {a.sweep_l!r}")
+    if not sLs or min(sLs) < 1:
+        ap.error(f"--sweep-l: expected source counts >= 1, got {a.sweep_l!r}")
+    if a.sweep_n < 1:
+        ap.error(f"--sweep-n: expected a positive token count, got {a.sweep_n}")
+    skip = set(a.skip.split(",")) if a.skip else set()
+    unknown = skip - {"table", "onorm", "2e32", "block", "p1sweep"}
+    if unknown:
+        ap.error(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; sections: table,onorm,2e32,block,p1sweep")
     if not torch.cuda.is_available():
         sys.exit("attn_residual benchmark: needs a CUDA GPU")
-    skip = set(a.skip.split(",")) if a.skip else set()
     if a.out:
         OUT_PATH.append(a.out)
     fla_fused = fla_naive = None
@@ -470,12 +481,6 @@ def main(argv=None):
     Ns = [16384] if a.quick else [16384, 65536]
     Ls = [2, 25] if a.quick else [2, 8, 16, 25]
     if a.sweep:
-        try:
-            sLs = [int(x) for x in a.sweep_l.split(",") if x.strip()]
-        except ValueError:
-            ap.error(f"--sweep-l: expected a comma list of integers, got {a.sweep_l!r}")
-        if not sLs or min(sLs) < 1:
-            ap.error(f"--sweep-l: expected source counts >= 1, got {a.sweep_l!r}")
         fbest = sweep(a.sweep_n, sLs, copy_bw, small=max(sLs) < T.FWD_WIDE_L)
         pbest, mbest = sweep_phase1(16384, 8, copy_bw) if "p1sweep" not in skip else ({}, {})
         emit(f"\nSWEEP RESULT: forward FWD_DEFAULT <- {fbest}; phase 1 P1_DEFAULT updated with "

@@ -101,6 +101,19 @@ def main():
                      f"kernel), e.g. v2@4x2 or v2:16x4 or v2@4x2:16x4; got {b!r}")
     if not bwds:
         ap.error("--bwd: give at least one implementation")
+    if args.rep <= 0:
+        ap.error(f"--rep: expected a positive number of milliseconds, got {args.rep}")
+    if args.cases:
+        try:
+            cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+        except ValueError:
+            cases = []
+        if not cases or any(len(c) != 2 or c[0] < 1 or c[1] < 1 for c in cases):
+            ap.error(f"--cases: expected comma-separated H:T pairs of positive integers (e.g. 16:8192,96:65536), "
+                     f"got {args.cases!r}")
+    if not torch.cuda.is_available():
+        sys.exit("kda benchmark: needs a CUDA GPU (and fla-core 0.6.0 for the baseline); on the device machine: "
+                 "source .device/prelude.sh; python benchmarks/kda.py ...")
     import triton
     from fla.ops.kda import chunk_kda
     import backends.triton.kda as tk
@@ -112,7 +125,7 @@ def main():
                 f.write("\n".join(lines) + "\n")
 
     if args.cases:
-        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+        pass                                   # parsed and checked above
     elif args.quick:
         cases = [(16, 8192), (16, 65536)]
     else:

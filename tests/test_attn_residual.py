@@ -222,6 +222,21 @@ def test_triton_forward_views_and_aliases():
 
 
 
+def test_triton_argument_checks_and_no_double_backward():
+    n, d = 9, 16
+    query, sources, w = _inputs(3, (n, d), torch.float32)
+    with pytest.raises(ValueError, match="eps"):
+        T.attn_residual(query, sources, w, eps=True)
+    with pytest.raises(ValueError, match="query is on meta"):
+        T.attn_residual(query.to("meta"), sources, w)
+    q_ = query.clone().requires_grad_()
+    out = T.attn_residual(q_, sources, w)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad((out ** 2).sum(), q_, create_graph=True)
+    g, = torch.autograd.grad((out ** 2).sum(), q_)          # a plain backward still works
+    assert torch.isfinite(g).all()
+
+
 def test_triton_offset_tables_are_reused_and_right():
     # the int64 offset table of a source list is built once per set of relative offsets and then reused;
     # a list at other offsets gets its own table, and both calls stay right

@@ -168,6 +168,27 @@ def test_backward_impls_with_cu_seqlens_segments_and_states(bwd, K, lb, monkeypa
             o.sum().backward()
 
 
+def test_argument_checks_and_no_double_backward():
+    q, k, v, g, beta, S0 = make(1, 70, 1, 16, 16)
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        tk.kda_chunk(q, k, v, -g, beta, check_finite=True)
+    g_inf = g.clone()
+    g_inf[0, 5, 0, 3] = float("-inf")
+    with pytest.raises(ValueError, match="g holds NaN or inf"):
+        tk.kda_chunk(q, k, v, g_inf, beta, check_finite=True)
+    for bad in ("x", 0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="segment_chunks"):
+            tk.kda_chunk(q, k, v, g, beta, segment_chunks=bad)
+    for bad in ("-5", True):
+        with pytest.raises(TypeError, match="lower_bound"):
+            tk.kda_chunk(q, k, v, g, beta, lower_bound=bad)
+    # the backward is not itself differentiable: a second derivative is an error, not a silent zero
+    qq = q.clone().requires_grad_()
+    o, _ = tk.kda_chunk(qq, k, v, g, beta, lower_bound=-5.0)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad((o ** 2).sum(), qq, create_graph=True)
+
+
 def test_float16_with_a_bound_past_its_range():
     # float16 tiles hold at most e^11: with lower_bound -5 the dense diagonal tiles (factors up to e^40) gave
     # NaN / inf; such bounds now take the safe path, in the forward and the backward

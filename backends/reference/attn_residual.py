@@ -88,7 +88,8 @@ def _check_sources(name: str, sources, where: str):
 
 
 def _check_eps(eps, where: str) -> None:
-    if not isinstance(eps, (int, float)) or not (eps > 0) or eps != eps or eps == float("inf"):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0) or eps != eps \
+            or eps == float("inf"):
         raise ValueError(f"{where}: eps must be a finite positive number, got {eps!r}")
 
 

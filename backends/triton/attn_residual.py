@@ -48,7 +48,7 @@ import triton.language as tl
 
 import importlib
 
-from .guard import device_table, warn_interpreter_bf16
+from .guard import device_table, no_create_graph, warn_interpreter_bf16
 
 # the module itself (backends.reference re-exports a function of the same name)
 _ref = importlib.import_module("backends.reference.attn_residual")
@@ -639,6 +639,7 @@ class _AttnResFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        no_create_graph("backends.triton.attn_residual")
         query, w, ow, logit, lse, *xs = ctx.saved_tensors
         eps = ctx.eps
         L = len(xs)
@@ -693,6 +694,9 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     """
     shape, dtype, d = _ref.check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight)
     _check_device(sources[0], "attn_residual")
+    for name, t in (("query", query), ("rms_weight", rms_weight), ("output_rms_weight", output_rms_weight)):
+        if t is not None and t.device != sources[0].device:
+            raise ValueError(f"attn_residual: {name} is on {t.device} but the sources are on {sources[0].device}")
     warn_interpreter_bf16("backends.triton.attn_residual", *sources)
     xs = [_flat(s, d) for s in sources]
     out = _AttnResFn.apply(query.contiguous(), rms_weight.contiguous(),
@@ -784,6 +788,7 @@ class _Phase1Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dacc, dm, ds):
+        no_create_graph("backends.triton.attn_residual_phase1")
         queries, rms_weights, *xs = ctx.saved_tensors
         with torch.enable_grad():
             ins = [t.detach().requires_grad_(True) for t in (queries, rms_weights, *xs)]
@@ -859,6 +864,7 @@ class _MergeFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        no_create_graph("backends.triton.attn_residual_merge")
         saved = ctx.saved_tensors
         with torch.enable_grad():
             ins = [None if t is None else t.detach().requires_grad_(t.dtype.is_floating_point) for t in saved]

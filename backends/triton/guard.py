@@ -66,3 +66,14 @@ def warn_interpreter_bf16(where: str, *tensors) -> None:
         warnings.warn(f"{where}: bfloat16 under TRITON_INTERPRET=1: triton's CPU interpreter rounds bfloat16 "
                       f"results toward zero (up to one bf16 step off the reference); use float32 or float16 "
                       f"on the CPU for exact comparisons", RuntimeWarning, stacklevel=3)
+
+
+def no_create_graph(where: str) -> None:
+    """Call first in a Triton autograd Function's backward: grad mode is on there exactly when the backward
+    runs with create_graph=True (a gradient penalty, a second derivative). The Triton backwards are not
+    themselves differentiable, and torch would silently give zero second derivatives (the kernels'
+    outputs carry no graph): a clear error instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{where}: the Triton backward is not differentiable (backward / autograd.grad "
+                           f"with create_graph=True, e.g. a gradient penalty or a second derivative); use "
+                           f"target='reference' / backends.reference for higher-order gradients")

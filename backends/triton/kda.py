@@ -50,6 +50,7 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import check_interpreter_dot_dtype, device_table
+from .guard import check_interpreter_dot_dtype, device_table, no_create_graph
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -1933,6 +1934,7 @@ class _KDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        no_create_graph("backends.triton.kda_chunk")
         q, k, v, g, beta, h0, *saved = ctx.saved_tensors
         kept = tuple(saved[len(saved) - ctx.n_kept:]) if ctx.n_kept else None
         saved = saved[:len(saved) - ctx.n_kept]
@@ -1966,8 +1968,10 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
             fit float16); a lower L runs the safe path everywhere (same result, slower).
         segment_chunks: chunks per segment for the long-context split (None: chosen from the GPU size;
             a huge value disables it).  The result does not depend on it beyond rounding.
-        check_finite: scan the inputs for NaN/inf first (one reduction and a host sync); off by default
-            (NaN in -> NaN out, never a hang).
+        check_finite: scan the inputs for NaN/inf and g for values > 0 first (reductions and a host sync;
+            ValueError naming the input); off by default, so that a call never waits for the GPU: then
+            NaN in -> NaN out (never a hang), and g > 0 or g = -inf (outside the contract g in (-inf, 0])
+            give NaN or huge values, not an error.
 
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [N_seq, H, K, V] float32 or None).
@@ -1986,6 +1990,9 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     if not (_pow2(K) and _pow2(V)) or K > 256 or V > 256:
         raise ValueError(f"{where}: K and V must be powers of two in [16, 256]; got K={K}, V={V}")
     if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"{where}: lower_bound must be a number or None, got {type(lower_bound).__name__} "
+                            f"{lower_bound!r}")
         lb = float(lower_bound)
         if not (FAST_LOWER_BOUND_LIMIT <= lb < 0):
             raise ValueError(f"{where}: lower_bound must be in [{FAST_LOWER_BOUND_LIMIT}, 0) for the dense "
@@ -1997,6 +2004,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             _ref._check_finite(name, t, where)
+        if g.numel() and float(g.max()) > 0:
+            raise ValueError(f"{where}: g must be <= 0 (a log decay); got max {float(g.max()):.4g}")
+    if segment_chunks is not None and (isinstance(segment_chunks, bool)
+                                       or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
+        raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
     scale = K ** -0.5 if scale is None else float(scale)
     if q.device.type != "cuda" and not _interpret():
         raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1)")

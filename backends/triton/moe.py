@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from backends.reference import moe as _ref
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
-from .guard import check_interpreter_dot_dtype, device_table
+from .guard import check_interpreter_dot_dtype, device_table, no_create_graph
 
 __all__ = [
     "qb_route",
@@ -172,6 +172,7 @@ class _RouteFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _didx, dwt, dscores):
+        no_create_graph("backends.triton.qb_route")
         x, weight, scores, idx, wt = ctx.saved_tensors
         ds = torch.zeros_like(scores) if dscores is None else dscores.float().clone()
         if dwt is not None:
@@ -341,6 +342,7 @@ class _GluFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh):
+        no_create_graph("backends.triton.situ_glu")
         a, b = ctx.saved_tensors
         act, bg, bu = ctx.cfg
         dh = dh.contiguous()
@@ -582,6 +584,7 @@ class _ExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, du):
+        no_create_graph("backends.triton.moe_experts")
         if ctx.empty:
             x, tw, w1, w3, w2 = ctx.saved_tensors
             z = torch.zeros_like
