@@ -45,6 +45,14 @@ def _check_finite(name: str, t: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: {name} holds NaN or inf")
 
 
+def check_inputs_finite_and_decay(q, k, v, g, beta, where: str) -> None:
+    """ValueError if q, k, v, g or beta hold NaN/inf, or g > 0 anywhere (a growing "decay")."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check_finite(name, t, where)
+    if g.numel() and bool((g > 0).any()):
+        raise ValueError(f"{where}: g must be <= 0 (a log decay); got max {float(g.max()):.4g}")
+
+
 def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, lower_bound: float = -5.0,
              gate: str = "sigmoid") -> torch.Tensor:
     """The KDA per-channel log decay g (float32).
@@ -194,10 +202,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """
     where = "kda_chunk"
     B, T, H, K, V, bounds, n_seq = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _check_finite(name, t, where)
-    if g.numel() and bool((g > 0).any()):
-        raise ValueError(f"{where}: g must be <= 0 (a log decay); got max {float(g.max()):.4g}")
+    check_inputs_finite_and_decay(q, k, v, g, beta, where)
     if initial_state is not None:
         _check_finite("initial_state", initial_state, where)
     scale = K ** -0.5 if scale is None else float(scale)

@@ -954,6 +954,13 @@ def _fwd_solve4_kernel(NB, cstart, clen, TB, H):
 
 
 @triton.jit
+def _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s):
+    """Segment s of the long-context split: (first token, end token) as int64 and (first chunk, end chunk)."""
+    return (tl.load(seg_t0 + s).to(tl.int64), tl.load(seg_t1 + s).to(tl.int64), tl.load(seg_c0 + s),
+            tl.load(seg_c1 + s))
+
+
+@triton.jit
 def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SW: tl.constexpr,
                   MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr):
@@ -970,10 +977,7 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
     vb = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    ts = tl.load(seg_t0 + s).to(tl.int64)
-    te = tl.load(seg_t1 + s).to(tl.int64)
-    c0 = tl.load(seg_c0 + s)
-    c1 = tl.load(seg_c1 + s)
+    ts, te, c0, c1 = _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s)
     rows = tl.arange(0, 64)
     dk = tl.arange(0, K)
     cols = vb * BV + tl.arange(0, BV)
@@ -1150,10 +1154,7 @@ def _bwd_dh_kernel(QG, WK, KD, AQK, GAM, DO, HB, DS_END, DHB, DU, DGP, DS_OUT, s
     vb = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    ts = tl.load(seg_t0 + s).to(tl.int64)
-    te = tl.load(seg_t1 + s).to(tl.int64)
-    c0 = tl.load(seg_c0 + s)
-    c1 = tl.load(seg_c1 + s)
+    ts, te, c0, c1 = _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s)
     rows = tl.arange(0, 64)
     dk = tl.arange(0, K)
     cols = vb * BV + tl.arange(0, BV)
@@ -1310,19 +1311,15 @@ def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM,
         ok = (tl.min(tl.min(gg, axis=1), axis=0) >= lb).to(tl.int32)
     else:
         ok = tl.zeros([], dtype=tl.int32)
-    if SAFE:
-        if ok == 0:
-            _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, t0, L, rows, rm,
-                       d, bk_, ba_, ok_, K, BK, DT, 0)
-    else:
-        if ok == 1:
-            _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, t0, L, rows, rm,
-                       d, bk_, ba_, ok_, K, BK, DT, 1)
+    FASTC: tl.constexpr = 0 if SAFE else 1       # the kind of slice this launch takes
+    if ok == FASTC:
+        _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, L, rows, rm, d, bk_,
+                   ba_, ok_, K, BK, DT, FASTC)
 
 
 @triton.jit
-def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, t0, L, rows, rm, d, bk_,
-               ba_, ok_, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, fast: tl.constexpr):
+def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, L, rows, rm, d, bk_, ba_,
+               ok_, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, fast: tl.constexpr):
     """_bwd_pair_kernel after the gate's load, for one kind of slice (fast: dense diagonal tiles or not)."""
     qq = tl.load(q + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
     kk = tl.load(k + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
@@ -1335,13 +1332,10 @@ def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale
         a = r * 16
         m = a + 8 * fast
         Gm = _row_of(G, rows, m)
-        # the block's rows of q, k (reloaded: L1 hits) and of G; the block's rows and columns of dP and dBm
-        # straight from memory (no [64, 64] tile held across the loop)
+        # the block's rows of G; the block's rows and columns of dP and dBm straight from memory (no [64, 64]
+        # tile held across the loop)
         rb = a + r16
         rbm = rb < L
-        orb = rb[:, None] * (H * K) + d[None, :]
-        q_r = tl.load(q + bk_ + orb, mask=rbm[:, None], other=0.0).to(tl.float32)
-        k_r = tl.load(k + bk_ + orb, mask=rbm[:, None], other=0.0).to(tl.float32)
         G_r = _get_rows(G, r, 4, 16, BK)
         er = tl.exp(G_r - Gm[None, :])
         lim = a + 16 * fast
@@ -1361,6 +1355,10 @@ def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale
         ec = tl.exp(Ge[None, :] - G_r)
         dkc_blk = ec * (_dt(tl.trans(dP_c), qq * xe, DT) + _dt(tl.trans(dB_c), kk * xe, DT))
         if not fast:
+            # the block's rows of q and k (reloaded: L1 hits) for the diagonal tile, pair by pair
+            orb = rb[:, None] * (H * K) + d[None, :]
+            q_r = tl.load(q + bk_ + orb, mask=rbm[:, None], other=0.0).to(tl.float32)
+            k_r = tl.load(k + bk_ + orb, mask=rbm[:, None], other=0.0).to(tl.float32)
             odia = rb[:, None] * (H * 64) + rb[None, :]
             dP_rr = tl.load(DAQK + ba_ + odia, mask=rbm[:, None], other=0.0).to(tl.float32) * scale
             dB_rr = tl.load(DB + ba_ + odia, mask=rbm[:, None], other=0.0)
@@ -2002,10 +2000,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     else:
         lb, fast = 0.0, False
     if check_finite:
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            _ref._check_finite(name, t, where)
-        if g.numel() and float(g.max()) > 0:
-            raise ValueError(f"{where}: g must be <= 0 (a log decay); got max {float(g.max()):.4g}")
+        _ref.check_inputs_finite_and_decay(q, k, v, g, beta, where)
     if segment_chunks is not None and (isinstance(segment_chunks, bool)
                                        or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
         raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
