@@ -49,7 +49,8 @@ def _is_float(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point
 
 
-def _check_vector(name: str, t, d: int, where: str) -> None:
+def _check_vector(name: str, t, d: int, where: str, device=None, of: str = "the sources") -> None:
+    """A float [d] tensor; on `device` (that of `of`) when one is given."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not _is_float(t):
@@ -57,6 +58,8 @@ def _check_vector(name: str, t, d: int, where: str) -> None:
     if t.dim() != 1 or t.shape[0] != d:
         raise ValueError(f"{where}: {name} must have shape [{d}] (d = hidden size of the sources), "
                          f"got {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{where}: {name} is on {t.device} but {of} are on {device}")
 
 
 def _check_sources(name: str, sources, where: str):
@@ -98,10 +101,11 @@ def check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight,
     """Validates the arguments of ``attn_residual``; returns (source shape, source dtype, d)."""
     shape, dtype = _check_sources("sources", sources, where)
     d = shape[-1]
-    _check_vector("query", query, d, where)
-    _check_vector("rms_weight", rms_weight, d, where)
+    dev = sources[0].device
+    _check_vector("query", query, d, where, dev)
+    _check_vector("rms_weight", rms_weight, d, where, dev)
     if output_rms_weight is not None:
-        _check_vector("output_rms_weight", output_rms_weight, d, where)
+        _check_vector("output_rms_weight", output_rms_weight, d, where, dev)
     _check_eps(eps, where)
     return shape, dtype, d
 

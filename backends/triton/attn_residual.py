@@ -694,9 +694,6 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     """
     shape, dtype, d = _ref.check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight)
     _check_device(sources[0], "attn_residual")
-    for name, t in (("query", query), ("rms_weight", rms_weight), ("output_rms_weight", output_rms_weight)):
-        if t is not None and t.device != sources[0].device:
-            raise ValueError(f"attn_residual: {name} is on {t.device} but the sources are on {sources[0].device}")
     warn_interpreter_bf16("backends.triton.attn_residual", *sources)
     xs = [_flat(s, d) for s in sources]
     out = _AttnResFn.apply(query.contiguous(), rms_weight.contiguous(),
