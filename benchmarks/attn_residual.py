@@ -437,6 +437,10 @@ def block(n, Bs, fla_fused, copy_bw):
         torch.cuda.empty_cache()
 
 
+#: the sections --skip can leave out
+SECTIONS = ("table", "onorm", "2e32", "block", "p1sweep")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N = 16384 only, L in {2, 25}; no 2^32 section")
@@ -447,7 +451,8 @@ def main(argv=None):
                          "below the wide threshold (FWD_WIDE_L) the small-L settings are swept")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla baseline")
     ap.add_argument("--fla-all-configs", action="store_true", help="let fla autotune over all 24 of its configs")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: table,onorm,2e32,block,p1sweep (the phase-1 / merge part of --sweep)")
+    ap.add_argument("--skip", default="", help=f"comma list of sections to skip: {','.join(SECTIONS)} (p1sweep: the "
+                                               f"phase-1 / merge part of --sweep)")
     ap.add_argument("--out", default="benchmarks/results/attn_residual.md", help="where to write the table")
     a = ap.parse_args(argv)
     try:
@@ -459,9 +464,9 @@ def main(argv=None):
     if a.sweep_n < 1:
         ap.error(f"--sweep-n: expected a positive token count, got {a.sweep_n}")
     skip = set(a.skip.split(",")) if a.skip else set()
-    unknown = skip - {"table", "onorm", "2e32", "block", "p1sweep"}
+    unknown = skip - set(SECTIONS)
     if unknown:
-        ap.error(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; sections: table,onorm,2e32,block,p1sweep")
+        ap.error(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; sections: {','.join(SECTIONS)}")
     if not torch.cuda.is_available():
         sys.exit("attn_residual benchmark: needs a CUDA GPU")
     if a.out:

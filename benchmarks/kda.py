@@ -111,6 +111,11 @@ def main():
         if not cases or any(len(c) != 2 or c[0] < 1 or c[1] < 1 for c in cases):
             ap.error(f"--cases: expected comma-separated H:T pairs of positive integers (e.g. 16:8192,96:65536), "
                      f"got {args.cases!r}")
+    elif args.quick:
+        cases = [(16, 8192), (16, 65536)]
+    else:
+        cases = [(16, 8192), (16, 65536), (16, 262144), (16, 1048576),
+                 (96, 8192), (96, 65536), (96, 262144)]
     if not torch.cuda.is_available():
         sys.exit("kda benchmark: needs a CUDA GPU (and fla-core 0.6.0 for the baseline); on the device machine: "
                  "source .device/prelude.sh; python benchmarks/kda.py ...")
@@ -124,13 +129,6 @@ def main():
             with open(args.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
 
-    if args.cases:
-        pass                                   # parsed and checked above
-    elif args.quick:
-        cases = [(16, 8192), (16, 65536)]
-    else:
-        cases = [(16, 8192), (16, 65536), (16, 262144), (16, 1048576),
-                 (96, 8192), (96, 65536), (96, 262144)]
     dev = torch.cuda.get_device_name()
     lines = [f"# kda_chunk vs fla-core 0.6.0 chunk_kda on {dev} (B=1, K=V=128, bf16, g in [-5,0))", "",
              "| H | T | pass | fla ms | mtc ms | speed-up | GFLOP | GB | mtc TF/s | %mm | mtc TB/s | %bw | err o |",
@@ -179,10 +177,10 @@ def main():
                         del o2
                         t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
                                                         return_mode="median")
-                        res[impl if not grad else bwd] = (t_mtc, err)
+                        key = bwd if grad else impl
+                        res[key] = (t_mtc, err)
                         if grad and args.phases:
-                            ph = phases(tk, kda_chunk, T, H, bwd=True)
-                            res[impl if not grad else bwd] += (ph,)
+                            res[key] += (phases(tk, kda_chunk, T, H, bwd=True),)
                     del o1
             except torch.OutOfMemoryError as e:  # noqa: PERF203
                 print(f"| {H} | {T} | {mode} | OOM: {str(e)[:60]} |", flush=True)
