@@ -100,7 +100,11 @@ def test_softplus_gate_strong_decay(impl):
     g = -torch.rand(B, T, H, K) * 60          # far below any bound: cumulative sums overflow exp if misused
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
-    assert torch.isfinite(o).all() and rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
+    assert torch.isfinite(o).all() and rel_rms(o[0], o_n) < 2e-5
+    # as above, the final state is ill-conditioned in float32 under such decays: MTC_SEED=2118963447 gave
+    # 2.57e-5 for both this kernel and the float32 reference, so the bound is relative to the reference's error
+    _, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    assert rel_rms(S[0], S_n) < max(2e-5, 2 * rel_rms(S_r[0], S_n))
 
 
 def test_cu_seqlens_uneven(impl):
