@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .guard import cdiv, next_power_of_2
+
 __all__ = ["conv_silu_norm"]
 
 
@@ -82,9 +84,9 @@ def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, 
     if head_dim is None:
         while C % D:
             D //= 2
-    BD = triton.next_power_of_2(D)
-    BT = max(1, min(64, 4096 // BD, triton.next_power_of_2(T)))
-    grid = (triton.cdiv(T, BT), C // D, Bn)
+    BD = next_power_of_2(D)
+    BT = max(1, min(64, 4096 // BD, next_power_of_2(T)))
+    grid = (cdiv(T, BT), C // D, Bn)
     _conv_silu_norm_kernel[grid](x, w, y, T, C, float(eps), D=D, BD=BD, W=w.shape[1], BT=BT, SILU=silu,
                                  NORM=head_dim is not None, num_warps=4)
     return y

@@ -12,6 +12,20 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host integers (grid sizes), the same value as ``triton.cdiv``.
+
+    ``triton.cdiv`` / ``triton.next_power_of_2`` are ConstexprFunctions in triton 3.6: about 3.5 us per call
+    from host code (measured on the CI machine: the six calls of attn_residual's launch path were half of its
+    42 us of host work). These plain versions are for the launch paths."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for host integers (0 for 0), the same value as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def check_interpreter_dot_dtype(where: str, **tensors) -> None:
     """Refuse bfloat16 operands of a kernel with ``tl.dot`` under the interpreter.
 

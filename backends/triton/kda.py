@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import check_interpreter_dot_dtype, device_table, no_create_graph
+from .guard import cdiv, check_interpreter_dot_dtype, device_table, no_create_graph
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -2040,7 +2040,7 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
     n = B * T * H
     BR = 32
     if n:
-        _gate_kernel[(triton.cdiv(n, BR),)](xc, A_log.contiguous(), dt_bias.contiguous(), g, n, H,
+        _gate_kernel[(cdiv(n, BR),)](xc, A_log.contiguous(), dt_bias.contiguous(), g, n, H,
                                             float(lower_bound), K=K, BR=BR, SOFTPLUS=(gate == "softplus"))
     return g
 

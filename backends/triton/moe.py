@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from backends.reference import moe as _ref
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
-from .guard import check_interpreter_dot_dtype, device_table, no_create_graph
+from .guard import cdiv, check_interpreter_dot_dtype, device_table, next_power_of_2, no_create_graph
 
 __all__ = [
     "qb_route",
@@ -93,10 +93,6 @@ def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def _launch_cfg(cfg):
     return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -127,7 +123,7 @@ def _router_logits(x, weight):
         return logits
     cfg = _cfg("router", x)
     offs = device_table([0, n], torch.int64, x.device)
-    m_tiles = _cdiv(n, cfg["BM"])
+    m_tiles = cdiv(n, cfg["BM"])
     sched = (torch.zeros(m_tiles, dtype=torch.int64, device=x.device),
              torch.zeros(1, dtype=torch.int64, device=x.device), m_tiles)
     _gg("router", x, weight.unsqueeze(0), sched, offs, 1, d, e, logits, gather=False, w_kn=False)
@@ -138,7 +134,7 @@ def _select(values, bias, k_sel, *, from_logits, write_topk, write_alpha, routed
     """Run the row top-k kernel; returns (scores or None, idx, wt, alpha, bad)."""
     n, e = values.shape
     dev = values.device
-    block_e = triton.next_power_of_2(max(e, 2))
+    block_e = next_power_of_2(max(e, 2))
     block_r = max(1, min(16, 4096 // block_e))
     scores = torch.empty(n, e, dtype=torch.float32, device=dev) if from_logits else values
     idx = torch.empty(n, k_sel, dtype=torch.int64, device=dev) if write_topk else bias
@@ -146,9 +142,9 @@ def _select(values, bias, k_sel, *, from_logits, write_topk, write_alpha, routed
     alpha = torch.empty(n, dtype=torch.float32, device=dev) if write_alpha else bias
     bad = torch.empty(n, dtype=torch.int32, device=dev)
     if n > 0:
-        _k._route_topk_kernel[(_cdiv(n, block_r),)](
+        _k._route_topk_kernel[(cdiv(n, block_r),)](
             values, bias, scores, idx, wt, alpha, bad, n, e, float(routed_scaling),
-            K_SEL=k_sel, K_PAD=triton.next_power_of_2(max(k_sel, 2)), FROM_LOGITS=from_logits,
+            K_SEL=k_sel, K_PAD=next_power_of_2(max(k_sel, 2)), FROM_LOGITS=from_logits,
             WRITE_TOPK=write_topk, WRITE_ALPHA=write_alpha, BLOCK_R=block_r, BLOCK_E=block_e,
             num_warps=4)
     return scores, idx, wt, alpha, bad
@@ -264,11 +260,11 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
         q = (n * top_k) // e
         cnt = torch.zeros(8, e, 16, dtype=torch.int32, device=s.device)
         bn, be = (64, 64) if s.is_cuda else (32, 16)
-        grid = (_cdiv(n, bn), _cdiv(e, be))
+        grid = (cdiv(n, bn), cdiv(e, be))
         for p in range(8):
             _k._qb_count_kernel[grid](s, alpha, cnt, n, e, q, p, BLOCK_N=bn, BLOCK_E=be, num_warps=4)
         b_hat = torch.empty(e, dtype=torch.float32, device=s.device)
-        _k._qb_finish_kernel[(_cdiv(e, 128),)](cnt, b_hat, e, q, BLOCK_E=128, num_warps=4)
+        _k._qb_finish_kernel[(cdiv(e, 128),)](cnt, b_hat, e, q, BLOCK_E=128, num_warps=4)
     b_hat = _ref._dp_average(b_hat, dp_group)
     b_new = b_hat - b_hat.mean()
     return ema * b + (1.0 - ema) * b_new
@@ -289,7 +285,7 @@ def expert_load(topk_idx, num_experts):
     bad = torch.zeros(1, dtype=torch.int32, device=flat.device)
     m = flat.numel()
     if m:
-        _k._expert_load_kernel[(_cdiv(m, 1024),)](flat, load, m, e, bad, BLOCK=1024, num_warps=4)
+        _k._expert_load_kernel[(cdiv(m, 1024),)](flat, load, m, e, bad, BLOCK=1024, num_warps=4)
         if int(bad.item()):
             raise ValueError(f"expert_load: expert indices must be in [0, {e}), got "
                              f"[{int(flat.min())}, {int(flat.max())}]")
@@ -334,7 +330,7 @@ class _GluFn(torch.autograd.Function):
         h = torch.empty(a.shape, dtype=dtype, device=a.device)
         m = a_c.numel()
         if m:
-            _situ_fwd_ew[(_cdiv(m, 1024),)](a_c, b_c, h, m, float(beta_gate), float(beta_up),
+            _situ_fwd_ew[(cdiv(m, 1024),)](a_c, b_c, h, m, float(beta_gate), float(beta_up),
                                             ACT=act, FAST=a.is_cuda, BLOCK=1024, num_warps=4)
         ctx.save_for_backward(a_c, b_c)
         ctx.cfg = (act, float(beta_gate), float(beta_up))
@@ -349,7 +345,7 @@ class _GluFn(torch.autograd.Function):
         da, db = torch.empty_like(a), torch.empty_like(b)
         m = a.numel()
         if m:
-            _situ_bwd_ew[(_cdiv(m, 1024),)](a, b, dh, da, db, m, bg, bu, ACT=act, FAST=a.is_cuda,
+            _situ_bwd_ew[(cdiv(m, 1024),)](a, b, dh, da, db, m, bg, bu, ACT=act, FAST=a.is_cuda,
                                             BLOCK=1024, num_warps=4)
         return da, db, None, None, None
 
@@ -396,7 +392,7 @@ class _Dispatch:
             counts = self.offs[1:] - self.offs[:-1]
             mt = (counts + bm - 1) // bm
             ends = torch.cumsum(mt, 0)
-            max_tiles = max(1, _cdiv(self.nk, bm) + min(self.e, self.nk))
+            max_tiles = max(1, cdiv(self.nk, bm) + min(self.e, self.nk))
             tile_expert = torch.searchsorted(ends, torch.arange(max_tiles, device=ends.device), right=True)
             self._sched[bm] = (tile_expert, (ends - mt).contiguous(), max_tiles)
         return self._sched[bm]
@@ -420,7 +416,7 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     cfg = _cfg(name, a)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     te, ts, mt = sched
-    n_tiles = _cdiv(nn, bn)
+    n_tiles = cdiv(nn, bn)
     if gather:
         a_mode, a_src, a2_src = 0, a, a
     elif cfg.get("A_TMA") and _tma_ok(a, [bm, bk]) and (a2 is None or _tma_ok(a2, [bm, bk])):
@@ -463,9 +459,9 @@ def _pregather(name, t, d):
 def _combine(y, d, wt, out_dtype):
     n, lw = d.n, y.shape[1]
     out = torch.empty(n, lw, dtype=out_dtype, device=y.device)
-    block = min(1024, triton.next_power_of_2(max(lw, 16)))
+    block = min(1024, next_power_of_2(max(lw, 16)))
     if n:
-        _k._combine_kernel[(n, _cdiv(lw, block))](
+        _k._combine_kernel[(n, cdiv(lw, block))](
             y, d.pos, wt if wt is not None else y, out, lw, y.stride(0), out.stride(0),
             TOPK=d.k, WEIGHTED=wt is not None, BLOCK=block, num_warps=4)
     return out
@@ -482,7 +478,7 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
         return _wgrad_v2(p, q, d, mm, nn, out, p2=p2, out2=out2, ptok=ptok, qtok=qtok)
     dual = p2 is not None
     cfg = _cfg("wgrad_dual" if dual else "wgrad", p)
-    m_tiles, n_tiles = _cdiv(mm, cfg["BM"]), _cdiv(nn, cfg["BN"])
+    m_tiles, n_tiles = cdiv(mm, cfg["BM"]), cdiv(nn, cfg["BN"])
     _k._wgrad_kernel[(d.e * m_tiles * n_tiles,)](
         p, p2 if dual else p, ptok if ptok is not None else d.tok,
         pscale if pscale is not None else p, q, qtok if qtok is not None else d.tok,
@@ -509,7 +505,7 @@ def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None)
     dual = p2 is not None
     cfg = _cfg("wgrad2_dual" if dual else "wgrad2", p)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    m_tiles, n_tiles = _cdiv(mm, bm), _cdiv(nn, bn)
+    m_tiles, n_tiles = cdiv(mm, bm), cdiv(nn, bn)
     total = d.e * m_tiles * n_tiles
     nprog = cfg.get("NUM_PROGS") or _num_sms(p) * cfg.get("PROGS_PER_SM", 1)
     nprog = max(1, min(nprog, total))
