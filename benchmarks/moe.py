@@ -31,6 +31,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# torch's caching allocator with expandable segments (unless the caller set PYTORCH_CUDA_ALLOC_CONF): the
+# forward+backward at 32768 tokens needs ~125 GiB of the H200's 139 (bf16 expert weights 59 GB and their
+# gradients as much again, in ~20 GB blocks), and the fourth session's run ran out of memory in the layer's
+# forward+backward after the forward cases had run in the same process (block fragmentation is the
+# likely cause, not confirmed). Must be set before torch initialises CUDA.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 import torch  # noqa: E402
 
 PEAK_TFLOPS = 720.0
@@ -209,7 +216,8 @@ def main():
         dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)"
         head = [f"# MoE layer benchmark ({dev_name}, torch {torch.__version__}, triton {triton.__version__})", "",
                 f"K3 MoE layer: d {d}, latent {lat}, {e} experts, top-{k}, intermediate {inter}, shared Is {i_s}, "
-                f"{str(dt).replace('torch.', '')}; median of do_bench.", ""]
+                f"{str(dt).replace('torch.', '')}; median of do_bench; "
+                f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}.", ""]
         tail = ["", *[f"- {n}" for n in notes], "",
                 "ratio vs torch._grouped_mm (time_gmm / time_triton): " + "; ".join(ratios)]
         text = "\n".join(head + lines + tail)
