@@ -38,6 +38,32 @@ class ParamSpec:
     active: float | None = None  # fraction of this tensor used per token (routed experts: top_k / E)
 
 
+#: the largest parameter the builder and the verifier accept: no dimension above MAX_PARAM_DIM, no more than
+#: MAX_PARAM_NUMEL elements (the largest K3 tensor, a layer's routed experts, is ~6e9 elements)
+MAX_PARAM_DIM = 2**40
+MAX_PARAM_NUMEL = 2**48
+
+
+def check_param_shape(shape) -> None:
+    """ShapeError unless every numeric dimension of a parameter's shape is in 1..MAX_PARAM_DIM and its element
+    count (of the numeric dims) is at most MAX_PARAM_NUMEL."""
+    shape = tuple(dim(d) for d in shape)
+    shown = "[" + ", ".join(str(d).replace(" ", "") for d in shape) + "]"
+    numel = 1
+    for d in shape:
+        if not d.is_number:
+            continue
+        if not d.is_integer or int(d) < 1:
+            raise ShapeError(f"the shape {shown} has a dimension {d}; a parameter's dimensions are integers >= 1")
+        if int(d) > MAX_PARAM_DIM:
+            raise ShapeError(f"the shape {shown} has a dimension of {int(d)}, more than the limit of 2**40 "
+                             f"({MAX_PARAM_DIM:.3g}) per dimension")
+        numel *= int(d)
+    if numel > MAX_PARAM_NUMEL:
+        raise ShapeError(f"the shape {shown} has {numel:.3g} elements, more than the limit of 2**48 "
+                         f"({MAX_PARAM_NUMEL:.3g}) per parameter")
+
+
 class GraphBuilder:
     """Builds a graph. ``dtype`` is the model's parameter/activation dtype recorded in the IR."""
 
@@ -118,6 +144,10 @@ class GraphBuilder:
         for d in shape:
             if d.is_number and int(d) <= 0:
                 raise self.error(f"parameter '{name}' would have a non-positive dimension {list(shape)}", loc)
+        try:
+            check_param_shape(shape)
+        except ShapeError as e:
+            raise self.error(f"parameter '{name}': {e}", loc) from None
         t = TensorType(dtype or self.dtype, shape)
         n = self.add_node(Node(self._fresh(f"p{len(self._param_names)}"), kind, (), make_attrs(attrs), (t,), loc))
         self._param_names[name] = n.out()
@@ -141,17 +171,14 @@ class GraphBuilder:
             allowed = sorted(set(od.attrs) | set(od.param_attrs))
             raise self.error(f"op '{op}' has no attribute '{unknown[0]}'{did_you_mean(unknown[0], allowed)}; "
                              f"it takes: {', '.join(allowed) or 'none'}", loc)
+        try:
+            # types first: the parameter rules below compute with these values; then the parameter-sizing
+            # attributes' values (the node does not keep them, so only the builder sees them)
+            od.check_attrs({**attrs, **pattrs}, values=False)
+            od.check_attrs(pattrs)
+        except ShapeError as e:
+            raise self.error(f"{op}: {e}", loc) from None
         full = {}
-        for k, v in {**attrs, **pattrs}.items():
-            if v is None:
-                continue
-            want = ATTR_TYPES.get(k)
-            if want is int and (not isinstance(v, int) or isinstance(v, bool)):
-                raise self.error(f"op '{op}': attribute '{k}' must be an integer, got {v!r}", loc)
-            if want is float and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-                raise self.error(f"op '{op}': attribute '{k}' must be a number, got {v!r}", loc)
-            if k.endswith("eps") and not (isinstance(v, (int, float)) and v > 0):
-                raise self.error(f"op '{op}': '{k}' must be a positive number, got {v!r}", loc)
         for k, default in od.attrs.items():
             if k in attrs:
                 full[k] = attrs[k]
@@ -183,6 +210,7 @@ class GraphBuilder:
                 raise self.error(f"op '{op}' owns parameters: give it a name= (its state-dict prefix)", loc)
             try:
                 specs = od.params({**full, **pattrs}, in_types)
+                od.check_attrs(full)                  # the node's attribute values, before its parameters exist
             except ShapeError as e:
                 raise self.error(f"{op}: {e}", loc) from None
             for s in specs:
@@ -209,13 +237,6 @@ class GraphBuilder:
             raise MtcError(f"graph '{self.name}' needs at least one output")
         meta = tuple(sorted((k, v) for k, v in self.meta.items()))
         return Graph(self.name, tuple(self.nodes), tuple(outputs), self.symbols, meta)
-
-
-ATTR_TYPES = {k: int for k in (
-    "heads", "head_dim", "v_head_dim", "conv_size", "forget_rank", "gate_rank", "q_lora_rank", "kv_lora_rank",
-    "qk_nope_dim", "qk_rope_dim", "v_dim", "inter", "experts", "top_k", "shared", "shared_inter", "latent",
-    "vocab", "dim", "out", "start", "end", "n_queries", "index")}
-ATTR_TYPES.update({k: float for k in ("lower_bound", "routed_scaling", "beta_gate", "beta_up", "scale")})
 
 
 def _ops() -> dict:

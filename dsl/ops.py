@@ -16,10 +16,116 @@ from typing import Callable
 
 import sympy
 
-from .builder import REQUIRED, GraphBuilder, ParamSpec, ShapeError
-from .ir import Dim, Ref, TensorType, dim, dims_equal
+from .builder import REQUIRED, GraphBuilder, ParamSpec, ShapeError, check_param_shape
+from .ir import DTYPES, Dim, Ref, TensorType, dim, dims_equal
 
 FLOAT = ("f32", "f16", "bf16", "f64")
+#: the routed experts' storage dtypes ("" = the model dtype)
+EXPERT_DTYPES = ("", "f32", "bf16", "f16", "mxfp4", "fp8")
+#: the initialisers a param / buffer node names (backends/runtime.py _init_ implements them)
+INITS = ("normal", "expert", "ones", "zeros", "conv", "a_log", "dt_bias")
+
+
+# ---------------------------------------------------------------------------------------------
+# attribute kinds: what an attribute's value may be. One check per op (OpDef.check_attrs) serves the builder
+# (specs, Python) and the IR path (parse_ir, verify, infer_shapes) alike.
+def show_value(v) -> str:
+    """An attribute value as a message shows it: none / true / false / [1, 2] / 'text' / 1e-06."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(show_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """An attribute kind: ``type_ok`` is the type test (its failure says 'must be <what>'), ``value_ok`` the
+    value constraint on a value of the right type (its failure says 'must be <rule>')."""
+
+    what: str
+    type_ok: Callable
+    rule: str = ""
+    value_ok: Callable | None = None
+    optional: bool = False          # none is allowed (and means 'not set')
+    options: tuple = ()             # the allowed strings (one_of): a misspelling gets a suggestion
+
+    def error(self, v, values: bool = True) -> str | None:
+        """None if ``v`` is a valid value, else what it must be."""
+        if v is None and self.optional:
+            return None
+        if not self.type_ok(v):
+            return ("none or " if self.optional else "") + self.what
+        if values and self.value_ok is not None and not self.value_ok(v):
+            return ("none or " if self.optional else "") + self.rule
+        return None
+
+    def or_none(self) -> "Kind":
+        return Kind(self.what, self.type_ok, self.rule, self.value_ok, True, self.options)
+
+
+INT = Kind("an integer", _is_int)
+SIZE = Kind("an integer", _is_int, "an integer >= 1", lambda v: v >= 1)
+COUNT = Kind("an integer", _is_int, "an integer >= 0", lambda v: v >= 0)
+NUMBER = Kind("a number", _is_num, "a finite number", math.isfinite)
+POSITIVE = Kind("a number", _is_num, "a positive number (finite, > 0)", lambda v: 0 < v < math.inf)
+NEGATIVE = Kind("a number", _is_num, "a negative number (finite, < 0)", lambda v: -math.inf < v < 0)
+BOOL = Kind("true or false", lambda v: isinstance(v, bool))
+STRING = Kind("a string", lambda v: isinstance(v, str))
+SHAPE = Kind("a list of integers and shape symbols",
+             lambda v: isinstance(v, (tuple, list)) and all(_is_int(x) or isinstance(x, (str, sympy.Expr)) for x in v))
+AXIS = INT                          # a dim index: its range (-rank..rank-1) is checked against the input
+
+
+def one_of(*options: str) -> Kind:
+    return Kind("a string", lambda v: isinstance(v, str), "one of " + ", ".join(repr(o) for o in options),
+                lambda v: v in options, options=options)
+
+
+def attr_error(key: str, kind: Kind, v, values: bool = True) -> str | None:
+    """The message for a bad value of attribute ``key`` ('attribute 'eps' must be a number, got true'), or None."""
+    bad = kind.error(v, values)
+    if not bad:
+        return None
+    from .errors import did_you_mean
+    hint = did_you_mean(v, [o for o in kind.options if o]) if kind.options and isinstance(v, str) else ""
+    return f"attribute '{key}' must be {bad}, got {show_value(v)}{hint}"
+
+
+#: attribute kinds by name, shared by the ops that use the name; an op declares its own in ``kinds`` where the
+#: name means something else there (slice's dim is an axis, embedding's a size)
+ATTR_KINDS: dict[str, Kind] = {
+    **{k: SIZE for k in ("heads", "head_dim", "conv_size", "kv_lora_rank", "v_dim", "inter", "experts", "top_k",
+                         "latent", "vocab", "out", "n_queries")},
+    **{k: COUNT for k in ("v_head_dim", "forget_rank", "gate_rank", "q_lora_rank", "qk_nope_dim", "qk_rope_dim",
+                          "shared", "shared_inter", "index")},
+    **{k: POSITIVE for k in ("eps", "norm_eps", "routed_scaling", "beta_gate", "beta_up", "scale")},
+    "lower_bound": NUMBER, "gated": BOOL, "causal": BOOL, "shape": SHAPE,
+    "gate": one_of("sigmoid", "softplus"), "act": one_of("situ", "silu"), "activation": one_of("situ", "silu"),
+    "expert_dtype": one_of(*EXPERT_DTYPES), "dtype": one_of(*DTYPES),
+}
+
+
+def _kind_from_default(default) -> Kind | None:
+    if isinstance(default, bool):
+        return BOOL
+    if isinstance(default, int):
+        return INT
+    if isinstance(default, float):
+        return NUMBER
+    if isinstance(default, str):
+        return STRING
+    return None
 
 
 @dataclass
@@ -37,6 +143,45 @@ class OpDef:
     doc: str = ""
     inputs: tuple = ()
     is_layer: bool = False
+    kinds: dict = field(default_factory=dict)   # attribute kinds that differ from ATTR_KINDS' by-name ones
+
+    def __post_init__(self):
+        for k, default in {**self.attrs, **self.param_attrs}.items():
+            if self.kind(k) is None:
+                raise TypeError(f"op '{self.name}': attribute '{k}' has no kind (declare it in kinds=)")
+
+    def kind(self, key: str) -> Kind | None:
+        """What attribute ``key`` may be: declared with the op, else by name (ATTR_KINDS), else the type of its
+        default (bool, int, float, str)."""
+        if key in self.kinds:
+            return self.kinds[key]
+        if key in ATTR_KINDS:
+            return ATTR_KINDS[key]
+        return _kind_from_default({**self.attrs, **self.param_attrs}.get(key))
+
+    def check_attrs(self, attrs: dict, values: bool = True) -> None:
+        """Check attribute types (and with ``values`` their value constraints: eps > 0 and finite, sizes >= 1,
+        strings from the op's set ...); booleans are not numbers. Keys the op does not take and REQUIRED
+        placeholders are left to the caller. Raises ShapeError naming the attribute."""
+        for k, v in attrs.items():
+            if v is REQUIRED or (k not in self.attrs and k not in self.param_attrs):
+                continue
+            kind = self.kind(k)
+            bad = attr_error(k, kind, v, values) if kind is not None else None
+            if bad:
+                raise ShapeError(bad)
+
+    def check_params(self, specs: list, param_types: list[TensorType]) -> None:
+        """Check the parameter inputs' types against the ParamSpecs the op's attributes imply. Raises
+        ShapeError."""
+        for i, (s, t) in enumerate(zip(specs, param_types)):
+            want = tuple(dim(d) for d in s.shape)
+            if t.rank != len(want) or not all(dims_equal(p, q) for p, q in zip(t.shape, want)) \
+                    or (s.dtype is not None and t.dtype != s.dtype):
+                dt = s.dtype or t.dtype
+                raise ShapeError(f"parameter '{s.suffix}' (input {self.n_data_inputs + i + 1}) is {t}, but the "
+                                 f"attributes and the input give "
+                                 f"{dt}[{', '.join(str(d).replace(' ', '') for d in want)}]")
 
     @property
     def data_inputs(self) -> tuple:
@@ -73,12 +218,21 @@ class OpDef:
         missing = [k for k, v in attrs.items() if v is REQUIRED]
         if missing:
             raise ShapeError(f"needs attribute '{missing[0]}'")
+        # types first (the shape rules compute with the values); the value constraints after the op's own
+        # parameter rules, whose messages are more specific (top_k in [1, experts], conv_size in [1, 64])
+        self.check_attrs(attrs, values=False)
+        specs = None
         if self.params is not None:
-            k = self.n_params(attrs, in_types[:n])
+            if self.is_layer or not self.param_attrs:     # the parameters follow from attributes and input
+                specs = self.params(attrs, in_types[:n])
+            k = len(specs) if self.is_layer else len(self.inputs) - n
             if got != n + k:
                 what = (f"its parameter {', '.join(self.inputs[n:])}" if not self.is_layer
                         else f"its {k} parameters")
                 raise ShapeError(f"takes {n + k} inputs ({', '.join(self.data_inputs)} and {what}), got {got}")
+        self.check_attrs(attrs)
+        if specs is not None:
+            self.check_params(specs, in_types[n:])
         return self.infer(in_types, attrs)
 
 
@@ -203,9 +357,18 @@ def _reshape(ts, a):
 register("reshape", _reshape, attrs={"shape": REQUIRED}, inputs=("x",), doc="view x with a new shape")
 
 
+def _axis(a: dict, x: TensorType) -> int:
+    """The ``dim`` attribute as an index into x's shape; ShapeError unless -rank <= dim < rank (as torch)."""
+    d, r = a["dim"], x.rank
+    if not -r <= d < r:
+        valid = f"{-r}..{r - 1}" if r else "none: the input is a scalar"
+        raise ShapeError(f"dim {d} is out of range for the rank-{r} input {x} (valid: {valid})")
+    return d % r
+
+
 def _slice(ts, a):
     x = ts[0]
-    d = a["dim"] % x.rank
+    d = _axis(a, x)
     size = x.shape[d]
     s, e = a["start"], a["end"]
     if not (0 <= s < e) or (size.is_number and e > int(size)):
@@ -214,19 +377,20 @@ def _slice(ts, a):
 
 
 register("slice", _slice, attrs={"dim": -1, "start": REQUIRED, "end": REQUIRED}, inputs=("x",),
-         doc="x[..., start:end, ...] along dim")
+         kinds={"dim": AXIS, "start": INT, "end": INT}, doc="x[..., start:end, ...] along dim")
 
 
 def _concat(ts, a):
     x, y = ts
-    d = a["dim"] % x.rank
+    d = _axis(a, x)
     if x.rank != y.rank or x.dtype != y.dtype or any(
             not _eq(p, q) for i, (p, q) in enumerate(zip(x.shape, y.shape)) if i != d):
         raise ShapeError(f"cannot concatenate {x} and {y} along dim {d}")
     return [x.with_shape(x.shape[:d] + (x.shape[d] + y.shape[d],) + x.shape[d + 1:])]
 
 
-register("concat", _concat, n_data_inputs=2, attrs={"dim": -1}, inputs=("a", "b"), doc="cat([a, b], dim)")
+register("concat", _concat, n_data_inputs=2, attrs={"dim": -1}, inputs=("a", "b"), kinds={"dim": AXIS},
+         doc="cat([a, b], dim)")
 
 
 def _broadcast(ts, a):
@@ -251,7 +415,7 @@ def _embedding(ts, a):
 
 
 register("embedding", _embedding, n_data_inputs=1, inputs=("ids", "weight"),
-         param_attrs={"vocab": REQUIRED, "dim": REQUIRED},
+         param_attrs={"vocab": REQUIRED, "dim": REQUIRED}, kinds={"dim": SIZE},
          params=lambda a, ts: [ParamSpec("weight", (a["vocab"], a["dim"]), "normal", std=0.02)],
          default_name="model.embed_tokens", doc="weight[ids]")
 
@@ -320,8 +484,6 @@ def _kda_gate(ts, a):
         raise ShapeError(f"A_log {_shape(A_log)} must be [H] with H = {H}")
     if dt_bias.rank != 1 or not _eq(dt_bias.shape[0], H * K):
         raise ShapeError(f"dt_bias {_shape(dt_bias)} must be [H*K] = [{H * K}]")
-    if a["gate"] not in ("sigmoid", "softplus"):
-        raise ShapeError(f"gate must be 'sigmoid' (lower-bounded) or 'softplus', got {a['gate']!r}")
     if a["gate"] == "sigmoid" and not a["lower_bound"] < 0:
         raise ShapeError(f"lower_bound must be negative, got {a['lower_bound']}")
     return [x.with_dtype("f32")]
@@ -356,6 +518,7 @@ def _kda_flops(ts, os, a, C=64):
 
 register("kda_chunk", _kda_chunk, n_data_inputs=5, inputs=("q", "k", "v", "g", "beta"),
          attrs={"scale": None, "lower_bound": None}, flops=_kda_flops,
+         kinds={"scale": POSITIVE.or_none(), "lower_bound": NEGATIVE.or_none()},
          doc="Kimi Delta Attention, chunked (chunk 64, WY representation); o in v's dtype. lower_bound: the "
              "gate's proven bound (g >= lower_bound), set when g comes from the sigmoid kda_gate: lets every "
              "diagonal tile run as one dense GEMM; None = the safe path")
@@ -392,8 +555,7 @@ def _qb_route(ts, a):
         raise ShapeError(f"x {_shape(x)} and router weight {_shape(w)} disagree on d")
     if b.rank != 1 or not _eq(b.shape[0], w.shape[0]):
         raise ShapeError(f"bias {_shape(b)} must be [E] = [{w.shape[0]}]")
-    k = a["top_k"]
-    _positive(a, "routed_scaling")
+    k = a["top_k"]                            # routed_scaling > 0: its kind (OpDef.check_attrs)
     if w.shape[0].is_number and not 1 <= k <= int(w.shape[0]):
         raise ShapeError(f"top_k = {k} must be in [1, E = {w.shape[0]}]")
     N = x.shape[0]
@@ -408,19 +570,15 @@ register("qb_route", _qb_route, n_data_inputs=3, inputs=("x", "weight", "bias"),
 
 def _positive(a, *keys):
     """ShapeError unless each attribute is a finite number > 0 (the SiTU betas divide; a routed_scaling <= 0
-    flips or zeroes the expert mix)."""
+    flips or zeroes the expert mix). Their kinds check the same in every op (OpDef.check_attrs); a MoE layer's
+    parameter rule checks them first, to say so before anything is built from them."""
     for k in keys:
         v = a[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
             raise ShapeError(f"{k} must be a finite number > 0, got {v!r}")
 
 
-def _situ(ts, a):
-    _positive(a, "beta_gate", "beta_up")
-    return _binary(ts, a)
-
-
-register("situ_glu", _situ, n_data_inputs=2, inputs=("a", "b"), attrs={"beta_gate": 4.0, "beta_up": 25.0},
+register("situ_glu", _binary, n_data_inputs=2, inputs=("a", "b"), attrs={"beta_gate": 4.0, "beta_up": 25.0},
          flops=lambda ts, os, a: 10 * numel(os[0]),
          doc="(bg*tanh(a/bg)*sigmoid(a)) * (bu*tanh(b/bu))")
 
@@ -435,11 +593,7 @@ def _moe_experts(ts, a):
         raise ShapeError(f"w1 {_shape(w1)} / w3 {_shape(w3)} must be [E, I, l] with l = {x.shape[1]}")
     if not (_eq(w2.shape[0], E) and _eq(w2.shape[1], L) and _eq(w2.shape[2], I)):
         raise ShapeError(f"w2 {_shape(w2)} must be [E, l, I] = [{E}, {L}, {I}]")
-    if a["activation"] not in ("situ", "silu"):
-        raise ShapeError(f"activation must be 'situ' or 'silu', got {a['activation']!r}")
-    if a["activation"] == "situ":
-        _positive(a, "beta_gate", "beta_up")
-    return [x]
+    return [x]                                # activation, beta_gate, beta_up: their kinds (OpDef.check_attrs)
 
 
 register("moe_experts", _moe_experts, n_data_inputs=6,
@@ -500,6 +654,8 @@ def _kda_params(a, ts):
     W, fr, gr = a["conv_size"], a["forget_rank"] or K, a["gate_rank"]
     if not 1 <= W <= 64:
         raise ShapeError(f"conv_size = {W} must be in [1, 64] (the short convolution's width, 4 in Kimi Linear)")
+    if a["gate"] == "sigmoid" and not a["lower_bound"] < 0:     # kda_gate's rule, checked at the layer already
+        raise ShapeError(f"lower_bound must be negative with gate 'sigmoid', got {a['lower_bound']}")
     p = [ParamSpec("q_proj.weight", (H * K, d)), ParamSpec("k_proj.weight", (H * K, d)),
          ParamSpec("v_proj.weight", (H * V, d)),
          ParamSpec("q_conv1d.weight", (H * K, 1, W), "conv"), ParamSpec("k_conv1d.weight", (H * K, 1, W), "conv"),
@@ -643,17 +799,9 @@ def _glu_expand(b, inputs, a, loc):
     return [_glu_apply(b, inputs[0], *inputs[1:4], a, loc)]
 
 
-def _act_check(infer):
-    def f(ts, a):
-        if a["act"] not in ("situ", "silu"):
-            raise ShapeError(f"act must be 'situ' (SiTU-GLU) or 'silu' (SwiGLU), got {a['act']!r}")
-        return infer(ts, a)
-    return f
-
-
 _ACT = {"act": "situ", "beta_gate": 4.0, "beta_up": 25.0}
 
-register("glu_ffn", _act_check(_x_only("glu_ffn")), params=_glu_params, expand=_glu_expand, is_layer=True,
+register("glu_ffn", _x_only("glu_ffn"), params=_glu_params, expand=_glu_expand, is_layer=True,
          default_name="mlp", inputs=("x",), attrs={"inter": REQUIRED, **_ACT},
          doc="gated FFN: down(act(gate x) * up x); act = SiTU-GLU (K3) or SwiGLU")
 
@@ -707,11 +855,11 @@ def _moe_expand_common(b: GraphBuilder, inputs, a, loc, latent: bool):
 _MOE_ATTRS = {"experts": REQUIRED, "top_k": REQUIRED, "inter": REQUIRED, "shared": 0, "shared_inter": 0,
               "routed_scaling": 1.0, "expert_dtype": "", "norm_eps": 1e-6, **_ACT}
 
-register("latent_moe", _act_check(_x_only("latent_moe")), params=lambda a, ts: _moe_params(a, ts, True),
+register("latent_moe", _x_only("latent_moe"), params=lambda a, ts: _moe_params(a, ts, True),
          expand=lambda b, i, a, loc: _moe_expand_common(b, i, a, loc, True), is_layer=True,
          default_name="block_sparse_moe", inputs=("x",), attrs={**_MOE_ATTRS, "latent": REQUIRED},
          doc="Stable LatentMoE: y = shared(x) + W_up RMSNorm(sum_k p_k E_k(W_down x)), QB-routed")
-register("moe", _act_check(_x_only("moe")), params=lambda a, ts: _moe_params(a, ts, False),
+register("moe", _x_only("moe"), params=lambda a, ts: _moe_params(a, ts, False),
          expand=lambda b, i, a, loc: _moe_expand_common(b, i, a, loc, False), is_layer=True,
          default_name="block_sparse_moe", inputs=("x",), attrs=_MOE_ATTRS,
          doc="sparse MoE at full width: y = shared(x) + sum_k p_k E_k(x), QB-routed")
@@ -766,3 +914,47 @@ register("attn_residual_merge", _merge, n_data_inputs=5, variadic=True,
 #: the layer blocks a stack's 'attn' slot and 'ffn' slot take
 LAYER_OPS_ATTN = frozenset({"kda_layer", "mla_layer"})
 LAYER_OPS_FFN = frozenset({"glu_ffn", "latent_moe", "moe"})
+
+
+# ---------------------------------------------------------------------------------------------
+# the source nodes' attributes (input, param, buffer): checked by parse_ir and verify like an op's
+_NAME = Kind("a string", lambda v: isinstance(v, str), "a non-empty dotted name (model.layers.0.mlp.up_proj.weight)",
+             lambda v: bool(v) and all(v.split(".")))
+SOURCE_KINDS = {
+    "input": {"name": STRING},
+    "param": {"name": _NAME, "init": one_of(*INITS),
+              "std": Kind("a number", _is_num, "a finite number >= 0", lambda v: 0 <= v < math.inf),
+              "active": Kind("a number", _is_num, "a fraction in (0, 1]", lambda v: 0 < v <= 1),
+              "pinned": BOOL},
+}
+SOURCE_KINDS["buffer"] = SOURCE_KINDS["param"]
+SOURCE_REQUIRED = {"input": ("name",), "param": ("name", "init"), "buffer": ("name", "init")}
+
+
+def check_source(op: str, attrs: dict, types: tuple, ignore=()) -> None:
+    """Check an input / param / buffer node: its attributes (known, of the right kind, the required ones set), one
+    type, and for parameters and buffers a shape of integers >= 1 within the size limits
+    (builder.check_param_shape). ``ignore``: annotation keys a pass may add. Raises ShapeError."""
+    kinds = SOURCE_KINDS[op]
+    for k, v in attrs.items():
+        if k in ignore:
+            continue
+        if k not in kinds:
+            from .errors import did_you_mean
+            raise ShapeError(f"{op} has no attribute '{k}'{did_you_mean(k, kinds)}; it takes: {', '.join(kinds)}")
+        bad = attr_error(k, kinds[k], v)
+        if bad:
+            raise ShapeError(bad)
+    for k in SOURCE_REQUIRED[op]:
+        if k not in attrs:
+            what = "its input name" if op == "input" else ("its state-dict name" if k == "name" else "its initialiser")
+            raise ShapeError(f"{op} needs the attribute '{k}' ({what})")
+    if len(types) != 1 or types[0] is None:
+        raise ShapeError(f"{op} needs one type (e.g. ': f32[B, T, 64]')")
+    if op != "input":
+        check_param_shape(types[0].shape)
+    else:
+        for d in types[0].shape:
+            if d.is_number and not (d.is_integer and int(d) >= 1):
+                raise ShapeError(f"input shape {types[0]} has a dimension {d}; dimensions are integers >= 1 "
+                                 f"or shape expressions")
