@@ -65,12 +65,15 @@ def check_param_shape(shape) -> None:
 
 
 class GraphBuilder:
-    """Builds a graph. ``dtype`` is the model's parameter/activation dtype recorded in the IR."""
+    """Builds a graph. ``dtype`` is the model's parameter/activation dtype recorded in the IR. ``symbols``: the
+    graph's shape symbols (its signature); by default the symbols of its inputs' shapes, in order; given
+    explicitly, an input shape using another symbol is an error."""
 
-    def __init__(self, name: str, symbols: Sequence[str] = ("B", "T"), dtype: str = "f32",
+    def __init__(self, name: str, symbols: Sequence[str] | None = None, dtype: str = "f32",
                  source: str | None = None):
         self.name = name
-        self.symbols = tuple(symbols)
+        self._auto_symbols = symbols is None
+        self.symbols = () if symbols is None else tuple(symbols)
         self.dtype = canon_dtype(dtype)
         self.nodes: list[Node] = []
         self._by_name: dict[str, Node] = {}
@@ -108,6 +111,14 @@ class GraphBuilder:
     # -- sources ----------------------------------------------------------------------------
     def input(self, name: str, dtype: str, shape, loc: Loc | None = None) -> Ref:
         t = TensorType(canon_dtype(dtype, loc), tuple(dim(d) for d in shape))
+        for d in t.shape:
+            for s in sorted(map(str, d.free_symbols)):
+                if s in self.symbols:
+                    continue
+                if not self._auto_symbols:
+                    raise self.error(f"input '{name}': the shape symbol '{s}' is not one of the graph's symbols "
+                                     f"({', '.join(self.symbols) or 'none'})", loc)
+                self.symbols += (s,)
         n = self.add_node(Node(self._fresh(name), "input", (), make_attrs({"name": name}), (t,), loc))
         return n.out()
 

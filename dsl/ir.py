@@ -172,6 +172,20 @@ def make_attrs(attrs: dict | None) -> tuple:
 SOURCE_OPS = ("input", "param", "buffer")
 
 
+def undeclared_symbols(g: "Graph", n: Node) -> tuple[str, TensorType] | None:
+    """(symbol, type) for the first shape symbol in ``n``'s types that ``g``'s signature does not declare, or None.
+    A graph's signature (``graph m(B, T)``) lists every symbol its types may use."""
+    declared = set(g.symbols)
+    for t in n.types:
+        if t is None:
+            continue
+        for d in t.shape:
+            for s in sorted(map(str, d.free_symbols)):
+                if s not in declared:
+                    return s, t
+    return None
+
+
 @dataclass(frozen=True)
 class Graph:
     """An immutable graph: nodes in topological order, outputs, and its shape symbols."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import lark
 
 from .errors import Loc, MtcError, did_you_mean
-from .ir import SOURCE_OPS, Graph, Node, Ref, TensorType, canon_dtype, dim, make_attrs
+from .ir import SOURCE_OPS, Graph, Node, Ref, TensorType, canon_dtype, dim, make_attrs, undeclared_symbols
 
 
 @lru_cache(maxsize=1)
@@ -124,9 +124,12 @@ def parse_ir(text: str, file: str = "<ir>") -> Graph:
     """Parse printed IR text (what :func:`dsl.printer.print_graph` writes) into a Graph.
 
     Every node is checked as the verify and infer_shapes passes would, but located in ``text``: the op is known,
-    its attributes exist and the required ones are set, its inputs are defined earlier, their number and types
-    fit the op's shape rule, and a declared type equals the inferred one (``?`` types are left for
-    infer_shapes to fill in).
+    its attributes exist, the required ones are set and each is of its kind (OpDef.check_attrs: types, and values
+    such as eps > 0 and finite; param / buffer / input attributes likewise, parameter shapes within the size
+    limits), its inputs are defined earlier, their number and types fit the op's shape rule, a layer op's
+    parameters have the shapes its attributes imply, every shape symbol is declared in the signature, and a
+    declared type equals the inferred one (``?`` types are left for infer_shapes to fill in: ``dsl.compile``
+    runs it).
 
     Raises:
         MtcError: a syntax or checking error, at ``file:line:col`` of the IR text with its excerpt.
@@ -150,18 +153,23 @@ def parse_ir(text: str, file: str = "<ir>") -> Graph:
             if isinstance(e.obj, lark.Tree) else None
         msg = orig.msg if isinstance(orig, MtcError) else f"malformed IR: {type(orig).__name__}: {orig}"
         raise MtcError(msg, loc, text) from None
-    _check(g, tr.where, text)
+    _check(g, tr.where, text, file)
     return g
 
 
-def _check(g: Graph, where: dict, text: str) -> None:
+def _check(g: Graph, where: dict, text: str, file: str) -> None:
     from .builder import ShapeError
-    from .ops import OPS
+    from .ops import OPS, check_source
     try:
         from passes.fuse_tiles import ANNOTATIONS      # the fused stage's per-node annotations
     except ImportError:                                # pragma: no cover - passes is part of the project
         ANNOTATIONS = ("fusion", "tiles")
     types: dict[str, tuple] = {}
+    dup = next((x for i, x in enumerate(g.symbols) if x in g.symbols[:i]), None)
+    if dup:
+        line = next((i for i, x in enumerate(text.splitlines(), 1) if x.lstrip().startswith("graph")), 1)
+        raise MtcError(f"the graph's signature declares the shape symbol '{dup}' twice", Loc(file, line, 1),
+                       text)
     for n in g.nodes:
         loc = where.get(id(n))
 
@@ -177,13 +185,19 @@ def _check(g: Graph, where: dict, text: str) -> None:
             if r.index >= len(types[r.node]):
                 raise err(f"uses output {r.index} of %{r.node}, which has {len(types[r.node])}")
             in_types.append(types[r.node][r.index])
+        undeclared = undeclared_symbols(g, n)
+        if undeclared:
+            raise err(f"the type {undeclared[1]} uses the shape symbol '{undeclared[0]}', which the graph's "
+                      f"signature 'graph {g.name}({', '.join(g.symbols)})' does not declare",
+                      f"declare every shape symbol the types use: graph {g.name}("
+                      f"{', '.join(g.symbols + (undeclared[0],))})")
         if n.op in SOURCE_OPS:
             if n.inputs:
                 raise err(f"{n.op} takes no inputs, got {len(n.inputs)}")
-            if len(n.types) != 1 or n.types[0] is None:
-                raise err(f"{n.op} needs one type (e.g. ': f32[B, T, 64]')")
-            if not isinstance(n.attr("name"), str):
-                raise err(f"{n.op} needs a name attribute (its {'input' if n.op == 'input' else 'state-dict'} name)")
+            try:
+                check_source(n.op, n.attr_dict, n.types, ANNOTATIONS)
+            except ShapeError as e:
+                raise err(f"{n.op}: {e}") from None
             types[n.name] = n.types
             continue
         od = OPS.get(n.op)
