@@ -115,8 +115,25 @@ def _write_output(flag: str, path: str, text: str) -> None:
 
 
 def _load(args):
+    return _load_spec(args.spec, args.variant, args.set)
+
+
+def _load_spec(spec, variant, sets):
+    """dsl.load with a hint when the file is printed IR text rather than a .mtc spec."""
     from . import load
-    return load(args.spec, args.variant, **_overrides(args.set))
+    try:
+        return load(spec, variant, **_overrides(sets))
+    except MtcError as e:
+        try:
+            head = Path(spec).read_text(encoding="utf-8").lstrip()
+        except (OSError, UnicodeDecodeError, TypeError):
+            head = ""
+        if e.hint is None and head.startswith(("graph ", "kernels ")):
+            kind = "graph IR" if head.startswith("graph ") else "kernel IR (a listing, not read back)"
+            e.hint = (f"'{spec}' is {kind} text (what `mtc ir` prints), not a .mtc spec; the mtc commands "
+                      f"take specs. Load graph IR in Python: g = dsl.parse_ir(open('{spec}').read(), "
+                      f"file='{spec}'); m = dsl.compile(g)")
+        raise
 
 
 def _add_spec_args(p: argparse.ArgumentParser, spec_optional: bool = False):
@@ -432,7 +449,7 @@ def cmd_run(args) -> int:
     if len(data) < 2:
         raise MtcError(f"--input '{text_path}' gives {len(data)} byte token(s) (with --max-tokens "
                        f"{args.max_tokens}); need at least 2 to predict a next token")
-    g = load(spec, variant, **_overrides(args.set))
+    g = _load_spec(spec, variant, args.set)
     _check_run_input(g)
     vocab = int(g.type_of(g.outputs[0]).shape[-1])
     if vocab < 256:
