@@ -332,11 +332,15 @@ def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
         cfgs = [dict(base), dict(base, r_fast=True), dict(base, r_fast=True, BK=128, nw_strip=8),
                 dict(base, r_fast=True, BK=32), dict(base, r_fast=True, nw_strip=8)]
     else:
-        base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
+        base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False)
+        # (the H200 sweep of 2026-11-29 found BK 16 / 1 warp best among the first nine; the last four: the strip
+        # kernel with r_fast and v5's winning widths, i.e. v5 without its cumsum kernel, not yet timed)
         cfgs = [dict(base), dict(base, tiles=True), dict(base, tiles=True, maxnreg=128),
                 dict(base, tiles=True, nw_strip=2), dict(base, tiles=True, nw_strip=2, maxnreg=128),
                 dict(base, nw_strip=2, maxnreg=128), dict(base, nw_solve=2), dict(base, nw_wu=8),
-                dict(base, tiles=True, BK=32, nw_strip=2)]
+                dict(base, tiles=True, BK=32, nw_strip=2),
+                dict(base, r_fast=True, BK=64, nw_strip=8), dict(base, r_fast=True, BK=64, nw_strip=4),
+                dict(base, r_fast=True, BK=32, nw_strip=4), dict(base, r_fast=True, BK=128, nw_strip=8)]
     try:
         tk.INTRA_IMPL = impl
         for cfg in cfgs:

@@ -30,14 +30,16 @@ def naive(q, k, v, g, beta, scale, S0):
     return (torch.stack(outs, 0) if outs else None), S
 
 
-@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles", "v5", "v5-rfast"])
+@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles", "v4-rfast", "v5", "v5-rfast"])
 def impl(request, monkeypatch):
     """Run the test with each forward intra-chunk implementation (tk.INTRA_IMPL; "v4-tiles": v4 with
-    _fwd_tiles4_kernel; "v5-rfast": v5 with the strip kernel's row blocks as consecutive programs); v3, v4
-    and v5 with the smallest channel/value slices so that their slice loops run more than once."""
+    _fwd_tiles4_kernel; "v4-rfast" / "v5-rfast": v4 / v5 with the strip kernel's row blocks as consecutive
+    programs); v3, v4 and v5 with the smallest channel/value slices so that their slice loops run more than
+    once."""
     monkeypatch.setattr(tk, "INTRA_IMPL", request.param.split("-")[0])
     monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16))
-    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=request.param.endswith("tiles")))
+    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=request.param.endswith("tiles"),
+                                               r_fast=request.param.endswith("rfast")))
     monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, r_fast=request.param.endswith("rfast")))
     return request.param
 
@@ -121,6 +123,32 @@ def test_cu_seqlens_uneven(impl):
         if e > s:
             assert rel_rms(o[0, s:e], o_n) < 2e-5
         assert rel_rms(S[n], S_n) < 2e-5
+
+
+def test_chunk_tables_are_cached_per_geometry_and_right():
+    # the chunk/segment tables are built once per (B, T, packing, segment length) and then reused; two
+    # packings of the same T alternate (each keeps its own tables) and every call stays right
+    H, K, V = 1, 16, 16
+    packs = ([0, 30, 100, 130], [0, 64, 65, 130])
+    q, k, v, g, beta, _ = make(1, 130, H, K, V)
+    before = len(tk._TABLE_CACHE)
+    seen = {}
+    for cs in packs + packs:
+        cu = torch.tensor(cs, dtype=torch.int32)
+        o, _ = tk.kda_chunk(q, k, v, g, beta, cu_seqlens=cu, lower_bound=-5.0, segment_chunks=1)
+        bounds = list(zip(cs[:-1], cs[1:]))
+        tab = tk._tables(1, 130, bounds, 1, q.device)
+        assert seen.setdefault(tuple(cs), tab) is tab           # the same dict on every call
+        for s, e in bounds:
+            o_n, _ = naive(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e], K ** -0.5,
+                           torch.zeros(H, K, V))
+            assert rel_rms(o[0, s:e], o_n) < 2e-5
+    assert seen[tuple(packs[0])] is not seen[tuple(packs[1])]
+    assert seen[tuple(packs[0])]["clen"].tolist() == [30, 64, 6, 30]
+    assert len(tk._TABLE_CACHE) <= max(before + 2, tk._TABLE_CACHE.max_entries)
+    for n in range(tk._TABLE_CACHE.max_entries + 3):                # bounded
+        tk._tables(1, 1000 + n, None, 4, q.device)
+    assert len(tk._TABLE_CACHE) == tk._TABLE_CACHE.max_entries
 
 
 @pytest.mark.parametrize("lb,seg,gate,intra", [(None, None, "sigmoid", "v2"), (-5.0, 1, "sigmoid", "v2"),

@@ -39,7 +39,6 @@ Public functions: ``attn_residual``, ``attn_residual_phase1``, ``attn_residual_m
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -48,7 +47,7 @@ import triton.language as tl
 
 import importlib
 
-from .guard import cdiv, device_table, next_power_of_2, no_create_graph, warn_interpreter_bf16
+from .guard import DeviceTableCache, cdiv, device_table, next_power_of_2, no_create_graph, warn_interpreter_bf16
 
 # the module itself (backends.reference re-exports a function of the same name)
 _ref = importlib.import_module("backends.reference.attn_residual")
@@ -513,39 +512,14 @@ def _offset_table(tensors: Sequence[torch.Tensor], where: str):
 
 #: offset tables already on the device, keyed by (device, offsets); a model's activations come back at the same
 #: relative offsets step after step (torch's caching allocator), so after the first step a call builds no
-#: table: no pinned-memory copy and no host work on the launch path (at L = 2, N = 16384 the whole kernel
-#: takes ~0.17 ms, so ~10 us of host work per call shows). The tables hold offsets, not pointers: a stale
-#: entry is still a right table for the same offsets. Bounded (least recently used dropped first).
-_TABLES: "OrderedDict[tuple, tuple]" = OrderedDict()
+#: table (at L = 2, N = 16384 the whole kernel takes ~0.17 ms, so ~10 us of host work per call shows). The
+#: tables hold offsets, not pointers: a stale entry is still a right table for the same offsets.
 _TABLES_MAX = 256
+_TABLES = DeviceTableCache(_TABLES_MAX)
 
 
 def _cached_table(offsets: tuple, device: torch.device) -> torch.Tensor:
-    key = (str(device), offsets)
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        table, ready, stream = hit
-        if ready is not None:
-            if ready.query():                    # the copy has run: nothing to order any more
-                _TABLES[key] = (table, None, None)
-            elif (torch.cuda.current_stream(device) != stream
-                  and not torch.cuda.is_current_stream_capturing()):
-                # still being copied on another stream: this stream waits for that copy
-                torch.cuda.current_stream(device).wait_event(ready)
-        return table
-    table = device_table(list(offsets), torch.int64, device)
-    ready = stream = None
-    if table.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        stream = torch.cuda.current_stream(table.device)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    elif table.device.type == "cuda":
-        return table  # built inside a CUDA graph capture: its copy belongs to the graph, not cached
-    _TABLES[key] = (table, ready, stream)
-    if len(_TABLES) > _TABLES_MAX:
-        _TABLES.popitem(last=False)
-    return table
+    return _TABLES.get((str(device), offsets), lambda: device_table(list(offsets), torch.int64, device), device)
 
 
 def _flat(t: torch.Tensor, d: int) -> torch.Tensor:

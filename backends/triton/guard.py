@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import OrderedDict
+from typing import Callable, Hashable
 
 import torch
 
@@ -62,6 +64,51 @@ def device_table(values, dtype: torch.dtype, device: torch.device) -> torch.Tens
         except RuntimeError:
             pass
     return t.to(device)
+
+
+class DeviceTableCache:
+    """Host-built index tables on the device, reused across calls (least recently used dropped first).
+
+    A model calls its kernels with the same geometry step after step (the same sequence lengths, the same
+    relative offsets of its activations), so after the first step a call builds no table: no host work and
+    no host-to-device copy on the launch path. ``get(key, build, device)`` returns the cached value for
+    ``key`` or ``build()`` (any object holding device tensors made on the current stream, e.g. from
+    :func:`device_table`). The key must determine the value. On CUDA the entry records an event after the
+    build: a hit on another stream before the copies have run makes that stream wait for them; a build
+    inside a CUDA graph capture is returned uncached (its copies belong to the graph)."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = int(max_entries)
+        self._entries: "OrderedDict[Hashable, tuple]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable, build: Callable[[], object], device: torch.device):
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            value, ready, stream = hit
+            if ready is not None:
+                if ready.query():                    # the copies have run: nothing to order any more
+                    self._entries[key] = (value, None, None)
+                elif (torch.cuda.current_stream(device) != stream
+                      and not torch.cuda.is_current_stream_capturing()):
+                    torch.cuda.current_stream(device).wait_event(ready)
+            return value
+        cuda = torch.device(device).type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return build()
+        value = build()
+        ready = stream = None
+        if cuda:
+            stream = torch.cuda.current_stream(device)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        self._entries[key] = (value, ready, stream)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return value
 
 
 _BF16_WARNED: set = set()

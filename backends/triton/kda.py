@@ -49,6 +49,7 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -58,7 +59,7 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import cdiv, check_interpreter_dot_dtype, device_table, no_create_graph
+from .guard import DeviceTableCache, cdiv, check_interpreter_dot_dtype, device_table, no_create_graph
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -694,7 +695,8 @@ def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: 
 
 @triton.jit
 def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
-                       K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
+                       K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr,
+                       R_FAST: tl.constexpr = False):
     """One (chunk, head, row block R): NB[rows of R] = diag(beta) Akk (strictly lower, float32, 64 columns),
     AQK[rows of R] = scale P (lower incl. diagonal), QG = scale q e^G and KD = k e^(G_C - G) for the rows of R,
     GAM = e^(G_C) (R = 0 only).
@@ -704,10 +706,16 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
     block's slice of g is >= lb (checked here): row operand x_i e^(G_i - c), column operand k_j e^(c - G_j),
     one dense [16, BK] x [BK, 64] dot covers every causal tile of the strip, the diagonal one included, all
     exponents within 8 |lb|.  Otherwise c = G before the block (exponents <= 0), the dot covers the earlier
-    blocks and the diagonal tile is summed token pair by token pair (_diag_pair)."""
-    c_ = tl.program_id(0)
+    blocks and the diagonal tile is summed token pair by token pair (_diag_pair).
+    Grid (NC, H, 4), or with R_FAST (4 * NC, H) (as _fwd_strip5_kernel's: the 4 programs that load the same
+    [64, BK] k and g slices run next to each other, so 3 of them find them in L2)."""
+    if R_FAST:
+        c_ = tl.program_id(0) // 4
+        R = tl.program_id(0) % 4
+    else:
+        c_ = tl.program_id(0)
+        R = tl.program_id(2)
     h = tl.program_id(1)
-    R = tl.program_id(2)
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
     a = tl.zeros([16, 64], dtype=tl.float32)
     p = tl.zeros([16, 64], dtype=tl.float32)
@@ -1535,13 +1543,23 @@ def _pow2(n):
     return n >= 16 and (n & (n - 1)) == 0
 
 
-def _tables(B, T, cu_seqlens, seg_chunks, device):
-    """Chunk and segment tables.  Returns a dict of int32 device tensors plus host counts."""
-    if cu_seqlens is None:
+#: chunk/segment tables already on the device, keyed by (device, B, T, sequence bounds, segment length):
+#: a training or benchmark loop calls with the same geometry every step, so only the first call builds them
+#: (11 host-to-device copies and the numpy work). Small (16 entries): a 1M-token table set is ~0.7 MB.
+_TABLE_CACHE = DeviceTableCache(16)
+
+
+def _tables(B, T, bounds, seg_chunks, device):
+    """Chunk and segment tables of B sequences of T tokens (bounds None) or of the packed sequences
+    [(start, end), ...] (bounds).  Returns a dict of int32 / int64 device tensors plus host counts; cached
+    (_TABLE_CACHE), so the dict and its tensors are shared: read only."""
+    key = (str(device), B, T, None if bounds is None else tuple(bounds), int(seg_chunks))
+    return _TABLE_CACHE.get(key, lambda: _build_tables(B, T, bounds, seg_chunks, device), device)
+
+
+def _build_tables(B, T, bounds, seg_chunks, device):
+    if bounds is None:
         bounds = [(b * T, (b + 1) * T) for b in range(B)]
-    else:
-        cs = cu_seqlens.tolist()
-        bounds = list(zip(cs[:-1], cs[1:]))
     cst, cln, seg0, seg1, segseq, sq0, sq1, st0, st1 = [], [], [], [], [], [], [], [], []
     nc = 0
     for n, (s, e) in enumerate(bounds):
@@ -1588,7 +1606,17 @@ def _seg_chunks_for(n_chunks_longest, BH, K, V, BV, device, seg_chunks):
         return max(1, int(seg_chunks))
     if device.type != "cuda" or n_chunks_longest <= 1:
         return 1 << 30
-    slots = torch.cuda.get_device_properties(device).multi_processor_count * H_CFG["ctas_per_sm"]
+    return _seg_model(n_chunks_longest, BH, K, V, BV, _sm_count(device) * H_CFG["ctas_per_sm"])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=256)
+def _seg_model(n_chunks_longest, BH, K, V, BV, slots):
+    """_seg_chunks_for's wave model (memoised: ~20-40 us of Python per call otherwise)."""
     w0, w1, wc = 2.4, 1.4, 10.0
     p0, p1 = BH * (V // BV), BH * ((K + V) // BV)
     best, best_ns = n_chunks_longest * w0 * math.ceil(p0 / slots), 1
@@ -1636,7 +1664,11 @@ INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False, maxnreg=
 # (tiles: _fwd_tiles4_kernel in place of _fwd_strip4_kernel; maxnreg: register cap of that kernel)
 # (defaults: the best of benchmarks/kda.py --intra4-sweep on the H200, 2026-11-29: intra+solve 42.4 ms at
 # H=16, T=1M against 49.4 at BK=32 / 2 warps and 67.1 for v2's intra kernel)
-INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None)
+# r_fast (strip kernel only, not tiles): the 4 row blocks of a chunk as consecutive programs, as in INTRA5_CFG.
+# v4 with r_fast, wider slices and more warps is v5 without the cumsum kernel and its float32 G round trip
+# (~17 GB of the ~26 GB of v5's extra traffic at H=16, T=1M; cumsum phase 4.8 ms at 1M, 0.08 ms at 8K): not yet
+# timed on the GPU (--intra4-sweep lists it)
+INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False)
 # launch configuration of the v5 kernels (same keys, tiles unused, plus the warps of _chunk_cumsum_kernel).
 # Defaults: the best of benchmarks/kda.py --intra5-sweep on the H200 (2026-11-29, H=16, T=1M forward):
 # BK 64 / 4 warps 69.7 ms (strip 22.2 ms) against BK 32 / 4 warps 72.9, BK 16 / 1 warp 80.8 (strip 33.7)
@@ -1727,11 +1759,17 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False, keep_t=F
     elif NC and INTRA_IMPL == "v4":
         cfg = INTRA4_CFG
         NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
-        strip = _fwd_tiles4_kernel if cfg.get("tiles") else _fwd_strip4_kernel
-        strip[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb,
-                          H, K=K, BK=min(K, cfg["BK"]), FAST=fast, DT=_TL[idt],
-                          num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
-                          **_maxnreg(cfg.get("maxnreg")))
+        if cfg.get("tiles"):
+            _fwd_tiles4_kernel[(NC, H, 4)](q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM,
+                                           scale, lb, H, K=K, BK=min(K, cfg["BK"]), FAST=fast, DT=_TL[idt],
+                                           num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"],
+                                           **_maxnreg(cfg.get("maxnreg")))
+        else:
+            r_fast = bool(cfg.get("r_fast"))
+            _fwd_strip4_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
+                q2, k2, g2, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, lb, H, K=K,
+                BK=min(K, cfg["BK"]), FAST=fast, DT=_TL[idt], R_FAST=r_fast, num_warps=cfg["nw_strip"],
+                num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
         _mark("intra: strip")
         TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, num_warps=cfg["nw_solve"],
@@ -2011,7 +2049,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     n_longest = max(((e - s + CHUNK - 1) // CHUNK for (s, e) in bounds), default=0) if bounds else \
         (T + CHUNK - 1) // CHUNK
     seg = _seg_chunks_for(n_longest, n_seq * H, K, V, BV, q.device, segment_chunks)
-    tab = _tables(B, T, cu_seqlens, seg, q.device)
+    tab = _tables(B, T, bounds if cu_seqlens is not None else None, seg, q.device)
     qc, kc, vc, gc, bc = (t.contiguous() for t in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
