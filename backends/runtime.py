@@ -325,6 +325,12 @@ class CompiledModule(nn.Module):
             _check_interpreter_dtype(self.target, p0.dtype)
         env: dict[str, object] = {}
         bind: dict[sympy.Symbol, int] = {}
+        names = [n.attr("name") for n in g.inputs()]
+        extra = [k for k in inputs if k not in names]
+        if extra:
+            from dsl.errors import did_you_mean
+            raise MtcError(f"'{extra[0]}' is not an input of this graph{did_you_mean(extra[0], names)}; its inputs: "
+                           f"{', '.join(names)}")
         for n in g.inputs():
             name = n.attr("name")
             if name not in inputs:
@@ -335,7 +341,7 @@ class CompiledModule(nn.Module):
                 raise MtcError(f"input '{name}' must be a tensor of rank {t.rank} ({t}), got "
                                f"{getattr(x, 'shape', type(x))}")
             if t.dtype in ("i64", "i32") and x.dtype not in (torch.int64, torch.int32):
-                raise MtcError(f"input '{name}' must be integer token ids ({t}), got {x.dtype}")
+                raise MtcError(f"input '{name}' must be an integer tensor ({t}), got {x.dtype}")
             if x.numel() == 0:
                 raise MtcError(f"input '{name}' is empty (shape {list(x.shape)}); need at least one token")
             for d, s in zip(t.shape, x.shape):

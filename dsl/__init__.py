@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .errors import Loc, MtcError
@@ -49,4 +50,9 @@ def load(path: str | Path, variant: str | None = None, **overrides) -> Graph:
 def compile(graph: Graph, target: str = "reference", **options):
     """Compile a graph into a runnable ``torch.nn.Module`` (see :func:`backends.runtime.compile_graph`)."""
     from backends.runtime import compile_graph
+    if not isinstance(graph, Graph):
+        hint = (f" (a path: dsl.compile(dsl.load({str(graph)!r}), ...))"
+                if isinstance(graph, (str, os.PathLike)) else "")
+        raise TypeError(f"dsl.compile takes a Graph (from dsl.load, dsl.parse or dsl.parse_ir), got "
+                        f"{type(graph).__name__}{hint}")
     return compile_graph(graph, target=target, **options)

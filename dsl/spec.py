@@ -116,7 +116,13 @@ class SpecModel:
                 vname = str(item.children[0])
                 if vname in self.variants:
                     raise self.err(f"variant '{vname}' is defined twice", self.loc(item))
-                self.variants[vname] = [(str(a.children[0]), a.children[1], self.loc(a)) for a in item.children[1:]]
+                sets = [(str(a.children[0]), a.children[1], self.loc(a)) for a in item.children[1:]]
+                for j, (aname, _e, aloc) in enumerate(sets):
+                    first = next((x for x in sets[:j] if x[0] == aname), None)
+                    if first is not None:
+                        raise self.err(f"variant '{vname}' sets '{aname}' twice (first at line {first[2].line})",
+                                       aloc)
+                self.variants[vname] = sets
             elif item.data == "block_def":
                 bname = str(item.children[0])
                 first = next((b for b in self.blocks if b[0] == bname), None)
@@ -144,6 +150,15 @@ class SpecModel:
     def err(self, msg: str, loc: Loc | None, hint: str | None = None) -> MtcError:
         return MtcError(msg, loc, self.text, hint)
 
+    def eval_guarded(self, ev: "Evaluator", expr, loc: Loc, run=None):
+        """``ev.eval(expr)`` (or ``run()``), with an expression nested past Python's recursion limit reported as
+        an MtcError at ``loc`` (the statement or field), not a RecursionError."""
+        try:
+            return run() if run is not None else ev.eval(expr)
+        except RecursionError:
+            raise self.err("expression nested too deeply to evaluate (past Python's recursion limit)", loc,
+                           "split it over several config fields or statements") from None
+
     # -- config -----------------------------------------------------------------------------------
     def resolve_config(self, variant: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
         exprs = {name: (expr, loc) for name, _t, expr, loc in self.config}
@@ -169,7 +184,7 @@ class SpecModel:
             else:
                 expr, loc = exprs[name]
                 try:
-                    val = Evaluator(self, env).eval(expr)
+                    val = self.eval_guarded(Evaluator(self, env), expr, loc)
                 except MtcError as e:
                     if e.msg.startswith(f"unknown name '{name}'") and e.hint is None:
                         e.hint = (f"a config field cannot read its own value: a variant assigns '{name}' a new "
@@ -372,6 +387,8 @@ class SpecBuilder:
         self.dim_syms: dict[str, sympy.Symbol] = {}   # the forward inputs' shape symbols (bare B, T in shapes)
         self._assigned: dict[str, Loc] = {}     # forward name -> where it was last assigned
         self._read_since: set[str] = set()      # names read since their last assignment
+        self._values: list[tuple[str, Any, Loc]] = []   # (name, value, loc) of every forward assignment
+        self._dead_said: set[tuple] = set()     # (line, col) of values already reported unused (redefined)
 
     def apply(self, fname: str, args: list, kwargs: dict, loc: Loc, arg_locs: list | None = None):
         from .ops import OPS
@@ -447,7 +464,7 @@ class SpecBuilder:
                 op = str(expr.children[0])
                 raise self.spec.err(f"block '{bname}': {op} is not a layer op; a block is one of {layer_ops}",
                                     self.spec.loc(expr), f"apply {op} in the forward instead: y = {op}(x, ...)")
-            v = ev.eval(expr)
+            v = self.spec.eval_guarded(ev, expr, loc)
             if not isinstance(v, Block):
                 raise self.spec.err(f"block '{bname}' must be a layer op ({layer_ops}) configured without a "
                                     f"tensor, got {describe(v)}", loc)
@@ -455,30 +472,53 @@ class SpecBuilder:
             self.env[bname] = v
         fwd = self.spec.forward
         outputs = None
+        ret_loc = None
+        inputs: dict[str, Loc] = {}
         for ch in fwd.children:
             if isinstance(ch, lark.Tree) and ch.data == "param":
                 pname, dt = str(ch.children[0]), str(ch.children[1])
-                self.env[pname] = self.b.input(pname, canon_dtype(dt, self.spec.loc(ch)),
-                                               [self._input_dim(pname, d) for d in ch.children[2:]],
-                                               self.spec.loc(ch))
+                ploc = self.spec.loc(ch)
+                if pname in inputs:
+                    raise self.spec.err(f"forward input '{pname}' is defined twice (first at line "
+                                        f"{inputs[pname].line}); every input needs its own name", ploc)
+                if pname in self.config or pname in self.blocks:
+                    what = "config field" if pname in self.config else "block"
+                    raise self.spec.err(f"forward input '{pname}' has the name of a {what}; give the input "
+                                        f"another name", ploc)
+                inputs[pname] = ploc
+                self.env[pname] = self.b.input(pname, canon_dtype(dt, ploc),
+                                               [self._input_dim(pname, d) for d in ch.children[2:]], ploc)
                 continue
+            if ret_loc is not None and ch.data in ("let", "stack"):
+                raise self.spec.err(f"statement after the return (line {ret_loc.line}): it would never run; "
+                                    f"the return comes last in forward", self.spec.loc(ch))
             if ch.data in ("let", "stack"):
                 name = str(ch.children[0])
-                val = ev.eval(ch.children[1]) if ch.data == "let" else self._stack(ch, ev)
+                val = self._eval_statement(ev, ch)
                 self._assign(name, self.spec.loc(ch))
                 self.env[name] = val
+                self._values.append((name, val, self.spec.loc(ch)))
             elif ch.data == "ret":
+                ret_loc = self.spec.loc(ch)
                 if outputs is not None:
                     raise self.spec.err("forward has a second return; one return lists every output "
                                         "(return a, b)", self.spec.loc(ch))
-                outputs = [ev.eval(e) for e in ch.children]
+                outputs = [self._eval_statement(ev, ch, e) for e in ch.children]
                 for o in outputs:
                     if not isinstance(o, Ref):
                         raise self.spec.err(f"return needs tensors, got {describe(o)}", self.spec.loc(ch))
         if outputs is None:
             raise self.spec.err("forward has no return statement", self.spec.loc(fwd))
-        self._warn_unused(fwd)
-        return self.b.build(outputs)
+        g = self.b.build(outputs)
+        self._warn_unused(fwd, g)
+        return g
+
+    def _eval_statement(self, ev: "Evaluator", stmt, expr=None):
+        """Evaluate a forward statement (``expr`` of it, or the whole let / stack), too-deep nesting an MtcError
+        at the statement (SpecModel.eval_guarded)."""
+        if expr is None and stmt.data == "stack":
+            return self.spec.eval_guarded(ev, None, self.spec.loc(stmt), run=lambda: self._stack(stmt, ev))
+        return self.spec.eval_guarded(ev, stmt.children[1] if expr is None else expr, self.spec.loc(stmt))
 
     def _assign(self, name: str, loc: Loc) -> None:
         """Record a forward assignment; warn when it replaces a value assigned before and never read."""
@@ -486,6 +526,7 @@ class SpecBuilder:
         from .errors import MtcWarning
         first = self._assigned.get(name)
         if first is not None and name not in self._read_since:
+            self._dead_said.add((first.line, first.col))
             warnings.warn(MtcWarning(f"'{name}' is redefined; the first value (line {first.line}) is never used",
                                      loc), stacklevel=3)
         self._assigned[name] = loc
@@ -516,21 +557,28 @@ class SpecBuilder:
         self.dim_syms.setdefault(text, sym(text))
         return text
 
-    def _warn_unused(self, fwd) -> None:
-        """MtcWarning for blocks never applied, forward inputs never read, and values never read (dropped from
-        the graph)."""
+    def _warn_unused(self, fwd, g) -> None:
+        """MtcWarning for blocks never applied, forward inputs the outputs do not depend on, and assigned values
+        the outputs do not depend on (dropped from the graph with their parameters by canonicalize), whether
+        or not their name is read again (x = f(ids); x = g(x); return ids drops both)."""
         import warnings
         from .errors import MtcWarning
+        from passes.canonicalize import live_nodes
+        live = live_nodes(g)
         for bname, _expr, loc in self.spec.blocks:
             if bname not in self.used:
                 warnings.warn(MtcWarning(f"block '{bname}' is defined but never used", loc), stacklevel=2)
         for ch in fwd.children:
-            if isinstance(ch, lark.Tree) and ch.data == "param" and str(ch.children[0]) not in self.used:
-                warnings.warn(MtcWarning(f"forward input '{ch.children[0]}' is never used (the model ignores it, "
-                                         f"but a caller must still pass it)", self.spec.loc(ch)), stacklevel=2)
-            if isinstance(ch, lark.Tree) and ch.data in ("let", "stack") and str(ch.children[0]) not in self.used:
-                warnings.warn(MtcWarning(f"'{ch.children[0]}' is computed but never used (dropped from the graph)",
-                                         self.spec.loc(ch)), stacklevel=2)
+            if isinstance(ch, lark.Tree) and ch.data == "param":
+                pname = str(ch.children[0])
+                ref = self.env.get(pname)
+                if isinstance(ref, Ref) and ref.node not in live:
+                    warnings.warn(MtcWarning(f"forward input '{pname}' is never used (the model ignores it, but a "
+                                             f"caller must still pass it)", self.spec.loc(ch)), stacklevel=2)
+        for name, val, loc in self._values:
+            if isinstance(val, Ref) and val.node not in live and (loc.line, loc.col) not in self._dead_said:
+                warnings.warn(MtcWarning(f"'{name}' is computed but never used by the outputs (dropped from the "
+                                         f"graph, with the parameters only it uses)", loc), stacklevel=2)
 
     # -- layer stacks -----------------------------------------------------------------------------
     def _stack(self, node, ev: Evaluator) -> Ref:
@@ -558,10 +606,18 @@ class SpecBuilder:
         residual = kw.get("residual", "add")
         if residual not in ("add", "attn_res"):
             raise self.spec.err(f"residual must be \"add\" or \"attn_res\", got {describe(residual)}", loc)
-        block_size = kw.get("block_size", 0)
-        if residual == "attn_res" and (not isinstance(block_size, int) or block_size < 1):
+        block_size = kw.get("block_size")
+        if residual == "attn_res" and block_size is None:
+            raise self.spec.err("residual=\"attn_res\" needs block_size=<positive int> (layers per block of "
+                                "Block Attention Residuals); none given", loc)
+        if residual == "attn_res" and (not isinstance(block_size, int) or isinstance(block_size, bool)
+                                       or block_size < 1):
             raise self.spec.err(f"residual=\"attn_res\" needs block_size=<positive int>, "
                                 f"got {describe(block_size)}", loc)
+        if residual != "attn_res" and block_size is not None:
+            raise self.spec.err(f"block_size applies to residual=\"attn_res\" only (residual is "
+                                f"\"{residual}\": a plain residual has no blocks)", loc,
+                                "drop block_size=, or set residual=\"attn_res\"")
         prefix = kw.get("prefix", "model.layers")
         if not isinstance(prefix, str) or not _NAME_RE.fullmatch(prefix):
             raise self.spec.err(f"stack: prefix must be a string of dot-separated identifiers (model.layers), "

@@ -81,11 +81,15 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
                        f"check --seq-len or the spec's max_seq_len")
     act_bytes = DTYPES.get(config.get("dtype", "bf16"), 2)
     emb_params = {r.node for n in graph.nodes if n.op == "embedding" for r in n.inputs[1:]}
+    from passes.canonicalize import live_nodes
+    live = live_nodes(graph)              # parameters only dead ops use are not part of the model
     total = 0
     active = 0.0
     active_emb = 0.0
     wbytes = 0.0
     for n in graph.params():
+        if n.name not in live:
+            continue
         k = _numel(n.type)
         total += k
         frac = n.attr("active", 1.0)
@@ -95,7 +99,8 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         else:
             active += k * frac
     for n in graph.buffers():
-        wbytes += _numel(n.type) * DTYPES[n.type.dtype]
+        if n.name in live:
+            wbytes += _numel(n.type) * DTYPES[n.type.dtype]
     # FLOPs on the canonical graph at B = 1, T = seq_len, per token of that graph's input (a spec may fix
     # its token input's shape, e.g. i64[2, 16]: then the graph holds 32 tokens whatever seq_len says)
     bind = {sym("B"): 1, sym("T"): T}

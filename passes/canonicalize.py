@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dsl.builder import GraphBuilder
-from dsl.ir import SOURCE_OPS, Graph, Node, Ref
+from dsl.ir import Graph, Node, Ref
 
 from .manager import register_pass
 
@@ -88,12 +88,20 @@ def apply_rules(g: Graph, rules=RULES) -> Graph:
     return g
 
 
-def dead_code(g: Graph) -> Graph:
+def live_nodes(g: Graph) -> set[str]:
+    """Names of the nodes the graph's outputs depend on (nodes are in topological order)."""
     live = {r.node for r in g.outputs}
     for n in reversed(g.nodes):
         if n.name in live:
             live.update(r.node for r in n.inputs)
-    return g.with_nodes(n for n in g.nodes if n.name in live or n.op in SOURCE_OPS)
+    return live
+
+
+def dead_code(g: Graph) -> Graph:
+    """Drop the nodes the outputs do not depend on, parameters and buffers included (a parameter only a dropped
+    op used is not part of the model: not in its state dict, not counted). Graph inputs stay (the signature)."""
+    live = live_nodes(g)
+    return g.with_nodes(n for n in g.nodes if n.name in live or n.op == "input")
 
 
 @register_pass("canonicalize", stage="canonical")

@@ -170,5 +170,6 @@ def describe_groups(g: Graph) -> str:
         if kinds[anchor.op] <= 2:
             what = ", ".join(f"{op} x{c}" if c > 1 else op for op, c in absorbed.items()) or "nothing"
             lines.append(f"//   %{a} {anchor.op} {dict(anchor.attr('tiles') or ())}: absorbs {what}")
-    lines.append("//   per anchor op: " + ", ".join(f"{k} x{v}" for k, v in kinds.items()))
+    if kinds:
+        lines.append("//   per anchor op: " + ", ".join(f"{k} x{v}" for k, v in kinds.items()))
     return "\n".join(lines) + "\n"

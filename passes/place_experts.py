@@ -354,8 +354,9 @@ def plan(load, num_gpus: int, num_slots: int | None = None, num_nodes: int = 1, 
             None or empty -> uniform load (then ``num_experts`` is required). A load summing to zero is
             planned as if uniform.
         num_gpus: GPUs in the expert-parallel group; must be a multiple of num_nodes.
-        num_slots: physical expert slots in total (default E); a multiple of num_gpus and >= E. The
-            num_slots - E extra slots hold replicas of the hottest experts.
+        num_slots: physical expert slots in total (default: the fewest multiple of num_gpus >= E, i.e. E
+            when num_gpus divides E, as ``mtc ir --stage lowered`` picks); a multiple of num_gpus and >= E.
+            The num_slots - E extra slots hold replicas of the hottest experts.
         num_nodes: nodes; with > 1, hierarchical balancing: expert groups are packed onto nodes first
             (every node gets num_groups / num_nodes groups), then replicated and packed inside each node.
         num_experts: E when load is None/empty; must agree with the load otherwise.
@@ -385,7 +386,7 @@ def plan(load, num_gpus: int, num_slots: int | None = None, num_nodes: int = 1, 
     num_gpus = _pos_int("num_gpus", num_gpus)
     num_nodes = _pos_int("num_nodes", num_nodes)
     E = int(arr.shape[-1])
-    num_slots = E if num_slots is None else _pos_int("num_slots", num_slots)
+    num_slots = -(-E // num_gpus) * num_gpus if num_slots is None else _pos_int("num_slots", num_slots)
     if num_gpus > MAX_GPUS or num_slots > MAX_SLOTS:
         raise ValueError(f"plan: num_gpus = {num_gpus}, num_slots = {num_slots}: this planner handles expert-parallel "
                          f"groups of at most {MAX_GPUS} GPUs and {MAX_SLOTS} slots (its greedy packing is "

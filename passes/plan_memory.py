@@ -15,7 +15,7 @@ The parallel layout it assumes (simple, and stated so the numbers can be checked
   replicas, see :mod:`passes.place_experts`), in the stored dtype (MXFP4 for K3's released experts).
 * **Every other parameter with two or more dimensions** (projections, conv weights, router, embedding,
   LM head) is split evenly over a tensor-parallel group of ``tp_size`` GPUs (default ``gcd(gpus, 8)``, one
-  NVLink node). **1-D parameters and buffers** (norm weights, A_log, dt_bias, router bias) are replicated.
+  NVLink node, reduced to divide every attention layer's head count). **1-D parameters and buffers** (norm weights, A_log, dt_bias, router bias) are replicated.
 * **Tokens**: the ``batch x seq_len`` tokens are spread evenly over all ``gpus`` (context parallelism
   across tensor-parallel groups, Megatron sequence/tensor parallelism inside a group: every activation is
   split along tokens or along heads/features), so activations per GPU = total / gpus.
@@ -146,7 +146,7 @@ class MemoryPlan:
         hb = _human_bytes
         rows = [
             (f"routed experts ({self.expert_slots_per_gpu} per MoE layer x {self.moe_layers} layers, "
-             f"EP {self.ep_size})", self.expert_weight_bytes),
+             f"EP {self.ep_size})" if self.moe_layers else "routed experts (no MoE layer)", self.expert_weight_bytes),
             (f"other weights, >= 2-D (split over TP {self.tp_size})", self.sharded_weight_bytes),
             ("other weights, 1-D and buffers (replicated)", self.replicated_weight_bytes),
             ("activations (forward only, peak live set)" if self.checkpointing == "inference" else
@@ -325,8 +325,8 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         dtype_bytes: bytes per element of values in the model's compute dtype (the config ``dtype``):
             activations, the MLA KV cache and the all-to-all payload (e.g. 1 for FP8). Default: the IR
             dtypes. Weights keep their stored dtypes; the KDA state stays as computed by compute_stats.
-        tp_size: tensor-parallel group size for the non-expert weights (default gcd(gpus, 8); must divide
-            gpus).
+        tp_size: tensor-parallel group size for the non-expert weights (default gcd(gpus, 8, every attention
+            layer's head count); must divide gpus and the head counts).
         num_slots: physical expert slots per MoE layer (default E; replicas when larger; must be a
             multiple of ep_size and >= E).
         block_size: layers per checkpoint block for checkpointing="block" (default: the config value
@@ -336,6 +336,7 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         A :class:`MemoryPlan` (bytes per GPU; ``summary()`` for a table, ``to_dict()`` for JSON).
     Raises:
         ValueError: non-positive sizes, an unknown checkpointing mode, ep_size/tp_size not dividing gpus,
+            tp_size not dividing an attention layer's heads,
             num_slots not a multiple of ep_size or fewer than the experts, checkpointing="block" without a
             block size, or a graph that was already canonicalized (no layer blocks).
 
@@ -360,9 +361,20 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
     ep = gpus if ep_size is None else _pos_int("ep_size", ep_size)
     if gpus % ep:
         raise ValueError(f"plan_memory: ep_size = {ep} does not divide gpus = {gpus}")
-    tp = math.gcd(gpus, 8) if tp_size is None else _pos_int("tp_size", tp_size)
+    heads = sorted({int(n.attr("heads")) for n in graph.nodes
+                    if n.op in ("kda_layer", "mla_layer") and isinstance(n.attr("heads"), int)})
+    if tp_size is None:
+        tp = math.gcd(gpus, 8)
+        for h in heads:                      # a tensor-parallel group splits attention heads: it divides them
+            tp = math.gcd(tp, h)
+    else:
+        tp = _pos_int("tp_size", tp_size)
     if gpus % tp:
         raise ValueError(f"plan_memory: tp_size = {tp} does not divide gpus = {gpus}")
+    bad = [h for h in heads if h % tp]
+    if bad:
+        raise ValueError(f"plan_memory: tp_size = {tp} does not divide the {bad[0]} heads of an attention layer "
+                         f"(tensor parallelism splits the heads over the group)")
     if dtype_bytes is not None and (isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, (int, float))
                                     or not dtype_bytes > 0 or not math.isfinite(dtype_bytes)):
         raise ValueError(f"plan_memory: dtype_bytes must be a positive number, got {dtype_bytes!r}")

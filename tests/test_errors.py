@@ -484,3 +484,77 @@ def test_layer_attributes_out_of_range_are_located_errors(call, msg):
             f"    y = {call}\n    return lm_head(y, vocab=64)\n  }}\n}}\n")
     e = _err(text)
     assert msg in e.msg and _loc(e) == (4, 9), (e.msg, _loc(e))
+
+
+# -- seventh-session new-user trial: what the spec front end passed on silently -----------------------------
+
+def test_a_forward_input_defined_twice_or_shadowing_a_config_field():
+    e = _err(_small().replace("forward(x: f32[DIMS])".replace("DIMS", "B, T, d"),
+                              "forward(x: f32[B, T, d], x: f32[B, T, d])"))
+    assert _loc(e) == (6, 28) and "forward input 'x' is defined twice (first at line 6)" in e.msg
+    e = _err(_small().replace("forward(x: f32[B, T, d])", "forward(x: f32[B, T, d], f: f32[B, T, d])"))
+    assert _loc(e) == (6, 28) and "forward input 'f' has the name of a config field" in e.msg
+
+
+def test_a_statement_after_the_return_is_an_error():
+    e = _err(_small(body='return rmsnorm(x, name="n")\n    y = silu(x)'))
+    assert _loc(e) == (8, 5) and "statement after the return (line 7)" in e.msg
+
+
+def test_values_the_outputs_do_not_use_are_warned_about_and_their_parameters_dropped():
+    from dsl.errors import MtcWarning
+    from dsl.stats import compute_stats
+    import passes
+    import torch
+    text = ("model m {\n  forward(ids: i64[B, T]) {\n    x = embedding(ids, vocab=100, dim=32)\n"
+            "    y = rmsnorm(x, name=\"dead_norm\")\n    z = linear(x, out=16, name=\"up\")\n    z = silu(z)\n"
+            "    return lm_head(x, vocab=100)\n  }\n}\n")
+    with pytest.warns(MtcWarning) as rec:
+        g = dsl.parse(text, file="u.mtc")
+    msgs = sorted(str(r.message) for r in rec)
+    assert len(msgs) == 3 and all("never used by the outputs" in m for m in msgs)
+    assert [m.split(": warning")[0] for m in msgs] == ["u.mtc:4:5", "u.mtc:5:5", "u.mtc:6:5"]
+    canon = passes.PassManager(["verify", "infer_shapes", "canonicalize"]).run(g)
+    names = {n.attr("name") for n in canon.params()}
+    assert names == {"model.embed_tokens.weight", "lm_head.weight"}
+    st = compute_stats(g, canon, seq_len=16)
+    assert st.total_params == 100 * 32 * 2
+    m = dsl.compile(g, target="reference")
+    assert set(m.state_dict()) == names
+    assert m(torch.randint(0, 100, (1, 7))).shape == (1, 7, 100)
+    # the name is read again, yet nothing reaches the output: both assignments are dead
+    text2 = ("model m {\n  forward(ids: i64[B, T], x0: f32[B, T, 8]) {\n    x = embedding(ids, vocab=10, dim=8)\n"
+             "    x = rmsnorm(x, name=\"n\")\n    return x0\n  }\n}\n")
+    with pytest.warns(MtcWarning) as rec:
+        dsl.parse(text2, file="v.mtc")
+    msgs = sorted(str(r.message) for r in rec)
+    assert [m.split(": warning")[0] for m in msgs] == ["v.mtc:2:11", "v.mtc:3:5", "v.mtc:4:5"]
+    assert "forward input 'ids' is never used" in msgs[0]
+
+
+def test_expressions_nested_past_the_recursion_limit_are_located_errors():
+    deep_config = _small().replace("d: int = 24", "d: int = 24" + " + 0" * 3000)
+    e = _err(deep_config)
+    assert _loc(e) == (3, 5) and "nested too deeply" in e.msg
+    e = _err(_small(body="y = " + "silu(" * 3000 + "x" + ")" * 3000 + "\n    return y"))
+    assert _loc(e) == (7, 5) and "nested too deeply" in e.msg
+    # deep but within the limit still builds
+    dsl.parse(_small(body="y = " + "silu(" * 50 + "x" + ")" * 50 + "\n    return y"))
+
+
+def test_a_variant_setting_a_field_twice_is_an_error():
+    text = _small().replace("  forward(", "  variant big {\n    d = 32\n    d = 48\n  }\n  forward(")
+    e = _err(text)
+    assert _loc(e) == (8, 5) and "variant 'big' sets 'd' twice (first at line 7)" in e.msg
+
+
+def test_stack_block_size_is_required_with_attn_res_and_refused_without():
+    body = ('y = stack(x, layers=2, RES) {\n      attn = a\n      ffn = ff\n    }\n    return y')
+    blocks = ('  block a = kda_layer(heads=2, head_dim=12)\n  block ff = glu_ffn(inter=32)\n  forward(')
+    text = _small(body=body).replace("  forward(", blocks)
+    e = _err(text.replace("RES", 'residual="attn_res"'))
+    assert "needs block_size=<positive int>" in e.msg and "none given" in e.msg
+    e = _err(text.replace("RES", 'residual="add", block_size=3'))
+    assert "block_size applies to residual=\"attn_res\" only" in e.msg
+    dsl.parse(text.replace("RES", 'residual="attn_res", block_size=1'))
+    dsl.parse(text.replace("RES", 'residual="add"'))

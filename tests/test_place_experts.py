@@ -190,7 +190,7 @@ def test_summary_text():
     (dict(load=[1.0, -1.0, 2.0, 3.0], num_gpus=2), "non-negative"),
     (dict(load=[1.0, float("nan"), 2.0, 3.0], num_gpus=2), "finite"),
     (dict(load=[1.0, float("inf"), 2.0, 3.0], num_gpus=2), "finite"),
-    (dict(load=[1.0] * 8, num_gpus=3), "not a multiple of num_gpus"),
+    (dict(load=[1.0] * 8, num_gpus=3, num_slots=8), "not a multiple of num_gpus"),
     (dict(load=[1.0] * 8, num_gpus=2, num_slots=6), "fewer than"),
     (dict(load=[1.0] * 8, num_gpus=2, num_slots=11), "not a multiple"),
     (dict(load=[1.0] * 8, num_gpus=4, num_nodes=3), "num_nodes"),
@@ -257,3 +257,14 @@ def test_many_slots_per_gpu_skip_refinement_with_a_warning():
         p = plan(load, 4, num_slots=12288)
     check_consistent(p, load.double(), 4, 12288)
     assert torch.equal(p.physical_to_logical, plan(load, 4, num_slots=12288, refine=False).physical_to_logical)
+
+
+def test_default_slot_count_is_the_fewest_multiple_of_the_gpus():
+    # 16 experts on 32 GPUs: 32 slots (one per GPU; 16 replicas of the hottest experts); on 5 GPUs: 20 slots;
+    # on 4 GPUs: 16 (no replica)
+    load = lognormal(16, 1.0)
+    for gpus, slots in ((32, 32), (5, 20), (4, 16)):
+        p = plan(load, gpus)
+        assert p.num_slots == slots and p.num_gpus == gpus
+        check_consistent(p, load, gpus, slots)
+    assert int(plan(load, 4).replica_count.max()) == 1

@@ -244,3 +244,13 @@ def test_primitive_op_spec_plans_with_a_warning_and_canonical_graphs_are_refused
     c = PassManager(["verify", "infer_shapes", "canonicalize"]).run(dsl.load(ROOT / "models" / "kimi_k3.mtc", "tiny"))
     with pytest.raises(ValueError, match="already canonicalized"):
         plan_memory(c, seq_len=1000, gpus=1)
+
+
+def test_default_tensor_parallel_group_divides_the_heads():
+    # K3 tiny has 2 heads per attention layer: 32 GPUs give TP 2 (not gcd(32, 8) = 8), and an explicit TP that
+    # does not divide the heads is refused; the full K3 (96 heads) keeps TP 8
+    g = dsl.load(ROOT / "models" / "kimi_k3.mtc", "tiny")
+    assert plan_memory(g, seq_len=4096, gpus=32).tp_size == 2
+    assert plan_memory(g, seq_len=4096, gpus=3).tp_size == 1
+    with pytest.raises(ValueError, match="tp_size = 4 does not divide the 2 heads"):
+        plan_memory(g, seq_len=4096, gpus=32, tp_size=4)

@@ -112,7 +112,7 @@ def test_kimi_linear_tiny_runs():
 def test_bad_inputs_are_clear_errors(tiny):
     with pytest.raises(dsl.MtcError, match="rank 2"):
         tiny(torch.randint(0, 256, (5,)))
-    with pytest.raises(dsl.MtcError, match="integer token ids"):
+    with pytest.raises(dsl.MtcError, match="must be an integer tensor"):
         tiny(torch.randn(1, 5))
     with pytest.raises(IndexError, match="token id 300"):
         tiny(torch.tensor([[1, 300]]))
@@ -262,3 +262,16 @@ def test_multi_input_graph_runs_through_run_and_forward_says_so():
     assert torch.equal(s, a + b) and torch.equal(p, a * b)
     with pytest.raises(TypeError):
         m(a, b)                                    # progress is keyword-only: a second tensor is refused
+
+
+def test_run_refuses_unknown_inputs_and_compile_refuses_a_path(tiny):
+    from dsl.errors import MtcError
+    ids = torch.randint(0, 256, (1, 9))
+    with pytest.raises(MtcError, match=r"'input_id' is not an input of this graph \(did you mean 'input_ids'\?\); its inputs: input_ids"):
+        tiny.run(input_ids=ids, input_id=ids)
+    with pytest.raises(MtcError, match=r"input 'input_ids' must be an integer tensor \(i64\[B, T\]\), got torch.float32"):
+        tiny.run(input_ids=ids.float())
+    out = tiny.run(input_ids=ids)
+    assert torch.equal(out[0] if isinstance(out, (list, tuple)) else out, tiny(ids))
+    with pytest.raises(TypeError, match=r"dsl.compile takes a Graph .* got str \(a path: dsl.compile\(dsl.load\("):
+        dsl.compile(str(K3))
