@@ -258,6 +258,27 @@ def test_triton_offset_tables_are_reused_and_right():
         T._cached_table((0, k + 10_000), torch.device("cpu"))
     assert len(T._TABLES) <= T._TABLES_MAX
 
+
+def test_device_table_cache_keeps_what_a_captured_graph_uses():
+    # LRU eviction skips the entries a CUDA graph capture has used (the graph reads them on every replay);
+    # the capture itself needs a GPU, so the pinned set is filled by hand here
+    from backends.triton.guard import DeviceTableCache
+    cpu = torch.device("cpu")
+    c = DeviceTableCache(3)
+    built = []
+
+    def build(k):
+        built.append(k)
+        return torch.tensor([k])
+
+    first = c.get("a", lambda: build(0), cpu)
+    c._pinned.add("a")
+    for k in range(1, 6):
+        c.get(k, lambda k=k: build(k), cpu)
+    assert len(c) == 3 and c.get("a", lambda: build(-1), cpu) is first      # still there, not rebuilt
+    assert c.get(5, lambda: build(-1), cpu).item() == 5 and -1 not in built
+    assert c.get(1, lambda: build(11), cpu).item() == 11                     # evicted, rebuilt
+
 def _grads(fn, query, sources, w, ow, gy):
     ins = [query, w] + list(sources) + ([ow] if ow is not None else [])
     ins = [t.detach().clone().requires_grad_(True) for t in ins]

@@ -60,7 +60,13 @@ def device_table(values, dtype: torch.dtype, device: torch.device) -> torch.Tens
     t = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type == "cuda":
         try:
-            return t.pin_memory().to(device, non_blocking=True)
+            pinned = t.pin_memory()
+            out = pinned.to(device, non_blocking=True)
+            if torch.cuda.is_current_stream_capturing():
+                # the copy is part of the graph and reads this host buffer on every replay: keep it alive
+                # (and out of the host allocator's reuse) as long as the device table
+                out._mtc_pinned_source = pinned
+            return out
         except RuntimeError:
             pass
     return t.to(device)
@@ -73,42 +79,55 @@ class DeviceTableCache:
     relative offsets of its activations), so after the first step a call builds no table: no host work and
     no host-to-device copy on the launch path. ``get(key, build, device)`` returns the cached value for
     ``key`` or ``build()`` (any object holding device tensors made on the current stream, e.g. from
-    :func:`device_table`). The key must determine the value. On CUDA the entry records an event after the
-    build: a hit on another stream before the copies have run makes that stream wait for them; a build
-    inside a CUDA graph capture is returned uncached (its copies belong to the graph)."""
+    :func:`device_table`). The key must determine the value.
+
+    Streams: on CUDA an entry records an event after its build; a hit on another stream before the copies
+    have run makes that stream wait for them. CUDA graphs: a captured graph reads the tables on every replay,
+    so an entry hit during a capture is never dropped afterwards, and a table built during a capture (its
+    copy runs only when the graph replays) is not cached but kept alive for good, with its pinned host source
+    (see :func:`device_table`)."""
 
     def __init__(self, max_entries: int):
         self.max_entries = int(max_entries)
         self._entries: "OrderedDict[Hashable, tuple]" = OrderedDict()
+        self._pinned: set = set()            # keys a captured graph uses: never evicted
+        self._captured: list = []            # tables built inside a capture: alive as long as the process
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, key: Hashable, build: Callable[[], object], device: torch.device):
+        cuda = torch.device(device).type == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)
             value, ready, stream = hit
+            if capturing:
+                self._pinned.add(key)
             if ready is not None:
                 if ready.query():                    # the copies have run: nothing to order any more
                     self._entries[key] = (value, None, None)
-                elif (torch.cuda.current_stream(device) != stream
-                      and not torch.cuda.is_current_stream_capturing()):
+                elif torch.cuda.current_stream(device) != stream and not capturing:
                     torch.cuda.current_stream(device).wait_event(ready)
             return value
-        cuda = torch.device(device).type == "cuda"
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return build()
         value = build()
+        if capturing:
+            self._captured.append(value)
+            return value
         ready = stream = None
         if cuda:
             stream = torch.cuda.current_stream(device)
             ready = torch.cuda.Event()
             ready.record(stream)
         self._entries[key] = (value, ready, stream)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._evict()
         return value
+
+    def _evict(self) -> None:
+        over = len(self._entries) - self.max_entries
+        for key in [k for k in self._entries if k not in self._pinned][:max(0, over)]:
+            del self._entries[key]
 
 
 _BF16_WARNED: set = set()
