@@ -462,6 +462,33 @@ def _naive_rows(query, sources, w, ow, rows, chunk=2048):
 
 
 @pytest.mark.gpu
+def test_gpu_cuda_graph_replay_uses_live_tables():
+    # attn_residual captured in a CUDA graph (its offset table from the cache, built by the warm-up) replays on
+    # new sources to the eager result after the cache has been pushed past its size
+    n, d, L = 1000, 7168, 3
+    query, static, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            T.attn_residual(query, static, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = T.attn_residual(query, static, w)
+    for k in range(T._TABLES_MAX + 4):
+        T._cached_table((0, 10_000 + k), torch.device("cuda"))
+    junk = [torch.full((1 << 20,), -7, dtype=torch.int64, device="cuda") for _ in range(8)]   # reuse freed blocks
+    _, fresh, _ = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    del junk
+    assert _rel(out, T.attn_residual(query, fresh, w)) < 1e-6
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("L", [2, 8, 25])
 @pytest.mark.parametrize("onorm", [False, True])
 def test_gpu_forward_bf16(L, onorm):

@@ -403,11 +403,12 @@ def test_hopper_compile_uses_tensor_cores():
 # ------------------------------------------------------------------ GPU (bf16, real sizes)
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3"),
-                                         (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"),
+                                         (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"), (4, 8, "v4-rfast"),
                                          (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
-    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
+    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles"),
+                                               **(dict(r_fast=True, BK=64, nw_strip=8) if intra == "v4-rfast" else {})))
     monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast")))
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
@@ -417,6 +418,35 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     eo, es = rel_rms(o, o_r), rel_rms(S, S_r)
     print(f"\nGPU bf16 T=4096 H={H} seg={seg} intra={intra}: rel RMS o {eo:.2e}, final state {es:.2e}")
     assert eo < 5e-3 and es < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_uses_live_tables():
+    # kda_chunk captured in a CUDA graph (its chunk tables from the cache, built by the warm-up) replays on new
+    # inputs to the eager result, after the table cache has been pushed past its size (an entry a graph uses
+    # must not be evicted and freed under it)
+    B, T, H, K, V = 1, 1000, 2, 128, 128
+    static = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")[:5]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            tk.kda_chunk(*static, lower_bound=-5.0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = tk.kda_chunk(*static, lower_bound=-5.0)
+    for n in range(tk._TABLE_CACHE.max_entries + 4):
+        tk._tables(1, 2000 + 64 * n, None, 1 << 30, static[0].device)
+    junk = [torch.full((1 << 20,), -7, dtype=torch.int32, device="cuda") for _ in range(8)]   # reuse freed blocks
+    fresh = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")[:5]
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = tk.kda_chunk(*fresh, lower_bound=-5.0)
+    del junk
+    assert rel_rms(out, ref) < 1e-6
 
 
 @pytest.mark.gpu
