@@ -87,6 +87,24 @@ def test_qb_route_non_finite_row_raises(bad):
         tm.qb_route(x, torch.randn(6, 16, device=DEV), torch.zeros(6, device=DEV), top_k=2)
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_non_finite_bias_raises_in_route_and_update(bad):
+    # the Triton router flagged only non-finite logits: a NaN bias routed silently around that expert, and
+    # qb_update with top_k = E returned NaN (the reference refuses both)
+    e = 6
+    bias = torch.zeros(e, device=DEV)
+    bias[int(torch.randint(0, e, ()))] = float(bad)
+    x = torch.randn(37, 16, device=DEV)
+    with pytest.raises(ValueError, match="bias holds NaN or inf"):
+        tm.qb_route(x, torch.randn(e, 16, device=DEV), bias, top_k=2)
+    scores = torch.rand(37, e, device=DEV)
+    for k in (2, e):
+        with pytest.raises(ValueError, match="bias holds NaN or inf"):
+            tm.qb_update(scores, bias, top_k=k)
+    with pytest.raises(ValueError, match="bias holds NaN or inf"):
+        tm.qb_update(scores[:0], bias, top_k=2)
+
+
 def test_qb_route_bad_weight_and_args():
     x = torch.randn(5, 16, device=DEV)
     w = torch.randn(6, 16, device=DEV)

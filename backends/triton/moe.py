@@ -244,6 +244,8 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
         raise ValueError(f"{where}: ema must be in [0, 1), got {ema}")
     s = scores.detach().float().contiguous()
     b = bias.detach().float().contiguous()
+    if not bool(torch.isfinite(b).all()):         # [E]: one small check (the reference refuses it too)
+        raise ValueError(f"{where}: bias holds NaN or inf")
     if n == 0:
         b_hat = b.clone()
     elif top_k == e:
@@ -255,8 +257,6 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
         if bool(bad.any()):
             row = int(torch.nonzero(bad)[0, 0])
             raise ValueError(f"{where}: row {row} of scores holds NaN or inf")
-        if not bool(torch.isfinite(b).all()):
-            raise ValueError(f"{where}: bias holds NaN or inf")
         q = (n * top_k) // e
         cnt = torch.zeros(8, e, 16, dtype=torch.int32, device=s.device)
         bn, be = (64, 64) if s.is_cuda else (32, 16)

@@ -87,7 +87,8 @@ def _route_topk_kernel(logit_ptr, bias_ptr, score_ptr, idx_ptr, wt_ptr, alpha_pt
     repeated (max, lowest index among equals) scans, so ties go to the lower expert index exactly.
     WRITE_TOPK: indices + renormalised unbiased weights of the first K_SEL picks.
     WRITE_ALPHA: the K_SEL-th largest biased value (qb_update's cut-off, with K_SEL = k + 1).
-    A row with a non-finite input sets bad[row] = 1 (the host raises) and is computed on zeros."""
+    A row with a non-finite input, or any non-finite bias, sets bad[row] = 1 (the host raises) and is computed
+    on zeros."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_E)
@@ -98,14 +99,16 @@ def _route_topk_kernel(logit_ptr, bias_ptr, score_ptr, idx_ptr, wt_ptr, alpha_pt
     raw = tl.load(logit_ptr + offs, mask=m2, other=0.0).to(tl.float32)
     finite = (raw == raw) & (tl.abs(raw) < float("inf"))
     nbad = tl.sum((m2 & (~finite)).to(tl.int32), axis=1)
-    tl.store(bad_ptr + rows, (nbad > 0).to(tl.int32), mask=rmask)
+    bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    bias_bad = tl.sum((cmask & ~((bias == bias) & (tl.abs(bias) < float("inf")))).to(tl.int32), axis=0)
+    tl.store(bad_ptr + rows, ((nbad + bias_bad) > 0).to(tl.int32), mask=rmask)
+    bias = tl.where(bias == bias, bias, 0.0)
     raw = tl.where(finite, raw, 0.0)
     if FROM_LOGITS:
         s = _sigmoid(raw)
         tl.store(score_ptr + offs, s, mask=m2)
     else:
         s = raw
-    bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     v = tl.where(m2, s + bias[None, :], float("-inf"))
     kc = tl.arange(0, K_PAD)
     picked_w = tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32)
