@@ -279,12 +279,54 @@ def test_gate_and_step():
     assert torch.equal(S0, S0c)  # the state passed in was never written
 
 
+@pytest.mark.parametrize("K,V", [(12, 24), (8, 16), (16, 40)])
+def test_sizes_that_are_not_powers_of_two(K, V):
+    # the contract puts no size limit on K / V: kda_chunk zero-pads to the kernels' sizes (value and gradient
+    # checked against the reference), kda_gate and kda_step mask their columns
+    B, T, H = 1, 70, 2
+    ins = [t.requires_grad_() for t in make(B, T, H, K, V)]
+    o, S = tk.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, lower_bound=-5.0)
+    o_r, S_r = R.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True)
+    assert o.shape == (B, T, H, V) and S.shape == (1, H, K, V)
+    assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
+    do, dS = torch.randn_like(o), torch.randn_like(S)
+    grads = torch.autograd.grad((o * do).sum() + (S * dS).sum(), ins)
+    grads_r = torch.autograd.grad((o_r * do).sum() + (S_r * dS).sum(), ins)
+    for a, b in zip(grads, grads_r):
+        assert rel_rms(a, b) < 1e-4
+    x, A_log, dt = torch.randn(B, 9, H, K) * 3, torch.randn(H), torch.randn(H * K)
+    assert rel_rms(tk.kda_gate(x, A_log, dt), R.kda_gate(x, A_log, dt)) < 1e-6
+    q, k, v, g, beta, S0 = (t.detach() for t in make(3, 1, H, K, V))
+    o1, S1 = tk.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
+    o1r, S1r = R.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
+    assert rel_rms(o1, o1r) < 1e-5 and rel_rms(S1, S1r) < 1e-5
+
+
+def test_step_checks_every_batch_dimension():
+    # the Triton kda_step checked shapes on zero-row slices, so a beta / state / k with another batch size went
+    # through (reads and writes past the end: wrong numbers, heap corruption); now the reference's checks
+    B, H, K, V = 2, 2, 16, 16
+    q, k, v, g = torch.randn(B, H, K), torch.randn(B, H, K), torch.randn(B, H, V), -torch.rand(B, H, K)
+    beta, S = torch.rand(B, H), torch.randn(B, H, K, V)
+    with pytest.raises(ValueError, match=r"beta must be \[B,H\] = \(2, 2\), got \(1, 2\)"):
+        tk.kda_step(q, k, v, g, beta[:1].clone(), S)
+    with pytest.raises(ValueError, match=r"state must be \[B,H,K,V\] = \(2, 2, 16, 16\)"):
+        tk.kda_step(q, k, v, g, beta, S[:1].clone())
+    with pytest.raises(ValueError, match=r"state must be"):
+        tk.kda_step(q, k, v, g, beta, torch.randn(3, H, K, V))
+    with pytest.raises(ValueError, match=r"k and g must be"):
+        tk.kda_step(q, k[:1].clone(), v, g, beta, S)
+    with pytest.raises(ValueError, match=r"triton.kda_step: q must be \[B,H,K\]"):
+        tk.kda_step(torch.randn(()), k, v, g, beta, S)
+
+
 def test_errors():
     q, k, v, g, beta, S0 = make(1, 10, 1, 16, 16)
     with pytest.raises(ValueError, match="lower_bound"):
         tk.kda_chunk(q, k, v, g, beta, lower_bound=-20.0)
-    with pytest.raises(ValueError, match="powers of two"):
-        tk.kda_chunk(q[..., :12], k[..., :12], v, g[..., :12], beta)
+    with pytest.raises(ValueError, match="at most 256"):
+        qb, kb, vb, gb, bb, _ = make(1, 3, 1, 320, 16)
+        tk.kda_chunk(qb, kb, vb, gb, bb)
     with pytest.raises(TypeError, match="one dtype"):
         tk.kda_chunk(q, k.double(), v, g, beta)
     with pytest.MonkeyPatch.context() as mp:

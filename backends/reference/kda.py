@@ -231,6 +231,33 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     return o, final
 
 
+def check_step_args(q, k, v, g, beta, state, where: str):
+    """The argument checks of kda_step (shared with the Triton backend): float tensors, q / k / g [B,H,K],
+    v [B,H,V], beta [B,H], state [B,H,K,V], on one device. Returns (B, H, K, V).
+
+    Raises:
+        TypeError: non-tensor / non-float inputs.  ValueError: shape or device mismatches.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+        _check_float(name, t, where)
+    if q.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"{where}: q must be [B,H,K] and v [B,H,V]; got {tuple(q.shape)}, {tuple(v.shape)}")
+    B, H, K = q.shape
+    V = v.shape[2]
+    if tuple(k.shape) != (B, H, K) or tuple(g.shape) != (B, H, K):
+        raise ValueError(f"{where}: k and g must be [B,H,K] = {(B, H, K)}; got {tuple(k.shape)}, {tuple(g.shape)}")
+    if tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"{where}: v must be [B,H,V] with B,H = {(B, H)}, got {tuple(v.shape)}")
+    if tuple(beta.shape) != (B, H):
+        raise ValueError(f"{where}: beta must be [B,H] = {(B, H)}, got {tuple(beta.shape)}")
+    if tuple(state.shape) != (B, H, K, V):
+        raise ValueError(f"{where}: state must be [B,H,K,V] = {(B, H, K, V)}, got {tuple(state.shape)}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+        if t.device != q.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but q is on {q.device}")
+    return B, H, K, V
+
+
 def kda_step(q, k, v, g, beta, state, *, scale=None):
     """One decoding step of KDA (the token recurrence of spec/OPS.md), float32 math.
 
@@ -246,21 +273,7 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
     Raises:
         TypeError: non-tensor / non-float inputs.  ValueError: shape mismatches.
     """
-    where = "kda_step"
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
-        _check_float(name, t, where)
-    if q.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"{where}: q must be [B,H,K] and v [B,H,V]; got {tuple(q.shape)}, {tuple(v.shape)}")
-    B, H, K = q.shape
-    V = v.shape[2]
-    if tuple(k.shape) != (B, H, K) or tuple(g.shape) != (B, H, K):
-        raise ValueError(f"{where}: k and g must be [B,H,K] = {(B, H, K)}; got {tuple(k.shape)}, {tuple(g.shape)}")
-    if tuple(v.shape[:2]) != (B, H):
-        raise ValueError(f"{where}: v must be [B,H,V] with B,H = {(B, H)}, got {tuple(v.shape)}")
-    if tuple(beta.shape) != (B, H):
-        raise ValueError(f"{where}: beta must be [B,H] = {(B, H)}, got {tuple(beta.shape)}")
-    if tuple(state.shape) != (B, H, K, V):
-        raise ValueError(f"{where}: state must be [B,H,K,V] = {(B, H, K, V)}, got {tuple(state.shape)}")
+    B, H, K, V = check_step_args(q, k, v, g, beta, state, "kda_step")
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = torch.float32
     S = state.to(f32) * g.to(f32).exp()[..., None]

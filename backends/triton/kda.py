@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import DeviceTableCache, cdiv, check_interpreter_dot_dtype, device_table, no_create_graph
+from .guard import DeviceTableCache, cdiv, check_interpreter_dot_dtype, device_table, next_power_of_2, no_create_graph
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -1495,15 +1495,16 @@ def _bwd_intra_kernel(q, k, v, g, beta, cstart, clen, DU, DWK, DQG, DKD, DAQK, D
 
 @triton.jit
 def _gate_kernel(x, A_log, dt_bias, g, n_rows, H, lb, K: tl.constexpr, BR: tl.constexpr,
-                 SOFTPLUS: tl.constexpr):
+                 SOFTPLUS: tl.constexpr, KP: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
-    dk = tl.arange(0, K)
+    dk = tl.arange(0, KP)                       # KP = K rounded up to a power of two; columns >= K masked
     rm = rows < n_rows
+    m2 = rm[:, None] & (dk < K)[None, :]
     hh = rows % H
     off = rows.to(tl.int64)[:, None] * K + dk[None, :]
-    z = tl.load(x + off, mask=rm[:, None], other=0.0).to(tl.float32)
-    z += tl.load(dt_bias + hh[:, None] * K + dk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    z = tl.load(x + off, mask=m2, other=0.0).to(tl.float32)
+    z += tl.load(dt_bias + hh[:, None] * K + dk[None, :], mask=m2, other=0.0).to(tl.float32)
     a = tl.exp(tl.load(A_log + hh, mask=rm, other=0.0).to(tl.float32))[:, None]
     if SOFTPLUS:
         sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
@@ -1512,28 +1513,35 @@ def _gate_kernel(x, A_log, dt_bias, g, n_rows, H, lb, K: tl.constexpr, BR: tl.co
         az = a * z
         e = tl.exp(-tl.abs(az))                 # sigmoid without overflow (the interpreter warns on exp(+big))
         out = lb * tl.where(az >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    tl.store(g + off, out, mask=rm[:, None])
+    tl.store(g + off, out, mask=m2)
 
 
 @triton.jit
 def _step_kernel(q, k, v, g, beta, S_in, S_out, o, scale, K: tl.constexpr, V: tl.constexpr,
-                 BV: tl.constexpr):
+                 BV: tl.constexpr, KP: tl.constexpr):
+    """One (batch x head, V block): KP = K rounded up to a power of two (channels >= K masked, read as
+    zero: no state, no decay), BV a power of two (value columns >= V masked)."""
     bh = tl.program_id(0)
     vb = tl.program_id(1)
-    dk = tl.arange(0, K)
+    dk = tl.arange(0, KP)
+    km = dk < K
     cols = vb * BV + tl.arange(0, BV)
-    S = tl.load(S_in + (bh.to(tl.int64) * K + dk[:, None]) * V + cols[None, :]).to(tl.float32)
-    qv = tl.load(q + bh * K + dk).to(tl.float32)
-    kv = tl.load(k + bh * K + dk).to(tl.float32)
-    gv = tl.load(g + bh * K + dk).to(tl.float32)
-    vv = tl.load(v + bh * V + cols).to(tl.float32)
+    cm = cols < V
+    m2 = km[:, None] & cm[None, :]
+    base = bh.to(tl.int64)
+    soff = (base * K + dk[:, None]) * V + cols[None, :]
+    S = tl.load(S_in + soff, mask=m2, other=0.0).to(tl.float32)
+    qv = tl.load(q + base * K + dk, mask=km, other=0.0).to(tl.float32)
+    kv = tl.load(k + base * K + dk, mask=km, other=0.0).to(tl.float32)
+    gv = tl.load(g + base * K + dk, mask=km, other=0.0).to(tl.float32)
+    vv = tl.load(v + base * V + cols, mask=cm, other=0.0).to(tl.float32)
     b = tl.load(beta + bh).to(tl.float32)
     S = S * tl.exp(gv)[:, None]
     u = vv - tl.sum(S * kv[:, None], axis=0)
     S = S + b * kv[:, None] * u[None, :]
     ov = scale * tl.sum(S * qv[:, None], axis=0)
-    tl.store(S_out + (bh.to(tl.int64) * K + dk[:, None]) * V + cols[None, :], S)
-    tl.store(o + bh * V + cols, ov.to(o.dtype.element_ty))
+    tl.store(S_out + soff, S, mask=m2)
+    tl.store(o + base * V + cols, ov.to(o.dtype.element_ty), mask=cm)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1987,8 +1995,9 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """Kimi Delta Attention, chunked WY/UT algorithm as Triton kernels, differentiable (torch.autograd).
 
     Args:
-        q, k: [B, T, H, K] (float32/float16/bfloat16, same dtype); K a power of two >= 16.
-        v: [B, T, H, V], same dtype as q; V a power of two >= 16.
+        q, k: [B, T, H, K] (float32/float16/bfloat16, same dtype); K <= 256 (a power of two >= 16 runs as is;
+            other sizes are zero-padded to the next one, which costs the padded size).
+        v: [B, T, H, V], same dtype as q; V <= 256 (padded likewise).
         g: [B, T, H, K] log decay (<= 0), float32 recommended (any float dtype).
         beta: [B, T, H] in (0, 1).
         scale: default K ** -0.5.
@@ -2014,7 +2023,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8, spec/OPS.md "kda_chunk"; see the module docstring for
     the kernel decomposition.  Raises TypeError/ValueError on bad dtypes/shapes (same checks as the
-    reference), on a lower_bound outside [-10, 0), and on unsupported K/V sizes.
+    reference), on a lower_bound outside [-10, 0), and on K or V above 256.
     """
     where = "triton.kda_chunk"
     B, T, H, K, V, bounds, n_seq = _ref._validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
@@ -2023,8 +2032,9 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"{where}: q/k/v dtype must be float32, float16 or bfloat16, got {q.dtype}")
     check_interpreter_dot_dtype(where, q=q)
-    if not (_pow2(K) and _pow2(V)) or K > 256 or V > 256:
-        raise ValueError(f"{where}: K and V must be powers of two in [16, 256]; got K={K}, V={V}")
+    if K > 256 or V > 256:
+        raise ValueError(f"{where}: K and V must be at most 256 (the chunk kernels hold [64, K] and [K, V] tiles); "
+                         f"got K={K}, V={V}")
     if lower_bound is not None:
         if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
             raise TypeError(f"{where}: lower_bound must be a number or None, got {type(lower_bound).__name__} "
@@ -2039,6 +2049,20 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         lb, fast = 0.0, False
     if check_finite:
         _ref.check_inputs_finite_and_decay(q, k, v, g, beta, where)
+    if not (_pow2(K) and _pow2(V)):
+        # the kernels take powers of two >= 16: zero channels / value columns (q = k = 0, g = 0, v = 0, a zero
+        # state) change nothing in the others and stay zero; the scale stays that of the real K
+        KP, VP = max(16, next_power_of_2(K)), max(16, next_power_of_2(V))
+        pk, pv = (0, KP - K), (0, VP - V)
+        h0 = initial_state
+        if h0 is not None:
+            h0 = torch.nn.functional.pad(h0, (0, VP - V, 0, KP - K))
+        o, final = kda_chunk(*(torch.nn.functional.pad(t, pk) for t in (q, k)),
+                             torch.nn.functional.pad(v, pv), torch.nn.functional.pad(g, pk), beta,
+                             scale=K ** -0.5 if scale is None else scale, initial_state=h0,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                             lower_bound=lower_bound, segment_chunks=segment_chunks)
+        return o[..., :V], (final[:, :, :K, :V] if final is not None else None)
     if segment_chunks is not None and (isinstance(segment_chunks, bool)
                                        or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
         raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
@@ -2065,41 +2089,47 @@ def _interpret():
 def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
     """The KDA per-channel log decay g as a Triton kernel (float32 out); same contract as the reference.
 
-    x [B, T, H, K] any float dtype; A_log [H]; dt_bias [H*K].  "sigmoid": g = L sigmoid(e^A_log (x + dt_bias))
-    in [L, 0]; "softplus": g = -e^A_log softplus(x + dt_bias) (unbounded).  Forward only (no autograd; use
-    the reference or the fused layer for training).  Raises like backends.reference.kda.kda_gate.
+    x [B, T, H, K] any float dtype, any K >= 1; A_log [H]; dt_bias [H*K].  "sigmoid": g = L sigmoid(e^A_log
+    (x + dt_bias)) in [L, 0]; "softplus": g = -e^A_log softplus(x + dt_bias) (unbounded).  Forward only (no
+    autograd; use the reference or the fused layer for training).  Raises like backends.reference.kda.kda_gate,
+    and ValueError for CPU tensors without TRITON_INTERPRET=1.
     """
     _ref.kda_gate(x[:0] if x.dim() == 4 else x, A_log, dt_bias, lower_bound=lower_bound, gate=gate)  # checks
+    _check_on_device(x, "triton.kda_gate")
     B, T, H, K = x.shape
-    if not _pow2(K):
-        raise ValueError(f"triton.kda_gate: K must be a power of two >= 16, got {K}")
     xc = x.contiguous()
     g = torch.empty(B, T, H, K, dtype=torch.float32, device=x.device)
     n = B * T * H
     BR = 32
     if n:
         _gate_kernel[(cdiv(n, BR),)](xc, A_log.contiguous(), dt_bias.contiguous(), g, n, H,
-                                            float(lower_bound), K=K, BR=BR, SOFTPLUS=(gate == "softplus"))
+                                            float(lower_bound), K=K, BR=BR, SOFTPLUS=(gate == "softplus"),
+                                            KP=next_power_of_2(K))
     return g
 
 
 def kda_step(q, k, v, g, beta, state, *, scale=None):
     """One KDA decoding step as a Triton kernel; same contract as backends.reference.kda.kda_step.
 
-    q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32 (not modified).
-    Returns (o [B, H, V] in v's dtype, new_state float32).  K, V powers of two >= 16.
+    q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32 (not modified); any K, V >= 1.
+    Returns (o [B, H, V] in v's dtype, new_state float32).  Raises TypeError / ValueError like the reference
+    (same checks), and ValueError for CPU tensors without TRITON_INTERPRET=1.
     """
     where = "triton.kda_step"
-    _ref.kda_step(q[:0], k[:0], v[:0], g[:0], beta[:0], state[:0], scale=scale)  # shape/dtype checks
-    B, H, K = q.shape
-    V = v.shape[-1]
-    if not (_pow2(K) and _pow2(V)):
-        raise ValueError(f"{where}: K and V must be powers of two >= 16; got K={K}, V={V}")
+    B, H, K, V = _ref.check_step_args(q, k, v, g, beta, state, where)
+    _check_on_device(q, where)
     scale = K ** -0.5 if scale is None else float(scale)
     S_in = state.float().contiguous()
     S_out = torch.empty_like(S_in)
     o = torch.empty(B, H, V, dtype=v.dtype, device=v.device)
-    BV = min(64, V)
-    _step_kernel[(B * H, V // BV)](q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-                                   beta.contiguous(), S_in, S_out, o, scale, K=K, V=V, BV=BV)
+    BV = min(64, next_power_of_2(V))
+    if B * H:
+        _step_kernel[(B * H, cdiv(V, BV))](q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                           beta.contiguous(), S_in, S_out, o, scale, K=K, V=V, BV=BV,
+                                           KP=next_power_of_2(K))
     return o, S_out
+
+
+def _check_on_device(t, where):
+    if t.device.type != "cuda" and not _interpret():
+        raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1)")
