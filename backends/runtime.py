@@ -81,19 +81,6 @@ def _merge(fn, n, args, output_rms_weight=None):
               out_dtype=partial[0].dtype if partial else q.dtype, output_rms_weight=output_rms_weight)
 
 
-def sdpa_mla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True) -> torch.Tensor:
-    """MLA attention core through torch's fused SDPA (flash / memory-efficient; O(T) memory).
-
-    q, k [B, T, H, Dqk]; v [B, T, H, Dv] with Dv <= Dqk: v is zero-padded to Dqk (flash needs one head
-    dim) and the padding sliced off. Same result as backends.reference.mla_attention."""
-    import torch.nn.functional as F
-    dq, dv = q.shape[-1], v.shape[-1]
-    vp = F.pad(v, (0, dq - dv)) if dv < dq else v
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), vp.transpose(1, 2),
-                                       is_causal=causal, scale=scale)
-    return o.transpose(1, 2)[..., :dv]
-
-
 def _records_grad(*xs) -> bool:
     """True while autograd records and one of xs needs a gradient."""
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
@@ -108,7 +95,8 @@ def _triton_table() -> dict[str, Callable]:
     table = _reference_table()
     table["linear"] = lambda n, x, w: F.linear(x, w.to(x.dtype))
     table["lm_head"] = lambda n, x, w: F.linear(x, w.to(x.dtype))
-    table["mla_attention"] = lambda n, q, k, v: sdpa_mla(q, k, v, scale=n.attr("scale"), causal=n.attr("causal"))
+    table["mla_attention"] = lambda n, q, k, v: T.mla_attention(q, k, v, scale=n.attr("scale"),
+                                                                causal=n.attr("causal"))
     if hasattr(T, "kda_chunk"):
         table["kda_chunk"] = lambda n, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=n.attr("scale"),
                                                                   lower_bound=n.attr("lower_bound"))[0]

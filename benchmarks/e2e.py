@@ -32,11 +32,12 @@ def eager_fla_table():
     from fla.ops.attnres import fused_attnres
     from fla.ops.kda import chunk_kda
 
-    from backends.runtime import _reference_table, sdpa_mla
+    from backends.runtime import _reference_table
+    from backends.triton.mla import mla_attention
     t = _reference_table()
     t["linear"] = lambda n, x, w: F.linear(x, w)
     t["lm_head"] = lambda n, x, w: F.linear(x, w)
-    t["mla_attention"] = lambda n, q, k, v: sdpa_mla(q, k, v, scale=n.attr("scale"), causal=n.attr("causal"))
+    t["mla_attention"] = lambda n, q, k, v: mla_attention(q, k, v, scale=n.attr("scale"), causal=n.attr("causal"))
     t["kda_chunk"] = lambda n, q, k, v, g, b: chunk_kda(q, k, v, g, b, scale=n.attr("scale"), safe_gate=True,
                                                         lower_bound=n.attr("lower_bound"))[0]
     t["attn_residual"] = lambda n, q, w, *s: fused_attnres(q, list(s), w, rms_eps=n.attr("eps"))

@@ -98,6 +98,26 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
     return -a * F.softplus(z)
 
 
+def check_cu_seqlens(cu_seqlens, B: int, T: int, where: str) -> list[tuple[int, int]]:
+    """Packed-sequence offsets (kda_chunk, mla_attention): an int32/int64 1-D tensor [N_seq+1] starting at 0,
+    non-decreasing, ending at T, with B == 1. Read on the host (one sync). Returns [(start, end), ...].
+
+    Raises:
+        TypeError: not an int32/int64 tensor.  ValueError: B != 1, wrong rank / length, bad offsets.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{where}: cu_seqlens must be an int32/int64 tensor, got "
+                        f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
+    if B != 1:
+        raise ValueError(f"{where}: cu_seqlens needs B == 1 (packed sequences), got B={B}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{where}: cu_seqlens must be 1-D [N_seq+1] with N_seq >= 1")
+    cs = cu_seqlens.tolist()
+    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"{where}: cu_seqlens must start at 0, be non-decreasing and end at T={T}; got {cs}")
+    return list(zip(cs[:-1], cs[1:]))
+
+
 def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where):
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_float(name, t, where)
@@ -118,19 +138,7 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where):
         raise ValueError(f"{where}: empty head/key/value dimension (H={H}, K={K}, V={V})")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"{where}: scale must be a Python number or None, got {type(scale).__name__}")
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{where}: cu_seqlens must be an int32/int64 tensor")
-        if B != 1:
-            raise ValueError(f"{where}: cu_seqlens needs B == 1 (packed sequences), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"{where}: cu_seqlens must be 1-D [N_seq+1] with N_seq >= 1")
-        cs = cu_seqlens.tolist()
-        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
-            raise ValueError(f"{where}: cu_seqlens must start at 0, be non-decreasing and end at T={T}; got {cs}")
-        bounds = list(zip(cs[:-1], cs[1:]))
-    else:
-        bounds = None
+    bounds = check_cu_seqlens(cu_seqlens, B, T, where) if cu_seqlens is not None else None
     n_seq = len(bounds) if bounds is not None else B
     if initial_state is not None:
         _check_float("initial_state", initial_state, where)

@@ -82,15 +82,38 @@ def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (_f32(a) * _f32(b)).to(a.dtype)
 
 
+def check_attention_args(q, k, v, scale, where: str) -> None:
+    """mla_attention's argument checks (shared with the Triton backend): float tensors q, k [B, T, H, Dqk] and
+    v [B, T, H, Dv] on one device, a finite number as scale. Raises TypeError / ValueError."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{where}: {name} must be [B, T, H, D], got shape {list(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but q is on {q.device}")
+    if q.shape != k.shape or q.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{where}: q {list(q.shape)} and k {list(k.shape)} must be equal and share [B, T, H] "
+                         f"with v {list(v.shape)}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{where}: scale must be a Python number, got {type(scale).__name__} {scale!r}")
+    if not abs(scale) < float("inf"):
+        raise ValueError(f"{where}: scale must be finite, got {scale!r}")
+
+
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention core of (gated) MLA: o = softmax(q k^T * scale + mask) v, softmax in float32.
 
     q, k [B, T, H, Dqk]; v [B, T, H, Dv] (Dqk may differ from Dv: 192 and 128 in K3). cu_seqlens int
     [N+1] for packed sequences (B == 1): attention never crosses a sequence boundary.
-    Returns o [B, T, H, Dv] in v's dtype. Vaswani et al. 2017, eq. 1; DeepSeek-V2 (MLA)."""
-    if q.shape != k.shape or q.shape[:3] != v.shape[:3]:
-        raise ValueError(f"mla_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} disagree")
+    Returns o [B, T, H, Dv] in v's dtype. Vaswani et al. 2017, eq. 1; DeepSeek-V2 (MLA).
+    Raises TypeError (non-float tensors, a non-numeric scale, bad cu_seqlens dtype) and ValueError (shapes that
+    are not [B, T, H, D] or disagree, cu_seqlens with B != 1 or not offsets 0 ... T)."""
+    where = "mla_attention"
+    check_attention_args(q, k, v, scale, where)
     B, T, H, _ = q.shape
     qf, kf, vf = (_f32(t).transpose(1, 2) for t in (q, k, v))   # [B, H, T, D]
     s = (qf @ kf.transpose(-1, -2)) * scale                      # [B, H, T, T]
@@ -98,10 +121,9 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     if causal:
         allowed = torch.tril(allowed)
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError("mla_attention: cu_seqlens needs B == 1")
+        from .kda import check_cu_seqlens
         seq = torch.zeros(T, dtype=torch.long, device=q.device)
-        for i, (a, b) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        for i, (a, b) in enumerate(check_cu_seqlens(cu_seqlens, B, T, where)):
             seq[a:b] = i
         allowed = allowed & (seq[:, None] == seq[None, :])
     s = s.masked_fill(~allowed, float("-inf"))

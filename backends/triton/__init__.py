@@ -6,6 +6,8 @@ from .kda import kda_gate, kda_chunk, kda_step  # noqa: F401
 from .attn_residual import attn_residual, attn_residual_phase1, attn_residual_merge  # noqa: F401
 from .moe import qb_route, qb_update, expert_load, situ_glu, moe_experts, latent_moe  # noqa: F401
 from .conv import conv_silu_norm  # noqa: F401
+from .mla import mla_attention  # noqa: F401   (torch's fused SDPA; no mtc kernel)
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "attn_residual", "attn_residual_phase1", "attn_residual_merge",
-           "qb_route", "qb_update", "expert_load", "situ_glu", "moe_experts", "latent_moe", "conv_silu_norm"]
+           "qb_route", "qb_update", "expert_load", "situ_glu", "moe_experts", "latent_moe", "conv_silu_norm",
+           "mla_attention"]
