@@ -153,8 +153,12 @@ def _select(values, bias, k_sel, *, from_logits, write_topk, write_alpha, routed
 class _RouteFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, top_k, routed_scaling):
-        xc = x.contiguous()
-        wc = weight.to(x.dtype).contiguous()
+        # the GEMM in the wider of the two dtypes (float32 accumulation either way): a float32 router weight
+        # with bf16 / fp16 activations keeps its precision (the contract's scores are float32; casting the
+        # weight down put ~1e-3 relative error into the logits); a bf16 model's router stays one bf16 GEMM
+        dt = torch.promote_types(x.dtype, weight.dtype)
+        xc = x.to(dt).contiguous()
+        wc = weight.to(dt).contiguous()
         logits = _router_logits(xc, wc)
         scores, idx, wt, _, bad = _select(logits, bias.float().contiguous(), top_k, from_logits=True,
                                           write_topk=True, write_alpha=False,
@@ -191,12 +195,13 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     """Sigmoid router with selection-only bias, on Triton (see the reference for the contract).
 
     Args:
-        x: [N, d] (float32 / float16 / bfloat16); weight: [E, d] (cast to x's dtype for the GEMM);
+        x: [N, d] (float32 / float16 / bfloat16); weight: [E, d] (the GEMM runs in the wider dtype of the two,
+            accumulating in float32);
         bias: [E] float32 buffer; top_k in [1, E]; routed_scaling: factor on the weights.
     Returns:
         topk_idx [N, k] int64 (descending biased score, ties to the lower expert index),
         topk_weight [N, k] float32 (unbiased scores of the picks / their sum * routed_scaling),
-        scores [N, E] float32 = sigmoid(x @ weight^T) (float32 accumulation of x's dtype).
+        scores [N, E] float32 = sigmoid(x @ weight^T).
     Raises:
         TypeError / ValueError: bad shapes/types, top_k out of range, and a row of x with NaN/inf
         (message names the row; one device-to-host sync per call for this check).
