@@ -195,6 +195,22 @@ def test_expert_load():
         tm.expert_load(torch.tensor([[0, 13]], device=DEV), e)
 
 
+
+@pytest.mark.parametrize("fn", [ref.situ_glu, tm.situ_glu], ids=["reference", "triton"])
+def test_situ_glu_argument_checks(fn):
+    # integer tensors came back as int64 and a list raised a bare AttributeError (contract audit)
+    a = torch.randn(5, device=DEV)
+    with pytest.raises(TypeError, match="a must be a floating-point tensor, got torch.int64"):
+        fn(torch.arange(5, device=DEV), a)
+    with pytest.raises(TypeError, match="b must be a torch.Tensor, got list"):
+        fn(a, [1.0] * 5)
+    with pytest.raises(ValueError, match="must have one shape"):
+        fn(a, a[:4])
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fn(a, a, beta_gate=float("inf"))
+    with pytest.raises(TypeError, match="beta_up must be a number"):
+        fn(a, a, beta_up=True)
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_situ_glu_forward_backward(dtype):
     a = (torch.randn(1000, device=DEV) * 20).to(dtype).requires_grad_()

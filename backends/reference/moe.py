@@ -309,6 +309,25 @@ def expert_load(topk_idx, num_experts):
 # ----------------------------------------------------------------------------------------------
 # experts
 # ----------------------------------------------------------------------------------------------
+def check_glu_args(a, b, beta_gate, beta_up, where: str) -> None:
+    """situ_glu's argument checks (shared with the Triton backend): float tensors of one shape on one device,
+    finite positive betas. Raises TypeError / ValueError."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"{where}: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
+    if a.device != b.device:
+        raise ValueError(f"{where}: a is on {a.device} but b on {b.device}")
+    for name, x in (("beta_gate", beta_gate), ("beta_up", beta_up)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"{where}: {name} must be a number, got {type(x).__name__} {x!r}")
+        if not 0 < x < float("inf"):
+            raise ValueError(f"{where}: beta_gate and beta_up must be finite and > 0, got {beta_gate}, {beta_up}")
+
+
 def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
     """SiTU-GLU, the bounded gated activation (spec/OPS.md, situ_glu).
 
@@ -322,12 +341,10 @@ def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
     Returns:
         h, same shape, in the promoted dtype of a and b; computed in float32.
     Raises:
-        ValueError on mismatched shapes or non-positive betas.
+        TypeError on non-tensor or non-float inputs or non-numeric betas; ValueError on mismatched shapes or
+        betas that are not finite and > 0.
     """
-    if a.shape != b.shape:
-        raise ValueError(f"situ_glu: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
-    if not (beta_gate > 0 and beta_up > 0):
-        raise ValueError(f"situ_glu: beta_gate and beta_up must be > 0, got {beta_gate}, {beta_up}")
+    check_glu_args(a, b, beta_gate, beta_up, "situ_glu")
     af, bf = a.float(), b.float()
     h = (beta_gate * torch.tanh(af / beta_gate) * torch.sigmoid(af)) * (beta_up * torch.tanh(bf / beta_up))
     return h.to(torch.promote_types(a.dtype, b.dtype))

@@ -358,12 +358,9 @@ class _GluFn(torch.autograd.Function):
 def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
     """SiTU-GLU on Triton: h = (bg tanh(a/bg) sigmoid(a)) (bu tanh(b/bu)) (spec/OPS.md), computed in
     float32, returned in the promoted dtype of a and b; differentiable. On the GPU tanh uses the
-    hardware approximation (relative error ~2^-11). Raises ValueError on mismatched shapes or
-    non-positive betas."""
-    if a.shape != b.shape:
-        raise ValueError(f"situ_glu: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
-    if not (beta_gate > 0 and beta_up > 0):
-        raise ValueError(f"situ_glu: beta_gate and beta_up must be > 0, got {beta_gate}, {beta_up}")
+    hardware approximation (relative error ~2^-11). Raises TypeError / ValueError as the reference (same
+    checks)."""
+    _ref.check_glu_args(a, b, beta_gate, beta_up, "situ_glu")
     return _GluFn.apply(a, b, 0, beta_gate, beta_up)
 
 
