@@ -195,7 +195,6 @@ def test_expert_load():
         tm.expert_load(torch.tensor([[0, 13]], device=DEV), e)
 
 
-
 @pytest.mark.parametrize("fn", [ref.situ_glu, tm.situ_glu], ids=["reference", "triton"])
 def test_situ_glu_argument_checks(fn):
     # integer tensors came back as int64 and a list raised a bare AttributeError (contract audit)
