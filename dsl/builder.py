@@ -179,7 +179,8 @@ class GraphBuilder:
         pattrs = {k: attrs.pop(k) for k in list(attrs) if k in od.param_attrs}
         unknown = [k for k in attrs if k not in od.attrs]
         if unknown:
-            allowed = sorted(set(od.attrs) | set(od.param_attrs))
+            # ops that own parameters also take name= (their state-dict prefix)
+            allowed = sorted(set(od.attrs) | set(od.param_attrs) | ({"name"} if od.params is not None else set()))
             raise self.error(f"op '{op}' has no attribute '{unknown[0]}'{did_you_mean(unknown[0], allowed)}; "
                              f"it takes: {', '.join(allowed) or 'none'}", loc)
         try:

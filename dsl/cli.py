@@ -119,21 +119,9 @@ def _load(args):
 
 
 def _load_spec(spec, variant, sets):
-    """dsl.load with a hint when the file is printed IR text rather than a .mtc spec."""
+    """dsl.load (which says so when the file is printed IR text rather than a .mtc spec)."""
     from . import load
-    try:
-        return load(spec, variant, **_overrides(sets))
-    except MtcError as e:
-        try:
-            head = Path(spec).read_text(encoding="utf-8").lstrip()
-        except (OSError, UnicodeDecodeError, TypeError):
-            head = ""
-        if e.hint is None and head.startswith(("graph ", "kernels ")):
-            kind = "graph IR" if head.startswith("graph ") else "kernel IR (a listing, not read back)"
-            e.hint = (f"'{spec}' is {kind} text (what `mtc ir` prints), not a .mtc spec; the mtc commands "
-                      f"take specs. Load graph IR in Python: g = dsl.parse_ir(open('{spec}').read(), "
-                      f"file='{spec}'); m = dsl.compile(g)")
-        raise
+    return load(spec, variant, **_overrides(sets))
 
 
 def _add_spec_args(p: argparse.ArgumentParser, spec_optional: bool = False):
@@ -422,7 +410,7 @@ def cmd_run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
-    from . import compile as mtc_compile, load
+    from . import compile as mtc_compile
 
     dtype_name = _canonical_dtype(args.dtype)
     dtype = RUN_DTYPE_NAMES[dtype_name][0]

@@ -19,6 +19,7 @@ import sympy
 from .builder import GraphBuilder
 from .errors import Loc, MtcError, did_you_mean
 from .ir import Ref, canon_dtype, sym
+from .ops import EXPERT_DTYPES
 
 #: the largest dimension a forward input may have (an int32 index; larger is a typo)
 MAX_DIM = 2**31 - 1
@@ -29,8 +30,6 @@ CONFIG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dtype": s
 
 #: the dtypes a model's parameters and activations may have (config field ``dtype``)
 FLOAT_DTYPES = ("f32", "bf16", "f16")
-#: the values of expert_dtype ("" = the model dtype; mxfp4 and fp8 are the quantised expert formats)
-EXPERT_DTYPES = ("", "f32", "bf16", "f16", "mxfp4", "fp8")
 #: a state-dict name: dot-separated identifiers or layer indices
 _NAME_RE = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*|\d+)(?:\.(?:[A-Za-z_][A-Za-z0-9_]*|\d+))*")
 
@@ -732,7 +731,14 @@ def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
         if pos is None and getattr(e, "token", None) is not None:
             pos = getattr(e.token, "start_pos", None)
         bad = _bad_number(text, file, before=pos if isinstance(pos, int) and pos >= 0 else len(text))
-        raise (bad or _syntax_error(e, text, file)) from None
+        err = bad or _syntax_error(e, text, file)
+        head = text.lstrip()
+        if err.hint is None and head.startswith(("graph ", "kernels ")):
+            kind = "graph IR" if head.startswith("graph ") else "kernel IR (a listing, not read back)"
+            err.hint = (f"'{file}' is {kind} text (what `mtc ir` prints), not a .mtc spec; the mtc commands "
+                        f"and dsl.load / dsl.parse take specs. Load graph IR in Python: g = dsl.parse_ir("
+                        f"open('{file}').read(), file='{file}'); m = dsl.compile(g)")
+        raise err from None
     bad = _bad_number(text, file)
     if bad is not None:
         raise bad

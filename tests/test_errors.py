@@ -558,3 +558,13 @@ def test_stack_block_size_is_required_with_attn_res_and_refused_without():
     assert "block_size applies to residual=\"attn_res\" only" in e.msg
     dsl.parse(text.replace("RES", 'residual="attn_res", block_size=1'))
     dsl.parse(text.replace("RES", 'residual="add"'))
+
+
+def test_unknown_keyword_lists_name_for_ops_with_parameters_and_ir_text_gets_a_hint(tmp_path):
+    e = _err(_small(body='y = linear(x, out=4, nmae="a")\n    return y'))
+    assert "has no attribute 'nmae' (did you mean 'name'?); it takes: name, out" in e.msg
+    ir = tmp_path / "m.ir"
+    ir.write_text("graph m(B, T) {\n}\n")
+    with pytest.raises(MtcError) as ei:
+        dsl.load(ir)
+    assert "is graph IR text" in ei.value.hint and "dsl.parse_ir" in ei.value.hint
