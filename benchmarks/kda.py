@@ -329,8 +329,12 @@ def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
         # third round: the strip kernel's 4 row blocks of a chunk as consecutive programs (r_fast: its
         # [64, K] column operands then come from L2 for 3 of the 4; see INTRA5_CFG)
         base = dict(base, BK=64, nw_strip=4, nw_cumsum=4)
-        cfgs = [dict(base), dict(base, r_fast=True), dict(base, r_fast=True, BK=128, nw_strip=8),
-                dict(base, r_fast=True, BK=32), dict(base, r_fast=True, nw_strip=8)]
+        # fourth round (not yet timed): the solve kernel's 16x16 products on tensor cores (tf32x3, about float32
+        # accuracy) instead of float32 FMAs (solve phase 6.0 ms at 1M, ~3x its memory floor), 1 and 4 warps
+        cur = dict(base, r_fast=True, nw_strip=8, solve_prec="ieee")
+        cfgs = [dict(base, solve_prec="ieee"), dict(base, r_fast=True), dict(base, r_fast=True, BK=128, nw_strip=8),
+                dict(base, r_fast=True, BK=32), dict(cur), dict(cur, solve_prec="tf32x3"),
+                dict(cur, solve_prec="tf32x3", nw_solve=4)]
     else:
         base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False)
         # (the H200 sweep of 2026-11-29 found BK 16 / 1 warp best among the first nine; the last four: the strip

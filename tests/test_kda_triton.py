@@ -367,8 +367,8 @@ for part in ((1, 2) if tk.INTRA3_CFG["split"] else (0,)):
     assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "intra3 kernel: no tensor-core instruction"
     assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 cfg4 = tk.INTRA4_CFG
-sig = dict(q=P, k=P, g=F, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32", lb="fp32",
-           H="i32", K="constexpr", BK="constexpr", FAST="constexpr", DT="constexpr")
+sig4 = sig = dict(q=P, k=P, g=F, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
+                  lb="fp32", H="i32", K="constexpr", BK="constexpr", FAST="constexpr", DT="constexpr")
 for fn in (tk._fwd_strip4_kernel, tk._fwd_tiles4_kernel):
     ck = build(fn, sig, dict(K=128, BK=cfg4["BK"], FAST=True, DT=tk.tl.bfloat16), cfg4["nw_strip"], cfg4["ns_strip"])
     assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v4 strip kernel: no tensor-core instruction"
@@ -385,6 +385,12 @@ ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb=
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32"), {}, cfg4["nw_solve"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32", PREC="constexpr"),
+           dict(PREC="tf32x3"), cfg4["nw_solve"], 1)
+assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "solve kernel (tf32x3): no tensor-core instruction"
+ck = build(tk._fwd_strip4_kernel, dict(sig4, R_FAST="constexpr"),
+           dict(K=128, BK=64, FAST=True, DT=tk.tl.bfloat16, R_FAST=True), 8, 1)
+assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v4 strip kernel (r_fast): no tensor-core instruction"
 sig = dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I, seg_c1=I,
            H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr", MODE="constexpr",
            STORE="constexpr", STORE_VN="constexpr")
@@ -446,12 +452,13 @@ def test_hopper_compile_uses_tensor_cores():
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3"),
                                          (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"), (4, 8, "v4-rfast"),
-                                         (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast")])
+                                         (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast"), (4, 8, "v5-tf32solve")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles"),
                                                **(dict(r_fast=True, BK=64, nw_strip=8) if intra == "v4-rfast" else {})))
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast")))
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast"),
+                                               solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee"))
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,

@@ -241,16 +241,23 @@ def _load_chunk(q, k, g, beta, t0, L, h, H, K: tl.constexpr, FAST: tl.constexpr,
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _inv16(N):
+    """_inv16p in float32 (ieee) precision."""
+    return _inv16p(N, "ieee")
+
+
+@triton.jit
+def _inv16p(N, PREC: tl.constexpr):
     """(I + N)^-1 for a strictly lower-triangular N [16, 16] (float32), by recursive block doubling:
     with T the inverse of the diagonal s-blocks, the inverse of the 2s-blocks is T - T (N restricted to
-    the lower-left s-blocks inside each 2s-block) T.  Eight 16x16 products, no per-row loop."""
+    the lower-left s-blocks inside each 2s-block) T.  Eight 16x16 products (tl.dot input precision PREC),
+    no per-row loop."""
     i = tl.arange(0, 16)
     lower1 = ((i[:, None] // 2) == (i[None, :] // 2)) & (i[:, None] > i[None, :])
     T = tl.where(i[:, None] == i[None, :], 1.0, 0.0) - tl.where(lower1, N, 0.0)
     for lvl in tl.static_range(1, 4):
         m = ((i[:, None] >> (lvl + 1)) == (i[None, :] >> (lvl + 1))) & ((i[:, None] >> lvl) > (i[None, :] >> lvl))
         Nm = tl.where(m, N, 0.0)
-        T = T - tl.dot(tl.dot(T, Nm, input_precision="ieee"), T, input_precision="ieee")
+        T = T - tl.dot(tl.dot(T, Nm, input_precision=PREC), T, input_precision=PREC)
     return T
 
 
@@ -334,6 +341,11 @@ def _off(X, Q, bb, kend, c, ch_j):
 @triton.jit
 def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _mmp(a, b, PREC: tl.constexpr):
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -926,35 +938,37 @@ def _tile16(ptr, t0, L, h, H, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _fwd_solve4_kernel(NB, cstart, clen, TB, H):
+def _fwd_solve4_kernel(NB, cstart, clen, TB, H, PREC: tl.constexpr = "ieee"):
     """One (chunk, head): TB = T = (I + N)^-1 (float32, the 10 lower 16x16 tiles) from N = NB, by inverting
-    the diagonal tiles (_inv16) and blocked forward substitution T_rj = -T_rr sum_{j<=m<r} N_rm T_mj."""
+    the diagonal tiles (_inv16) and blocked forward substitution T_rj = -T_rr sum_{j<=m<r} N_rm T_mj.
+    PREC: the 16x16 products' tl.dot input precision ("ieee": float32 FMAs; "tf32x3": three TF32 tensor-core
+    products, about float32 accuracy)."""
     c_ = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
-    T00 = _inv16(_tile16(NB, t0, L, h, H, 0, 0))
-    T11 = _inv16(_tile16(NB, t0, L, h, H, 1, 1))
+    T00 = _inv16p(_tile16(NB, t0, L, h, H, 0, 0), PREC)
+    T11 = _inv16p(_tile16(NB, t0, L, h, H, 1, 1), PREC)
     N10 = _tile16(NB, t0, L, h, H, 1, 0)
-    T10 = -_mm(T11, _mm(N10, T00))
+    T10 = -_mmp(T11, _mmp(N10, T00, PREC), PREC)
     _put(TB, T00, t0, L, h, H, 0, 64, 0)
     _put(TB, T10, t0, L, h, H, 1, 64, 0)
     _put(TB, T11, t0, L, h, H, 1, 64, 16)
-    T22 = _inv16(_tile16(NB, t0, L, h, H, 2, 2))
+    T22 = _inv16p(_tile16(NB, t0, L, h, H, 2, 2), PREC)
     N21 = _tile16(NB, t0, L, h, H, 2, 1)
     N20 = _tile16(NB, t0, L, h, H, 2, 0)
-    T21 = -_mm(T22, _mm(N21, T11))
-    T20 = -_mm(T22, _mm(N20, T00) + _mm(N21, T10))
+    T21 = -_mmp(T22, _mmp(N21, T11, PREC), PREC)
+    T20 = -_mmp(T22, _mmp(N20, T00, PREC) + _mmp(N21, T10, PREC), PREC)
     _put(TB, T20, t0, L, h, H, 2, 64, 0)
     _put(TB, T21, t0, L, h, H, 2, 64, 16)
     _put(TB, T22, t0, L, h, H, 2, 64, 32)
-    T33 = _inv16(_tile16(NB, t0, L, h, H, 3, 3))
+    T33 = _inv16p(_tile16(NB, t0, L, h, H, 3, 3), PREC)
     N32 = _tile16(NB, t0, L, h, H, 3, 2)
     N31 = _tile16(NB, t0, L, h, H, 3, 1)
     N30 = _tile16(NB, t0, L, h, H, 3, 0)
-    T32 = -_mm(T33, _mm(N32, T22))
-    T31 = -_mm(T33, _mm(N31, T11) + _mm(N32, T21))
-    T30 = -_mm(T33, _mm(N30, T00) + _mm(N31, T10) + _mm(N32, T20))
+    T32 = -_mmp(T33, _mmp(N32, T22, PREC), PREC)
+    T31 = -_mmp(T33, _mmp(N31, T11, PREC) + _mmp(N32, T21, PREC), PREC)
+    T30 = -_mmp(T33, _mmp(N30, T00, PREC) + _mmp(N31, T10, PREC) + _mmp(N32, T20, PREC), PREC)
     _put(TB, T30, t0, L, h, H, 3, 64, 0)
     _put(TB, T31, t0, L, h, H, 3, 64, 16)
     _put(TB, T32, t0, L, h, H, 3, 64, 32)
@@ -1691,8 +1705,15 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # strip phase 22 ms). Timed on the H200 (5th session, --intra5-sweep, H=16, T=1M forward, fla 65.5 ms):
 # r_fast off 68.7 ms (strip 22.9), on 64.1 (strip 18.2), on + 8 strip warps 63.4 (strip 17.8), on + BK 128 /
 # 8 warps 64.0, on + BK 32 64.5: the default is now r_fast with 8 strip warps
+# solve_prec: tl.dot input precision of the solve kernel's 16x16 products ("ieee" = float32 FMAs; "tf32x3" =
+# three TF32 tensor-core products, about float32 accuracy; --intra5-sweep lists it, not yet timed)
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
-                  r_fast=True)
+                  r_fast=True, solve_prec="ieee")
+
+
+def _solve_prec(cfg):
+    """tl.dot input precision of the solve kernel (cfg "solve_prec"; "ieee" under the interpreter)."""
+    return "ieee" if _interpret() else cfg.get("solve_prec", "ieee")
 
 
 def _maxnreg(n):
@@ -1721,7 +1742,8 @@ def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, s
         num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
     _mark("intra: strip")
     TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
-    _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, num_warps=cfg["nw_solve"], num_stages=1)
+    _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, PREC=_solve_prec(cfg),
+                                num_warps=cfg["nw_solve"], num_stages=1)
     _mark("intra: solve")
     return TB, GCS, BM
 
@@ -1780,7 +1802,8 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, store_h=False, keep_t=F
                 num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
         _mark("intra: strip")
         TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
-        _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, num_warps=cfg["nw_solve"],
+        _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, PREC=_solve_prec(cfg),
+                                    num_warps=cfg["nw_solve"],
                                     num_stages=1)
         del NBUF
         _mark("intra: solve")
