@@ -653,6 +653,19 @@ def _fwd_intra3_kernel(q, k, v, g, beta, cstart, clen, WK, U, QG, KD, AQK, GAM, 
 #   _fwd_wu_kernel      (chunk, head): Wk = T (beta k e^G), U = T (beta v), [64, 64] x [64, K] dots
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _strip_program(R_FAST: tl.constexpr):
+    """(chunk, row block, head) of a strip program: grid (NC, H, 4), or with R_FAST (4 NC, H), the 4 row blocks
+    of a chunk as consecutive programs."""
+    if R_FAST:
+        c_ = tl.program_id(0) // 4
+        R = tl.program_id(0) % 4
+    else:
+        c_ = tl.program_id(0)
+        R = tl.program_id(2)
+    return c_, R, tl.program_id(1)
+
+
+@triton.jit
 def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr):
     """The row geometry of strip program (chunk c_, head h, row block R): (t0, L, rows64, rows, base, m64,
     mr) = chunk start and length, the chunk's 64 rows and the block's 16, the 64-bit element base of
@@ -721,13 +734,7 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
     blocks and the diagonal tile is summed token pair by token pair (_diag_pair).
     Grid (NC, H, 4), or with R_FAST (4 * NC, H) (as _fwd_strip5_kernel's: the 4 programs that load the same
     [64, BK] k and g slices run next to each other, so 3 of them find them in L2)."""
-    if R_FAST:
-        c_ = tl.program_id(0) // 4
-        R = tl.program_id(0) % 4
-    else:
-        c_ = tl.program_id(0)
-        R = tl.program_id(2)
-    h = tl.program_id(1)
+    c_, R, h = _strip_program(R_FAST)
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
     a = tl.zeros([16, 64], dtype=tl.float32)
     p = tl.zeros([16, 64], dtype=tl.float32)
@@ -791,13 +798,7 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
     (exponents <= 0; the diagonal tile token pair by token pair).
     Grid (NC, H, 4), or with R_FAST (4 * NC, H): the 4 row blocks of a chunk as consecutive programs, so
     that the [64, K] column operands (k, G) the 4 programs each load are still in L2 for 3 of them."""
-    if R_FAST:
-        c_ = tl.program_id(0) // 4
-        R = tl.program_id(0) % 4
-    else:
-        c_ = tl.program_id(0)
-        R = tl.program_id(2)
-    h = tl.program_id(1)
+    c_, R, h = _strip_program(R_FAST)
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
     fr = tl.load(FB + (tl.cast(c_, tl.int64) * H + h) * 4 + R)
     # rows past the chunk's end have G = G of its last row (as a scan of zero-padded gates gives)
