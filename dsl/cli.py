@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -358,8 +359,9 @@ def _segments(ids, T: int):
     return [ids[s: s + T + 1] for s in range(0, len(ids) - 1, T)]
 
 
-def _check_fits(g, dtype_bytes: int, device: str) -> None:
-    """Refuse, before allocating, a model whose weights cannot fit in this machine's memory."""
+def _check_fits(g, dtype_bytes: int, device: str, variants=None) -> None:
+    """Refuse, before allocating, a model whose weights cannot fit in this machine's memory (``variants``: the
+    spec's variant names, for the message)."""
     import torch
     n = sum(int(p.type.numel()) for p in g.params())
     need = n * dtype_bytes
@@ -373,8 +375,9 @@ def _check_fits(g, dtype_bytes: int, device: str) -> None:
     if need > 0.8 * have:
         from .stats import human_bytes
         raise MtcError(f"model '{g.name}' has {n:,} parameters: {human_bytes(need)} of weights, more than this "
-                       f"{'GPU' if device != 'cpu' else 'machine'} holds ({human_bytes(have)} free); run a smaller "
-                       f"variant (--variant tiny or small), or count it with `mtc stats` / `mtc ir --stage lowered`")
+                       f"{'GPU' if device != 'cpu' else 'machine'} holds ({human_bytes(have)} free); "
+                       + (f"run a smaller variant (--variant {' or '.join(variants)}), or " if variants else "")
+                       + "count it with `mtc stats` / `mtc ir --stage lowered`")
 
 
 def _check_run_input(g) -> None:
@@ -423,26 +426,38 @@ def cmd_run(args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels on the CPU: the interpreter
         # the interpreter evaluates masked-off lanes too (exp of padding); those results are discarded
         warnings.filterwarnings("ignore", category=RuntimeWarning)
-    c = Console(stderr=False, soft_wrap=True)    # piped output: whole lines, not wrapped at 80 columns
+    # piped output: whole lines, not wrapped at 80 columns; with --json - the report goes to stderr, so that
+    # standard output is the JSON alone
+    c = Console(stderr=args.json == "-", soft_wrap=True)
     spec = args.spec or str(DEFAULT_SPEC)
     variant = args.variant if (args.variant or args.spec) else "tiny"
-    text_path = Path(args.input) if args.input else DEFAULT_TEXT
-    if args.json:
-        _check_output_file("--json", args.json, {"input spec": spec, "--input text": text_path})
+    stdin = args.input == "-"
+    text_path = Path(args.input) if args.input and not stdin else DEFAULT_TEXT
+    if args.json is not None and args.json != "-":
+        if not args.json:
+            raise MtcError("--json needs a file name (or - for standard output)")
+        _check_output_file("--json", args.json, {"input spec": spec, "--input text": None if stdin else text_path})
+    if "dtype" in _overrides(args.set):
+        raise MtcError("--set dtype=... changes the spec's declared dtype (what `mtc stats` / `mtc ir` count); "
+                       "mtc run computes in --dtype (default float32): use --dtype instead")
     try:
-        data = text_path.read_bytes()
+        if stdin:
+            data = sys.stdin.buffer.read(args.max_tokens)
+        else:
+            with open(text_path, "rb") as fh:         # only what is used: --max-tokens bytes
+                data = fh.read(args.max_tokens)
     except OSError as e:
-        raise MtcError(f"cannot read --input '{text_path}': {e.strerror}") from None
-    data = data[: args.max_tokens]
+        raise MtcError(f"cannot read --input '{args.input if stdin else text_path}': {e.strerror}") from None
+    src = "standard input" if stdin else text_path.name
     if len(data) < 2:
-        raise MtcError(f"--input '{text_path}' gives {len(data)} byte token(s) (with --max-tokens "
-                       f"{args.max_tokens}); need at least 2 to predict a next token")
+        raise MtcError(f"--input '{args.input if stdin else text_path}' gives {len(data)} byte token(s) (with "
+                       f"--max-tokens {args.max_tokens}); need at least 2 to predict a next token")
     g = _load_spec(spec, variant, args.set)
     _check_run_input(g)
     vocab = int(g.type_of(g.outputs[0]).shape[-1])
     if vocab < 256:
         raise MtcError(f"model '{g.name}' has a vocabulary of {vocab}; the byte-level tokenizer needs >= 256")
-    _check_fits(g, 4 if dtype == "f32" else 2, args.device)
+    _check_fits(g, 4 if dtype == "f32" else 2, args.device, _spec_variants(spec))
     t0 = time.perf_counter()
     m = mtc_compile(g, target=args.target, dtype=dtype, device=args.device, seed=args.seed)
     m.eval()
@@ -462,7 +477,7 @@ def cmd_run(args) -> int:
     batches.append(cur)
     n = len(segs)
     c.print(f"[bold]{g.name}[/] ({sum(p.numel() for p in m.parameters()):,} parameters, target {args.target}, "
-            f"{dtype_name}) on {text_path.name}: {len(ids):,} byte tokens in {n} window"
+            f"{dtype_name}) on {src}: {len(ids):,} byte tokens in {n} window"
             f"{'s' if n != 1 else ''} of up to {T}; compiled in {time.perf_counter() - t0:.2f} s")
     if args.target in ("triton", "tvm") and str(args.device) == "cpu" and len(ids) > 512:
         c.print("note: on the CPU the Triton kernels run under the interpreter (a few tokens/s for the tiny model); "
@@ -525,13 +540,27 @@ def cmd_run(args) -> int:
             t.add_row(k.removeprefix("model.layers.").removesuffix(".block_sparse_moe"), f"{v.min():.0f}",
                       f"{v.mean():.1f}", f"{v.max():.0f}", f"{v.max() / v.mean():.3f}", str(int((v == 0).sum())))
         c.print(t)
-    if args.json:
-        out = {"model": g.name, "target": args.target, "dtype": dtype_name, "seq_len": T,
-               "loss": nll, "tokens": total_tok, "seconds": dt,
-               "expert_load": {k: v.tolist() for k, v in loads.items()}}
-        _write_output("--json", args.json, json.dumps(out, indent=2))
-        c.print(f"wrote {args.json}")
+    if args.json is not None:
+        out = {"model": g.name, "spec": spec, "variant": variant, "set": args.set or [], "target": args.target,
+               "device": args.device, "dtype": dtype_name, "seed": args.seed, "input": "-" if stdin else str(text_path),
+               "max_tokens": args.max_tokens, "seq_len": T, "batch_size": args.batch_size,
+               "loss": nll, "bits_per_byte": nll / math.log(2), "perplexity": math.exp(nll), "tokens": total_tok,
+               "seconds": dt, "expert_load": {k: v.tolist() for k, v in loads.items()}}
+        if args.json == "-":
+            print(json.dumps(out, indent=2))
+        else:
+            _write_output("--json", args.json, json.dumps(out, indent=2))
+            c.print(f"wrote {args.json}")
     return 0
+
+
+def _spec_variants(spec) -> list:
+    """The variant names of a spec file (for messages); [] when it cannot be read."""
+    from .spec import parse_spec
+    try:
+        return list(parse_spec(Path(spec).read_text(encoding="utf-8"), str(spec)).variants)
+    except (OSError, UnicodeDecodeError, MtcError):
+        return []
 
 
 def cmd_compile(args) -> int:
@@ -677,7 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Byte-level tokenizer (vocab >= 256), next-token cross-entropy, and per-layer "
                                    "expert load. With no SPEC: the tiny K3 variant on a text shipped with mtc.")
     _add_spec_args(s, spec_optional=True)
-    s.add_argument("--input", "-i", help=f"a text file (default: {DEFAULT_TEXT.relative_to(ROOT)})")
+    s.add_argument("--input", "-i", help=f"a text file, or - for standard input (default: "
+                                         f"{DEFAULT_TEXT.relative_to(ROOT)}); only --max-tokens bytes are read")
     s.add_argument("--target", default="reference", help="reference | triton | tvm (on CPU: Triton interpreter)")
     s.add_argument("--seq-len", "-T", type=int, default=256,
                    help="tokens per sequence (default 256; beyond the spec's max_seq_len: a warning)")
@@ -685,8 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
     s.add_argument("--dtype", default=None, help=f"{_DTYPE_HELP} (default float32)")
     s.add_argument("--device", default="cpu", help="cpu | cuda")
-    s.add_argument("--seed", type=_seed, default=0, help="parameter initialisation seed (0 .. 2^63-1)")
-    s.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    s.add_argument("--seed", type=_seed, default=0, help="parameter initialisation seed (0 .. 2^63-1; default 0)")
+    s.add_argument("--json", metavar="FILE", help="also write the results as JSON (- for standard output): the "
+                                                 "settings of the run, loss, bits/byte, perplexity, expert load")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("compile", help="compile to kernels and write the generated Triton source",

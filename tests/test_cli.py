@@ -1,6 +1,7 @@
 """The mtc command line as a user drives it: bad input gets one clear `error:` line (exit 2, no
 traceback), runs count every token, and dtype choices are honoured."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -351,3 +352,24 @@ def test_ops_shows_the_spec_form(op, needles):
 def test_ops_help_has_a_description():
     r = mtc("ops", "--help")
     assert r.returncode == 0 and "the form a .mtc spec writes" in " ".join(r.stdout.split())
+
+
+def test_run_reads_only_max_tokens_takes_stdin_and_writes_json_to_stdout():
+    # a new-user trial: `--input /dev/zero` hung (the whole file was read before --max-tokens applied),
+    # `--input -` was "no such file", `--json -` wrote a file named '-', and --set dtype was silently ignored
+    r = subprocess.run([sys.executable, "-m", "dsl.cli", "run", "--input", "/dev/zero", "--max-tokens", "80",
+                        "--json", "-"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)                             # stdout is the JSON alone; the report went to stderr
+    assert d["tokens"] == 79 and d["input"] == "/dev/zero" and d["max_tokens"] == 80 and d["seed"] == 0
+    assert abs(d["perplexity"] - math.exp(d["loss"])) < 1e-9 * d["perplexity"]
+    assert abs(d["bits_per_byte"] - d["loss"] / math.log(2)) < 1e-12 and "loss" in r.stderr
+    text = "the same bytes from standard input and from a file\n" * 3
+    a = subprocess.run([sys.executable, "-m", "dsl.cli", "run", "--input", "-", "--json", "-"], input=text,
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["tokens"] == len(text) - 1
+    r = mtc("run", "--set", "dtype=bf16", "--max-tokens", "50")
+    _clean_error(r, "use --dtype instead")
+    r = mtc("run", "--json", "", "--max-tokens", "50")
+    _clean_error(r, "--json needs a file name")
