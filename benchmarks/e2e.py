@@ -18,6 +18,7 @@ Usage (GPU machine):  source .device/prelude.sh; python benchmarks/e2e.py [--var
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -71,6 +72,9 @@ def main(argv=None):
                     help="check this script's control flow on the CPU: tiny variant, float32, Triton interpreter, "
                          "reference ops in place of fla, no torch.compile (numbers meaningless)")
     args = ap.parse_args(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        sys.exit("e2e benchmark: needs a CUDA GPU and fla-core (--cpu-smoke checks this script's control flow on "
+                 "the CPU)")
     if args.quick:
         args.seq_lens = [2048]
     if args.cpu_smoke:
@@ -89,7 +93,8 @@ def main(argv=None):
     eager = dsl.compile(g, target="eager_fla", dtype=dtype, device=dev,
                         passes=["verify", "infer_shapes", "canonicalize"]).eval()
     eager.load_state_dict(mtc.state_dict())
-    print(f"{g.name}: {sum(p.numel() for p in mtc.parameters()) / 1e9:.2f} B parameters; compiled in "
+    from dsl.stats import human
+    print(f"{g.name}: {human(sum(p.numel() for p in mtc.parameters()))} parameters; compiled in "
           f"{time.perf_counter() - t0:.1f} s; kernels: {mtc.kernel_source_path}", flush=True)
     ref32 = None
     if not args.no_ref32:

@@ -128,6 +128,10 @@ def main():
                     help="with --wgrad-compare: time only the v1/v2 rows (no other effect)")
     args = ap.parse_args()
     t_start = time.time()
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        sys.exit("moe benchmark: needs a CUDA GPU (--cpu-smoke checks this script's code paths on the CPU)")
+    if args.cpu_smoke and args.tokens != ap.get_default("tokens"):
+        print("note: --cpu-smoke uses its own tiny shapes (37 tokens); --tokens is not used", flush=True)
 
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -186,6 +190,8 @@ def main():
                   f"({time.time() - t_start:.0f}s)", flush=True)
         return ms
 
+    printed = [None]
+
     def emit(final=False):
         """Print the table (and write --out); called after each token count, so a run cut short
         keeps what it measured."""
@@ -218,9 +224,15 @@ def main():
                 f"K3 MoE layer: d {d}, latent {lat}, {e} experts, top-{k}, intermediate {inter}, shared Is {i_s}, "
                 f"{str(dt).replace('torch.', '')}; median of do_bench; "
                 f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}.", ""]
-        tail = ["", *[f"- {n}" for n in notes], "",
-                "ratio vs torch._grouped_mm (time_gmm / time_triton): " + "; ".join(ratios)]
+        tail = ["", *[f"- {n}" for n in notes]]
+        if ratios:
+            tail += ["", "ratio vs torch._grouped_mm (time_gmm / time_triton): " + "; ".join(ratios)]
+        if len(lines) == 2:            # no timed row (--cpu-smoke): no empty table
+            lines = ["(no timings: --cpu-smoke checks the code paths only)"]
         text = "\n".join(head + lines + tail)
+        if text == printed[0]:         # the final call after the last token count: said already
+            return
+        printed[0] = text
         print()
         print(text)
         if args.out:

@@ -120,6 +120,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     explicit = args.targets is not None
     targets = [t.strip() for t in (args.targets if explicit else "triton,tvm").split(",") if t.strip()]
+    targets = list(dict.fromkeys(targets))                   # each target once, in the order given
+    if not targets:
+        print(f"note: --targets {args.targets!r} names no target beside the reference: nothing to compare",
+              file=sys.stderr)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is first imported
     import torch
@@ -129,6 +133,8 @@ def main(argv=None) -> int:
     try:
         g = dsl.load(args.spec, args.variant)
         B, T, vocab = token_input(g, args.batch, args.tokens)
+        from dsl.cli import _check_fits, _spec_variants      # a model too big for this machine: say so first
+        _check_fits(g, 4, args.device, _spec_variants(args.spec))
         ref = dsl.compile(g, target="reference", device=args.device, seed=args.seed)   # float32 ground truth
     except (MtcError, ValueError) as e:
         print(f"compare_targets: {str(e).removeprefix('error: ')}", file=sys.stderr)

@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 g = dsl.load(ROOT / "models" / "kimi_k3.mtc", variant="tiny")
 model = dsl.compile(g, target="reference", seed=0).eval()
 n_params = sum(p.numel() for p in model.parameters())
-print(f"{g.name}: {n_params / 1e6:.2f} M parameters, {len(model.graph.nodes)} ops after the passes")
+n_ops = sum(1 for n in model.graph.nodes if n.op not in ("input", "param", "buffer"))
+print(f"{g.name}: {n_params / 1e6:.2f} M parameters, {n_ops} ops after the passes "
+      f"({len(model.graph.nodes)} graph nodes with the inputs and parameters)")
 
 # 2. next-byte prediction on a real text (vocab 256 = bytes): loss of the untrained model ~ ln 256 = 5.55
 text = (ROOT / "examples" / "data" / "python_reference_excerpt.txt").read_bytes()[:513]
