@@ -383,6 +383,11 @@ for r_fast in (False, True):
 ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
                                          FAST="constexpr"), dict(K=128, FAST=True), cfg5["nw_cumsum"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+build(tk._step_kernel, dict(q=P, k=P, v=P, g=F, beta=P, S_in=F, S_out=F, o=P, scale="fp32", K="constexpr",
+                           V="constexpr", BV="constexpr", KP="constexpr"), dict(K=24, V=40, BV=64, KP=32), 4, 1)
+build(tk._gate_kernel, dict(x=P, A_log=F, dt_bias=F, g=F, n_rows="i32", H="i32", lb="fp32", K="constexpr",
+                           BR="constexpr", SOFTPLUS="constexpr", KP="constexpr"),
+      dict(K=24, BR=32, SOFTPLUS=False, KP=32), 4, 1)
 ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32"), {}, cfg4["nw_solve"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32", PREC="constexpr"),

@@ -425,6 +425,14 @@ k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 
 ptx = k.asm["ptx"]
 print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"),
       "tanh", ptx.count("tanh.approx.f32"))
+fn = K._route_topk_kernel                                  # the router's top-k (with the bias check)
+types = dict(logit_ptr="*fp32", bias_ptr="*fp32", score_ptr="*fp32", idx_ptr="*i64", wt_ptr="*fp32",
+             alpha_ptr="*fp32", bad_ptr="*i32", N="i32", E="i32", routed_scaling="fp32")
+consts = dict(K_SEL=16, K_PAD=16, FROM_LOGITS=True, WRITE_TOPK=True, WRITE_ALPHA=False, BLOCK_R=4, BLOCK_E=1024)
+sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print("route 1")
 """
 
 
@@ -446,6 +454,7 @@ def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
     assert int(counts["wgmma"]) > 0  # Hopper tensor-core MMA
     assert int(counts["tma"]) > 0  # TMA loads of the token tile and both weight tiles
     assert int(counts["tanh"]) > 0  # SiTU in the epilogue
+    assert counts["route"] == "1"   # the router's top-k kernel compiles too
 
 
 _COMPILE_WGRAD_V2 = r"""
