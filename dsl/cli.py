@@ -316,7 +316,8 @@ def _lowered_report(args, g, pm, prog) -> str:
     slots = args.slots or fit
     try:
         mp = plan_memory(g, seq_len=T, gpus=args.gpus, checkpointing=args.checkpointing,
-                         num_slots=slots, canonical=pm.stages["canonical"])
+                         num_slots=slots, canonical=pm.stages["canonical"],
+                         two_phase_attn_res=args.target != "tvm")    # what compile(target=...) runs
         out.append(mp.summary())
         if moe:
             out.append("\n" + place(None, args.gpus, num_slots=slots, num_experts=E).summary())

@@ -35,6 +35,10 @@ The parallel layout it assumes (simple, and stated so the numbers can be checked
   - ``"inference"``: forward only, values freed after their last use: the peak of the live set in the
     canonical graph's order.
 
+  The graph sized is the one the default pipeline runs: the canonical graph with Block AttnRes in its
+  two-phase form (each block's phase-1 accumulators live until the block's last merge; at T = 1M on 128 GPUs
+  that is 24 x 8192 x 7168 bf16 = 2.6 GiB per GPU), or the direct form with ``two_phase_attn_res=False``.
+
   The embedding and the final norm/LM head are units of their own; the logits [B, T, vocab] count in
   full. Buffers that live only inside a fused kernel (e.g. the per-(token, expert) hidden states of
   ``moe_experts``) are not graph values and are not counted.
@@ -114,6 +118,7 @@ class MemoryPlan:
     kv_cache_total_bytes: float
     kda_state_total_bytes: float
     moe_comm: list[MoEComm] = field(default_factory=list)
+    two_phase_attn_res: bool = False       # activations of the two-phase Block AttnRes form (phase-1 buffers)
 
     @property
     def weight_bytes(self) -> float:
@@ -149,8 +154,9 @@ class MemoryPlan:
              f"EP {self.ep_size})" if self.moe_layers else "routed experts (no MoE layer)", self.expert_weight_bytes),
             (f"other weights, >= 2-D (split over TP {self.tp_size})", self.sharded_weight_bytes),
             ("other weights, 1-D and buffers (replicated)", self.replicated_weight_bytes),
-            ("activations (forward only, peak live set)" if self.checkpointing == "inference" else
-             f"activations ({self.checkpointing!r} checkpointing)", self.activation_bytes),
+            (("activations (forward only, peak live set)" if self.checkpointing == "inference" else
+              f"activations ({self.checkpointing!r} checkpointing)")
+             + (", two-phase AttnRes" if self.two_phase_attn_res else ""), self.activation_bytes),
             ("MLA latent KV cache", self.kv_cache_bytes),
             ("KDA state", self.kda_state_bytes),
         ]
@@ -300,6 +306,22 @@ def _activations(canonical: Graph, size: _Sizer, mode: str, block_size: int | No
     return kept_bytes + recompute, kept_bytes, recompute
 
 
+def _two_phase(canonical: Graph, compute_dtype: str) -> Graph:
+    """The canonical graph after batch_attn_residual, with the phase-1 accumulator typed as the runtime stores
+    it (backends.runtime._phase1_acc_dtype: the compute dtype if 16-bit, else float32)."""
+    from .batch_attn_residual import batch_attn_residual
+    g = batch_attn_residual(canonical)
+    if compute_dtype not in ("bf16", "f16"):
+        return g
+    out = []
+    for n in g.nodes:
+        if n.op == "attn_residual_phase1":
+            acc = n.types[0]
+            n = n.replace(types=(TensorType(compute_dtype, acc.shape),) + tuple(n.types[1:]))
+        out.append(n)
+    return g.with_nodes(out)
+
+
 def _moe_prefix(graph: Graph, n, nodes) -> str:
     for r in n.inputs:
         name = nodes[r.node].attr("name") or ""
@@ -311,7 +333,7 @@ def _moe_prefix(graph: Graph, n, nodes) -> str:
 def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkpointing: str = "layer",
                 ep_size: int | None = None, dtype_bytes: float | None = None, tp_size: int | None = None,
                 num_slots: int | None = None, block_size: int | None = None,
-                canonical: Graph | None = None) -> MemoryPlan:
+                canonical: Graph | None = None, two_phase_attn_res: bool = True) -> MemoryPlan:
     """Per-GPU memory for weights, activations, MLA latent KV cache and KDA state, and the
     expert-parallel all-to-all volume per MoE layer (the layout is described in the module docstring).
 
@@ -332,6 +354,11 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         block_size: layers per checkpoint block for checkpointing="block" (default: the config value
             ``block_size`` of Block AttnRes).
         canonical: the canonicalized graph, if already at hand (computed otherwise).
+        two_phase_attn_res: size the activations of the two-phase Block AttnRes form that the default pipeline
+            runs (reference and Triton targets; the batch_attn_residual pass): each block's phase-1 output
+            (accumulators [n_queries, B, T, d] in the compute dtype when that is 16-bit, as the Triton runtime
+            stores them, else float32, plus two float32 [n_queries, B, T] statistics) lives until the block's
+            last merge. False: the direct form (one attn_residual per read; the TVM target).
     Returns:
         A :class:`MemoryPlan` (bytes per GPU; ``summary()`` for a table, ``to_dict()`` for JSON).
     Raises:
@@ -433,7 +460,8 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
 
     # -- activations --------------------------------------------------------------------------
     size = _Sizer(batch, seq_len, compute_dtype, dtype_bytes)
-    act_total, kept, recompute = _activations(canonical, size, checkpointing, block_size)
+    act_total, kept, recompute = _activations(_two_phase(canonical, compute_dtype) if two_phase_attn_res
+                                              else canonical, size, checkpointing, block_size)
 
     # -- caches and state ---------------------------------------------------------------------
     kv_total = stats.kv_cache_bytes * (eb / act_b)
@@ -471,4 +499,5 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         replicated_weight_bytes=repl_b, activation_bytes=act_total / gpus, activation_kept_bytes=kept / gpus,
         activation_recompute_bytes=recompute / gpus, kv_cache_bytes=kv_total / (gpus // tp),
         kda_state_bytes=kda_total / tp, weights_total_bytes=stats.weights_bytes, activation_total_bytes=act_total,
-        kv_cache_total_bytes=kv_total, kda_state_total_bytes=kda_total, moe_comm=comm)
+        kv_cache_total_bytes=kv_total, kda_state_total_bytes=kda_total, moe_comm=comm,
+        two_phase_attn_res=bool(two_phase_attn_res) and any(n.op == "attn_residual" for n in canonical.nodes))
