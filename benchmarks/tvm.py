@@ -172,6 +172,9 @@ def do_export(out_dir: Path, kind: str, dtype: str, only: set[str] | None = None
     from backends.tvm import kernel_for
     from backends.tvm.build import export, library_path, shared_write_hazards, target_spec
 
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"--export {out_dir}: a file of that name exists; --export takes a folder (it writes "
+                         f"manifest.json and the modules into it)")
     out_dir.mkdir(parents=True, exist_ok=True)
     entries, total = [], 0
     for g in groups(dtype, variants=kind == "cuda"):
@@ -389,7 +392,13 @@ def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None,
     if not (in_dir / "manifest.json").is_file():
         raise SystemExit(f"{in_dir}: no manifest.json here; export the modules first (python benchmarks/tvm.py "
                          f"--export {in_dir}{' --cpu-smoke' if cpu else ''})")
-    manifest = json.loads((in_dir / "manifest.json").read_text())
+    try:
+        manifest = json.loads((in_dir / "manifest.json").read_text())
+        if not isinstance(manifest, dict) or not {"kind", "dtype", "modules"} <= manifest.keys():
+            raise ValueError("not an export manifest (kind, dtype, modules)")
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"{in_dir}/manifest.json cannot be read: {exc}; export the modules again "
+                         f"(python benchmarks/tvm.py --export {in_dir} ...)") from None
     want = "llvm" if cpu else "cuda"
     if manifest["kind"] != want:
         raise SystemExit(f"{in_dir}: modules were built for {manifest['kind']!r}, this run needs {want!r} "
@@ -435,7 +444,7 @@ def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None,
         except Exception as exc:          # a module that does not load (e.g. NVRTC) must not end the run
             msg = " ".join(str(exc).split())[-300:]
             emit(f"| {e['op']} | {e.get('variant', 'default')} | LOAD FAILED: {msg} |")
-            bad.append(f"{e['key']}: load failed")
+            bad.append(f"{e['key']}: load failed ({msg})")
             continue
         tvm_args, out, trit, ref, nbytes, shape = make_case(e, n, dev, tdt)
 
@@ -492,7 +501,7 @@ def do_run(in_dir: Path, cpu: bool, n: int, quick: bool, out_md: Path | None,
             torch.cuda.empty_cache()
     emit()
     for b in bad:
-        emit(f"ERROR over tolerance: {b}")
+        emit(f"ERROR: {b}")               # a load failure or an error over the tolerance
     if best:
         emit("best variant per group (errors within tolerance):")
         emit()

@@ -319,7 +319,12 @@ def _lowered_report(args, g, pm, prog) -> str:
                          num_slots=slots, canonical=pm.stages["canonical"],
                          two_phase_attn_res=args.target != "tvm")    # what compile(target=...) runs
         out.append(mp.summary())
-        if moe:
+        from passes.place_experts import MAX_GPUS, MAX_SLOTS
+        if moe and (args.gpus > MAX_GPUS or slots > MAX_SLOTS):
+            out.append(f"\nexpert placement: not planned for {args.gpus:,} GPUs / {slots:,} slots (the planner takes one "
+                       f"expert-parallel group of at most {MAX_GPUS:,} GPUs and {MAX_SLOTS:,} slots; "
+                       f"passes.place_experts.plan(load, num_gpus=...) plans one group from Python)")
+        elif moe:
             out.append("\n" + place(None, args.gpus, num_slots=slots, num_experts=E).summary())
     except ValueError as e:
         raise MtcError(str(e)) from None
