@@ -47,7 +47,8 @@ import triton.language as tl
 
 import importlib
 
-from .guard import DeviceTableCache, cdiv, device_table, next_power_of_2, no_create_graph, warn_interpreter_bf16
+from .guard import (DeviceTableCache, cdiv, device_table, next_power_of_2, no_create_graph, sm_count,
+                    warn_interpreter_bf16)
 
 # the module itself (backends.reference re-exports a function of the same name)
 _ref = importlib.import_module("backends.reference.attn_residual")
@@ -543,9 +544,7 @@ def _row_tile(d: int, n: int):
 
 
 def _num_sms(dev: torch.device) -> int:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).multi_processor_count
-    return 4
+    return sm_count(dev) if dev.type == "cuda" else 4
 
 
 def _fwd(query, xs, w, ow, eps, save):

@@ -28,6 +28,19 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+_SM_COUNTS: dict = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device, cached per device (the launch paths size their grids by it)."""
+    dev = torch.device(device)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    n = _SM_COUNTS.get(idx)
+    if n is None:
+        n = _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
 def check_interpreter_dot_dtype(where: str, **tensors) -> None:
     """Refuse bfloat16 operands of a kernel with ``tl.dot`` under the interpreter.
 

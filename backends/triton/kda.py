@@ -59,7 +59,8 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import DeviceTableCache, cdiv, check_interpreter_dot_dtype, device_table, next_power_of_2, no_create_graph
+from .guard import (DeviceTableCache, cdiv, check_interpreter_dot_dtype, device_table, next_power_of_2,
+                    no_create_graph, sm_count)
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -1629,12 +1630,7 @@ def _seg_chunks_for(n_chunks_longest, BH, K, V, BV, device, seg_chunks):
         return max(1, int(seg_chunks))
     if device.type != "cuda" or n_chunks_longest <= 1:
         return 1 << 30
-    return _seg_model(n_chunks_longest, BH, K, V, BV, _sm_count(device) * H_CFG["ctas_per_sm"])
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _seg_model(n_chunks_longest, BH, K, V, BV, sm_count(device) * H_CFG["ctas_per_sm"])
 
 
 @functools.lru_cache(maxsize=256)

@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from backends.reference import moe as _ref
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
-from .guard import cdiv, check_interpreter_dot_dtype, device_table, next_power_of_2, no_create_graph
+from .guard import cdiv, check_interpreter_dot_dtype, device_table, next_power_of_2, no_create_graph, sm_count
 
 __all__ = [
     "qb_route",
@@ -490,16 +490,8 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
         DUAL=dual, PREC=_prec(p.dtype), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], **_launch_cfg(cfg))
 
 
-_NUM_SMS = {}
-
-
 def _num_sms(t):
-    if not t.is_cuda:
-        return 1
-    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _NUM_SMS[dev]
+    return sm_count(t.device) if t.is_cuda else 1
 
 
 def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None):
