@@ -365,9 +365,9 @@ def _segments(ids, T: int):
     return [ids[s: s + T + 1] for s in range(0, len(ids) - 1, T)]
 
 
-def _check_fits(g, dtype_bytes: int, device: str, variants=None) -> None:
-    """Refuse, before allocating, a model whose weights cannot fit in this machine's memory (``variants``: the
-    spec's variant names, for the message)."""
+def _check_fits(g, dtype_bytes: int, device: str, spec=None) -> None:
+    """Refuse, before allocating, a model whose weights cannot fit in this machine's memory (``spec``: its file,
+    whose variants the message names)."""
     import torch
     n = sum(int(p.type.numel()) for p in g.params())
     need = n * dtype_bytes
@@ -380,6 +380,7 @@ def _check_fits(g, dtype_bytes: int, device: str, variants=None) -> None:
             return
     if need > 0.8 * have:
         from .stats import human_bytes
+        variants = _spec_variants(spec) if spec is not None else []
         raise MtcError(f"model '{g.name}' has {n:,} parameters: {human_bytes(need)} of weights, more than this "
                        f"{'GPU' if device != 'cpu' else 'machine'} holds ({human_bytes(have)} free); "
                        + (f"run a smaller variant (--variant {' or '.join(variants)}), or " if variants else "")
@@ -463,7 +464,7 @@ def cmd_run(args) -> int:
     vocab = int(g.type_of(g.outputs[0]).shape[-1])
     if vocab < 256:
         raise MtcError(f"model '{g.name}' has a vocabulary of {vocab}; the byte-level tokenizer needs >= 256")
-    _check_fits(g, 4 if dtype == "f32" else 2, args.device, _spec_variants(spec))
+    _check_fits(g, 4 if dtype == "f32" else 2, args.device, spec)
     t0 = time.perf_counter()
     m = mtc_compile(g, target=args.target, dtype=dtype, device=args.device, seed=args.seed)
     m.eval()

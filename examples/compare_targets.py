@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     try:
         g = dsl.load(args.spec, args.variant)
         B, T, vocab = token_input(g, args.batch, args.tokens)
-        from dsl.cli import _check_fits, _spec_variants      # a model too big for this machine: say so first
-        _check_fits(g, 4, args.device, _spec_variants(args.spec))
+        from dsl.cli import _check_fits                      # a model too big for this machine: say so first
+        _check_fits(g, 4, args.device, args.spec)
         ref = dsl.compile(g, target="reference", device=args.device, seed=args.seed)   # float32 ground truth
     except (MtcError, ValueError) as e:
         print(f"compare_targets: {str(e).removeprefix('error: ')}", file=sys.stderr)
