@@ -122,17 +122,9 @@ def _measured(m, B, T):
     return rec
 
 
-@pytest.mark.parametrize("B,T", [(1, 1), (2, 63), (1, 100)])
-def test_tiny_activations_match_measured_tensors(tiny, B, T):
-    g, c, m = tiny
-    rec = _measured(m, B, T)
-    views = ("reshape", "slice", "broadcast")
-    # "none": every value the graph computes (views excluded) + the input ids
-    total = sum(o.numel() * o.element_size() for n, _, outs in rec if n.op not in views for o in outs)
-    total += B * T * 8
-    mp = plan_memory(g, seq_len=T, gpus=1, batch=B, checkpointing="none", canonical=c, two_phase_attn_res=False)
-    assert mp.activation_bytes == total
-    # "inference": the peak over time of the storages alive, from data pointers (views share storage)
+def _live_peak(m, rec):
+    """The peak over time of the bytes of the storages alive in a recorded run (_measured), from data pointers
+    (views share storage; parameters and buffers excluded; the output lives to the end)."""
     params = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
     first, last, size = {}, {}, {}
     for k, (n, args, outs) in enumerate(rec):
@@ -144,7 +136,21 @@ def test_tiny_activations_match_measured_tensors(tiny, B, T):
             if p not in params and p not in first:
                 first[p], last[p], size[p] = k, k, o.untyped_storage().nbytes()
     last[rec[-1][2][0].untyped_storage().data_ptr()] = len(rec)
-    peak = max(sum(v for p, v in size.items() if first[p] <= k <= last[p]) for k in range(len(rec) + 1))
+    return max(sum(v for p, v in size.items() if first[p] <= k <= last[p]) for k in range(len(rec) + 1))
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 63), (1, 100)])
+def test_tiny_activations_match_measured_tensors(tiny, B, T):
+    g, c, m = tiny
+    rec = _measured(m, B, T)
+    views = ("reshape", "slice", "broadcast")
+    # "none": every value the graph computes (views excluded) + the input ids
+    total = sum(o.numel() * o.element_size() for n, _, outs in rec if n.op not in views for o in outs)
+    total += B * T * 8
+    mp = plan_memory(g, seq_len=T, gpus=1, batch=B, checkpointing="none", canonical=c, two_phase_attn_res=False)
+    assert mp.activation_bytes == total
+    # "inference": the peak over time of the storages alive
+    peak = _live_peak(m, rec)
     mp = plan_memory(g, seq_len=T, gpus=1, batch=B, checkpointing="inference", canonical=c,
                      two_phase_attn_res=False)
     assert mp.activation_bytes == peak
@@ -173,19 +179,7 @@ def test_two_phase_attn_res_activations_match_measured_tensors(B, T):
     m = dsl.compile(g, target="reference")
     assert any(n.op == "attn_residual_phase1" for n in m.graph.nodes)
     c = m.stages["canonical"]
-    rec = _measured(m, B, T)
-    params = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
-    first, last, size = {}, {}, {}
-    for k, (n, args, outs) in enumerate(rec):
-        for x in args:
-            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in first:
-                last[x.untyped_storage().data_ptr()] = k
-        for o in outs:
-            p = o.untyped_storage().data_ptr()
-            if p not in params and p not in first:
-                first[p], last[p], size[p] = k, k, o.untyped_storage().nbytes()
-    last[rec[-1][2][0].untyped_storage().data_ptr()] = len(rec)
-    peak = max(sum(v for p, v in size.items() if first[p] <= k <= last[p]) for k in range(len(rec) + 1))
+    peak = _live_peak(m, _measured(m, B, T))
     two = plan_memory(g, seq_len=T, gpus=1, batch=B, checkpointing="inference", canonical=c)
     direct = plan_memory(g, seq_len=T, gpus=1, batch=B, checkpointing="inference", canonical=c,
                          two_phase_attn_res=False)
