@@ -25,8 +25,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere, installed or not
 
 import torch
 import triton

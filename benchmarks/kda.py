@@ -92,6 +92,9 @@ def main():
                     help="v4 forward at the largest case over INTRA4_CFG launch settings")
     ap.add_argument("--intra5-sweep", action="store_true",
                     help="v5 forward (precomputed in-chunk cumsum) at the largest case over its launch settings")
+    ap.add_argument("--set", action="append", default=[], metavar="CFG:key=value,...",
+                    help="update a launch-setting dict of backends.triton.kda before timing, e.g. "
+                         "--set INTRA4_CFG:BK=64,nw_strip=8,r_fast=True (repeatable; values are Python literals)")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
@@ -129,6 +132,10 @@ def main():
     from fla.ops.kda import chunk_kda
     import backends.triton.kda as tk
     from backends.triton.kda import kda_chunk
+    try:
+        settings = [apply_set(tk, item) for item in args.set]
+    except ValueError as e:
+        ap.error(f"--set: {e}")
 
     def write():
         if args.out:
@@ -139,6 +146,8 @@ def main():
     lines = [f"# kda_chunk vs fla-core 0.6.0 chunk_kda on {dev} (B=1, K=V=128, bf16, g in [-5,0))", "",
              "| H | T | pass | fla ms | mtc ms | speed-up | GFLOP | GB | mtc TF/s | %mm | mtc TB/s | %bw | err o |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if settings:
+        lines[1:1] = ["launch settings changed (--set): " + "; ".join(settings), ""]
     print("\n".join(lines), flush=True)
     ratios = {}
     default_intra = tk.INTRA_IMPL
@@ -250,6 +259,27 @@ def main():
     write()
 
 
+def apply_set(tk, item):
+    """Apply one --set item 'NAME:key=value,...' to the dict tk.NAME; returns 'NAME {...}' (ValueError)."""
+    import ast
+    name, sep, body = item.partition(":")
+    table = getattr(tk, name, None)
+    if not sep or not isinstance(table, dict) or not name.isupper():
+        raise ValueError(f"expected NAME:key=value,... with NAME a launch-setting dict of backends.triton.kda "
+                         f"(e.g. INTRA4_CFG, INTRA5_CFG, H_CFG, BWD_INTRA_CFG), got {item!r}")
+    upd = {}
+    for kv in filter(None, body.split(",")):
+        key, eq, val = kv.partition("=")
+        if not eq or key not in table:
+            raise ValueError(f"{name} has no key {key!r} (keys: {', '.join(table)}), in {item!r}")
+        try:
+            upd[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{name}:{key}: {val!r} is not a Python literal") from None
+    table.update(upd)
+    return f"{name} {upd}"
+
+
 def parse_bwd(spec):
     """'v2@4x2:16x4' -> ('v2', (4, 2) or None, (16, 4) or None); ValueError if malformed."""
     head, _, pair = spec.partition(":")
@@ -332,9 +362,8 @@ def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
         # fourth round (not yet timed): the solve kernel's 16x16 products on tensor cores (tf32x3, about float32
         # accuracy) instead of float32 FMAs (solve phase 6.0 ms at 1M, ~3x its memory floor), 1 and 4 warps
         cur = dict(base, r_fast=True, nw_strip=8, solve_prec="ieee")
-        cfgs = [dict(base, solve_prec="ieee"), dict(base, r_fast=True), dict(base, r_fast=True, BK=128, nw_strip=8),
-                dict(base, r_fast=True, BK=32), dict(cur), dict(cur, solve_prec="tf32x3"),
-                dict(cur, solve_prec="tf32x3", nw_solve=4)]
+        # (the first four of the third round were timed in the fifth session; the default, then the new ones)
+        cfgs = [dict(cur), dict(cur, solve_prec="tf32x3"), dict(cur, solve_prec="tf32x3", nw_solve=4)]
     else:
         base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False)
         # (the H200 sweep of 2026-11-29 found BK 16 / 1 warp best among the first nine; the last four: the strip

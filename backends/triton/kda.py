@@ -1687,7 +1687,8 @@ INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False, maxnreg=
 # v4 with r_fast, wider slices and more warps is v5 without the cumsum kernel and its float32 G round trip
 # (~17 GB of the ~26 GB of v5's extra traffic at H=16, T=1M; cumsum phase 4.8 ms at 1M, 0.08 ms at 8K): not yet
 # timed on the GPU (--intra4-sweep lists it)
-INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False)
+INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False,
+                  solve_prec="ieee")
 # launch configuration of the v5 kernels (same keys, tiles unused, plus the warps of _chunk_cumsum_kernel).
 # Defaults: the best of benchmarks/kda.py --intra5-sweep on the H200 (2026-11-29, H=16, T=1M forward):
 # BK 64 / 4 warps 69.7 ms (strip 22.2 ms) against BK 32 / 4 warps 72.9, BK 16 / 1 warp 80.8 (strip 33.7)
