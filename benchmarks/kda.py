@@ -95,6 +95,9 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="CFG:key=value,...",
                     help="update a launch-setting dict of backends.triton.kda before timing, e.g. "
                          "--set INTRA4_CFG:BK=64,nw_strip=8,r_fast=True (repeatable; values are Python literals)")
+    ap.add_argument("--alt", action="append", default=[], metavar="CFG:key=value,...",
+                    help="also time the default forward with these settings (same syntax as --set), one extra "
+                         "row per forward case tagged [alt N], e.g. --alt H_CFG:fuse_o=False (repeatable)")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
@@ -134,8 +137,12 @@ def main():
     from backends.triton.kda import kda_chunk
     try:
         settings = [apply_set(tk, item) for item in args.set]
+        snap = _snapshot(tk)
+        for item in args.alt:        # validated now, applied per row
+            apply_set(tk, item)
+            _restore(tk, snap)
     except ValueError as e:
-        ap.error(f"--set: {e}")
+        ap.error(f"--set / --alt: {e}")
 
     def write():
         if args.out:
@@ -148,6 +155,8 @@ def main():
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if settings:
         lines[1:1] = ["launch settings changed (--set): " + "; ".join(settings), ""]
+    for n, item in enumerate(args.alt, 1):
+        lines[1:1] = [f"[alt {n}]: the default forward with {item}", ""]
     print("\n".join(lines), flush=True)
     ratios = {}
     default_intra = tk.INTRA_IMPL
@@ -183,17 +192,27 @@ def main():
                     t_fla = triton.testing.do_bench(run_fla, warmup=50, rep=args.rep, grad_to_none=gn,
                                                     return_mode="median")
                     # forward rows: one per intra implementation; fwd+bwd rows: one per backward (default intra)
-                    variants = [(i, bwds[0]) for i in intras] if not grad else [(default_intra, b) for b in bwds]
-                    for impl, bwd in variants:
+                    variants = ([(i, bwds[0], None) for i in intras]
+                                + [(default_intra, bwds[0], n) for n in range(1, len(args.alt) + 1)]
+                                if not grad else [(default_intra, b, None) for b in bwds])
+                    for impl, bwd, alt in variants:
                         tk.INTRA_IMPL = impl
                         set_bwd(tk, bwd)
-                        o2 = run_mtc().detach()
-                        err = rel(o2, o1)
-                        del o2
-                        t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
-                                                        return_mode="median")
-                        key = bwd if grad else impl
+                        if alt:
+                            apply_set(tk, args.alt[alt - 1])
+                        try:
+                            o2 = run_mtc().detach()
+                            err = rel(o2, o1)
+                            del o2
+                            t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
+                                                            return_mode="median")
+                            alt_ph = phases(tk, kda_chunk, T, H) if alt and args.phases else None
+                        finally:
+                            _restore(tk, snap)
+                        key = bwd if grad else (f"alt {alt}" if alt else impl)
                         res[key] = (t_mtc, err)
+                        if alt_ph:
+                            res[key] += (alt_ph,)
                         if grad and args.phases:
                             res[key] += (phases(tk, kda_chunk, T, H, bwd=True),)
                     del o1
@@ -209,7 +228,8 @@ def main():
             by = bytes_fwdbwd(T, H) if grad else bytes_fwd(T, H)
             for impl, (t_mtc, err, *ph) in res.items():
                 tf, tb = fl / (t_mtc * 1e-3), by / (t_mtc * 1e-3)
-                tag = f" [{impl}]" if (len(intras) > 1 and not grad) or (len(bwds) > 1 and grad) else ""
+                tag = (f" [{impl}]" if (len(intras) > 1 or args.alt) and not grad or (len(bwds) > 1 and grad)
+                       else "")
                 line = (f"| {H} | {T} | {mode}{tag} | {t_fla:.3f} | {t_mtc:.3f} | {t_fla / t_mtc:.2f}x | "
                         f"{fl / 1e9:.0f} | {by / 1e9:.2f} | {tf / 1e12:.1f} | {100 * tf / MM_PEAK:.1f}% | "
                         f"{tb / 1e12:.2f} | {100 * tb / BW_PEAK:.1f}% | {err:.1e} |")
@@ -217,7 +237,7 @@ def main():
                 lines.append(line)
                 ratios[(H, T, mode, impl)] = t_fla / t_mtc
                 if ph:
-                    lines.append(f"|   | phases (bwd {impl}) H={H} T={T} | {ph[0]} |")
+                    lines.append(f"|   | phases ({'bwd ' if grad else ''}{impl}) H={H} T={T} | {ph[0]} |")
                     print(lines[-1], flush=True)
                 write()
             if args.phases and mode == "fwd":
@@ -247,7 +267,7 @@ def main():
             print(lines[-1], flush=True)
             write()
     parts = []
-    for impl in intras:
+    for impl in intras + [f"alt {n}" for n in range(1, len(args.alt) + 1)]:
         rs = [r for key, r in ratios.items() if key[3] == impl]
         gm = math.exp(sum(math.log(r) for r in rs) / max(1, len(rs)))
         big = ratios.get((16, 1048576, "fwd", impl))
@@ -257,6 +277,17 @@ def main():
     lines += ["", last]
     print("\n" + last, flush=True)
     write()
+
+
+def _snapshot(tk):
+    """Copies of backends.triton.kda's launch-setting dicts (for _restore)."""
+    return {n: dict(v) for n, v in vars(tk).items() if n.isupper() and isinstance(v, dict)}
+
+
+def _restore(tk, snap):
+    for n, v in snap.items():
+        getattr(tk, n).clear()
+        getattr(tk, n).update(v)
 
 
 def apply_set(tk, item):
@@ -398,12 +429,15 @@ def sweep(tk, kda_chunk, T, H, triton):
     n = (T + 63) // 64
     saved = dict(tk.H_CFG)
     out = []
-    cfgs = [dict(num_warps=4, num_stages=2, ctas_per_sm=2), dict(num_warps=4, num_stages=1, ctas_per_sm=4),
-            dict(num_warps=4, num_stages=3, ctas_per_sm=1)]
+    # (H200, 2026-11-29: the unfused state pass at 4 warps / 2 stages beat 1 stage (4 CTAs per SM) and 3 stages;
+    # now the forward's fused state pass + output (H_CFG fuse_o) over its warps / stages, and unfused for reference)
+    cfgs = [dict(fuse_o=True, nw_o=4, ns_o=2), dict(fuse_o=True, nw_o=8, ns_o=2), dict(fuse_o=True, nw_o=4, ns_o=1),
+            dict(fuse_o=True, nw_o=8, ns_o=3), dict(fuse_o=False)]
     try:
         for cfg in cfgs:
             tk.H_CFG.update(cfg)
-            segs = [None, 1 << 30] + ([math.ceil(n / ns) for ns in (2, 4, 8, 16, 33, 66)] if cfg is cfgs[0] else [])
+            segs = [None, 1 << 30] + [math.ceil(n / ns) for ns in ((2, 4, 8, 16, 33, 66) if cfg is cfgs[0] else (8, 16))
+                                      if ns < n]
             for seg in segs:
                 with torch.no_grad():
                     def f():
