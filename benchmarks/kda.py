@@ -97,7 +97,7 @@ def main():
                          "--set INTRA4_CFG:BK=64,nw_strip=8,r_fast=True (repeatable; values are Python literals)")
     ap.add_argument("--alt", action="append", default=[], metavar="CFG:key=value,...",
                     help="also time the default forward with these settings (same syntax as --set), one extra "
-                         "row per forward case tagged [alt N], e.g. --alt H_CFG:fuse_o=False (repeatable)")
+                         "row per forward case tagged [alt N], e.g. --alt INTRA5_CFG:solve_prec='tf32x3' (repeatable)")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
@@ -429,10 +429,8 @@ def sweep(tk, kda_chunk, T, H, triton):
     n = (T + 63) // 64
     saved = dict(tk.H_CFG)
     out = []
-    # (H200, 2026-11-29: the unfused state pass at 4 warps / 2 stages beat 1 stage (4 CTAs per SM) and 3 stages;
-    # now the forward's fused state pass + output (H_CFG fuse_o) over its warps / stages, and unfused for reference)
-    cfgs = [dict(fuse_o=True, nw_o=4, ns_o=2), dict(fuse_o=True, nw_o=8, ns_o=2), dict(fuse_o=True, nw_o=4, ns_o=1),
-            dict(fuse_o=True, nw_o=8, ns_o=3), dict(fuse_o=False)]
+    cfgs = [dict(num_warps=4, num_stages=2, ctas_per_sm=2), dict(num_warps=4, num_stages=1, ctas_per_sm=4),
+            dict(num_warps=4, num_stages=3, ctas_per_sm=1)]
     try:
         for cfg in cfgs:
             tk.H_CFG.update(cfg)

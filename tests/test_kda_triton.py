@@ -125,31 +125,6 @@ def test_cu_seqlens_uneven(impl):
         assert rel_rms(S[n], S_n) < 2e-5
 
 
-@pytest.mark.parametrize("seg", [None, 1, 2])
-def test_output_fused_into_state_pass_matches_separate_kernel(seg, monkeypatch):
-    # H_CFG["fuse_o"] (default): the state pass forms o itself; the separate _fwd_o_kernel path over stored
-    # chunk states must agree, both against the float64 token loop: packed sequences with partial chunks,
-    # an empty one, V = 64 (two value blocks of the state pass), segments of 1 and 2 chunks
-    lens = [100, 0, 64, 129]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    T, H, K, V = int(cu[-1]), 2, 16, 64
-    q, k, v, g, beta, _ = make(1, T, H, K, V)
-    S0 = torch.randn(len(lens), H, K, V)
-    outs = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, fuse_o=fuse))
-        outs[fuse] = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, cu_seqlens=cu,
-                                  lower_bound=-5.0, segment_chunks=seg)
-    for n in range(len(lens)):
-        s, e = int(cu[n]), int(cu[n + 1])
-        o_n, S_n = naive(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e], K ** -0.5, S0[n])
-        for fuse, (o, S) in outs.items():
-            if e > s:
-                assert rel_rms(o[0, s:e], o_n) < 2e-5, (fuse, n)
-            assert rel_rms(S[n], S_n) < 2e-5, (fuse, n)
-    assert rel_rms(outs[True][0], outs[False][0]) < 1e-6
-
-
 def test_chunk_tables_are_cached_per_geometry_and_right():
     # the chunk/segment tables are built once per (B, T, packing, segment length) and then reused; two
     # packings of the same T alternate (each keeps its own tables) and every call stays right
@@ -430,11 +405,6 @@ for mode, sw in ((0, 128), (1, 256)):
                tk.H_CFG["num_warps"], tk.H_CFG["num_stages"])
     assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "state kernel: no tensor-core instruction"
     assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
-ck = build(tk._fwd_h_kernel, dict(sig, QG=P, AQK=P, O=P, FUSE_O="constexpr"),
-           dict(K=128, V=128, BV=32, SW=128, MODE=0, STORE=False, STORE_VN=False, FUSE_O=True),
-           tk.H_CFG["nw_o"], tk.H_CFG["ns_o"])
-assert ck.asm["ptx"].count("wgmma.mma_async") >= 4, "fused state pass + output: not every product on wgmma"
-assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 sig = dict(QG=P, WK=P, KD=P, AQK=P, GAM=F, DO=P, HB=P, DS_END=F, DHB=P, DU=P, DGP=F, DS_OUT=F, seg_t0=I,
            seg_t1=I, seg_c0=I, seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr")
 ck = build(tk._bwd_dh_kernel, sig, dict(K=128, V=128, BV=32), tk.BWD_DH_CFG["num_warps"],

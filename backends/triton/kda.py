@@ -27,9 +27,7 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
    HB [N_chunks, H, K, V] (input dtype), forms W = U - Wk S (stored as VN, the "new values"), and updates
    S <- diag(e^(G_C)) S + (k e^(G_C - G))^T W.  Nothing else sits on the serial path; its tile addresses
    are affine in the loop counter, so the compiler prefetches chunk j+1 (cp.async) while chunk j computes.
-   The forward (``H_CFG["fuse_o"]``, default) forms the chunk's output O = (q e^G) h_c + P W in the same
-   loop, off the serial path of S, and stores neither h_c nor W; otherwise ``_fwd_o_kernel`` (fully
-   parallel over chunks x heads) forms O from the stored HB and VN.  The backward recomputes HB.
+   ``_fwd_o_kernel`` (fully parallel over chunks x heads) then forms O = (q e^G) h_c + P W.
 3. Long context: the sequence is cut into segments (count from a wave model of the serial passes,
    ``_seg_chunks_for``).  Per segment, in parallel, ``_fwd_h_kernel`` run on the augmented state [M | D]
    (K x (K+V), starting from [I | 0], values [0 | U]) gives the affine segment map S_out = M S_in + D
@@ -989,8 +987,7 @@ def _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s):
 @triton.jit
 def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SW: tl.constexpr,
-                  MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr,
-                  QG=None, AQK=None, O=None, FUSE_O: tl.constexpr = False):
+                  MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr):
     """The serial state chain of one segment, one head and BV state columns; nothing else on it.
 
     Per chunk c (tokens t0 .. t0+63 of the segment, rows past the segment end read as 0):
@@ -1000,10 +997,7 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
     MODE 0: S [K, BV] starts from S_IN (width V), columns vb*BV..; MODE 1: the augmented transition
     [M | D] (width SW = K+V): columns < K start as the identity and see no U, columns >= K start at 0 and
     see U.  S_OUT gets the state after the segment.  The token addresses are affine in the loop counter
-    (t0 = segment start + 64 j), so the loads of chunk j+1 are issued while chunk j computes.
-    FUSE_O (MODE 0): also the chunk's output columns, O[rows] = QG S + AQK W (_fwd_o_kernel's product, with
-    S and W rounded to the intermediate dtype as HB and VN would be), off the serial path of S: the forward
-    then never writes HB and VN (2 x 512 + 2 x 256 bytes per token and head at K = V = 128, bf16)."""
+    (t0 = segment start + 64 j), so the loads of chunk j+1 are issued while chunk j computes."""
     vb = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -1029,11 +1023,6 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
     bn = VN + (ts * H + h) * V
     bg = GAM + (tl.cast(c0, tl.int64) * H + h) * K
     bh = HB + (tl.cast(c0, tl.int64) * H + h) * K * V
-    if FUSE_O:
-        bq = QG + (ts * H + h) * K
-        ba = AQK + (ts * H + h) * 64
-        bo = O + (ts * H + h) * V
-        oa = rows[:, None] * (H * 64) + rows[None, :]
     nch = c1 - c0
     gam = tl.load(bg + dk, mask=(dk < K) & (nch > 0), other=1.0)
     for j in range(0, nch):
@@ -1048,14 +1037,6 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         if STORE_VN:
             tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[:, None])
         kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
-        if FUSE_O:
-            qg = tl.load(bq + ok, mask=rm[:, None], other=0.0)
-            A = tl.load(ba + oa, mask=rm[:, None], other=0.0)
-            o = tl.dot(qg, S.to(qg.dtype)) + tl.dot(A, W.to(A.dtype))
-            tl.store(bo + ou, o.to(O.dtype.element_ty), mask=rm[:, None])
-            bq += 64 * H * K
-            ba += 64 * H * 64
-            bo += 64 * H * V
         S = S * gam[:, None] + tl.dot(tl.trans(kd), W.to(kd.dtype))
         gam = gnext
         bk += 64 * H * K
@@ -1839,27 +1820,24 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
     S_IN = _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd=False)
     _mark("segment maps+combine")
     o = torch.empty(N, H, V, dtype=v.dtype, device=dev)
-    if H_CFG.get("fuse_o", True):
-        S_OUT = _state_pass_o(WK, U, KD, GAM, S_IN, QG, AQK, o, tab, H, K, V, BV)
-        _mark("state pass + o")
-    else:
-        HB, VN, S_OUT = _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn=True)
-        _mark("state pass")
-        if NC:
-            BVO = min(V, 128)
-            _fwd_o_kernel[(NC, H, V // BVO)](QG, AQK, VN, HB, o, tab["cstart"], tab["clen"], H, K=K, V=V,
-                                             BV=BVO, num_warps=4, num_stages=1)
-        _mark("o")
-        del VN, HB
+    HB, VN, S_OUT = _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn=True)
+    _mark("state pass")
+    if NC:
+        BVO = min(V, 128)
+        _fwd_o_kernel[(NC, H, V // BVO)](QG, AQK, VN, HB, o, tab["cstart"], tab["clen"], H, K=K, V=V, BV=BVO,
+                                         num_warps=4, num_stages=1)
+    _mark("o")
+    del VN, HB
     final = S_OUT.index_select(0, tab["last_seg"])
     saved = (WK, U, QG, KD, AQK, GAM, S_IN)
     return o.view(B, T, H, V), final, saved, kept
 
 
-# launch configuration of the serial state kernel (the benchmark may override it for a sweep); fuse_o: the
-# forward computes the output inside the state pass (_fwd_h_kernel FUSE_O, warps nw_o, stages ns_o) instead of
-# storing the chunk states and new values for _fwd_o_kernel
-H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, fuse_o=True, nw_o=4, ns_o=2)
+# launch configuration of the serial state kernel (the benchmark may override it for a sweep).
+# Tried and dropped (H200, 2026-11-30): forming the output inside this pass (no HB / VN written, 1.5 KB per token
+# and head less traffic) took as long as the two kernels it replaced (H=16, 1M: 16.15 ms vs 9.46 + 6.44; H=96,
+# 64K: 6.30 vs 4.02 + 2.48): the pass is latency-bound and the extra loads and products lengthen each step.
+H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2)
 
 # which backward runs the state-gradient chain: "v2" (default) = _bwd_dh_kernel, the serial reverse chain of dS
 # alone with V split into BV-column programs (like the forward's state pass), then _bwd_chunk_kernel, the
@@ -1895,19 +1873,6 @@ def _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn):
                                     tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True, STORE_VN=store_vn,
                                     num_warps=H_CFG["num_warps"], num_stages=H_CFG["num_stages"])
     return HB, (VN if store_vn else None), S_OUT
-
-
-def _state_pass_o(WK, U, KD, GAM, S_IN, QG, AQK, O, tab, H, K, V, BV):
-    """The serial state pass with the output fused in (_fwd_h_kernel FUSE_O): fills O [N, H, V]; returns the
-    state after each segment S_OUT [NS, H, K, V] float32.  No chunk states or new values are stored."""
-    NS = tab["n_seg"]
-    S_OUT = torch.empty(NS, H, K, V, dtype=torch.float32, device=WK.device)
-    _fwd_h_kernel[(V // BV, H, NS)](WK, U, KD, GAM, O, O, S_IN, S_OUT, tab["seg_t0"], tab["seg_t1"],
-                                    tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=False,
-                                    STORE_VN=False, QG=QG, AQK=AQK, O=O, FUSE_O=True,
-                                    num_warps=H_CFG.get("nw_o", H_CFG["num_warps"]),
-                                    num_stages=H_CFG.get("ns_o", H_CFG["num_stages"]))
-    return S_OUT
 
 
 def _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd, DO=None):
