@@ -131,14 +131,14 @@ def main(argv=None):
                     times.append(_time(m, ids, dev))
                 t = sorted(times)[len(times) // 2]
                 err = ((out.float() - ref).norm() / ref.norm()).item()
-                e32 = ((out.float() - r32).norm() / r32.norm()).item() if r32 is not None else float("nan")
+                e32 = ((out.float() - r32).norm() / r32.norm()).item() if r32 is not None else None
                 rows.append((T, name, t, T / t, e32, err))
-                print(f"T={T:>6} {name:<28} {t * 1e3:9.1f} ms {T / t:12,.0f} tok/s  err vs f32 {e32:.2e}  "
+                print(f"T={T:>6} {name:<28} {t * 1e3:9.1f} ms {T / t:12,.0f} tok/s  err vs f32 {_e(e32)}  "
                       f"vs eager {err:.2e}", flush=True)
             del r32
     lines = ["| T | model | ms | tokens/s | logits rel. err vs float32 reference | vs eager+fla |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {T} | {n} | {t * 1e3:.1f} | {tps:,.0f} | {e32:.2e} | {e:.2e} |" for T, n, t, tps, e32, e in rows]
+    lines += [f"| {T} | {n} | {t * 1e3:.1f} | {tps:,.0f} | {_e(e32)} | {e:.2e} |" for T, n, t, tps, e32, e in rows]
     for T in args.seq_lens:
         r = {n: t for TT, n, t, _, _, _ in rows if TT == T}
         lines.append(f"\nT={T}: mtc speed-up: " + ", ".join(f"{r[n] / r['mtc triton']:.2f}x vs {n}"
@@ -147,6 +147,11 @@ def main(argv=None):
     print(text)
     if args.out:
         Path(args.out).write_text(f"# e2e forward, {g.name}, bf16, B=1, H200\n\n{text}\n")
+
+
+def _e(x):
+    """An error cell: '-' where the float32 reference was not run (--no-ref32, or out of memory)."""
+    return "-" if x is None else f"{x:.2e}"
 
 
 if __name__ == "__main__":

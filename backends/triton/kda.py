@@ -1704,9 +1704,12 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # r_fast off 68.7 ms (strip 22.9), on 64.1 (strip 18.2), on + 8 strip warps 63.4 (strip 17.8), on + BK 128 /
 # 8 warps 64.0, on + BK 32 64.5: the default is now r_fast with 8 strip warps
 # solve_prec: tl.dot input precision of the solve kernel's 16x16 products ("ieee" = float32 FMAs; "tf32x3" =
-# three TF32 tensor-core products, about float32 accuracy; --intra5-sweep lists it, not yet timed)
+# three TF32 tensor-core products, about float32 accuracy). H200 (8th session, --intra5-sweep, H=16, T=1M):
+# "ieee" 63.43 ms (solve phase 5.93), "tf32x3" 62.96 (5.51), "tf32x3" with 4 solve warps 73.18 (15.69); the
+# bf16 T=4096 GPU test passes with it (tests/test_kda_triton.py v5-tf32solve): the default is now "tf32x3"
+# (the interpreter always runs "ieee")
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
-                  r_fast=True, solve_prec="ieee")
+                  r_fast=True, solve_prec="tf32x3")
 
 
 def _solve_prec(cfg):
