@@ -167,6 +167,7 @@ class _RouteFn(torch.autograd.Function):
             _raise_bad_rows(bad.bool(), x, weight, bias, "qb_route")
         ctx.save_for_backward(x, weight, scores, idx, wt)
         ctx.scaling = float(routed_scaling)
+        ctx.gemm_dtype = dt
         ctx.mark_non_differentiable(idx)
         return idx, wt, scores
 
@@ -183,11 +184,17 @@ class _RouteFn(torch.autograd.Function):
             inner = (g * wt).sum(1, keepdim=True) / ctx.scaling
             ds.scatter_add_(1, idx, ctx.scaling / ssum * (g - inner))
         dlog = ds * scores * (1.0 - scores)
+        # the two backward GEMMs in the forward GEMM's dtype (float32 accumulation in cuBLAS), as autograd
+        # through a bf16 x @ W^T runs them (the torch._grouped_mm baseline of benchmarks/moe.py does): in
+        # float32 they are 2 x 105 GFLOP off the tensor cores for a K3 layer at 8192 tokens, an estimated
+        # ~4 ms of its backward (H200 float32 ~50 TFLOP/s; not measured separately)
+        dt = ctx.gemm_dtype
+        dlog = dlog.to(dt)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = (dlog @ weight.float()).to(x.dtype)
+            dx = (dlog @ weight.to(dt)).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = (dlog.t() @ x.float()).to(weight.dtype)
+            dw = (dlog.t() @ x.to(dt)).to(weight.dtype)
         return dx, dw, None, None, None
 
 
