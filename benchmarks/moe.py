@@ -62,6 +62,26 @@ def _sort_rows(idx, e):
     return order, order // idx.shape[1], counts
 
 
+def experts_phases(tm, fwd, inputs, grad_out, reps=5):
+    """Median time (ms) of each phase of moe_experts' forward and backward (backends.triton.moe.PROFILE events),
+    as 'name a.bc, ...'."""
+    per = {}
+    for _ in range(reps):
+        tm.PROFILE = []
+        try:
+            u = fwd()
+            gr = torch.autograd.grad(u, inputs, grad_out)
+            torch.cuda.synchronize()
+            ev = tm.PROFILE
+        finally:
+            tm.PROFILE = None
+        del gr, u
+        for (_, a), (name, b) in zip(ev[:-1], ev[1:]):
+            if name != "bwd: start":           # the gap between forward and backward is not a phase
+                per.setdefault(name, []).append(a.elapsed_time(b))
+    return ", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
+
+
 def gmm_experts(x, idx, wt, w1, w3, w2):
     """Routed experts through torch._grouped_mm (weights [E, out, in] -> transposed views)."""
     e = w1.shape[0]
@@ -119,6 +139,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, no per-expert loop fwd+bwd")
     ap.add_argument("--no-bwd", action="store_true", help="skip forward+backward")
     ap.add_argument("--variants", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--phases", action="store_true",
+                    help="time each phase of the Triton experts' forward and backward (CUDA events)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what remains after this many seconds")
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, no timing")
@@ -386,19 +408,37 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             if record(impl, T, "experts fwd+bwd", estep, 3 * f_exp, 3 * wbytes_exp + 4 * T * lat * 2, reps * 2) and dev == "cuda":
                 notes.append(f"{impl} experts fwd+bwd T={T}: peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        if args.phases and dev == "cuda":
+            notes.append(f"triton experts fwd+bwd T={T} phases (ms, median of 5): " + experts_phases(
+                tm, lambda: tm.moe_experts(xl, idx, wtg, leaves["w1"], leaves["w3"], leaves["w2"]),
+                (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu))
+            print("  " + notes[-1], flush=True)
         if args.variants and dev == "cuda":
-            wd = tm.TILE_CONFIGS["cuda"]["wgrad_dual"]
-            wd["DUAL"] = not wd.get("DUAL", True)
-            name = "triton:wgrad-" + ("dual" if wd["DUAL"] else "split")
+            base = {kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}
+            # backward tile settings not yet timed on the H200 (the default of each in TILE_CONFIGS)
+            trials = {
+                "wgrad-" + ("split" if base["wgrad_dual"].get("DUAL", True) else "dual"):
+                    {"wgrad_dual": dict(DUAL=not base["wgrad_dual"].get("DUAL", True))},
+                "glubwd128": {"glu_bwd": dict(BN=128)},
+                "dx128x256s2": {"dx": dict(BN=256, num_stages=2)},
+                "wgrad128x256": {"wgrad": dict(BN=256)},
+            }
 
             def vstep():
                 u = tm.moe_experts(xl, idx, wtg, leaves["w1"], leaves["w3"], leaves["w2"])
                 gr = torch.autograd.grad(u, (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu)
                 del gr, u
 
-            torch.cuda.empty_cache()
-            record(name, T, "experts fwd+bwd", vstep, 3 * f_exp, 3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
-            wd["DUAL"] = not wd["DUAL"]
+            for name, ch in trials.items():
+                for kk, v in ch.items():
+                    tm.TILE_CONFIGS["cuda"][kk].update(v)
+                try:
+                    torch.cuda.empty_cache()
+                    record("triton:" + name, T, "experts fwd+bwd", vstep, 3 * f_exp,
+                           3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
+                finally:
+                    for kk in ch:
+                        tm.TILE_CONFIGS["cuda"][kk] = dict(base[kk])
         del xl, wtg, gu
         for impl in ("triton", "gmm", "loop"):
             if impl == "loop" and (T > 8192 or args.quick):

@@ -170,3 +170,12 @@ def no_create_graph(where: str) -> None:
         raise RuntimeError(f"{where}: the Triton backward is not differentiable (backward / autograd.grad "
                            f"with create_graph=True, e.g. a gradient penalty or a second derivative); use "
                            f"target='reference' / backends.reference for higher-order gradients")
+
+
+def mark_phase(profile, name):
+    """Benchmarks' phase timing: append (name, a CUDA event recorded now on the current stream) to the list
+    profile; nothing when profile is None (the default of the modules' PROFILE attributes)."""
+    if profile is not None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        profile.append((name, e))

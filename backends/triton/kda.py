@@ -59,8 +59,8 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import (DeviceTableCache, cdiv, check_interpreter_dot_dtype, device_table, next_power_of_2,
-                    no_create_graph, sm_count)
+from .guard import (DeviceTableCache, cdiv, check_interpreter_dot_dtype, device_table, mark_phase,
+                    next_power_of_2, no_create_graph, sm_count)
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -1659,10 +1659,7 @@ PROFILE = None
 
 
 def _mark(name):
-    if PROFILE is not None:
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        PROFILE.append((name, e))
+    mark_phase(PROFILE, name)
 
 
 # which forward intra-chunk implementation _fwd runs: "v5" (default) = v4 with the in-chunk cumulative gate

@@ -32,7 +32,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from backends.reference import moe as _ref
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
-from .guard import cdiv, check_interpreter_dot_dtype, device_table, next_power_of_2, no_create_graph, sm_count
+from .guard import (cdiv, check_interpreter_dot_dtype, device_table, mark_phase, next_power_of_2, no_create_graph,
+                    sm_count)
 
 __all__ = [
     "qb_route",
@@ -81,6 +82,14 @@ TILE_CONFIGS = {
 # against 26.7 / 12.8, so v1 stays below the threshold.  Tests and benchmarks may set this module attribute.
 WGRAD_IMPL = "auto"
 WGRAD_V2_MIN_ROWS = 256
+
+# set to a list to record (phase name, CUDA event) pairs at moe_experts' phase boundaries (benchmarks only:
+# benchmarks/moe.py --phases)
+PROFILE = None
+
+
+def _mark(name):
+    mark_phase(PROFILE, name)
 
 _ACT = {"situ": 0, "silu": 1}
 
@@ -545,6 +554,7 @@ class _ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weight, w1, w3, w2, act, bg, bu):
         n, l = x.shape
+        _mark("fwd: start")
         e, i, _ = w1.shape
         d = _Dispatch(topk_idx, e)
         ctx.empty = d.nk == 0
@@ -567,12 +577,15 @@ class _ExpertsFn(torch.autograd.Function):
         _gg("glu_fwd", xs if xs is not None else x, w1, d.schedule(cfg["BM"]), d.offs, e, l, i, hw,
             gather=xs is None, tok=d.tok, w_kn=False, pair=1, w2=w3, epi=1, save=need_grad, c2=a,
             c3=b, wrow=w_rows, row_scale=True, act=act, bg=bg, bu=bu)
+        _mark("fwd: dispatch + GEMM 1 + GLU")
         # GEMM 2: y = hw w2^T   (N = l, K = I); then u[t] = sum_j y[pos[t, j]]
         y = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
         _gg("mm", hw, w2, d.schedule(_cfg("mm", x)["BM"]), d.offs, e, i, l, y, gather=False,
             w_kn=False)
+        _mark("fwd: GEMM 2")
         u = _combine(y, d, None, x.dtype)
         del y
+        _mark("fwd: combine")
         ctx.d, ctx.cfg = d, (act, bg, bu)
         ctx.save_for_backward(x, wt, w1, w3, w2)
         # intermediates kept as attributes so that backward can free each as soon as it is used
@@ -594,6 +607,7 @@ class _ExpertsFn(torch.autograd.Function):
         n, l = x.shape
         e, i, _ = w1.shape
         need_x, _, need_wt, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:6]
+        _mark("bwd: start")
         du = du.to(x.dtype).contiguous()
         dx = dwt = dw1 = dw3 = dw2 = None
         # G = du[tok] w2[e] (K = l, N = I); epilogue: d topk_weight (row sums of G h), dA, dB
@@ -604,6 +618,7 @@ class _ExpertsFn(torch.autograd.Function):
             d.offs, e, l, i, da, gather=dus is None, tok=d.tok, w_kn=True, epi=2, c2=db, pa=a,
             pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
         del a, b
+        _mark("bwd: GEMM dA|dB (+ GLU backward)")
         if need_wt:
             dwt = dwrow[d.pos].view(n, d.k)
         # peak memory: free each intermediate right after its last use
@@ -614,6 +629,7 @@ class _ExpertsFn(torch.autograd.Function):
                 _wgrad(dus, hw, d, l, i, dw2)
             else:
                 _wgrad(du, hw, d, l, i, dw2, ptok=d.tok)
+            _mark("bwd: dW2")
         del dus, hw
         if need_x:
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
@@ -622,6 +638,7 @@ class _ExpertsFn(torch.autograd.Function):
                 w_kn=True, pair=2, a2=db, w2=w3)
             dx = _combine(dxg, d, None, x.dtype)
             del dxg
+            _mark("bwd: dx GEMM + combine")
         if need_w1 or need_w3:
             dw1 = torch.empty(e, i, l, dtype=w1.dtype, device=x.device)
             dw3 = torch.empty(e, i, l, dtype=w3.dtype, device=x.device)
@@ -631,6 +648,7 @@ class _ExpertsFn(torch.autograd.Function):
             else:  # two launches of the lighter kernel (fewer registers: 2 CTAs per SM)
                 _wgrad(da, q, d, i, l, dw1, qtok=qtok)
                 _wgrad(db, q, d, i, l, dw3, qtok=qtok)
+            _mark("bwd: dW1|dW3")
         return dx, None, dwt, dw1, dw3, dw2, None, None, None
 
 
