@@ -161,10 +161,10 @@ def main():
     print("\n".join(lines), flush=True)
     ratios = {}
     default_intra = tk.INTRA_IMPL
-    warm_up(chunk_kda, kda_chunk, cases[0][1], cases[0][0], grad=not args.no_bwd)
+    warm_up(chunk_kda, kda_chunk, cases[0][1], cases[0][0], grad=wants_bwd(*cases[0], args.no_bwd))
     for H, T in cases:
         for mode in ("fwd", "fwd+bwd"):
-            if mode == "fwd+bwd" and (args.no_bwd or H * T > 16 * 1048576 // 2 and H == 96 or H * T > 16 * 1048576):
+            if mode == "fwd+bwd" and not wants_bwd(H, T, args.no_bwd):
                 continue
             try:
                 q, k, v, g, beta = make(T, H)
@@ -279,6 +279,11 @@ def main():
     lines += ["", last]
     print("\n" + last, flush=True)
     write()
+
+
+def wants_bwd(H, T, no_bwd):
+    """Whether the case gets a forward+backward row (memory: not past 8M token-heads at H=96 or 16M at all)."""
+    return not (no_bwd or H * T > 16 * 1048576 // 2 and H == 96 or H * T > 16 * 1048576)
 
 
 def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
@@ -422,8 +427,9 @@ def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
         # third round: the strip kernel's 4 row blocks of a chunk as consecutive programs (r_fast: its
         # [64, K] column operands then come from L2 for 3 of the 4; see INTRA5_CFG)
         base = dict(base, BK=64, nw_strip=4, nw_cumsum=4)
-        # fourth round (not yet timed): the solve kernel's 16x16 products on tensor cores (tf32x3, about float32
-        # accuracy) instead of float32 FMAs (solve phase 6.0 ms at 1M, ~3x its memory floor), 1 and 4 warps
+        # fourth round: the solve kernel's 16x16 products on tensor cores (tf32x3, about float32 accuracy) instead
+        # of float32 FMAs (solve phase 6.0 ms at 1M, ~3x its memory floor), 1 and 4 warps (H200, 8th session:
+        # 63.43 / 62.96 / 73.18 ms; tf32x3 with 1 warp is now the default)
         cur = dict(base, r_fast=True, nw_strip=8, solve_prec="ieee")
         # (the first four of the third round were timed in the fifth session; the default, then the new ones)
         cfgs = [dict(cur), dict(cur, solve_prec="tf32x3"), dict(cur, solve_prec="tf32x3", nw_solve=4)]

@@ -1682,8 +1682,9 @@ INTRA3_CFG = dict(BK=32, BV=32, num_warps=4, num_stages=1, split=False, maxnreg=
 # H=16, T=1M against 49.4 at BK=32 / 2 warps and 67.1 for v2's intra kernel)
 # r_fast (strip kernel only, not tiles): the 4 row blocks of a chunk as consecutive programs, as in INTRA5_CFG.
 # v4 with r_fast, wider slices and more warps is v5 without the cumsum kernel and its float32 G round trip
-# (~17 GB of the ~26 GB of v5's extra traffic at H=16, T=1M; cumsum phase 4.8 ms at 1M, 0.08 ms at 8K): not yet
-# timed on the GPU (--intra4-sweep lists it)
+# (~17 GB of the ~26 GB of v5's extra traffic at H=16, T=1M; cumsum phase 4.8 ms at 1M, 0.08 ms at 8K). Timed on
+# the H200 (8th session, BK 64 / 8 warps / r_fast): 174.8 ms at 1M (strip phase 132.5 ms) against v5's 63.2; the
+# in-kernel scan over [64, 64] slices does not fit that launch
 INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False,
                   solve_prec="ieee")
 # launch configuration of the v5 kernels (same keys, tiles unused, plus the warps of _chunk_cumsum_kernel).

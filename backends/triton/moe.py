@@ -91,6 +91,7 @@ PROFILE = None
 def _mark(name):
     mark_phase(PROFILE, name)
 
+
 _ACT = {"situ": 0, "silu": 1}
 
 
