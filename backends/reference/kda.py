@@ -25,6 +25,9 @@ differentiable through torch.autograd (it is the gradient reference of the Trito
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 import torch.nn.functional as F
 
@@ -136,8 +139,7 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where):
         raise ValueError(f"{where}: beta must be [B,T,H] = {(B, T, H)}, got {tuple(beta.shape)}")
     if K == 0 or V == 0 or H == 0:
         raise ValueError(f"{where}: empty head/key/value dimension (H={H}, K={K}, V={V})")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"{where}: scale must be a Python number or None, got {type(scale).__name__}")
+    check_scale(scale, where)
     bounds = check_cu_seqlens(cu_seqlens, B, T, where) if cu_seqlens is not None else None
     n_seq = len(bounds) if bounds is not None else B
     if initial_state is not None:
@@ -230,13 +232,31 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                               S0, scale)
         o_parts.append(o_n)
         states.append(S_n)
-    if bounds is None:
+    if not o_parts:                                          # B = 0 (no sequences)
+        o = torch.zeros(0, H, T, V, dtype=f32, device=q.device)
+    elif bounds is None:
         o = torch.stack(o_parts, 0)                          # [B,H,T,V]
     else:
         o = torch.cat(o_parts, dim=1)[None]                  # [1,H,T,V]
     o = o.transpose(1, 2).to(v.dtype)
-    final = torch.stack(states, 0) if output_final_state else None
+    final = None
+    if output_final_state:
+        final = torch.stack(states, 0) if states else torch.zeros(0, H, K, V, dtype=f32, device=q.device)
     return o, final
+
+
+def check_scale(scale, where: str) -> None:
+    """scale: None (the default K ** -0.5) or a finite real number (Python or NumPy scalar, not a bool).
+
+    Raises:
+        TypeError: not a real number.  ValueError: NaN or infinite.
+    """
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{where}: scale must be a real number or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"{where}: scale must be finite, got {scale!r}")
 
 
 def check_step_args(q, k, v, g, beta, state, where: str):
@@ -260,6 +280,8 @@ def check_step_args(q, k, v, g, beta, state, where: str):
         raise ValueError(f"{where}: beta must be [B,H] = {(B, H)}, got {tuple(beta.shape)}")
     if tuple(state.shape) != (B, H, K, V):
         raise ValueError(f"{where}: state must be [B,H,K,V] = {(B, H, K, V)}, got {tuple(state.shape)}")
+    if K == 0 or V == 0:
+        raise ValueError(f"{where}: empty key/value dimension (K={K}, V={V})")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
         if t.device != q.device:
             raise ValueError(f"{where}: {name} is on {t.device} but q is on {q.device}")
@@ -279,9 +301,11 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
         Running kda_step over t = 0..T-1 equals kda_chunk on the whole sequence.
 
     Raises:
-        TypeError: non-tensor / non-float inputs.  ValueError: shape mismatches.
+        TypeError: non-tensor / non-float inputs, a scale that is not a real number.  ValueError: shape
+        mismatches, K or V = 0, a NaN / infinite scale.
     """
     B, H, K, V = check_step_args(q, k, v, g, beta, state, "kda_step")
+    check_scale(scale, "kda_step")
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = torch.float32
     S = state.to(f32) * g.to(f32).exp()[..., None]

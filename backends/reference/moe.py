@@ -62,6 +62,13 @@ def _check_top_k(top_k, num_experts: int, where: str) -> int:
     return top_k
 
 
+def check_routed_scaling(routed_scaling, where: str) -> None:
+    """routed_scaling: a finite real number (ValueError otherwise: NaN would give NaN routing weights)."""
+    if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, (int, float)) or not (
+            abs(routed_scaling) < float("inf")):
+        raise ValueError(f"{where}: routed_scaling must be a finite number, got {routed_scaling!r}")
+
+
 def check_finite_rows(name: str, x: torch.Tensor, where: str) -> None:
     """Raise ValueError naming the first row of the 2-D tensor ``x`` that holds NaN or +-inf."""
     bad = ~torch.isfinite(x).all(dim=-1)
@@ -168,6 +175,7 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     itself is not).
     """
     n, d, e = check_route_inputs(x, weight, bias, top_k)
+    check_routed_scaling(routed_scaling, "qb_route")
     check_finite_rows("x", x, "qb_route")
     scores = torch.sigmoid(x.float() @ weight.float().t())
     with torch.no_grad():

@@ -35,14 +35,36 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(x, weight)
 
 
+def check_eps(eps, where: str) -> None:
+    """A norm's epsilon: a finite number > 0 (ValueError otherwise; eps <= 0 gives NaN for a zero row)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+        raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
+
+
+def _check_float_input(x, where: str) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{where}: x must be a floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019, eq. 4); float32 math."""
+    """x / sqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019, eq. 4); float32 math.
+
+    x [..., d] float; weight [d]. Returns x's shape and dtype. Raises TypeError for a non-float x,
+    ValueError for eps not a finite number > 0."""
+    _check_float_input(x, "rmsnorm")
+    check_eps(eps, "rmsnorm")
     xf = _f32(x)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * _f32(weight)).to(x.dtype)
 
 
 def l2norm(x: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2, -1) + eps) (the q/k normalisation of KDA)."""
+    """x / sqrt(sum(x^2, -1) + eps) (the q/k normalisation of KDA).
+
+    x [..., d] float. Returns x's shape and dtype. Raises TypeError for a non-float x, ValueError for eps not
+    a finite number > 0."""
+    _check_float_input(x, "l2norm")
+    check_eps(eps, "l2norm")
     xf = _f32(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -52,11 +74,20 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     """Causal depthwise convolution over time: y[b,t,c] = sum_j w[c, j] * x[b, t - W + 1 + j, c].
 
     x [B, T, C]; weight [C, 1, W] or [C, W]; initial_state [B, C, W-1] (the last W-1 inputs before t=0,
-    zeros if None). Returns (y [B, T, C] in x's dtype, final_state [B, C, W-1] float32 or None)."""
+    zeros if None). Returns (y [B, T, C] in x's dtype, final_state [B, C, W-1] float32 or None).
+    Raises TypeError for a non-float x, ValueError for mismatched shapes."""
+    _check_float_input(x, "short_conv")
     w = _f32(weight).reshape(weight.shape[0], -1)
     C, W = w.shape
     if x.dim() != 3 or x.shape[-1] != C:
         raise ValueError(f"short_conv: x must be [B, T, {C}], got {list(x.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (x.shape[0], C, W - 1):
+        raise ValueError(f"short_conv: initial_state must be [B, C, W-1] = {[x.shape[0], C, W - 1]}, got "
+                         f"{list(initial_state.shape)}")
+    if x.shape[1] == 0:
+        final = (_f32(initial_state).clone() if initial_state is not None else
+                 torch.zeros(x.shape[0], C, W - 1, device=x.device)) if output_final_state and W > 1 else None
+        return x.clone(), final
     xt = _f32(x).transpose(1, 2)                                  # [B, C, T]
     prev = (torch.zeros(x.shape[0], C, W - 1, dtype=torch.float32, device=x.device) if initial_state is None
             else _f32(initial_state))

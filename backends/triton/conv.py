@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .guard import cdiv, next_power_of_2
+from .guard import cdiv, check_forward_only, next_power_of_2
 
 __all__ = ["conv_silu_norm"]
 
@@ -64,7 +64,9 @@ def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, 
         y [B, T, C] in x's dtype (view it as [B, T, C // head_dim, head_dim] for the per-head layout).
     Raises:
         ValueError: wrong ranks, C mismatch between x and weight, head_dim not dividing C, eps <= 0.
+        RuntimeError: autograd records a gradient for x or weight (forward only: the result would carry none).
     Forward only (no autograd): the runtime uses it when no gradient is recorded."""
+    check_forward_only("conv_silu_norm", x, weight)
     if x.dim() != 3:
         raise ValueError(f"conv_silu_norm: x must be [B, T, C], got {list(x.shape)}")
     w = weight.reshape(weight.shape[0], -1)

@@ -179,3 +179,12 @@ def mark_phase(profile, name):
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         profile.append((name, e))
+
+
+def check_forward_only(where: str, *tensors) -> None:
+    """Refuse a call of a forward-only Triton op while autograd records a gradient for one of its inputs (the
+    result would silently carry no gradient). Raises RuntimeError naming the op and the way out."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise RuntimeError(f"{where}: forward only (no autograd), but an input requires a gradient and autograd is "
+                           f"recording; call it under torch.no_grad() / on detached inputs, or use the "
+                           f"backends.reference op of the same name for gradients")

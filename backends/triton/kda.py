@@ -59,8 +59,8 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import (DeviceTableCache, cdiv, check_interpreter_dot_dtype, device_table, mark_phase,
-                    next_power_of_2, no_create_graph, sm_count)
+from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, device_table,
+                    mark_phase, next_power_of_2, no_create_graph, sm_count)
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -2117,11 +2117,17 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
     x [B, T, H, K] any float dtype, any K >= 1; A_log [H]; dt_bias [H*K].  "sigmoid": g = L sigmoid(e^A_log
     (x + dt_bias)) in [L, 0]; "softplus": g = -e^A_log softplus(x + dt_bias) (unbounded).  Forward only (no
     autograd; use the reference or the fused layer for training).  Raises like backends.reference.kda.kda_gate,
-    and ValueError for CPU tensors without TRITON_INTERPRET=1.
+    ValueError for K = 0 and for CPU tensors without TRITON_INTERPRET=1, and RuntimeError when autograd records
+    a gradient for an input (the result would carry none).
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"triton.kda_gate: x must be a torch.Tensor, got {type(x).__name__}")
     _ref.kda_gate(x[:0] if x.dim() == 4 else x, A_log, dt_bias, lower_bound=lower_bound, gate=gate)  # checks
+    check_forward_only("triton.kda_gate", x, A_log, dt_bias)
     _check_on_device(x, "triton.kda_gate")
     B, T, H, K = x.shape
+    if K == 0:
+        raise ValueError(f"triton.kda_gate: the key dimension K of x {list(x.shape)} must be >= 1")
     xc = x.contiguous()
     g = torch.empty(B, T, H, K, dtype=torch.float32, device=x.device)
     n = B * T * H
@@ -2138,10 +2144,13 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
 
     q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32 (not modified); any K, V >= 1.
     Returns (o [B, H, V] in v's dtype, new_state float32).  Raises TypeError / ValueError like the reference
-    (same checks), and ValueError for CPU tensors without TRITON_INTERPRET=1.
+    (same checks), ValueError for CPU tensors without TRITON_INTERPRET=1, and RuntimeError when autograd
+    records a gradient for an input: forward only (decoding); use the reference kda_step for gradients.
     """
     where = "triton.kda_step"
     B, H, K, V = _ref.check_step_args(q, k, v, g, beta, state, where)
+    _ref.check_scale(scale, where)
+    check_forward_only(where, q, k, v, g, beta, state)
     _check_on_device(q, where)
     scale = K ** -0.5 if scale is None else float(scale)
     S_in = state.float().contiguous()

@@ -30,6 +30,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from backends.reference import moe as _ref
+from backends.reference.ops import check_eps
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
 from .guard import (cdiv, check_interpreter_dot_dtype, device_table, mark_phase, next_power_of_2, no_create_graph,
@@ -93,6 +94,21 @@ def _mark(name):
 
 
 _ACT = {"situ": 0, "silu": 1}
+
+
+_GEMM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_gemm_operands(where, **named):
+    """The grouped-GEMM kernels take float32 / float16 / bfloat16 operands with every dimension >= 1 (TMA
+    descriptors and tl.dot): TypeError for another dtype (float64 gave wrong results), ValueError for an
+    empty dimension."""
+    for name, t in named.items():
+        if t.dtype not in _GEMM_DTYPES:
+            raise TypeError(f"{where}: {name} is {t.dtype}; the Triton kernels take float32, float16 or bfloat16 "
+                            f"(backends.reference runs other float dtypes)")
+        if 0 in t.shape[1:]:
+            raise ValueError(f"{where}: {name} has an empty dimension {tuple(t.shape)}")
 
 
 def _cfg(name, t):
@@ -236,6 +252,8 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     if bias.shape[0] != weight.shape[0]:
         raise ValueError(f"qb_route: bias has {bias.shape[0]} entries, expected E = {weight.shape[0]}")
     _ref._check_top_k(top_k, weight.shape[0], "qb_route")
+    _check_gemm_operands("triton.qb_route", x=x, weight=weight)
+    _ref.check_routed_scaling(routed_scaling, "qb_route")
     check_interpreter_dot_dtype("triton.qb_route", x=x)
     return _RouteFn.apply(x, weight, bias, top_k, routed_scaling)
 
@@ -601,6 +619,11 @@ class _ExpertsFn(torch.autograd.Function):
             z = torch.zeros_like
             return z(x), None, z(tw), z(w1), z(w3), z(w2), None, None, None
         x, wt, w1, w3, w2 = ctx.saved_tensors
+        if ctx.inter is None:
+            raise RuntimeError("backends.triton.moe_experts: a second backward through the same graph "
+                               "(retain_graph=True) is not supported: the first backward frees the forward's "
+                               "intermediates to keep peak memory low; run the forward again, or use "
+                               "backends.reference.moe_experts")
         xs, a, b, hw, w_rows = ctx.inter
         ctx.inter = None
         d = ctx.d
@@ -674,6 +697,7 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
         device range with one host sync), or an unknown activation.
     """
     _ref.check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation)
+    _check_gemm_operands("triton.moe_experts", x_lat=x_lat, w1=w1, w3=w3, w2=w2)
     check_interpreter_dot_dtype("triton.moe_experts", x_lat=x_lat)
     return _ExpertsFn.apply(x_lat.contiguous(), topk_idx, topk_weight, w1, w3, w2, _ACT[activation],
                             float(beta_gate), float(beta_up))
@@ -693,6 +717,7 @@ def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w
     """
     where = "latent_moe"
     _ref._check_tensor("x", x, 2, where)
+    check_eps(eps, where)
     n, dm = x.shape
     topk_idx, topk_weight, _ = qb_route(x, router_weight, router_bias, top_k=top_k,
                                         routed_scaling=routed_scaling)

@@ -1,0 +1,132 @@
+"""Op-level API edges found by a new-user trial (2026-11-30): inputs a user plausibly gets wrong get a clear error
+naming the op and the argument, and edge sizes that are legal give the reference's result. CPU: the Triton ops
+run under the interpreter (conftest)."""
+import numpy as np
+import pytest
+import torch
+
+import backends.reference as R
+import backends.triton as X
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def _experts(dtype=torch.float32, n=8, e=4, lat=16, inter=16, grad=False):
+    x = torch.randn(n, lat, device=DEV, dtype=dtype, requires_grad=grad)
+    ws = [torch.randn(e, inter, lat, device=DEV, dtype=dtype, requires_grad=grad),
+          torch.randn(e, inter, lat, device=DEV, dtype=dtype, requires_grad=grad),
+          torch.randn(e, lat, inter, device=DEV, dtype=dtype, requires_grad=grad)]
+    idx = torch.randint(0, e, (n, 2), device=DEV)
+    wt = torch.rand(n, 2, device=DEV)
+    return x, idx, wt, ws
+
+
+def test_triton_moe_ops_refuse_float64_the_reference_runs_it():
+    x, idx, wt, ws = _experts(torch.float64)
+    with pytest.raises(TypeError, match=r"triton.moe_experts: x_lat is torch.float64"):
+        X.moe_experts(x, idx, wt, *ws)
+    with pytest.raises(TypeError, match=r"triton.qb_route: x is torch.float64"):
+        X.qb_route(torch.randn(8, 32, dtype=torch.float64, device=DEV),
+                   torch.randn(4, 32, dtype=torch.float64, device=DEV), torch.zeros(4, device=DEV), top_k=2)
+    assert torch.isfinite(R.moe_experts(x, idx, wt, *ws)).all()
+
+
+def test_triton_moe_experts_empty_dimension_is_named():
+    x, idx, wt, _ = _experts()
+    with pytest.raises(ValueError, match=r"w1 has an empty dimension"):
+        X.moe_experts(x, idx, wt, torch.randn(4, 0, 16, device=DEV), torch.randn(4, 0, 16, device=DEV),
+                      torch.randn(4, 16, 0, device=DEV))
+
+
+def test_triton_moe_experts_second_backward_over_a_retained_graph_is_refused_clearly():
+    x, idx, wt, ws = _experts(grad=True)
+    u = X.moe_experts(x, idx, wt, *ws)
+    u_r = R.moe_experts(x, idx, wt, *ws)
+    (gx,) = torch.autograd.grad(u.sum(), x, retain_graph=True)
+    (gx_r,) = torch.autograd.grad(u_r.sum(), x)
+    assert rel_rms(gx, gx_r) < 1e-5                      # the first backward is right
+    with pytest.raises(RuntimeError, match=r"second backward through the same graph"):
+        torch.autograd.grad(u.sum(), ws[0])
+
+
+def test_forward_only_triton_ops_refuse_to_drop_a_gradient():
+    q = torch.randn(1, 2, 16, device=DEV, requires_grad=True)
+    args = (torch.randn(1, 2, 16, device=DEV), torch.randn(1, 2, 8, device=DEV), -torch.rand(1, 2, 16, device=DEV),
+            torch.rand(1, 2, device=DEV), torch.randn(1, 2, 16, 8, device=DEV))
+    with pytest.raises(RuntimeError, match=r"triton.kda_step: forward only"):
+        X.kda_step(q, *args)
+    with torch.no_grad():                                # decoding: the intended use, equal to the reference
+        o, s = X.kda_step(q, *args)
+        o_r, s_r = R.kda_step(q, *args)
+    assert rel_rms(o, o_r) < 1e-5 and rel_rms(s, s_r) < 1e-5
+    x = torch.randn(1, 3, 2, 8, device=DEV, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"triton.kda_gate: forward only"):
+        X.kda_gate(x, torch.zeros(2, device=DEV), torch.zeros(16, device=DEV))
+    g = X.kda_gate(x.detach(), torch.zeros(2, device=DEV), torch.zeros(16, device=DEV))
+    assert rel_rms(g, R.kda_gate(x.detach(), torch.zeros(2, device=DEV), torch.zeros(16, device=DEV))) < 1e-6
+
+
+def test_reference_kda_chunk_with_no_sequences():
+    z = torch.zeros(0, 8, 1, 16)
+    for mod in (R, X):
+        o, s = mod.kda_chunk(z, z, z, z, torch.zeros(0, 8, 1), output_final_state=True)
+        assert o.shape == (0, 8, 1, 16) and s.shape == (0, 1, 16, 16) and s.dtype == torch.float32
+
+
+def test_empty_key_or_value_dimension_is_named():
+    with pytest.raises(ValueError, match=r"triton.kda_gate: the key dimension K"):
+        X.kda_gate(torch.randn(1, 3, 2, 0), torch.zeros(2), torch.zeros(0))
+    for mod, where in ((R, "kda_step"), (X, "triton.kda_step")):
+        with pytest.raises(ValueError, match=where + r": empty key/value dimension \(K=4, V=0\)"):
+            mod.kda_step(torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 0), -torch.rand(1, 2, 4),
+                         torch.rand(1, 2), torch.zeros(1, 2, 4, 0))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_scalars_are_refused(bad):
+    q, k, v = (torch.nn.functional.normalize(torch.randn(1, 20, 1, 16), dim=-1) for _ in range(3))
+    g, b = -torch.rand(1, 20, 1, 16), torch.rand(1, 20, 1)
+    for mod, where in ((R, "kda_chunk"), (X, "triton.kda_chunk")):
+        with pytest.raises(ValueError, match=where + r": scale must be finite"):
+            mod.kda_chunk(q, k, v, g, b, scale=bad)
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    for mod in (R, X):
+        with pytest.raises(ValueError, match=r"qb_route: routed_scaling must be a finite number"):
+            mod.qb_route(x, w, torch.zeros(3), top_k=1, routed_scaling=bad)
+    with pytest.raises(ValueError, match=r"rmsnorm: eps must be a finite number > 0"):
+        R.rmsnorm(torch.randn(3, 4), torch.ones(4), eps=-1.0)
+
+
+def test_numpy_scalar_scale_is_a_number():
+    q, k, v = (torch.nn.functional.normalize(torch.randn(1, 30, 1, 16), dim=-1) for _ in range(3))
+    g, b = -torch.rand(1, 30, 1, 16), torch.rand(1, 30, 1)
+    o_r, _ = R.kda_chunk(q, k, v, g, b, scale=0.5)
+    for mod in (R, X):
+        o, _ = mod.kda_chunk(q, k, v, g, b, scale=np.float32(0.5))
+        assert rel_rms(o, o_r) < 1e-5
+
+
+def test_reference_elementwise_ops_refuse_integers_and_check_the_conv_state():
+    with pytest.raises(TypeError, match=r"l2norm: x must be a floating-point tensor"):
+        R.l2norm(torch.tensor([3, 4]))
+    with pytest.raises(TypeError, match=r"short_conv: x must be a floating-point tensor"):
+        R.short_conv(torch.ones(1, 3, 2, dtype=torch.long), torch.full((2, 4), 0.4))
+    with pytest.raises(ValueError, match=r"short_conv: initial_state must be \[B, C, W-1\]"):
+        R.short_conv(torch.randn(1, 3, 2), torch.randn(2, 4), initial_state=torch.randn(1, 3, 2))
+
+
+def test_reference_short_conv_with_no_tokens_passes_the_state_through():
+    st = torch.randn(2, 3, 3)
+    y, fin = R.short_conv(torch.randn(2, 0, 3), torch.randn(3, 4), initial_state=st, output_final_state=True)
+    assert y.shape == (2, 0, 3) and torch.equal(fin, st)
+    # and it equals running the 5 tokens after the empty call in one go from the same state
+    x = torch.randn(2, 5, 3)
+    w = torch.randn(3, 4)
+    y1, f1 = R.short_conv(x, w, initial_state=fin, output_final_state=True)
+    y2, f2 = R.short_conv(x, w, initial_state=st, output_final_state=True)
+    assert torch.equal(y1, y2) and torch.equal(f1, f2)
