@@ -62,6 +62,18 @@ def _sort_rows(idx, e):
     return order, order // idx.shape[1], counts
 
 
+def set_trial(tm, change, base=None):
+    """Apply a --variants trial ({config name: settings} or {"SMALL_M": mode}) to backends.triton.moe; with
+    base (a copy of TILE_CONFIGS["cuda"] and SMALL_M), undo it."""
+    for kk, v in change.items():
+        if kk == "SMALL_M":
+            tm.SMALL_M = base["SMALL_M"] if base is not None else v
+        elif base is not None:
+            tm.TILE_CONFIGS["cuda"][kk] = dict(base[kk])
+        else:
+            tm.TILE_CONFIGS["cuda"][kk].update(v)
+
+
 def experts_phases(tm, fwd, inputs, grad_out, reps=5):
     """Median time (ms) of each phase of moe_experts' forward and backward (backends.triton.moe.PROFILE events),
     as 'name a.bc, ...'."""
@@ -364,18 +376,19 @@ def main():
             record("loop", T, "experts fwd", lambda: loop_experts(xl, idx, wt, p["w1"], p["w3"], p["w2"]),
                    f_exp, ebytes, reps)
             if args.variants and not args.cpu_smoke:
-                base = {kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}
+                base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, SMALL_M=tm.SMALL_M)
                 trials = {
                     "glu-gather": {"glu_fwd": dict(A_TMA=False)},
                     "mm128x128s4": {"mm": dict(BN=128, num_stages=4)},
+                    "m64": {"SMALL_M": "on"},          # 64-row tiles (backends.triton.moe.SMALL_M), not yet timed
                 }
                 for name, ch in trials.items():
-                    for kk, v in ch.items():
-                        tm.TILE_CONFIGS["cuda"][kk].update(v)
-                    record("triton:" + name, T, "experts fwd",
-                           lambda: tm.moe_experts(xl, idx, wt, p["w1"], p["w3"], p["w2"]), f_exp, ebytes, reps)
-                    for kk in ch:
-                        tm.TILE_CONFIGS["cuda"][kk] = dict(base[kk])
+                    set_trial(tm, ch)
+                    try:
+                        record("triton:" + name, T, "experts fwd",
+                               lambda: tm.moe_experts(xl, idx, wt, p["w1"], p["w3"], p["w2"]), f_exp, ebytes, reps)
+                    finally:
+                        set_trial(tm, ch, base)
             lbytes = wbytes_exp + wbytes_dense + 2 * T * d * 2
             for impl in ("triton", "gmm", "loop"):
                 layer = make_layer(impl, tm)
@@ -414,7 +427,7 @@ def main():
                 (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu))
             print("  " + notes[-1], flush=True)
         if args.variants and dev == "cuda":
-            base = {kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}
+            base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, SMALL_M=tm.SMALL_M)
             # backward tile settings not yet timed on the H200 (the default of each in TILE_CONFIGS)
             trials = {
                 "wgrad-" + ("split" if base["wgrad_dual"].get("DUAL", True) else "dual"):
@@ -422,6 +435,7 @@ def main():
                 "glubwd128": {"glu_bwd": dict(BN=128)},
                 "dx128x256s2": {"dx": dict(BN=256, num_stages=2)},
                 "wgrad128x256": {"wgrad": dict(BN=256)},
+                "m64": {"SMALL_M": "on"},
             }
 
             def vstep():
@@ -430,15 +444,13 @@ def main():
                 del gr, u
 
             for name, ch in trials.items():
-                for kk, v in ch.items():
-                    tm.TILE_CONFIGS["cuda"][kk].update(v)
+                set_trial(tm, ch)
                 try:
                     torch.cuda.empty_cache()
                     record("triton:" + name, T, "experts fwd+bwd", vstep, 3 * f_exp,
                            3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
                 finally:
-                    for kk in ch:
-                        tm.TILE_CONFIGS["cuda"][kk] = dict(base[kk])
+                    set_trial(tm, ch, base)
         del xl, wtg, gu
         for impl in ("triton", "gmm", "loop"):
             if impl == "loop" and (T > 8192 or args.quick):

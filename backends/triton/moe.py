@@ -56,6 +56,14 @@ TILE_CONFIGS = {
         "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "dx": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "glu_bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        # 64-row tiles for few rows per expert (SMALL_M): ptxas sm_90a, bf16 (8th session, CPU compile):
+        # glu_fwd 64x128 / 8 warps / 3 stages 104 B of spills (the 128x128 default: 1248 B), mm 64x256 none
+        # (128x256: 256 B), glu_bwd 64x64 / 4 stages none (128x64: 264 B), dx 64x128 / 4 stages none (128x128:
+        # 440 B); shared memory 123 / 123 / 66 / 201 KB
+        "glu_fwd_m64": dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "mm_m64": dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "glu_bwd_m64": dict(BM=64, BN=64, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True),
+        "dx_m64": dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True),
         "wgrad": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
         "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
         # WGRAD_IMPL "v2" (persistent, TMA): PROGS_PER_SM programs per SM; P_TMA / Q_TMA / O_TMA
@@ -66,10 +74,12 @@ TILE_CONFIGS = {
         "wgrad2_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=1,
                             P_TMA=True, Q_TMA=True, O_TMA=False),
     },
-    "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1, A_TMA=True, W_TMA=True,
-                       P_TMA=True, Q_TMA=True, O_TMA=True, NUM_PROGS=3)
-            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "wgrad", "wgrad_dual", "wgrad2",
-                         "wgrad2_dual")},
+    # (the interpreter's "_m64" entries tile differently, 16 x 32, so that the tests of SMALL_M cover another
+    # tiling of the same rows)
+    "cpu": {name: dict(BM=16, BN=32 if name.endswith("_m64") else 16, BK=16, num_warps=4, num_stages=1,
+                       A_TMA=True, W_TMA=True, P_TMA=True, Q_TMA=True, O_TMA=True, NUM_PROGS=3)
+            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "glu_fwd_m64", "mm_m64", "dx_m64",
+                         "glu_bwd_m64", "wgrad", "wgrad_dual", "wgrad2", "wgrad2_dual")},
 }
 
 # Which weight-gradient kernels (dW1|dW3 and dW2) the backward of moe_experts runs:
@@ -83,6 +93,25 @@ TILE_CONFIGS = {
 # against 26.7 / 12.8, so v1 stays below the threshold.  Tests and benchmarks may set this module attribute.
 WGRAD_IMPL = "auto"
 WGRAD_V2_MIN_ROWS = 256
+
+# 64-row tiles for the four token-side grouped GEMMs ("glu_fwd", "mm", "glu_bwd", "dx" -> the "_m64" configs):
+# "off" (default), "on", or "auto" = when the experts average fewer than SMALL_M_MAX_ROWS rows (N * k / E).
+# Why: an expert's rows are cut into BM-row tiles and the last one is padded; at 8192 tokens of the K3 layer
+# (146 rows per expert) 128-row tiles compute 256 rows for 146 (43% of the MMA work padding), 64-row tiles 192
+# (24%). Not yet timed on the H200 (benchmarks/moe.py --variants lists it); tests run both.
+SMALL_M = "off"
+SMALL_M_MAX_ROWS = 256
+
+
+def _gemm_name(name, d, t):
+    """The TILE_CONFIGS entry a token-side grouped GEMM uses: name or name + "_m64" (SMALL_M)."""
+    if SMALL_M not in ("off", "on", "auto"):
+        raise ValueError(f"moe_experts: SMALL_M must be 'off', 'on' or 'auto', got {SMALL_M!r}")
+    alt = name + "_m64"
+    if SMALL_M == "off" or alt not in TILE_CONFIGS["cuda" if t.is_cuda else "cpu"]:
+        return name
+    return alt if SMALL_M == "on" or d.nk < SMALL_M_MAX_ROWS * max(d.e, 1) else name
+
 
 # set to a list to record (phase name, CUDA event) pairs at moe_experts' phase boundaries (benchmarks only:
 # benchmarks/moe.py --phases)
@@ -586,20 +615,21 @@ class _ExpertsFn(torch.autograd.Function):
         need_grad = any(ctx.needs_input_grad)
         # GEMM 1 + SiTU-GLU, scaled by the routing weight of the row:
         #   hw[r] = p[r] glu(x[tok r] w1^T, x[tok r] w3^T)      (N = I, K = l)
-        cfg = _cfg("glu_fwd", x)
-        xs = _pregather("glu_fwd", x, d)
+        g1, g2 = _gemm_name("glu_fwd", d, x), _gemm_name("mm", d, x)
+        cfg = _cfg(g1, x)
+        xs = _pregather(g1, x, d)
         wt = topk_weight.float().contiguous()
         w_rows = wt.reshape(-1)[d.perm].contiguous()  # routing weight of each sorted row
         hw = torch.empty(d.nk, i, dtype=x.dtype, device=x.device)
         a = torch.empty_like(hw) if need_grad else None
         b = torch.empty_like(hw) if need_grad else None
-        _gg("glu_fwd", xs if xs is not None else x, w1, d.schedule(cfg["BM"]), d.offs, e, l, i, hw,
+        _gg(g1, xs if xs is not None else x, w1, d.schedule(cfg["BM"]), d.offs, e, l, i, hw,
             gather=xs is None, tok=d.tok, w_kn=False, pair=1, w2=w3, epi=1, save=need_grad, c2=a,
             c3=b, wrow=w_rows, row_scale=True, act=act, bg=bg, bu=bu)
         _mark("fwd: dispatch + GEMM 1 + GLU")
         # GEMM 2: y = hw w2^T   (N = l, K = I); then u[t] = sum_j y[pos[t, j]]
         y = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
-        _gg("mm", hw, w2, d.schedule(_cfg("mm", x)["BM"]), d.offs, e, i, l, y, gather=False,
+        _gg(g2, hw, w2, d.schedule(_cfg(g2, x)["BM"]), d.offs, e, i, l, y, gather=False,
             w_kn=False)
         _mark("fwd: GEMM 2")
         u = _combine(y, d, None, x.dtype)
@@ -635,10 +665,11 @@ class _ExpertsFn(torch.autograd.Function):
         du = du.to(x.dtype).contiguous()
         dx = dwt = dw1 = dw3 = dw2 = None
         # G = du[tok] w2[e] (K = l, N = I); epilogue: d topk_weight (row sums of G h), dA, dB
-        dus = _pregather("glu_bwd", du, d)
+        gb, gx = _gemm_name("glu_bwd", d, x), _gemm_name("dx", d, x)
+        dus = _pregather(gb, du, d)
         da, db = torch.empty_like(a), torch.empty_like(b)
         dwrow = torch.zeros(d.nk, dtype=torch.float32, device=x.device)
-        _gg("glu_bwd", dus if dus is not None else du, w2, d.schedule(_cfg("glu_bwd", x)["BM"]),
+        _gg(gb, dus if dus is not None else du, w2, d.schedule(_cfg(gb, x)["BM"]),
             d.offs, e, l, i, da, gather=dus is None, tok=d.tok, w_kn=True, epi=2, c2=db, pa=a,
             pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
         del a, b
@@ -658,7 +689,7 @@ class _ExpertsFn(torch.autograd.Function):
         if need_x:
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
             dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
-            _gg("dx", da, w1, d.schedule(_cfg("dx", x)["BM"]), d.offs, e, i, l, dxg, gather=False,
+            _gg(gx, da, w1, d.schedule(_cfg(gx, x)["BM"]), d.offs, e, i, l, dxg, gather=False,
                 w_kn=True, pair=2, a2=db, w2=w3)
             dx = _combine(dxg, d, None, x.dtype)
             del dxg
