@@ -130,3 +130,15 @@ def test_reference_short_conv_with_no_tokens_passes_the_state_through():
     y1, f1 = R.short_conv(x, w, initial_state=fin, output_final_state=True)
     y2, f2 = R.short_conv(x, w, initial_state=st, output_final_state=True)
     assert torch.equal(y1, y2) and torch.equal(f1, f2)
+
+
+def test_kda_gate_dt_bias_layout():
+    H, K = 2, 8
+    x, a = torch.randn(1, 5, H, K), torch.randn(H)
+    db = torch.randn(H * K)
+    g = R.kda_gate(x, a, db)
+    assert torch.equal(R.kda_gate(x, a, db.reshape(H, K)), g)        # [H, K] is the same layout
+    for mod, where in ((R, "kda_gate"), (X, "kda_gate")):
+        with pytest.raises(ValueError, match=where + r": dt_bias must be \[H\*K\]=\[16\]"):
+            mod.kda_gate(x, a, db.reshape(K, H))                     # [K, H]: the wrong layout
+    assert rel_rms(X.kda_gate(x, a, db), g) < 1e-6

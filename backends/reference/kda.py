@@ -87,8 +87,9 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
     B, T, H, K = x.shape
     if tuple(A_log.shape) != (H,):
         raise ValueError(f"{where}: A_log must be [H]=[{H}], got {tuple(A_log.shape)}")
-    if dt_bias.numel() != H * K or dt_bias.dim() not in (1, 2):
-        raise ValueError(f"{where}: dt_bias must be [H*K]=[{H * K}], got {tuple(dt_bias.shape)}")
+    if tuple(dt_bias.shape) not in ((H * K,), (H, K)):
+        raise ValueError(f"{where}: dt_bias must be [H*K]=[{H * K}] (or [H, K]=[{H}, {K}]), got "
+                         f"{tuple(dt_bias.shape)}")
     if gate not in ("sigmoid", "softplus"):
         raise ValueError(f"{where}: gate must be 'sigmoid' or 'softplus', got {gate!r}")
     z = x.float() + dt_bias.float().reshape(H, K)

@@ -76,7 +76,7 @@ def check_finite_rows(name: str, x: torch.Tensor, where: str) -> None:
         row = int(torch.nonzero(bad)[0, 0])
         raise ValueError(
             f"{where}: row {row} of {name} holds NaN or inf "
-            f"({int(bad.sum())} bad row(s) of {x.shape[0]}); refusing to route it"
+            f"({int(bad.sum())} bad row(s) of {x.shape[0]})"
         )
 
 

@@ -98,18 +98,22 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU x * sigmoid(x) (Elfwing et al. 2018), float32 math, x's shape and dtype."""
     return F.silu(_f32(x)).to(x.dtype)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^-x), float32 math, x's shape and dtype."""
     return torch.sigmoid(_f32(x)).to(x.dtype)
 
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b (broadcasting as torch), float32 math, rounded to a's dtype (the residual add)."""
     return (_f32(a) + _f32(b)).to(a.dtype)
 
 
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a * b (broadcasting as torch), float32 math, rounded to a's dtype (gates, e.g. MLA's output gate)."""
     return (_f32(a) * _f32(b)).to(a.dtype)
 
 
