@@ -97,8 +97,8 @@ def main():
                     help="update a launch-setting dict of backends.triton.kda before timing, e.g. "
                          "--set INTRA4_CFG:BK=64,nw_strip=8,r_fast=True (repeatable; values are Python literals)")
     ap.add_argument("--alt", action="append", default=[], metavar="CFG:key=value,...",
-                    help="also time the default forward with these settings (same syntax as --set), one extra "
-                         "row per forward case tagged [alt N], e.g. --alt INTRA5_CFG:solve_prec='tf32x3' (repeatable)")
+                    help="also time the default with these settings (same syntax as --set), one extra row per "
+                         "case and pass tagged [alt N], e.g. --alt \"H_CFG:bv='auto'\" (repeatable)")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
@@ -194,9 +194,9 @@ def main():
                     t_fla = triton.testing.do_bench(run_fla, warmup=50, rep=args.rep, grad_to_none=gn,
                                                     return_mode="median")
                     # forward rows: one per intra implementation; fwd+bwd rows: one per backward (default intra)
-                    variants = ([(i, bwds[0], None) for i in intras]
-                                + [(default_intra, bwds[0], n) for n in range(1, len(args.alt) + 1)]
-                                if not grad else [(default_intra, b, None) for b in bwds])
+                    alts = [(default_intra, bwds[0], n) for n in range(1, len(args.alt) + 1)]
+                    variants = ([(i, bwds[0], None) for i in intras] if not grad
+                                else [(default_intra, b, None) for b in bwds]) + alts
                     for impl, bwd, alt in variants:
                         tk.INTRA_IMPL = impl
                         set_bwd(tk, bwd)
@@ -208,15 +208,13 @@ def main():
                             del o2
                             t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
                                                             return_mode="median")
-                            alt_ph = phases(tk, kda_chunk, T, H) if alt and args.phases else None
+                            # phases under the row's own settings (forward rows of plain intra variants get
+                            # theirs below the table row)
+                            ph = phases(tk, kda_chunk, T, H, bwd=grad) if args.phases and (alt or grad) else None
                         finally:
                             _restore(tk, snap)
-                        key = bwd if grad else (f"alt {alt}" if alt else impl)
-                        res[key] = (t_mtc, err)
-                        if alt_ph:
-                            res[key] += (alt_ph,)
-                        if grad and args.phases:
-                            res[key] += (phases(tk, kda_chunk, T, H, bwd=True),)
+                        key = f"alt {alt}" if alt else (bwd if grad else impl)
+                        res[key] = (t_mtc, err) + ((ph,) if ph else ())
                     del o1
             except torch.OutOfMemoryError as e:  # noqa: PERF203
                 print(f"| {H} | {T} | {mode} | OOM: {str(e)[:60]} |", flush=True)
@@ -230,7 +228,7 @@ def main():
             by = bytes_fwdbwd(T, H) if grad else bytes_fwd(T, H)
             for impl, (t_mtc, err, *ph) in res.items():
                 tf, tb = fl / (t_mtc * 1e-3), by / (t_mtc * 1e-3)
-                tag = (f" [{impl}]" if (len(intras) > 1 or args.alt) and not grad or (len(bwds) > 1 and grad)
+                tag = (f" [{impl}]" if args.alt or (len(intras) > 1 and not grad) or (len(bwds) > 1 and grad)
                        else "")
                 line = (f"| {H} | {T} | {mode}{tag} | {t_fla:.3f} | {t_mtc:.3f} | {t_fla / t_mtc:.2f}x | "
                         f"{fl / 1e9:.0f} | {by / 1e9:.2f} | {tf / 1e12:.1f} | {100 * tf / MM_PEAK:.1f}% | "

@@ -125,6 +125,43 @@ def test_cu_seqlens_uneven(impl):
         assert rel_rms(S[n], S_n) < 2e-5
 
 
+@pytest.mark.parametrize("seg", [None, 2])
+def test_wide_value_blocks_forward_and_backward(seg, monkeypatch):
+    # H_CFG["bv"] = 64: the serial passes (state pass, segment maps, the backward's dS chain) on 64 state
+    # columns per program; V = 64 + initial and final state, gradients of every input against the reference
+    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=64))
+    B, T, H, K, V = 1, 150, 2, 16, 64
+    q, k, v, g, beta, S0 = make(B, T, H, K, V)
+    ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S0)]
+    o, S = tk.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, lower_bound=-5.0,
+                        segment_chunks=seg)
+    ref_ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S0)]
+    o_r, S_r = R.kda_chunk(*ref_ins[:5], initial_state=ref_ins[5], output_final_state=True)
+    assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
+    go, gS = torch.randn_like(o), torch.randn_like(S)
+    got = torch.autograd.grad((o * go).sum() + (S * gS).sum(), ins)
+    exp = torch.autograd.grad((o_r * go).sum() + (S_r * gS).sum(), ref_ins)
+    for name, a_, b_ in zip(("q", "k", "v", "g", "beta", "h0"), got, exp):
+        assert rel_rms(a_, b_) < 1e-4, name
+
+
+def test_value_block_rule():
+    # "auto": 64 columns when 32-column programs would not fit one wave of slots (H=96, V=128: 384 > 264)
+    saved = dict(tk.H_CFG)
+    try:
+        tk.H_CFG["bv"] = "auto"
+        assert tk._value_block(96, 128, 264) == 64 and tk._value_block(16, 128, 264) == 32
+        assert tk._value_block(96, 32, 264) == 32 and tk._value_block(96, 128, None) == 32
+        tk.H_CFG["bv"] = 32
+        assert tk._value_block(96, 128, 264) == 32 and tk._value_block(1, 16, 264) == 16
+        tk.H_CFG["bv"] = 48
+        with pytest.raises(ValueError, match="must be 32, 64 or 'auto'"):
+            tk._value_block(16, 128, 264)
+    finally:
+        tk.H_CFG.clear()
+        tk.H_CFG.update(saved)
+
+
 def test_chunk_tables_are_cached_per_geometry_and_right():
     # the chunk/segment tables are built once per (B, T, packing, segment length) and then reused; two
     # packings of the same T alternate (each keeps its own tables) and every call stays right
@@ -405,12 +442,17 @@ for mode, sw in ((0, 128), (1, 256)):
                tk.H_CFG["num_warps"], tk.H_CFG["num_stages"])
     assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "state kernel: no tensor-core instruction"
     assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
+    ck = build(tk._fwd_h_kernel, sig, dict(K=128, V=128, BV=64, SW=sw, MODE=mode, STORE=mode == 0,
+                                              STORE_VN=mode == 0),                       # H_CFG["bv"] = 64
+               tk.H_CFG["num_warps"], tk.H_CFG["num_stages"])
+    assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
 sig = dict(QG=P, WK=P, KD=P, AQK=P, GAM=F, DO=P, HB=P, DS_END=F, DHB=P, DU=P, DGP=F, DS_OUT=F, seg_t0=I,
            seg_t1=I, seg_c0=I, seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr")
-ck = build(tk._bwd_dh_kernel, sig, dict(K=128, V=128, BV=32), tk.BWD_DH_CFG["num_warps"],
-           tk.BWD_DH_CFG["num_stages"])
-assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward dS chain: no tensor-core instruction"
-assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
+for bv in (32, 64):
+    ck = build(tk._bwd_dh_kernel, sig, dict(K=128, V=128, BV=bv), tk.BWD_DH_CFG["num_warps"],
+               tk.BWD_DH_CFG["num_stages"])
+    assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward dS chain: no tensor-core instruction"
+    assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
 sig = dict(k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, BM=F, DU=P, DWK=P, DB=F, DKG=F, dv_=P, dbeta=P, H="i32",
            K="constexpr", V="constexpr", DT="constexpr")
 ck = build(tk._bwd_ut_kernel, sig, dict(K=128, V=128, DT=tk.tl.bfloat16), tk.BWD_INTRA_CFG["nw_ut"], 1)

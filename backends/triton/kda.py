@@ -1838,7 +1838,23 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
 # Tried and dropped (H200, 2026-11-30): forming the output inside this pass (no HB / VN written, 1.5 KB per token
 # and head less traffic) took as long as the two kernels it replaced (H=16, 1M: 16.15 ms vs 9.46 + 6.44; H=96,
 # 64K: 6.30 vs 4.02 + 2.48): the pass is latency-bound and the extra loads and products lengthen each step.
-H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2)
+H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv=32)
+# bv: state columns per program of the serial passes (forward state pass and the backward's dS chain): 32, 64, or
+# "auto" = 64 when 32-column programs (sequences x heads x V / 32) would not fit one wave of slots unsplit.  At
+# H=96, K=V=128 on the H200: 384 programs on 264 slots, i.e. two waves of the whole serial chain (state pass 0.51 ms
+# of the 2.53 ms forward at T=8192, 4.02 of 20.0 at 64K), against 192 programs in one wave at 64 columns.  Not yet
+# timed (benchmarks/kda.py --alt "H_CFG:bv='auto'"). ptxas sm_90a at 64 columns (8th session): state pass 254
+# registers, no spills, 96 KB shared (2 CTAs per SM fit); backward dS chain 255 registers, 108 B of spills.
+
+
+def _value_block(BH, V, slots):
+    """BV for H_CFG["bv"] (32, 64 or "auto"; slots = SMs x ctas_per_sm, None off the GPU: 32)."""
+    bv = H_CFG.get("bv", 32)
+    if bv == "auto":
+        bv = 64 if slots is not None and V >= 64 and BH * (V // 32) > slots else 32
+    if bv not in (32, 64):
+        raise ValueError(f"backends.triton.kda.H_CFG['bv'] must be 32, 64 or 'auto', got {bv!r}")
+    return min(bv, V)
 
 # which backward runs the state-gradient chain: "v2" (default) = _bwd_dh_kernel, the serial reverse chain of dS
 # alone with V split into BV-column programs (like the forward's state pass), then _bwd_chunk_kernel, the
@@ -2094,7 +2110,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     scale = K ** -0.5 if scale is None else float(scale)
     if q.device.type != "cuda" and not _interpret():
         raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1)")
-    BV = min(32, V)
+    BV = _value_block(n_seq * H, V, sm_count(q.device) * H_CFG["ctas_per_sm"] if q.is_cuda else None)
     n_longest = max(((e - s + CHUNK - 1) // CHUNK for (s, e) in bounds), default=0) if bounds else \
         (T + CHUNK - 1) // CHUNK
     seg = _seg_chunks_for(n_longest, n_seq * H, K, V, BV, q.device, segment_chunks)
