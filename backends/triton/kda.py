@@ -1424,7 +1424,6 @@ def _bwd_intra_kernel(q, k, v, g, beta, cstart, clen, DU, DWK, DQG, DKD, DAQK, D
     L = tl.load(clen + c)
     qq, kk, G, bb, fast, offk, rm = _load_chunk(q, k, g, beta, t0, L, h, H, K, FAST, lb)
     rows = tl.arange(0, 64)
-    r16 = tl.arange(0, 16)
     dvv = tl.arange(0, V)
     offv = (t0 + rows).to(tl.int64)[:, None] * (H * V) + h * V + dvv[None, :]
     vv = tl.load(v + offv, mask=rm[:, None], other=0.0).to(tl.float32)
@@ -1760,7 +1759,7 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
     idt = _interm_dtype(q)
     q2, k2, g2 = q.reshape(N, H, K), k.reshape(N, H, K), g.reshape(N, H, K)
     v2, b2 = v.reshape(N, H, V), beta.reshape(N, H)
-    NC, NS, NQ = tab["n_chunks"], tab["n_seg"], tab["n_seq"]
+    NC = tab["n_chunks"]
     WK = torch.empty(N, H, K, dtype=idt, device=dev)
     QG, KD = torch.empty_like(WK), torch.empty_like(WK)
     U = torch.empty(N, H, V, dtype=idt, device=dev)
