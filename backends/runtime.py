@@ -168,6 +168,19 @@ def _container(root: nn.Module, path: list[str]) -> nn.Module:
     return m
 
 
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (an activation-checkpoint recomputation of
+    the forward happens there)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _fill_balance_updates(module, state_dict, prefix, *_):
+    """load_state_dict pre-hook: a state dict without balance_updates (saved before it existed, or a plain
+    weights file) keeps the module's counts instead of failing as a missing key."""
+    state_dict.setdefault(prefix + "balance_updates", module.balance_updates.detach().clone())
+
+
 class CompiledModule(nn.Module):
     """A compiled graph. ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]``.
 
@@ -176,8 +189,12 @@ class CompiledModule(nn.Module):
         routing_stats: {MoE layer prefix: int64 [E] tokens per expert} from the last forward.
         balance: "qb" (Quantile Balancing, default), "fixed" (DeepSeek-V3 step rule) or None: how the
             router bias buffers are updated after each forward in training mode (computed on batch t,
-            applied to batch t+1). balance_ema / balance_warmup: QB's ema after the first
-            balance_warmup updates of each router (ema 0 before).
+            applied to batch t+1; ValueError at the forward for another value). balance_ema / balance_warmup:
+            QB's ema after the first balance_warmup updates of each router (ema 0 before); the counts are the
+            buffer balance_updates, so a state dict resumes the schedule. An activation-checkpoint
+            recomputation (inside the backward) routes with the bias of the original forward and updates
+            nothing. fixed_step: the fixed rule's step. stats_hooks: callables fn(layer, load [E] int64)
+            called after every router. dp_group: torch.distributed group over which QB averages its step.
     """
 
     def __init__(self, graph: Graph, stages: dict[str, Graph], target: str, dtype: torch.dtype,
@@ -246,6 +263,16 @@ class CompiledModule(nn.Module):
             if n.op == "qb_route":
                 wkey = nodes[n.inputs[1].node].attr("name")
                 self._router_layers[n.name] = (wkey.removesuffix(".gate.weight"), self._names[n.inputs[2].node])
+        # QB updates applied per router (the ema warm-up counts them): a buffer, so that a state dict resumes the
+        # schedule (the Python dict _updates mirrors it without a device sync per step); a state dict saved
+        # before this buffer existed loads with the current counts
+        self._router_order = sorted({layer for layer, _ in self._router_layers.values()})
+        self.register_buffer("balance_updates", torch.zeros(len(self._router_order), dtype=torch.int64,
+                                                            device=device))
+        self.register_load_state_dict_pre_hook(_fill_balance_updates)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._sync_updates())
+        # bias each router used in the last train-mode forward, for activation-checkpoint recomputation
+        self._bias_used: dict[str, torch.Tensor] = {}
 
     # -- IR access ----------------------------------------------------------------------------
     def ir(self, stage: str = "canonical") -> str:
@@ -376,9 +403,17 @@ class CompiledModule(nn.Module):
                 env[norm_name] = out
                 epi_done.add(norm_name)
                 continue
+            recompute = False
+            if n.op == "qb_route":
+                # activation checkpointing re-runs the forward inside the backward: route with the bias the
+                # original forward used (the balancing update has changed the buffer since), and neither update
+                # the bias nor count nor call the hooks a second time
+                recompute = _in_backward()
+                if recompute and n.name in self._bias_used:
+                    args = [args[0], args[1], self._bias_used[n.name]]
             out = self._exec(n, args, bind)
             env[n.name] = out
-            if n.op == "qb_route":
+            if n.op == "qb_route" and not recompute:
                 self._after_route(n, out)
         return [self._value(env, r) for r in g.outputs]
 
@@ -473,8 +508,15 @@ class CompiledModule(nn.Module):
             self.train(training)
         return margins
 
+    def _sync_updates(self) -> None:
+        """_updates from the balance_updates buffer (after load_state_dict)."""
+        counts = self.balance_updates.tolist() if self.balance_updates.device.type != "meta" else []
+        self._updates = {layer: int(c) for layer, c in zip(self._router_order, counts) if c}
+
     def _after_route(self, n: Node, out) -> None:
         from backends.reference import expert_load, fixed_step_update, qb_update
+        if self.balance not in ("qb", "fixed", None):
+            raise ValueError(f"CompiledModule.balance must be 'qb', 'fixed' or None, got {self.balance!r}")
         idx, _w, scores = out
         layer, bias_key = self._router_layers[n.name]
         bias = self._tensor(bias_key)
@@ -483,11 +525,14 @@ class CompiledModule(nn.Module):
             self.routing_stats[layer] = load
             for h in self.stats_hooks:
                 h(layer, load)
+            if self.training and self.balance is not None:
+                self._bias_used[n.name] = bias.detach().clone()
             if self.training and self.balance == "qb":
                 step = self._updates.get(layer, 0)
                 ema = 0.0 if step < self.balance_warmup else self.balance_ema
                 bias.copy_(qb_update(scores, bias, top_k=n.attr("top_k"), ema=ema, dp_group=self.dp_group))
                 self._updates[layer] = step + 1
+                self.balance_updates[self._router_order.index(layer)] += 1
             elif self.training and self.balance == "fixed":
                 bias.copy_(fixed_step_update(bias, load, step=self.fixed_step))
 

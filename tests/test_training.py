@@ -1,0 +1,122 @@
+"""Training a compiled model (target="reference", the tiny K3 variant, float32): activation checkpointing with
+router balancing on, resuming from a state dict, the balance mode's validation. From a new-user trial of the
+training workflow (2026-11-30)."""
+import copy
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import dsl
+
+K3 = Path(__file__).resolve().parent.parent / "models" / "kimi_k3.mtc"
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """A freshly initialised tiny model (train mode); tests deep-copy it."""
+    return dsl.compile(dsl.load(K3, "tiny"), target="reference", seed=0).train()
+
+
+def loss_of(logits, ids):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def biases(m):
+    return {k: v.clone() for k, v in m.state_dict().items() if k.endswith("e_score_correction_bias")}
+
+
+def test_activation_checkpointing_with_balancing_matches_plain_backward(fresh):
+    # the recomputation inside the backward routes with the bias the forward used, and does not update the
+    # bias, count the update or call the hooks again: gradients and biases equal those of a plain step
+    # (non-reentrant checkpointing, torch's default; the reentrant form needs an input that requires a
+    # gradient, and token ids cannot)
+    a, b = copy.deepcopy(fresh), copy.deepcopy(fresh)
+    calls = {"a": 0, "b": 0}
+    a.stats_hooks.append(lambda layer, load: calls.__setitem__("a", calls["a"] + 1))
+    b.stats_hooks.append(lambda layer, load: calls.__setitem__("b", calls["b"] + 1))
+    for step in range(2):                                   # the second step routes with an updated bias
+        ids = torch.randint(0, VOCAB, (2, 65))
+        la = loss_of(a(ids), ids)
+        la.backward()
+        lb = loss_of(checkpoint(b, ids, use_reentrant=False), ids)
+        lb.backward()
+        assert torch.equal(la.detach(), lb.detach()), step
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert (pa.grad is None) == (pb.grad is None), name
+        if pa.grad is not None:
+            assert torch.allclose(pa.grad, pb.grad, rtol=1e-5, atol=1e-7), name
+    ba, bb = biases(a), biases(b)
+    assert ba and all(torch.equal(ba[k], bb[k]) for k in ba)
+    assert not all(torch.equal(ba[k], biases(fresh)[k]) for k in ba)   # balancing did update the biases
+    assert calls["a"] == calls["b"] > 0
+    assert torch.equal(a.balance_updates, b.balance_updates) and int(a.balance_updates.min()) == 2
+
+
+def test_resume_from_a_state_dict_continues_training_identically(fresh):
+    torch.manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (1, 48)) for _ in range(7)]
+    a = copy.deepcopy(fresh)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-3)
+
+    def step(m, opt, ids):
+        opt.zero_grad()
+        loss = loss_of(m(ids), ids)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for ids in batches[:4]:                                 # past the ema warm-up (3 updates)
+        step(a, opt_a, ids)
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf)
+    b = copy.deepcopy(fresh)
+    b.load_state_dict(ck["model"])
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-3)
+    opt_b.load_state_dict(ck["opt"])
+    assert b._updates == a._updates and all(v == 4 for v in b._updates.values())
+    for ids in batches[4:]:
+        assert step(a, opt_a, ids) == step(b, opt_b, ids)
+    ba, bb = biases(a), biases(b)
+    assert all(torch.equal(ba[k], bb[k]) for k in ba)
+
+
+def test_a_state_dict_without_the_update_counts_still_loads(fresh):
+    a = copy.deepcopy(fresh)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    with torch.no_grad():
+        a(ids)                                              # one update per router
+    sd = {k: v for k, v in a.state_dict().items() if k != "balance_updates"}
+    b = copy.deepcopy(fresh)
+    b.load_state_dict(sd)                                   # strict: no missing-key error
+    assert int(b.balance_updates.sum()) == 0 and b._updates == {}
+    assert all(torch.equal(v, biases(a)[k]) for k, v in biases(b).items())
+
+
+def test_unknown_balance_mode_is_an_error(fresh):
+    m = copy.deepcopy(fresh)
+    m.balance = "QB"
+    with pytest.raises(ValueError, match=r"balance must be 'qb', 'fixed' or None, got 'QB'"):
+        with torch.no_grad():
+            m(torch.randint(0, VOCAB, (1, 20)))
+
+
+def test_readme_training_snippet_runs(tmp_path, monkeypatch):
+    # the README's "Training" example, as written, from a directory with the repository's models/ in it
+    text = (K3.parent.parent / "README.md").read_text()
+    block = text.split("## Training", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    (tmp_path / "models").symlink_to(K3.parent)
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(block, "README.md:Training", "exec"), scope)
+    ck = torch.load(tmp_path / "ck.pt")
+    assert int(ck["model"]["balance_updates"].min()) == 1       # one train-mode forward, one update per router
+    ref = dsl.compile(dsl.load(K3, "tiny"), target="reference", seed=0).state_dict()
+    moved = [k for k, v in scope["m"].state_dict().items() if v.is_floating_point() and not torch.equal(v, ref[k])]
+    assert len(moved) > 10 and all(torch.isfinite(v).all() for v in scope["m"].state_dict().values())
