@@ -527,6 +527,8 @@ class CompiledModule(nn.Module):
                 h(layer, load)
             if self.training and self.balance is not None:
                 self._bias_used[n.name] = bias.detach().clone()
+            else:                                   # the buffer is what this forward routed with
+                self._bias_used.pop(n.name, None)
             if self.training and self.balance == "qb":
                 step = self._updates.get(layer, 0)
                 ema = 0.0 if step < self.balance_warmup else self.balance_ema
