@@ -499,13 +499,15 @@ def test_hopper_compile_uses_tensor_cores():
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3"),
                                          (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"), (4, 8, "v4-rfast"),
-                                         (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast"), (4, 8, "v5-tf32solve")])
+                                         (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast"), (4, 8, "v5-tf32solve"),
+                                         (4, 8, "v5-bv64"), (96, None, "v5-bv64")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles"),
                                                **(dict(r_fast=True, BK=64, nw_strip=8) if intra == "v4-rfast" else {})))
     monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast"),
                                                solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee"))
+    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=64 if intra.endswith("bv64") else tk.H_CFG["bv"]))
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,
@@ -546,9 +548,10 @@ def test_gpu_cuda_graph_replay_uses_live_tables():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles", "v5", "v5-rfast", "v5-bwd1"])
+@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles", "v5", "v5-rfast", "v5-bwd1", "v5-bv64"])
 def test_gpu_bf16_grad(intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
+    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=64 if intra.endswith("bv64") else tk.H_CFG["bv"]))
     monkeypatch.setattr(tk, "BWD_IMPL", "v1" if intra.endswith("bwd1") else "v2")
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
     monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast")))

@@ -597,7 +597,9 @@ def test_gpu_qb_route_and_update_k3_router():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,l,e,i,k", [(1000, 1024, 64, 768, 8), (4097, 512, 896, 256, 16)])
-def test_gpu_moe_experts_bf16(n, l, e, i, k):
+@pytest.mark.parametrize("small_m", ["off", "on"])
+def test_gpu_moe_experts_bf16(n, l, e, i, k, small_m, monkeypatch):
+    monkeypatch.setattr(tm, "SMALL_M", small_m)          # "on": the 64-row tile configs (not yet the default)
     x = torch.randn(n, l, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     logits = torch.randn(n, e, device="cuda") + torch.linspace(-2, 2, e, device="cuda")
     idx = ref.biased_topk(logits, k)
