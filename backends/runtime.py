@@ -266,11 +266,13 @@ class CompiledModule(nn.Module):
         # QB updates applied per router (the ema warm-up counts them): a buffer, so that a state dict resumes the
         # schedule (the Python dict _updates mirrors it without a device sync per step); a state dict saved
         # before this buffer existed loads with the current counts
+        # (a model without routers has no such buffer: its state dict holds the graph's tensors only)
         self._router_order = sorted({layer for layer, _ in self._router_layers.values()})
-        self.register_buffer("balance_updates", torch.zeros(len(self._router_order), dtype=torch.int64,
-                                                            device=device))
-        self.register_load_state_dict_pre_hook(_fill_balance_updates)
-        self.register_load_state_dict_post_hook(lambda module, _keys: module._sync_updates())
+        if self._router_order:
+            self.register_buffer("balance_updates", torch.zeros(len(self._router_order), dtype=torch.int64,
+                                                                device=device))
+            self.register_load_state_dict_pre_hook(_fill_balance_updates)
+            self.register_load_state_dict_post_hook(lambda module, _keys: module._sync_updates())
         # bias each router used in the last train-mode forward, for activation-checkpoint recomputation
         self._bias_used: dict[str, torch.Tensor] = {}
 
