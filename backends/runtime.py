@@ -193,7 +193,9 @@ class CompiledModule(nn.Module):
             QB's ema after the first balance_warmup updates of each router (ema 0 before); the counts are the
             buffer balance_updates, so a state dict resumes the schedule. An activation-checkpoint
             recomputation (inside the backward) routes with the bias of the original forward and updates
-            nothing. fixed_step: the fixed rule's step. stats_hooks: callables fn(layer, load [E] int64)
+            nothing. balance_defer: keep each train-mode forward's router scores instead of updating;
+            apply_balance() then updates once from all of them (gradient accumulation). fixed_step: the fixed
+            rule's step. stats_hooks: callables fn(layer, load [E] int64)
             called after every router. dp_group: torch.distributed group over which QB averages its step.
     """
 
@@ -218,6 +220,10 @@ class CompiledModule(nn.Module):
         self.balance_ema = 0.5
         self.balance_warmup = 3
         self._updates: dict[str, int] = {}
+        # gradient accumulation: with balance_defer the train-mode forwards keep their router scores (loads for
+        # "fixed") and apply_balance() makes one update from all of them, as one big batch would
+        self.balance_defer = False
+        self._deferred: dict[str, list[torch.Tensor]] = {}
         self.fixed_step = 1e-3
         # data parallelism: a torch.distributed process group over which each QB step averages b_hat before
         # centring (spec/OPS.md qb_update), so every rank applies the same bias; None = this process alone
@@ -510,6 +516,34 @@ class CompiledModule(nn.Module):
             self.train(training)
         return margins
 
+    def apply_balance(self) -> int:
+        """With ``balance_defer`` (gradient accumulation): one balancing update per router from every train-mode
+        forward since the last call, as if their batches were one (QB on the concatenated router scores; the
+        fixed rule on the summed loads); clears them. Returns the number of routers updated (0: nothing kept).
+        Call it once per optimizer step."""
+        from backends.reference import fixed_step_update, qb_update
+        nodes = self.graph.node_map()
+        done = 0
+        with torch.no_grad():
+            for name, kept in self._deferred.items():
+                layer, bias_key = self._router_layers[name]
+                bias = self._tensor(bias_key)
+                if (self.balance == "qb") != kept[0].is_floating_point() or self.balance is None:
+                    raise ValueError(f"apply_balance: the balance mode changed to {self.balance!r} after the "
+                                     f"deferred forwards of {layer}; set it back or clear with _deferred = {{}}")
+                if self.balance == "fixed":
+                    bias.copy_(fixed_step_update(bias, torch.stack(kept).sum(0), step=self.fixed_step))
+                else:
+                    step = self._updates.get(layer, 0)
+                    ema = 0.0 if step < self.balance_warmup else self.balance_ema
+                    bias.copy_(qb_update(torch.cat(kept), bias, top_k=nodes[name].attr("top_k"), ema=ema,
+                                         dp_group=self.dp_group))
+                    self._updates[layer] = step + 1
+                    self.balance_updates[self._router_order.index(layer)] += 1
+                done += 1
+        self._deferred = {}
+        return done
+
     def _sync_updates(self) -> None:
         """_updates from the balance_updates buffer (after load_state_dict)."""
         counts = self.balance_updates.tolist() if self.balance_updates.device.type != "meta" else []
@@ -527,11 +561,13 @@ class CompiledModule(nn.Module):
             self.routing_stats[layer] = load
             for h in self.stats_hooks:
                 h(layer, load)
-            if self.training and self.balance is not None:
+            if self.training and self.balance is not None and not self.balance_defer:
                 self._bias_used[n.name] = bias.detach().clone()
             else:                                   # the buffer is what this forward routed with
                 self._bias_used.pop(n.name, None)
-            if self.training and self.balance == "qb":
+            if self.training and self.balance is not None and self.balance_defer:
+                self._deferred.setdefault(n.name, []).append(scores.detach() if self.balance == "qb" else load)
+            elif self.training and self.balance == "qb":
                 step = self._updates.get(layer, 0)
                 ema = 0.0 if step < self.balance_warmup else self.balance_ema
                 bias.copy_(qb_update(scores, bias, top_k=n.attr("top_k"), ema=ema, dp_group=self.dp_group))

@@ -120,3 +120,30 @@ def test_readme_training_snippet_runs(tmp_path, monkeypatch):
     ref = dsl.compile(dsl.load(K3, "tiny"), target="reference", seed=0).state_dict()
     moved = [k for k, v in scope["m"].state_dict().items() if v.is_floating_point() and not torch.equal(v, ref[k])]
     assert len(moved) > 10 and all(torch.isfinite(v).all() for v in scope["m"].state_dict().values())
+
+
+def test_gradient_accumulation_with_deferred_balancing_equals_one_big_batch(fresh):
+    # balance_defer: two micro-batches route with the same bias and apply_balance() makes one update from both,
+    # so gradients and the new biases equal those of the batch of both rows in one forward
+    big, acc = copy.deepcopy(fresh), copy.deepcopy(fresh)
+    acc.balance_defer = True
+    ids = torch.randint(0, VOCAB, (2, 49))
+    loss_of(big(ids), ids).backward()
+    for i in range(2):
+        (loss_of(acc(ids[i:i + 1]), ids[i:i + 1]) / 2).backward()
+    b0 = biases(fresh)
+    assert all(torch.equal(v, b0[k]) for k, v in biases(acc).items())      # nothing moved before the apply
+    n_routers = len(acc._router_order)
+    assert acc.apply_balance() == n_routers and acc.apply_balance() == 0
+    ba, bb = biases(big), biases(acc)
+    assert all(torch.allclose(ba[k], bb[k], atol=1e-5) for k in ba)
+    assert not all(torch.equal(bb[k], b0[k]) for k in bb)
+    assert torch.equal(acc.balance_updates, big.balance_updates)
+    for (name, pa), (_, pb) in zip(big.named_parameters(), acc.named_parameters()):
+        if pa.grad is not None:
+            assert torch.allclose(pa.grad, pb.grad, rtol=1e-4, atol=1e-6), name
+    with torch.no_grad():                        # a mode change between the forwards and the apply is refused
+        acc(ids[:1])
+        acc.balance = "fixed"
+    with pytest.raises(ValueError, match="balance mode changed"):
+        acc.apply_balance()
