@@ -521,7 +521,7 @@ class CompiledModule(nn.Module):
         forward since the last call, as if their batches were one (QB on the concatenated router scores; the
         fixed rule on the summed loads); clears them. Returns the number of routers updated (0: nothing kept).
         Call it once per optimizer step."""
-        from backends.reference import fixed_step_update, qb_update
+        from backends.reference import fixed_step_update
         nodes = self.graph.node_map()
         done = 0
         with torch.no_grad():
@@ -534,12 +534,7 @@ class CompiledModule(nn.Module):
                 if self.balance == "fixed":
                     bias.copy_(fixed_step_update(bias, torch.stack(kept).sum(0), step=self.fixed_step))
                 else:
-                    step = self._updates.get(layer, 0)
-                    ema = 0.0 if step < self.balance_warmup else self.balance_ema
-                    bias.copy_(qb_update(torch.cat(kept), bias, top_k=nodes[name].attr("top_k"), ema=ema,
-                                         dp_group=self.dp_group))
-                    self._updates[layer] = step + 1
-                    self.balance_updates[self._router_order.index(layer)] += 1
+                    self._qb_step(layer, bias, torch.cat(kept), nodes[name].attr("top_k"))
                 done += 1
         self._deferred = {}
         return done
@@ -549,8 +544,17 @@ class CompiledModule(nn.Module):
         counts = self.balance_updates.tolist() if self.balance_updates.device.type != "meta" else []
         self._updates = {layer: int(c) for layer, c in zip(self._router_order, counts) if c}
 
+    def _qb_step(self, layer: str, bias: torch.Tensor, scores: torch.Tensor, top_k: int) -> None:
+        """One QB update of a router's bias in place (ema 0 during the warm-up), counted."""
+        from backends.reference import qb_update
+        step = self._updates.get(layer, 0)
+        ema = 0.0 if step < self.balance_warmup else self.balance_ema
+        bias.copy_(qb_update(scores, bias, top_k=top_k, ema=ema, dp_group=self.dp_group))
+        self._updates[layer] = step + 1
+        self.balance_updates[self._router_order.index(layer)] += 1
+
     def _after_route(self, n: Node, out) -> None:
-        from backends.reference import expert_load, fixed_step_update, qb_update
+        from backends.reference import expert_load, fixed_step_update
         if self.balance not in ("qb", "fixed", None):
             raise ValueError(f"CompiledModule.balance must be 'qb', 'fixed' or None, got {self.balance!r}")
         idx, _w, scores = out
@@ -561,19 +565,16 @@ class CompiledModule(nn.Module):
             self.routing_stats[layer] = load
             for h in self.stats_hooks:
                 h(layer, load)
-            if self.training and self.balance is not None and not self.balance_defer:
-                self._bias_used[n.name] = bias.detach().clone()
-            else:                                   # the buffer is what this forward routed with
-                self._bias_used.pop(n.name, None)
-            if self.training and self.balance is not None and self.balance_defer:
-                self._deferred.setdefault(n.name, []).append(scores.detach() if self.balance == "qb" else load)
-            elif self.training and self.balance == "qb":
-                step = self._updates.get(layer, 0)
-                ema = 0.0 if step < self.balance_warmup else self.balance_ema
-                bias.copy_(qb_update(scores, bias, top_k=n.attr("top_k"), ema=ema, dp_group=self.dp_group))
-                self._updates[layer] = step + 1
-                self.balance_updates[self._router_order.index(layer)] += 1
-            elif self.training and self.balance == "fixed":
+            balancing = self.training and self.balance is not None
+            if not balancing or self.balance_defer:
+                self._bias_used.pop(n.name, None)   # the buffer stays what this forward routed with
+                if balancing:
+                    self._deferred.setdefault(n.name, []).append(scores.detach() if self.balance == "qb" else load)
+                return
+            self._bias_used[n.name] = bias.detach().clone()
+            if self.balance == "qb":
+                self._qb_step(layer, bias, scores, n.attr("top_k"))
+            else:
                 bias.copy_(fixed_step_update(bias, load, step=self.fixed_step))
 
 
