@@ -341,7 +341,7 @@ def _off(X, Q, bb, kend, c, ch_j):
 
 @triton.jit
 def _mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+    return _mmp(a, b, "ieee")
 
 
 @triton.jit
