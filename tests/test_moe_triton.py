@@ -303,22 +303,20 @@ def test_moe_experts_pointer_paths_and_split_wgrad(monkeypatch, wgrad_impl):
     _check_experts(29, 32, 6, 16, 3)
 
 
-@pytest.mark.parametrize("mode", ["on", "auto"])
-def test_moe_experts_small_row_tiles(mode, monkeypatch):
-    # SMALL_M: the four token-side grouped GEMMs on the "_m64" tile configs (16 x 32 under the interpreter);
-    # "auto" picks them when the experts average fewer than SMALL_M_MAX_ROWS rows (here 41 * 3 / 6 = 20.5 < 32)
-    monkeypatch.setattr(tm, "SMALL_M", mode)
-    monkeypatch.setattr(tm, "SMALL_M_MAX_ROWS", 32)
-    d = tm._Dispatch(torch.randint(0, 6, (41, 3), device=DEV), 6)
-    x = torch.empty(1, device=DEV)
-    assert [tm._gemm_name(nm, d, x) for nm in ("glu_fwd", "mm", "glu_bwd", "dx")] == [
-        "glu_fwd_m64", "mm_m64", "glu_bwd_m64", "dx_m64"]
-    _check_experts(41, 48, 6, 40, 3)
-    monkeypatch.setattr(tm, "SMALL_M_MAX_ROWS", 8)
-    assert tm._gemm_name("glu_fwd", d, x) == ("glu_fwd_m64" if mode == "on" else "glu_fwd")
-    monkeypatch.setattr(tm, "SMALL_M", "always")
-    with pytest.raises(ValueError, match="SMALL_M"):
-        tm._gemm_name("mm", d, x)
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_moe_experts_glu_backward_fused_and_split(act, monkeypatch):
+    # GLU_BWD_IMPL: the GLU backward in the epilogue of the G = du w2 GEMM ("fused"), or a plain GEMM then a
+    # row kernel that overwrites the saved pre-activations ("split", the default); both against the reference
+    for impl in ("fused", "split"):
+        monkeypatch.setattr(tm, "GLU_BWD_IMPL", impl)
+        _check_experts(37, 40, 5, 24, 3, act=act)
+    monkeypatch.setattr(tm, "GLU_BWD_IMPL", "epilogue")
+    x = torch.randn(4, 16, device=DEV, requires_grad=True)
+    idx, wt = random_routing(4, 3, 1)
+    w1, w3, w2 = expert_weights(3, 16, 16)
+    u = tm.moe_experts(x, idx, wt, w1, w3, w2)
+    with pytest.raises(ValueError, match="GLU_BWD_IMPL"):
+        u.sum().backward()
 
 
 def test_moe_experts_silu_activation():
@@ -446,6 +444,7 @@ _COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from backends.triton import moe_kernels as K
+from backends.triton import moe as M
 
 fn = K._grouped_gemm_kernel
 bf = "*bf16"
@@ -471,31 +470,32 @@ sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("route 1")
-# the 64-row tile configs (SMALL_M) of the four token-side GEMMs compile to wgmma within the shared memory
-from backends.triton import moe as M
-roles = {"glu_fwd": dict(PAIR=1, EPI=1, SAVE=True, ROW_SCALE=True, W_KN=False),
-         "mm": dict(PAIR=0, EPI=0, SAVE=False, ROW_SCALE=False, W_KN=False),
-         "glu_bwd": dict(PAIR=0, EPI=2, SAVE=False, ROW_SCALE=False, W_KN=True),
-         "dx": dict(PAIR=2, EPI=0, SAVE=False, ROW_SCALE=False, W_KN=True)}
+# the split GLU backward: its plain G = du w2 GEMM (N-major weight tiles, 128 x 256) and the row kernel
 fn = K._grouped_gemm_kernel
-ok = 0
-for role, rc in roles.items():
-    c = M.TILE_CONFIGS["cuda"][role + "_m64"]
-    BM, BN, BK = c["BM"], c["BN"], c["BK"]
-    wb = [1, BK, BN] if rc["W_KN"] else [1, BN, BK]
-    types = {n: "i32" for n in fn.arg_names}
-    types.update(a_src=f"tensordesc<bf16[{BM},{BK}]>", a2_src=f"tensordesc<bf16[{BM},{BK}]>",
-                 w_src=f"tensordesc<bf16[{wb[0]},{wb[1]},{wb[2]}]>", w2_src=f"tensordesc<bf16[{wb[0]},{wb[1]},{wb[2]}]>",
-                 tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf, wrow_ptr="*fp32",
-                 dwrow_ptr="*fp32", tile_expert_ptr="*i64", tile_start_ptr="*i64", offs_ptr="*i64",
-                 beta_gate="fp32", beta_up="fp32")
-    consts = dict(rc, ACT=0, FAST=True, A_MODE=2, W_DESC=True, PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK)
-    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
-    ok += "wgmma.mma_async" in k.asm["ptx"] and k.metadata.shared <= 227 * 1024
-print("m64", ok)
+c = M.TILE_CONFIGS["cuda"]["glu_bwd_mm"]
+BM, BN, BK = c["BM"], c["BN"], c["BK"]
+types = {n: "i32" for n in fn.arg_names}
+types.update(a_src=f"tensordesc<bf16[{BM},{BK}]>", a2_src=f"tensordesc<bf16[{BM},{BK}]>",
+             w_src=f"tensordesc<bf16[1,{BK},{BN}]>", w2_src=f"tensordesc<bf16[1,{BK},{BN}]>",
+             tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf, wrow_ptr="*fp32",
+             dwrow_ptr="*fp32", tile_expert_ptr="*i64", tile_start_ptr="*i64", offs_ptr="*i64",
+             beta_gate="fp32", beta_up="fp32")
+consts = dict(PAIR=0, EPI=0, SAVE=False, ROW_SCALE=False, W_KN=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True,
+              PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK)
+sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+ok = "wgmma.mma_async" in k.asm["ptx"] and k.metadata.shared <= 227 * 1024
+fn = K._glu_bwd_rows_kernel
+c = M.TILE_CONFIGS["cuda"]["glu_bwd_rows"]
+types = dict(g_ptr=bf, a_ptr=bf, b_ptr=bf, wrow_ptr="*fp32", da_ptr=bf, db_ptr=bf, dwrow_ptr="*fp32", M="i32",
+             N="i32", stride_m="i32", beta_gate="fp32", beta_up="fp32")
+consts = dict(ACT=0, FAST=True, BLOCK_R=c["BLOCK_R"], BLOCK_N=c["BLOCK_N"])
+sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"]})
+ok += "tanh.approx.f32" in k.asm["ptx"]
+print("split", ok)
 """
 
 
@@ -518,7 +518,7 @@ def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
     assert int(counts["tma"]) > 0  # TMA loads of the token tile and both weight tiles
     assert int(counts["tanh"]) > 0  # SiTU in the epilogue
     assert counts["route"] == "1"   # the router's top-k kernel compiles too
-    assert counts["m64"] == "4"     # the four 64-row tile configs: wgmma, shared memory within 227 KB
+    assert counts["split"] == "2"   # the split GLU backward: a wgmma GEMM within 227 KB, the row kernel with SiTU
 
 
 _COMPILE_WGRAD_V2 = r"""
@@ -597,9 +597,9 @@ def test_gpu_qb_route_and_update_k3_router():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,l,e,i,k", [(1000, 1024, 64, 768, 8), (4097, 512, 896, 256, 16)])
-@pytest.mark.parametrize("small_m", ["off", "on"])
-def test_gpu_moe_experts_bf16(n, l, e, i, k, small_m, monkeypatch):
-    monkeypatch.setattr(tm, "SMALL_M", small_m)          # "on": the 64-row tile configs (not yet the default)
+@pytest.mark.parametrize("glu_bwd", ["split", "fused"])
+def test_gpu_moe_experts_bf16(n, l, e, i, k, glu_bwd, monkeypatch):
+    monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)
     x = torch.randn(n, l, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     logits = torch.randn(n, e, device="cuda") + torch.linspace(-2, 2, e, device="cuda")
     idx = ref.biased_topk(logits, k)

@@ -1837,13 +1837,15 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
 # Tried and dropped (H200, 2026-11-30): forming the output inside this pass (no HB / VN written, 1.5 KB per token
 # and head less traffic) took as long as the two kernels it replaced (H=16, 1M: 16.15 ms vs 9.46 + 6.44; H=96,
 # 64K: 6.30 vs 4.02 + 2.48): the pass is latency-bound and the extra loads and products lengthen each step.
-H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv=32)
+H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv="auto")
 # bv: state columns per program of the serial passes (forward state pass and the backward's dS chain): 32, 64, or
 # "auto" = 64 when 32-column programs (sequences x heads x V / 32) would not fit one wave of slots unsplit.  At
 # H=96, K=V=128 on the H200: 384 programs on 264 slots, i.e. two waves of the whole serial chain (state pass 0.51 ms
-# of the 2.53 ms forward at T=8192, 4.02 of 20.0 at 64K), against 192 programs in one wave at 64 columns.  Not yet
-# timed (benchmarks/kda.py --alt "H_CFG:bv='auto'"). ptxas sm_90a at 64 columns (8th session): state pass 254
-# registers, no spills, 96 KB shared (2 CTAs per SM fit); backward dS chain 255 registers, 108 B of spills.
+# of the 2.53 ms forward at T=8192, 4.02 of 20.0 at 64K), against 192 programs in one wave at 64 columns.  H200
+# (9th session, benchmarks/kda.py --alt "H_CFG:bv='auto'", forward beside fla): H=96 8K 2.509 -> 2.388 ms (state
+# pass 0.51 -> 0.39), H=96 64K 20.17 -> 19.34; H=16 unchanged (auto keeps 32 columns there). ptxas sm_90a at 64
+# columns (8th session): state pass 254 registers, no spills, 96 KB shared (2 CTAs per SM fit); backward dS chain
+# 255 registers, 108 B of spills.
 
 
 def _value_block(BH, V, slots):

@@ -56,16 +56,14 @@ TILE_CONFIGS = {
         "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "dx": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "glu_bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        # 64-row tiles for few rows per expert (SMALL_M): ptxas sm_90a, bf16 (8th session, CPU compile):
-        # glu_fwd 64x128 / 8 warps / 3 stages 104 B of spills (the 128x128 default: 1248 B), mm 64x256 none
-        # (128x256: 256 B), glu_bwd 64x64 / 4 stages none (128x64: 264 B), dx 64x128 / 4 stages none (128x128:
-        # 440 B); shared memory 123 / 123 / 66 / 201 KB
-        "glu_fwd_m64": dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "mm_m64": dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "glu_bwd_m64": dict(BM=64, BN=64, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True),
-        "dx_m64": dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True),
-        "wgrad": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-        "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+        "glu_bwd_mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "glu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=8, num_stages=1),
+        # v1 weight gradients: two launches of the single-output kernel on 128 x 256 tiles ("wgrad_dual" DUAL False);
+        # H200, K3 layer (9th session, benchmarks/moe_tiles.py, ms at 8192 / 32768 tokens): dW1|dW3 23.9 / 49.0 against the
+        # dual kernel's 26.9 / 54.3 (v2 dual 28.5 / 50.9), dW2 12.8 / 25.2 against 13.0 / 30.4 at 128 x 128 (v2
+        # 12.6 / 27.4)
+        "wgrad": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+        "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, DUAL=False),
         # WGRAD_IMPL "v2" (persistent, TMA): PROGS_PER_SM programs per SM; P_TMA / Q_TMA / O_TMA
         # choose descriptors (else pointers) for the token-side operands and the output
         # (maxnreg 128: 2 x 8 warps fit an SM's registers; ptxas then spills ~60 bytes, sm_90)
@@ -74,12 +72,11 @@ TILE_CONFIGS = {
         "wgrad2_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=1,
                             P_TMA=True, Q_TMA=True, O_TMA=False),
     },
-    # (the interpreter's "_m64" entries tile differently, 16 x 32, so that the tests of SMALL_M cover another
-    # tiling of the same rows)
-    "cpu": {name: dict(BM=16, BN=32 if name.endswith("_m64") else 16, BK=16, num_warps=4, num_stages=1,
+    "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1,
                        A_TMA=True, W_TMA=True, P_TMA=True, Q_TMA=True, O_TMA=True, NUM_PROGS=3)
-            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "glu_fwd_m64", "mm_m64", "dx_m64",
-                         "glu_bwd_m64", "wgrad", "wgrad_dual", "wgrad2", "wgrad2_dual")},
+            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm", "wgrad", "wgrad_dual", "wgrad2",
+                         "wgrad2_dual")}
+           | {"glu_bwd_rows": dict(BLOCK_R=2, BLOCK_N=16, num_warps=4, num_stages=1)},
 }
 
 # Which weight-gradient kernels (dW1|dW3 and dW2) the backward of moe_experts runs:
@@ -87,30 +84,27 @@ TILE_CONFIGS = {
 #         benchmarks/results/moe.md);
 #   "v2": _wgrad_v2_kernel, persistent grid, TMA descriptors for the token-side operands with a
 #         peeled masked tail block per expert (configs "wgrad2" / "wgrad2_dual");
-#   "auto" (default): v2 when the experts average at least WGRAD_V2_MIN_ROWS rows (N * k / E), else v1.
+#   "auto": v2 when the experts average at least WGRAD_V2_MIN_ROWS rows (N * k / E), else v1.
 # Measured on the H200 (K3 layer, benchmarks/moe.py --wgrad-compare, 2026-11-29): at 32768 tokens (585 rows per
 # expert) v2 took 49.9 / 26.1 ms (dW1|dW3 / dW2) against v1's 54.2 / 28.9; at 8192 tokens (146 rows) 28.2 / 12.4
-# against 26.7 / 12.8, so v1 stays below the threshold.  Tests and benchmarks may set this module attribute.
-WGRAD_IMPL = "auto"
+# against 26.7 / 12.8.  With v1 on 128 x 256 tiles and two single-output launches (9th session, see TILE_CONFIGS)
+# v1 is the faster at both sizes, so "v1" is the default.  Tests and benchmarks may set this module attribute.
+WGRAD_IMPL = "v1"
 WGRAD_V2_MIN_ROWS = 256
 
-# 64-row tiles for the four token-side grouped GEMMs ("glu_fwd", "mm", "glu_bwd", "dx" -> the "_m64" configs):
-# "off" (default), "on", or "auto" = when the experts average fewer than SMALL_M_MAX_ROWS rows (N * k / E).
-# Why: an expert's rows are cut into BM-row tiles and the last one is padded; at 8192 tokens of the K3 layer
-# (146 rows per expert) 128-row tiles compute 256 rows for 146 (43% of the MMA work padding), 64-row tiles 192
-# (24%). Not yet timed on the H200 (benchmarks/moe.py --variants lists it); tests run both.
-SMALL_M = "off"
-SMALL_M_MAX_ROWS = 256
+# How the backward computes dA, dB (and d topk_weight) from G = du[tok] w2[e]:
+#   "split" (default): a plain grouped GEMM writes G (config "glu_bwd_mm"), then _glu_bwd_rows_kernel reads G and
+#            the saved pre-activations and writes dA, dB over them (in place);
+#   "fused": the GLU backward in the GEMM's epilogue (config "glu_bwd", EPI 2).
+# Measured on the H200 (K3 layer, bf16, 9th session): benchmarks/moe_tiles.py put the fused kernel's 128 x 64 tiles at
+# 206 TFLOP/s at 32768 tokens (55.9 ms; its best launch setting, 6 stages, 42.5 ms; 128 x 128 tiles spill, 64-row
+# tiles re-read the weights); in benchmarks/moe.py --phases the phase went from 63.96 to 27.01 ms at 32768 tokens and
+# from 23.70 to 8.95 at 8192 with "split" (the GEMM on 128 x 256 tiles like GEMM 2, the GLU a bandwidth-bound pass).
+GLU_BWD_IMPL = "split"
 
-
-def _gemm_name(name, d, t):
-    """The TILE_CONFIGS entry a token-side grouped GEMM uses: name or name + "_m64" (SMALL_M)."""
-    if SMALL_M not in ("off", "on", "auto"):
-        raise ValueError(f"moe_experts: SMALL_M must be 'off', 'on' or 'auto', got {SMALL_M!r}")
-    alt = name + "_m64"
-    if SMALL_M == "off" or alt not in TILE_CONFIGS["cuda" if t.is_cuda else "cpu"]:
-        return name
-    return alt if SMALL_M == "on" or d.nk < SMALL_M_MAX_ROWS * max(d.e, 1) else name
+# (64-row tiles for the token-side GEMMs, "SMALL_M", were timed in the 9th session and removed: at 8192 tokens, 146
+# rows per expert, the experts' forward took 32.1 ms against 27.5 with 128-row tiles and forward+backward 139.8 against
+# 111.2: each extra m-tile reads the expert's weights again, and the weights dominate the bytes at that size.)
 
 
 # set to a list to record (phase name, CUDA event) pairs at moe_experts' phase boundaries (benchmarks only:
@@ -148,8 +142,12 @@ def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _launch_cfg(cfg):
-    return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+def _launch_cfg(cfg, t=None):
+    """num_warps / num_stages of a TILE_CONFIGS entry, and its register cap "maxnreg" (on the GPU) when set."""
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg") and t is not None and t.is_cuda:
+        launch["maxnreg"] = cfg["maxnreg"]
+    return launch
 
 
 # ------------------------------------------------------------------------------------------------
@@ -482,6 +480,9 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     cfg = _cfg(name, a)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     te, ts, mt = sched
+    if c.stride(0) * bm >= 2 ** 31:  # the epilogue's in-tile offsets are int32
+        raise ValueError(f"moe_experts: output rows of {c.stride(0)} elements are too wide for {bm}-row tiles "
+                         f"(row stride x tile rows must stay below 2**31)")
     n_tiles = cdiv(nn, bn)
     if gather:
         a_mode, a_src, a2_src = 0, a, a
@@ -509,8 +510,7 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
         te, ts, offs, kk, nn, num_experts, n_tiles,
         a.stride(0), w.stride(0), swn, swk, c.stride(0), float(bg), float(bu),
         PAIR=pair, EPI=epi, SAVE=save, ROW_SCALE=row_scale, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=w_desc,
-        W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk, **_launch_cfg(cfg, a))
     return c
 
 
@@ -551,7 +551,7 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
         out, out2 if dual else out, d.offs, mm, nn, m_tiles, n_tiles,
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
-        DUAL=dual, PREC=_prec(p.dtype), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], **_launch_cfg(cfg))
+        DUAL=dual, PREC=_prec(p.dtype), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], **_launch_cfg(cfg, p))
 
 
 def _num_sms(t):
@@ -585,9 +585,7 @@ def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None)
         o2_dst = TensorDescriptor.from_tensor(out2_, [1, bm, bn]) if dual else o_dst
     else:
         o_dst, o2_dst = out, out2_
-    launch = _launch_cfg(cfg)
-    if p.is_cuda and cfg.get("maxnreg"):
-        launch["maxnreg"] = cfg["maxnreg"]
+    launch = _launch_cfg(cfg, p)
     _k._wgrad_v2_kernel[(nprog,)](
         p_src, p2_src, q_src, p, p2_, ptok if ptok is not None else d.tok, q,
         qtok if qtok is not None else d.tok, o_dst, o2_dst, d.offs,
@@ -615,7 +613,7 @@ class _ExpertsFn(torch.autograd.Function):
         need_grad = any(ctx.needs_input_grad)
         # GEMM 1 + SiTU-GLU, scaled by the routing weight of the row:
         #   hw[r] = p[r] glu(x[tok r] w1^T, x[tok r] w3^T)      (N = I, K = l)
-        g1, g2 = _gemm_name("glu_fwd", d, x), _gemm_name("mm", d, x)
+        g1, g2 = "glu_fwd", "mm"
         cfg = _cfg(g1, x)
         xs = _pregather(g1, x, d)
         wt = topk_weight.float().contiguous()
@@ -665,13 +663,28 @@ class _ExpertsFn(torch.autograd.Function):
         du = du.to(x.dtype).contiguous()
         dx = dwt = dw1 = dw3 = dw2 = None
         # G = du[tok] w2[e] (K = l, N = I); epilogue: d topk_weight (row sums of G h), dA, dB
-        gb, gx = _gemm_name("glu_bwd", d, x), _gemm_name("dx", d, x)
+        if GLU_BWD_IMPL not in ("split", "fused"):
+            raise ValueError(f"moe_experts: GLU_BWD_IMPL must be 'split' or 'fused', got {GLU_BWD_IMPL!r}")
+        split = GLU_BWD_IMPL == "split"
+        gb, gx = ("glu_bwd_mm" if split else "glu_bwd"), "dx"
         dus = _pregather(gb, du, d)
-        da, db = torch.empty_like(a), torch.empty_like(b)
-        dwrow = torch.zeros(d.nk, dtype=torch.float32, device=x.device)
-        _gg(gb, dus if dus is not None else du, w2, d.schedule(_cfg(gb, x)["BM"]),
-            d.offs, e, l, i, da, gather=dus is None, tok=d.tok, w_kn=True, epi=2, c2=db, pa=a,
-            pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
+        sched = d.schedule(_cfg(gb, x)["BM"])
+        if split:
+            dwrow = torch.empty(d.nk, dtype=torch.float32, device=x.device)
+            g = torch.empty_like(a)
+            _gg(gb, dus if dus is not None else du, w2, sched, d.offs, e, l, i, g, gather=dus is None, tok=d.tok,
+                w_kn=True)
+            rc = _cfg("glu_bwd_rows", x)
+            da, db = a, b  # written in place: the pre-activations are not needed after this
+            _k._glu_bwd_rows_kernel[(cdiv(d.nk, rc["BLOCK_R"]),)](
+                g, a, b, w_rows, da, db, dwrow, d.nk, i, g.stride(0), float(bg), float(bu), ACT=act,
+                FAST=x.is_cuda, BLOCK_R=rc["BLOCK_R"], BLOCK_N=rc["BLOCK_N"], **_launch_cfg(rc))
+            del g
+        else:
+            da, db = torch.empty_like(a), torch.empty_like(b)
+            dwrow = torch.zeros(d.nk, dtype=torch.float32, device=x.device)
+            _gg(gb, dus if dus is not None else du, w2, sched, d.offs, e, l, i, da, gather=dus is None, tok=d.tok,
+                w_kn=True, epi=2, c2=db, pa=a, pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
         del a, b
         _mark("bwd: GEMM dA|dB (+ GLU backward)")
         if need_wt:

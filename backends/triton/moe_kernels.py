@@ -317,7 +317,17 @@ def _grouped_gemm_kernel(
             acc2 = tl.dot(a, b2, acc2, input_precision=PREC)
         elif PAIR == 2:
             acc = tl.dot(a2, b2, acc, input_precision=PREC)
-    o = rows[:, None] * stride_cm + cols[None, :]
+    # epilogue offsets: int32 within the tile (BM * stride_cm < 2**31) from int64 tile bases. ptxas sm_90a spills
+    # (bytes, int64 [BM, BN] offsets -> these): GLU backward 128 x 64 264 -> 0, dx 440 -> 16, GEMM 1 1204 -> 848,
+    # GEMM 2 128 x 256 256 -> 464 (9th session; the GEMM 2 forward phase timed within run-to-run noise)
+    lr = tl.arange(0, BM)
+    o = lr[:, None] * stride_cm + tl.arange(0, BN)[None, :]
+    tile0 = m_begin * stride_cm + n0
+    c_ptr += tile0
+    c2_ptr += tile0
+    c3_ptr += tile0
+    pa_ptr += tile0
+    pb_ptr += tile0
     om = rmask[:, None] & cmask[None, :]
     if EPI == 0:
         tl.store(c_ptr + o, acc.to(c_ptr.dtype.element_ty), mask=om)
@@ -347,6 +357,32 @@ def _grouped_gemm_kernel(
         tl.atomic_add(dwrow_ptr + rows, part, mask=rmask)
         tl.store(c_ptr + o, da.to(c_ptr.dtype.element_ty), mask=om)
         tl.store(c2_ptr + o, db.to(c2_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _glu_bwd_rows_kernel(g_ptr, a_ptr, b_ptr, wrow_ptr, da_ptr, db_ptr, dwrow_ptr, M, N, stride_m,
+                         beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The GLU backward of BLOCK_R whole rows, after the plain GEMM G = du[tok] . w2[e] (GLU_BWD_IMPL "split"):
+    dwrow[r] = sum_n G h (h recomputed from the saved pre-activations a, b), dA, dB = glu'(a, b) . (wrow[r] G).
+    da / db may alias a / b (each element is read before it is written, by the same program)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < M
+    base = rows.to(tl.int64)[:, None] * stride_m
+    wr = tl.load(wrow_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    part = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        m = rmask[:, None] & (cols < N)[None, :]
+        o = base + cols[None, :]
+        g = tl.load(g_ptr + o, mask=m, other=0.0).to(tl.float32)
+        av = tl.load(a_ptr + o, mask=m, other=0.0).to(tl.float32)
+        bv = tl.load(b_ptr + o, mask=m, other=0.0).to(tl.float32)
+        h, da, db = _glu_bwd(av, bv, g * wr[:, None], beta_gate, beta_up, ACT, FAST)
+        part += tl.sum(g * h, axis=1)  # masked entries have g = 0
+        tl.store(da_ptr + o, da.to(da_ptr.dtype.element_ty), mask=m)
+        tl.store(db_ptr + o, db.to(db_ptr.dtype.element_ty), mask=m)
+    tl.store(dwrow_ptr + rows, part, mask=rmask)
 
 
 @triton.jit

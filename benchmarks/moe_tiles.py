@@ -1,0 +1,170 @@
+"""Launch-setting sweep of the K3 MoE experts' grouped GEMMs, one kernel at a time (H200, bf16).
+
+Times each token-side grouped GEMM (GEMM 1 + SiTU-GLU, GEMM 2, the backward's G = du w2 in its fused and split
+forms, dx) and the weight-gradient kernels (dW1|dW3, dW2) of backends.triton.moe under several TILE_CONFIGS /
+WGRAD_IMPL settings, at the K3 layer's shapes (896 experts, top-16, latent 3584, intermediate 3072) with uniform
+random routing.  Each row: median ms (triton.testing.do_bench), TFLOP/s of the nominal GEMM work, and for the
+weight gradients the rate at which the gradient itself is written (its bytes are the floor at few rows per
+expert); err = relative difference of the output against the first setting of the same kernel (0 unless a setting
+changes the summation order).  The defaults in backends/triton/moe.py cite this script's 9th-session numbers.
+
+Usage (GPU):  python benchmarks/moe_tiles.py --tokens 8192 32768 [--kernels glu_bwd,wgrad13]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+E, L, I, K = 896, 3584, 3072, 16
+
+# kernel -> [(label, {TILE_CONFIGS entry or "GLU_BWD_IMPL"/"WGRAD_IMPL": change})]
+SWEEPS = {
+    "glu_fwd": [("default", {}), ("s4", {"glu_fwd": dict(num_stages=4)}), ("BN64 s4", {"glu_fwd": dict(BN=64, num_stages=4)})],
+    "mm": [("default", {}), ("s4", {"mm": dict(num_stages=4)}),
+           ("128x128 s4 nreg128", {"mm": dict(BN=128, num_stages=4, maxnreg=128)})],
+    "glu_bwd": [("fused 128x64 s3", {"glu_bwd": {}}), ("fused s4", {"glu_bwd": dict(num_stages=4)}),
+                ("fused s6", {"glu_bwd": dict(num_stages=6)}), ("fused nreg128", {"glu_bwd": dict(maxnreg=128)}),
+                ("fused 128x128 s4", {"glu_bwd": dict(BN=128, num_stages=4)}),
+                ("fused 64x128 s4", {"glu_bwd": dict(BM=64, BN=128, num_stages=4)}),
+                ("split 128x256 s3", {"glu_bwd_mm": {}}), ("split s4", {"glu_bwd_mm": dict(num_stages=4)})],
+    "dx": [("default", {}), ("128x64 s4 nreg128", {"dx": dict(BN=64, num_stages=4, maxnreg=128)})],
+    "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}),
+                ("v1 2x 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}),
+                ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),
+                ("v2 dual", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True)}),
+                ("v2 dual O_TMA", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True), "wgrad2_dual": dict(O_TMA=True)}),
+                ("v2 2x", {"WGRAD_IMPL": "v2"})],
+    "wgrad2": [("v1 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}), ("v1 128x256", {"WGRAD_IMPL": "v1"}),
+               ("v1 128x256 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(num_stages=2)}), ("v2", {"WGRAD_IMPL": "v2"}),
+               ("v2 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(O_TMA=True)})],
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--kernels", default=",".join(SWEEPS), help="comma list of " + ", ".join(SWEEPS))
+    ap.add_argument("--rep", type=int, default=300, help="do_bench repetition budget in ms")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny shapes under TRITON_INTERPRET=1 on the CPU, float32, no timing (checks the script)")
+    args = ap.parse_args(argv)
+    kernels = args.kernels.split(",")
+    bad = [k for k in kernels if k not in SWEEPS]
+    if bad:
+        ap.error(f"unknown kernel(s) {bad}; choose from {list(SWEEPS)}")
+    global E, L, I, K
+    if args.cpu_smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--cpu-smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        E, L, I, K = 6, 48, 40, 2
+        dev, bf, cfg_key = "cpu", torch.float32, "cpu"
+    elif not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (the sweep times Hopper launch settings); --cpu-smoke checks the script on the CPU")
+    else:
+        dev, bf, cfg_key = "cuda", torch.bfloat16, "cuda"
+    import triton
+    from backends.triton import moe as tm
+
+    torch.manual_seed(0)
+    base = {k: dict(v) for k, v in tm.TILE_CONFIGS[cfg_key].items()}
+    base_impl = (tm.GLU_BWD_IMPL, tm.WGRAD_IMPL)
+    need_w = any(k in ("glu_fwd", "mm", "glu_bwd", "dx") for k in kernels)
+    need_g = any(k.startswith("wgrad") for k in kernels)
+    w1 = torch.randn(E, I, L, device=dev, dtype=bf) * 0.02 if need_w else None
+    w3 = torch.randn(E, I, L, device=dev, dtype=bf) * 0.02 if need_w else None
+    w2 = torch.randn(E, L, I, device=dev, dtype=bf) * 0.02 if need_w else None
+    dw1 = torch.empty(E, I, L, device=dev, dtype=bf) if need_g else None
+    dw3 = torch.empty_like(dw1) if need_g else None
+    dw2 = torch.empty(E, L, I, device=dev, dtype=bf) if need_g else None
+    print(f"# grouped-GEMM launch settings, K3 experts (E {E}, top-{K}, latent {L}, intermediate {I}), {str(bf).replace('torch.', '')}, "
+          f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU smoke run'}\n\n| tokens | kernel | setting | ms | TFLOP/s | write TB/s | err |\n"
+          "|---|---|---|---|---|---|---|", flush=True)
+    for T in args.tokens:
+        idx = torch.randn(T, E, device=dev).topk(K, dim=1).indices
+        d = tm._Dispatch(idx, E)
+        nk = T * K
+        xs = torch.randn(nk, L, device=dev, dtype=bf)   # x[tok] in dispatch order
+        dus = torch.randn(nk, L, device=dev, dtype=bf)  # du[tok]
+        a, b = torch.randn(nk, I, device=dev, dtype=bf), torch.randn(nk, I, device=dev, dtype=bf)
+        hw, y = torch.empty(nk, I, device=dev, dtype=bf), torch.empty(nk, L, device=dev, dtype=bf)
+        wr = torch.rand(nk, device=dev)
+        da, db, g = torch.empty_like(a), torch.empty_like(b), torch.empty_like(a)
+        dwrow = torch.zeros(nk, device=dev)
+        sch = lambda name: d.schedule(tm._cfg(name, xs)["BM"])  # noqa: E731
+
+        def glu_bwd():
+            if tm.GLU_BWD_IMPL == "split":
+                tm._gg("glu_bwd_mm", dus, w2, sch("glu_bwd_mm"), d.offs, E, L, I, g, gather=False, w_kn=True)
+                rc = tm._cfg("glu_bwd_rows", xs)
+                tm._k._glu_bwd_rows_kernel[(triton.cdiv(nk, rc["BLOCK_R"]),)](
+                    g, a, b, wr, da, db, dwrow, nk, I, I, 4.0, 25.0, ACT=0, FAST=dev == "cuda", BLOCK_R=rc["BLOCK_R"],
+                    BLOCK_N=rc["BLOCK_N"], **tm._launch_cfg(rc))
+            else:
+                tm._gg("glu_bwd", dus, w2, sch("glu_bwd"), d.offs, E, L, I, da, gather=False, w_kn=True, epi=2,
+                       c2=db, pa=a, pb=b, wrow=wr, dwrow=dwrow, act=0, bg=4.0, bu=25.0)
+
+        def wgrad13():
+            if tm._cfg("wgrad_dual", xs).get("DUAL", True):
+                tm._wgrad(da, xs, d, I, L, dw1, p2=db, out2=dw3)
+            else:
+                tm._wgrad(da, xs, d, I, L, dw1)
+                tm._wgrad(db, xs, d, I, L, dw3)
+
+        calls = {  # kernel -> (flops, fn, output to compare, bytes of the weight gradient written)
+            "glu_fwd": (4 * nk * L * I, lambda: tm._gg("glu_fwd", xs, w1, sch("glu_fwd"), d.offs, E, L, I, hw,
+                                                      gather=False, tok=d.tok, w_kn=False, pair=1, w2=w3, epi=1,
+                                                      save=True, c2=da, c3=db, wrow=wr, row_scale=True, act=0,
+                                                      bg=4.0, bu=25.0), hw, 0),
+            "mm": (2 * nk * L * I, lambda: tm._gg("mm", hw, w2, sch("mm"), d.offs, E, I, L, y, gather=False,
+                                                 w_kn=False), y, 0),
+            "glu_bwd": (2 * nk * L * I, glu_bwd, da, 0),
+            "dx": (4 * nk * L * I, lambda: tm._gg("dx", a, w1, sch("dx"), d.offs, E, I, L, y, gather=False,
+                                                 w_kn=True, pair=2, a2=b, w2=w3), y, 0),
+            "wgrad13": (4 * nk * L * I, wgrad13, dw3, 2 * E * L * I * 2),
+            "wgrad2": (2 * nk * L * I, lambda: tm._wgrad(dus, hw, d, L, I, dw2), dw2, E * L * I * 2),
+        }
+        for name in kernels:
+            flops, fn, out, wbytes = calls[name]
+            ref = None
+            for label, ch in SWEEPS[name]:
+                for kk, v in ch.items():
+                    if kk in ("GLU_BWD_IMPL", "WGRAD_IMPL"):
+                        setattr(tm, kk, v)
+                    else:
+                        tm.TILE_CONFIGS[cfg_key][kk] = dict(base[kk], **{
+                            c: x for c, x in v.items() if cfg_key == "cuda" or c in ("DUAL",)})
+                if name == "glu_bwd":
+                    tm.GLU_BWD_IMPL = "split" if "glu_bwd_mm" in ch else "fused"
+                t0 = time.time()
+                try:
+                    fn()
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    got = out[::37].float()
+                    ref = got.clone() if ref is None else ref
+                    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+                    ms = triton.testing.do_bench(fn, warmup=2, rep=args.rep) if dev == "cuda" else float("nan")
+                    wtb = f"{wbytes / ms / 1e9:.2f}" if wbytes else "-"
+                    print(f"| {T} | {name} | {label} | {ms:.3f} | {flops / ms / 1e9:.1f} | {wtb} | {err:.1e} |",
+                          flush=True)
+                except Exception as ex:  # a setting that does not fit (shared memory, registers) is reported
+                    print(f"| {T} | {name} | {label} | failed: {type(ex).__name__}: {str(ex)[:120]} | | | |",
+                          flush=True)
+                finally:
+                    tm.TILE_CONFIGS[cfg_key].update({kk: dict(v) for kk, v in base.items()})
+                    tm.GLU_BWD_IMPL, tm.WGRAD_IMPL = base_impl
+                    print(f"  ({label}: {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+        del xs, dus, a, b, hw, y, da, db, g
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
