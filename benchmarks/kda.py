@@ -288,7 +288,10 @@ def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
     """Bring the GPU to its steady clocks and both implementations past compilation and autotuning before the
     first timed row (H200, 2026-11-30: on a freshly started machine the first row's fla time came out 2x its
     steady value, 1.14-1.18 ms instead of 0.57 at H=16, T=8192, and fla's first forward+backward, autotuned in
-    the same process, 3.19 ms instead of 2.27)."""
+    the same process, 3.19 ms instead of 2.27). Runs at T capped to 65536: compilation and autotuning do not
+    depend on T, and at 1M a forward+backward of each implementation here left too little memory for the rows
+    (9th session: fla's backward ran out of memory with 132 GiB in use)."""
+    T = min(T, 65536)
     q, k, v, g, beta = make(T, H)
     if grad:
         for t in (q, k, v, g, beta):
@@ -303,18 +306,17 @@ def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
         for _ in range(20):
             a @ a
         torch.cuda.synchronize()
-    for fn in (lambda: chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0),
-               lambda: kda_chunk(q, k, v, g, beta, lower_bound=-5.0)):
-        o, _ = fn()
-        if grad:
-            o.backward(do)
-    for fn in (lambda: chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0),
-               lambda: kda_chunk(q, k, v, g, beta, lower_bound=-5.0)):
-        for _ in range(3):
-            o, _ = fn()
-            if grad:
-                o.backward(do)
+    for reps in (1, 3):
+        for fn in (lambda: chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0),
+                   lambda: kda_chunk(q, k, v, g, beta, lower_bound=-5.0)):
+            for _ in range(reps):
+                o, _ = fn()
+                if grad:
+                    o.backward(do)
+                del o
     torch.cuda.synchronize()
+    del q, k, v, g, beta, do, a
+    torch.cuda.empty_cache()
 
 
 def _snapshot(tk):
