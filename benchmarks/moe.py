@@ -63,11 +63,11 @@ def _sort_rows(idx, e):
 
 
 def set_trial(tm, change, base=None):
-    """Apply a --variants trial ({config name: settings} or {"GLU_BWD_IMPL": impl}) to backends.triton.moe; with
-    base (a copy of TILE_CONFIGS["cuda"] and GLU_BWD_IMPL), undo it."""
+    """Apply a --variants trial ({config name: settings} or {"GLU_BWD_IMPL" / "WGRAD_IMPL": impl}) to
+    backends.triton.moe; with base (a copy of TILE_CONFIGS["cuda"], GLU_BWD_IMPL and WGRAD_IMPL), undo it."""
     for kk, v in change.items():
-        if kk == "GLU_BWD_IMPL":
-            tm.GLU_BWD_IMPL = base["GLU_BWD_IMPL"] if base is not None else v
+        if kk in ("GLU_BWD_IMPL", "WGRAD_IMPL"):
+            setattr(tm, kk, base[kk] if base is not None else v)
         elif base is not None:
             tm.TILE_CONFIGS["cuda"][kk] = dict(base[kk])
         else:
@@ -376,7 +376,8 @@ def main():
             record("loop", T, "experts fwd", lambda: loop_experts(xl, idx, wt, p["w1"], p["w3"], p["w2"]),
                    f_exp, ebytes, reps)
             if args.variants and not args.cpu_smoke:
-                base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, GLU_BWD_IMPL=tm.GLU_BWD_IMPL)
+                base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, GLU_BWD_IMPL=tm.GLU_BWD_IMPL,
+                        WGRAD_IMPL=tm.WGRAD_IMPL)
                 trials = {
                     "glu-gather": {"glu_fwd": dict(A_TMA=False)},
                     "mm128x128s4": {"mm": dict(BN=128, num_stages=4)},
@@ -426,7 +427,8 @@ def main():
                 (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu))
             print("  " + notes[-1], flush=True)
         if args.variants and dev == "cuda":
-            base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, GLU_BWD_IMPL=tm.GLU_BWD_IMPL)
+            base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, GLU_BWD_IMPL=tm.GLU_BWD_IMPL,
+                        WGRAD_IMPL=tm.WGRAD_IMPL)
             # backward tile settings not yet timed on the H200 (the default of each in TILE_CONFIGS)
             trials = {
                 "wgrad-" + ("split" if base["wgrad_dual"].get("DUAL", True) else "dual"):
@@ -434,6 +436,8 @@ def main():
                 # the GLU backward in the GEMM epilogue (the 8th session's default; 6 stages: best of the 9th
                 # session's launch-setting sweep at 32768 tokens)
                 "glubwd-fused": {"GLU_BWD_IMPL": "fused", "glu_bwd": dict(num_stages=6)},
+                # weight gradients for few rows per expert (not yet timed): the expert's P tile held, Q pipelined
+                "wgrad-v3": {"WGRAD_IMPL": "v3"},
             }
 
             def vstep():

@@ -40,10 +40,12 @@ SWEEPS = {
                 ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),
                 ("v2 dual", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True)}),
                 ("v2 dual O_TMA", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True), "wgrad2_dual": dict(O_TMA=True)}),
-                ("v2 2x", {"WGRAD_IMPL": "v2"})],
+                ("v2 2x", {"WGRAD_IMPL": "v2"}), ("v3", {"WGRAD_IMPL": "v3"}),
+                ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)})],
     "wgrad2": [("v1 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}), ("v1 128x256", {"WGRAD_IMPL": "v1"}),
                ("v1 128x256 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(num_stages=2)}), ("v2", {"WGRAD_IMPL": "v2"}),
-               ("v2 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(O_TMA=True)})],
+               ("v2 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(O_TMA=True)}), ("v3", {"WGRAD_IMPL": "v3"}),
+               ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)})],
 }
 
 

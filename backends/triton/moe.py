@@ -71,11 +71,13 @@ TILE_CONFIGS = {
                        P_TMA=True, Q_TMA=True, O_TMA=False),
         "wgrad2_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=1,
                             P_TMA=True, Q_TMA=True, O_TMA=False),
+        # WGRAD_IMPL "v3" (few rows per expert; not yet timed): [BM, KP] P tile held, BN-column Q tiles pipelined
+        "wgrad3": dict(BM=128, BN=128, num_warps=8, num_stages=3),  # (stages cut to what fits at large KP)
     },
     "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1,
                        A_TMA=True, W_TMA=True, P_TMA=True, Q_TMA=True, O_TMA=True, NUM_PROGS=3)
             for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm", "wgrad", "wgrad_dual", "wgrad2",
-                         "wgrad2_dual")}
+                         "wgrad2_dual", "wgrad3")}
            | {"glu_bwd_rows": dict(BLOCK_R=2, BLOCK_N=16, num_warps=4, num_stages=1)},
 }
 
@@ -91,6 +93,14 @@ TILE_CONFIGS = {
 # v1 is the faster at both sizes, so "v1" is the default.  Tests and benchmarks may set this module attribute.
 WGRAD_IMPL = "v1"
 WGRAD_V2_MIN_ROWS = 256
+#   "v3": _wgrad_v3_kernel, one program per (expert, m-tile) holding the expert's whole P^T tile (rows padded to KP,
+#         the next power of two >= the largest expert's rows, at least 16) and looping over n-tiles with the Q loads
+#         pipelined behind the products and stores; for few rows per expert (8192 tokens of the K3 layer: 146 on
+#         average), where v1 writes the gradient at ~1.3-1.6 TB/s. Experts over WGRAD_V3_MAX_ROWS rows fall back to v1.
+#         Reads the largest expert's row count on the host (one device sync per call). Not yet timed on the H200
+#         (benchmarks/moe_tiles.py --kernels wgrad13,wgrad2 lists it).
+WGRAD_V3_MAX_ROWS = 256
+SHARED_BYTES = 232448  # an sm_90 block's shared-memory limit (227 KB)
 
 # How the backward computes dA, dB (and d topk_weight) from G = du[tok] w2[e]:
 #   "split" (default): a plain grouped GEMM writes G (config "glu_bwd_mm"), then _glu_bwd_rows_kernel reads G and
@@ -535,13 +545,20 @@ def _combine(y, d, wt, out_dtype):
 
 def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, qtok=None):
     """out[e] = P_e^T Q_e (and out2[e] = P2_e^T Q_e) over each expert's rows; see the kernels."""
-    if WGRAD_IMPL not in ("auto", "v1", "v2"):
-        raise ValueError(f"moe_experts: WGRAD_IMPL must be 'auto', 'v1' or 'v2', got {WGRAD_IMPL!r}")
+    if WGRAD_IMPL not in ("auto", "v1", "v2", "v3"):
+        raise ValueError(f"moe_experts: WGRAD_IMPL must be 'auto', 'v1', 'v2' or 'v3', got {WGRAD_IMPL!r}")
     impl = WGRAD_IMPL
     if impl == "auto":
         impl = "v2" if d.nk >= WGRAD_V2_MIN_ROWS * max(d.e, 1) else "v1"
     if impl == "v2" and pscale is None:
         return _wgrad_v2(p, q, d, mm, nn, out, p2=p2, out2=out2, ptok=ptok, qtok=qtok)
+    if impl == "v3" and pscale is None:
+        rows_max = int((d.offs[1:] - d.offs[:-1]).max()) if d.e else 0
+        if rows_max <= WGRAD_V3_MAX_ROWS:
+            kp = max(16, next_power_of_2(max(rows_max, 1)))
+            for pp, oo in ((p, out),) + (((p2, out2),) if p2 is not None else ()):
+                _wgrad_v3(pp, q, d, mm, nn, oo, kp, ptok=ptok, qtok=qtok)
+            return
     dual = p2 is not None
     cfg = _cfg("wgrad_dual" if dual else "wgrad", p)
     m_tiles, n_tiles = cdiv(mm, cfg["BM"]), cdiv(nn, cfg["BN"])
@@ -552,6 +569,32 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
         DUAL=dual, PREC=_prec(p.dtype), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], **_launch_cfg(cfg, p))
+
+
+def _wgrad_v3_stages(cfg, kp, es):
+    """Pipeline stages of _wgrad_v3_kernel that fit SHARED_BYTES: the held [BM, KP] P tile, one [KP, BN] Q tile per
+    stage and the epilogue's [BM, BN] staging (sm_90a compile, 9th session: KP 256, 128 x 128 -> 224 KB at 2 stages;
+    KP 128 -> 160 KB at 3). es: element size in bytes."""
+    bm, bn = cfg["BM"], cfg["BN"]
+    fit = (SHARED_BYTES - bm * kp * es - bm * bn * es) // (kp * bn * es)
+    return max(1, min(cfg["num_stages"], fit))
+
+
+def _wgrad_v3(p, q, d, mm, nn, out, kp, *, ptok=None, qtok=None):
+    """Launch _wgrad_v3_kernel: out[e] = P_e^T Q_e for experts of at most kp rows (kp a power of two >= 16)."""
+    cfg = _cfg("wgrad3", p)
+    bm, bn = cfg["BM"], cfg["BN"]
+    m_tiles = cdiv(mm, bm)
+    if bm * out.stride(1) >= 2 ** 31:
+        raise ValueError(f"moe_experts: weight-gradient rows of {out.stride(1)} elements are too wide for "
+                         f"{bm}-row tiles")
+    launch = _launch_cfg(cfg, p)
+    if p.is_cuda:
+        launch["num_stages"] = _wgrad_v3_stages(cfg, kp, p.element_size())
+    _k._wgrad_v3_kernel[(d.e * m_tiles,)](
+        p, ptok if ptok is not None else d.tok, q, qtok if qtok is not None else d.tok, out, d.offs,
+        mm, nn, m_tiles, p.stride(0), q.stride(0), out.stride(0), out.stride(1),
+        P_GATHER=ptok is not None, Q_GATHER=qtok is not None, PREC=_prec(p.dtype), BM=bm, BN=bn, KP=kp, **launch)
 
 
 def _num_sms(t):

@@ -465,6 +465,40 @@ def _wgrad_q_tile(q_ptr, qtok_ptr, k0, kk, rmask, ns, nmask, stride_qm, Q_GATHER
 
 
 @triton.jit
+def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, MM, NN, m_tiles,
+                     stride_pm, stride_qm, stride_oe, stride_om,
+                     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, PREC: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr):
+    """Weight gradient for few rows per expert ("v3"; same result as ``_wgrad_kernel`` without DUAL / P_SCALE):
+    out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n], every expert having at most KP rows (the host checks).
+
+    One program per (expert, m-tile): the expert's P^T tile [BM, KP] is loaded once (rows past the expert read
+    as 0), then the loop over the n-tiles loads Q [KP, BN], forms one KP-deep product and stores the [BM, BN]
+    gradient tile. The n loop is the software-pipelined loop, so the next Q tile is in flight while a tile is
+    multiplied and stored: at a few hundred rows per expert the gradient's bytes (E x MM x NN) dominate and v1's
+    one short K loop per program leaves the stores unoverlapped."""
+    pid = tl.program_id(0)
+    e = pid // m_tiles
+    pid_m = pid % m_tiles
+    r0 = tl.load(offs_ptr + e).to(tl.int64)
+    r1 = tl.load(offs_ptr + e + 1).to(tl.int64)
+    kk = tl.arange(0, KP)
+    rmask = (r0 + kk) < r1
+    ms = pid_m * BM + tl.arange(0, BM)
+    mmask = ms < MM
+    pt = _wgrad_p_tile(p_ptr, ptok_ptr, r0, kk, rmask, ms, mmask, stride_pm, P_GATHER)  # [BM, KP]
+    base = e.to(tl.int64) * stride_oe + (pid_m * BM).to(tl.int64) * stride_om
+    o_rows = tl.arange(0, BM)[:, None] * stride_om  # 32-bit in-tile offsets (BM * stride_om < 2**31)
+    for n0 in range(0, NN, BN):
+        ns = n0 + tl.arange(0, BN)
+        nmask = ns < NN
+        qv = _wgrad_q_tile(q_ptr, qtok_ptr, r0, kk, rmask, ns, nmask, stride_qm, Q_GATHER)  # [KP, BN]
+        acc = tl.dot(pt, qv, input_precision=PREC, out_dtype=tl.float32)
+        tl.store(out_ptr + base + (o_rows + ns[None, :]), acc.to(out_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _wgrad_v2_kernel(p_src, p2_src, q_src, p_ptr, p2_ptr, ptok_ptr, q_ptr, qtok_ptr, o_dst, o2_dst, offs_ptr,
                      MM, NN, E, m_tiles, n_tiles, num_progs,
                      stride_pm, stride_qm, stride_oe, stride_om,
