@@ -12,6 +12,7 @@ Targets share parameter names and shapes, so ``load_state_dict`` moves weights b
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Callable
 
@@ -206,6 +207,7 @@ class CompiledModule(nn.Module):
         self.stages = stages
         self.target = target
         self.dtype = dtype
+        self._dtype_key: str | None = None
         self._table = TARGETS[target]()
         self._names: dict[str, str] = {}           # node name -> state-dict key
         self.routing_stats: dict[str, torch.Tensor] = {}
@@ -245,13 +247,22 @@ class CompiledModule(nn.Module):
             shape = [int(d) for d in t.shape]
             data = torch.empty(shape, dtype=tdt, device=device)
             if str(device) != "meta":
-                _init_(data, n.attr("init"), n.attr("std"), gen)
+                if tdt.is_floating_point and tdt != torch.float32:
+                    # drawn in float32, then rounded: one seed gives one model in every compile dtype
+                    d32 = torch.empty(shape, dtype=torch.float32, device=device)
+                    _init_(d32, n.attr("init"), n.attr("std"), gen)
+                    data.copy_(d32)
+                    del d32
+                else:
+                    _init_(data, n.attr("init"), n.attr("std"), gen)
             owner = _container(self, path)
             if n.op == "param":
                 owner.register_parameter(leaf, nn.Parameter(data))
             else:
                 owner.register_buffer(leaf, data)
             self._names[n.name] = key
+            if n.op == "param" and tdt is dtype and self._dtype_key is None:
+                self._dtype_key = key              # a weight in the compile dtype: m.dtype follows it
         self._router_layers = {}
         self._node_types = {n.name: n.types[0].shape for n in graph.nodes if n.types}
         # target "triton" (passes/lower.py finds both, for the kernel IR too): AttnRes anchors that run their
@@ -281,6 +292,14 @@ class CompiledModule(nn.Module):
             self.register_load_state_dict_post_hook(lambda module, _keys: module._sync_updates())
         # bias each router used in the last train-mode forward, for activation-checkpoint recomputation
         self._bias_used: dict[str, torch.Tensor] = {}
+
+    def _apply(self, fn, recurse=True):
+        # m.to(torch.bfloat16) / m.half() / m.float() convert the weights: keep m.dtype (the dtype float inputs
+        # are cast to) equal to theirs
+        out = super()._apply(fn, recurse)
+        if self._dtype_key is not None:
+            self.dtype = self.get_parameter(self._dtype_key).dtype
+        return out
 
     # -- IR access ----------------------------------------------------------------------------
     def ir(self, stage: str = "canonical") -> str:
@@ -326,19 +345,27 @@ class CompiledModule(nn.Module):
                                      f"max_seq_len = {limit} (the context it is built for); running anyway"),
                           stacklevel=4)
 
-    def forward(self, input_ids: torch.Tensor, *, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
-        """The model on its single input (token ids [B, T] for the K3 specs); returns its first output.
+    def forward(self, input_ids: torch.Tensor, *, progress: Callable[[int, int], None] | None = None):
+        """The model on its single input (token ids [B, T] for the K3 specs); returns its output, or the tuple of
+        its outputs when the graph returns several.
 
         ``progress(done, total)`` is called after every op (mtc run's per-op bar). A graph with several inputs
-        or outputs runs through :meth:`run` instead: ``m.run(name=tensor, ...)`` returns the list of outputs."""
+        runs through :meth:`run` instead: ``m.run(name=tensor, ...)`` returns the list of outputs."""
         ins = self.graph.inputs()
         if len(ins) != 1:
             names = ", ".join(f"{n.attr('name')}=..." for n in ins)
             raise MtcError(f"this graph takes {len(ins)} inputs ({', '.join(n.attr('name') for n in ins)}): call "
                            f"m.run({names}), which returns the list of outputs")
-        return self.run(**{ins[0].attr("name"): input_ids}, progress=progress)[0]
+        outs = self.run(**{ins[0].attr("name"): input_ids}, progress=progress)
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def run(self, progress=None, **inputs):
+        """Run the graph on named inputs (``m.run(q=..., k=...)``); returns the list of its outputs.
+
+        Inputs are checked against the graph's declared types: rank, the sizes of numeric dimensions, one size
+        per shape symbol across inputs, integer ids (int64 / int32) where the graph declares them; float inputs
+        are cast to the module's dtype (``m.dtype``) for every target. ``progress(done, total)``: see forward.
+        Raises MtcError for a missing, unknown, empty or mis-shaped input."""
         g = self.graph
         p0 = next(self.parameters(), None)
         if p0 is not None and p0.is_meta:
@@ -364,7 +391,12 @@ class CompiledModule(nn.Module):
                 raise MtcError(f"input '{name}' must be a tensor of rank {t.rank} ({t}), got "
                                f"{getattr(x, 'shape', type(x))}")
             if t.dtype in ("i64", "i32") and x.dtype not in (torch.int64, torch.int32):
-                raise MtcError(f"input '{name}' must be an integer tensor ({t}), got {x.dtype}")
+                raise MtcError(f"input '{name}' must be an int64 or int32 tensor ({t}), got {x.dtype}")
+            if t.dtype not in ("i64", "i32", "bool"):
+                if not x.is_floating_point():
+                    raise MtcError(f"input '{name}' must be a float tensor ({t}), got {x.dtype}")
+                if x.dtype != self.dtype:
+                    x = x.to(self.dtype)   # every target computes in the module's dtype (the reference did so)
             if x.numel() == 0:
                 raise MtcError(f"input '{name}' is empty (shape {list(x.shape)}); need at least one token")
             for d, s in zip(t.shape, x.shape):
@@ -475,7 +507,13 @@ class CompiledModule(nn.Module):
         if n.op == "reshape":
             return args[0].reshape(self._shape(n.attr("shape"), bind))
         if n.op == "slice":
-            return args[0].narrow(n.attr("dim"), n.attr("start"), n.attr("end") - n.attr("start"))
+            dim, start, end = n.attr("dim"), n.attr("start"), n.attr("end")
+            size = args[0].shape[dim]
+            if end > size:                          # a symbolic dimension the spec could not bound
+                axis = n.inputs and n.types and self._node_types.get(n.inputs[0].node)
+                what = f"dimension {axis[dim]}" if axis else f"dim {dim}"
+                raise MtcError(f"slice [{start}:{end}] needs {what} >= {end}, but this input has {size} there", n.loc)
+            return args[0].narrow(dim, start, end - start)
         if n.op == "concat":
             return torch.cat(args, dim=n.attr("dim"))
         if n.op == "broadcast":
@@ -493,15 +531,21 @@ class CompiledModule(nn.Module):
         the k-th and the (k+1)-th biased router score (sigmoid units)}.  Two targets (or dtypes) whose
         scores differ by more than a layer's margin may pick different experts for some token: a discrete
         switch, not an error; compare logits across targets on inputs whose margins exceed that rounding
-        (float32: ~1e-7; bf16: ~1e-2).
+        (float32: ~1e-7; bf16: ~1e-2).  A layer whose top-k takes every expert (top_k == experts) has no
+        (k+1)-th score and no choice to flip: its margin is inf.
         """
         route = self._table["qb_route"]
         margins: dict[str, float] = {}
 
         def spy(n, x, w, b):
             out = route(n, x, w, b)
-            top = (out[2] + b.float()).topk(n.attr("top_k") + 1, dim=-1).values
-            gap = float((top[..., -2] - top[..., -1]).min())
+            biased = out[2] + b.float()
+            k = n.attr("top_k")
+            if k >= biased.shape[-1] or biased.numel() == 0:
+                gap = math.inf                      # every expert is chosen (or no token): nothing can flip
+            else:
+                top = biased.topk(k + 1, dim=-1).values
+                gap = float((top[..., -2] - top[..., -1]).min())
             layer = self._router_layers[n.name][0]
             margins[layer] = min(gap, margins.get(layer, gap))
             return out
@@ -616,9 +660,9 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         passes / print_after / dump_ir: see passes.PassManager.
         emit_dir: (triton) write the generated kernels there instead of the cache directory.
     Raises:
-        MtcError: an unknown target or device, a dtype other than float32 / float16 / bfloat16 for
-            "triton" / "tvm", bfloat16 under the Triton interpreter, target "tvm" without
-            TVM installed, or a graph that fails verification.
+        MtcError: an unknown target or device, a dtype that is not a float dtype (or, for "triton" / "tvm",
+            not float32 / float16 / bfloat16), bfloat16 under the Triton interpreter, a seed that is not an
+            integer in [0, 2**63), target "tvm" without TVM installed, or a graph that fails verification.
     """
     from passes import PIPELINES, PassManager
     if target not in TARGETS:
@@ -629,6 +673,11 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if isinstance(dtype, str):
         from dsl.ir import canon_dtype
         dtype = TORCH_DTYPES[canon_dtype(dtype)]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise MtcError(f"dtype {dtype!r}: a model computes in a float dtype (float32, bfloat16, float16 or, on "
+                       f"target 'reference', float64)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 63):
+        raise MtcError(f"seed {seed!r}: an integer in [0, 2**63) (or None: torch's global RNG)")
     if target == "tvm" and passes == "default":
         # TVM covers the direct attn_residual, not the two-phase kernels: keep the direct form
         passes = [p for p in PIPELINES["default"] if p != "batch_attn_residual"]

@@ -305,13 +305,17 @@ def _lowered_report(args, g, pm, prog) -> str:
     out.append(f"// code cache key: {prog.cache_key()}\n")
     T = args.seq_len or dict(g.meta_get("config", ())).get("max_seq_len", 4096)
     moe = [n for n in g.nodes if n.op in ("latent_moe", "moe")]
-    E = moe[0].attr("experts") if moe else None
+    # layers of different expert counts share one slot count per layer (>= the largest; the smaller layers fill
+    # the extra slots with replicas) and get one placement per expert count
+    counts = sorted({int(n.attr("experts")) for n in moe})
+    E = counts[-1] if moe else None
     fit = None if E is None else -(-E // args.gpus) * args.gpus      # the fewest slots >= E on --gpus GPUs
     if args.slots is not None:
         if E is None:
             _warn(f"--slots {args.slots} ignored: model '{g.name}' has no MoE layer")
         elif args.slots < E or args.slots % args.gpus:
-            raise MtcError(f"--slots {args.slots}: needs at least the {E} experts of a MoE layer and a multiple of "
+            which = "a MoE layer" if len(counts) == 1 else "the largest MoE layer"
+            raise MtcError(f"--slots {args.slots}: needs at least the {E} experts of {which} and a multiple of "
                            f"--gpus {args.gpus} (the slots are spread evenly over the GPUs); e.g. --slots {fit}")
     slots = args.slots or fit
     try:
@@ -325,7 +329,12 @@ def _lowered_report(args, g, pm, prog) -> str:
                        f"expert-parallel group of at most {MAX_GPUS:,} GPUs and {MAX_SLOTS:,} slots; "
                        f"passes.place_experts.plan(load, num_gpus=...) plans one group from Python)")
         elif moe:
-            out.append("\n" + place(None, args.gpus, num_slots=slots, num_experts=E).summary())
+            for Ei in counts:
+                if len(counts) > 1:
+                    k = sorted({int(n.attr("top_k")) for n in moe if int(n.attr("experts")) == Ei})
+                    nl = sum(int(n.attr("experts")) == Ei for n in moe)
+                    out.append(f"\n// MoE layers with {Ei} experts (top-{'/'.join(map(str, k))}): {nl} of {len(moe)}")
+                out.append("\n" + place(None, args.gpus, num_slots=slots, num_experts=Ei).summary())
     except ValueError as e:
         raise MtcError(str(e)) from None
     out.append(f"\n// memory plan and placement took {time.perf_counter() - t0:.2f} s")
@@ -618,7 +627,10 @@ def cmd_ops(args) -> int:
     from .spec_forms import SPEC_FORMS, STACK
     names = sorted(list(OPS) + ["stack"])
     if args.op and args.op not in names:
-        raise MtcError(f"unknown op '{args.op}'{did_you_mean(args.op, names)}; `mtc ops` lists them all")
+        related = [n for n in names if n.startswith(args.op) or args.op in n.split("_")]
+        hint = (f" (ops named {args.op}...: {', '.join(related)})" if related and not did_you_mean(args.op, names)
+                else did_you_mean(args.op, names))
+        raise MtcError(f"unknown op '{args.op}'{hint}; `mtc ops` lists them all")
     out = []
     for name in names:
         if args.op and name != args.op:

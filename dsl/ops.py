@@ -491,7 +491,9 @@ def _kda_gate(ts, a):
 
 register("kda_gate", _kda_gate, n_data_inputs=3, inputs=("x", "A_log", "dt_bias"),
          attrs={"lower_bound": -5.0, "gate": "sigmoid"}, flops=lambda ts, os, a: 6 * numel(ts[0]),
-         doc="g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias)), float32 log decay")
+         doc="float32 log decay g <= 0. gate=\"sigmoid\" (default, the lower-bounded gate that kda_chunk's "
+             "dense tiles need): g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias)); gate=\"softplus\" "
+             "(unbounded, Mamba-style): g = -exp(A_log) * softplus(x + dt_bias)")
 
 
 def _kda_chunk(ts, a):
@@ -588,6 +590,13 @@ def _moe_experts(ts, a):
     _need_rank(x, 2, "x_lat [N, l]")
     if idx.dtype not in ("i64", "i32") or idx.rank != 2:
         raise ShapeError(f"topk_idx must be integer [N, k], got {idx}")
+    if w.rank != 2 or not (_eq(w.shape[0], idx.shape[0]) and _eq(w.shape[1], idx.shape[1])):
+        raise ShapeError(f"topk_weight {_shape(w)} must be [N, k] like topk_idx {_shape(idx)}")
+    if not _eq(idx.shape[0], x.shape[0]):
+        raise ShapeError(f"topk_idx {_shape(idx)} must have one row per token of x_lat {_shape(x)}")
+    _need_rank(w1, 3, "w1 [E, I, l]")
+    _need_rank(w3, 3, "w3 [E, I, l]")
+    _need_rank(w2, 3, "w2 [E, l, I]")
     E, I, L = w1.shape
     if not (_eq(L, x.shape[1]) and all(_eq(p, q) for p, q in zip(w1.shape, w3.shape))):
         raise ShapeError(f"w1 {_shape(w1)} / w3 {_shape(w3)} must be [E, I, l] with l = {x.shape[1]}")
@@ -712,7 +721,8 @@ register("kda_layer", _x_only("kda_layer"), params=_kda_params, expand=_kda_expa
                 "gate": "sigmoid", "forget_rank": 0, "gate_rank": 0, "norm_eps": 1e-6},
          doc="KDA token mixer: projections -> short conv + SiLU -> L2 norm (q, k) -> kda_gate -> kda_chunk "
              "-> per-head RMSNorm * sigmoid output gate -> o_proj (Kimi Linear, arXiv 2510.26692). "
-             "v_head_dim 0 = head_dim; forget_rank 0 = head_dim; gate_rank 0 = full-rank output gate")
+             "v_head_dim 0 = head_dim; forget_rank 0 = head_dim; gate_rank 0 = full-rank output gate; "
+             "gate=\"sigmoid\" | \"softplus\": the decay gate (see `mtc ops kda_gate`)")
 
 
 # -- gated MLA layer
@@ -803,7 +813,7 @@ _ACT = {"act": "situ", "beta_gate": 4.0, "beta_up": 25.0}
 
 register("glu_ffn", _x_only("glu_ffn"), params=_glu_params, expand=_glu_expand, is_layer=True,
          default_name="mlp", inputs=("x",), attrs={"inter": REQUIRED, **_ACT},
-         doc="gated FFN: down(act(gate x) * up x); act = SiTU-GLU (K3) or SwiGLU")
+         doc="gated FFN: down(act(gate x) * up x); act=\"situ\" (SiTU-GLU, K3) or act=\"silu\" (SwiGLU)")
 
 
 # -- MoE layers

@@ -6,6 +6,7 @@ Errors point at the spec: ``file:line:col`` with the offending line and a caret.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import re
 from dataclasses import dataclass
@@ -195,6 +196,11 @@ class SpecModel:
 
     def _coerce(self, name, typ, val, loc):
         py = CONFIG_TYPES[typ]
+        if not isinstance(val, (bool, int, float)):  # numpy / torch scalars from Python overrides
+            if isinstance(val, numbers.Integral):
+                val = int(val)
+            elif isinstance(val, numbers.Real):
+                val = float(val)
         if typ == "float" and isinstance(val, int) and not isinstance(val, bool):
             val = float(val)
         if typ == "int" and isinstance(val, float) and val.is_integer():
@@ -204,6 +210,9 @@ class SpecModel:
             raise self.err(f"config field '{name}' is declared {typ} but its value is {describe(val)}", loc, hint)
         if typ == "float" and not math.isfinite(val):
             raise self.err(f"config field '{name}' must be a finite number, got {val}", loc)
+        if name == "max_seq_len" and typ == "int" and val < 1:
+            raise self.err(f"config field 'max_seq_len' (the context the model is declared for, in tokens) must be "
+                           f">= 1, got {val}", loc)
         if typ == "dtype" or (name == "dtype" and typ == "str"):
             val = canon_dtype(val, loc)
         if name == "dtype" and val not in FLOAT_DTYPES:
@@ -764,5 +773,8 @@ def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> M
 
 def build_graph(spec: SpecModel, variant: str | None = None, **overrides):
     config = spec.resolve_config(variant, overrides)
+    for other in spec.variants:        # every variant's config is checked, not only the one selected
+        if other != variant:
+            spec.resolve_config(other, {})
     name = spec.name + (f".{variant}" if variant else "")
     return SpecBuilder(spec, config, name).run()

@@ -455,7 +455,9 @@ def load_from_routing_stats(stats: Mapping[str, torch.Tensor | Sequence[float]])
             raise ValueError(f"load_from_routing_stats: layer '{k}' has shape {tuple(t.shape)}, expected [E]")
         if rows and t.numel() != rows[0].numel():
             raise ValueError(f"load_from_routing_stats: layer '{k}' has {t.numel()} experts but "
-                             f"'{names[0]}' has {rows[0].numel()}")
+                             f"'{names[0]}' has {rows[0].numel()}: one placement plans layers of one expert count; "
+                             f"pass the layers of each count separately, e.g. "
+                             f"{{k: v for k, v in stats.items() if len(v) == {t.numel()}}}")
         if not torch.isfinite(t).all() or (t < 0).any():
             raise ValueError(f"load_from_routing_stats: layer '{k}' has negative or non-finite counts")
         rows.append(t)

@@ -139,6 +139,11 @@ class MemoryPlan:
         """dispatch + combine summed over all MoE layers, per GPU per forward."""
         return sum(c.total_bytes for c in self.moe_comm)
 
+    @property
+    def mixed_experts(self) -> bool:
+        """Whether the MoE layers have different expert counts (expert_slots_per_gpu is then the largest)."""
+        return len({c.experts for c in self.moe_comm}) > 1
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(weight_bytes=self.weight_bytes, total_bytes=self.total_bytes,
@@ -150,7 +155,8 @@ class MemoryPlan:
     def summary(self) -> str:
         hb = _human_bytes
         rows = [
-            (f"routed experts ({self.expert_slots_per_gpu} per MoE layer x {self.moe_layers} layers, "
+            (f"routed experts ({'up to ' if self.mixed_experts else ''}{self.expert_slots_per_gpu} per MoE layer x "
+             f"{self.moe_layers} layers, "
              f"EP {self.ep_size})" if self.moe_layers else "routed experts (no MoE layer)", self.expert_weight_bytes),
             (f"other weights, >= 2-D (split over TP {self.tp_size})", self.sharded_weight_bytes),
             ("other weights, 1-D and buffers (replicated)", self.replicated_weight_bytes),
@@ -171,7 +177,9 @@ class MemoryPlan:
                        f"{hb(self.activation_recompute_bytes)} for the largest recomputed {self.checkpointing})")
         if self.moe_comm:
             c = max(self.moe_comm, key=lambda c: c.total_bytes)
-            out.append(f"  expert-parallel all-to-all per MoE layer: dispatch {hb(c.dispatch_bytes)} + combine "
+            out.append(f"  expert-parallel all-to-all per MoE layer"
+                       f"{f' (the largest, {c.layer})' if len({(x.experts, x.top_k, x.width) for x in self.moe_comm}) > 1 else ''}"
+                       f": dispatch {hb(c.dispatch_bytes)} + combine "
                        f"{hb(c.combine_bytes)} per GPU (top-{c.top_k} x width {c.width} x "
                        f"{c.tokens_per_gpu:,.0f} tokens, {c.remote_fraction:.3f} remote; dispatch once per GPU: "
                        f"{hb(c.dispatch_dedup_bytes)}); {hb(self.a2a_bytes_total)} over {len(self.moe_comm)} layers")

@@ -373,3 +373,41 @@ def test_run_reads_only_max_tokens_takes_stdin_and_writes_json_to_stdout():
     _clean_error(r, "use --dtype instead")
     r = mtc("run", "--json", "", "--max-tokens", "50")
     _clean_error(r, "--json needs a file name")
+
+
+MIXED_MOE = """model mixed {
+  config {
+    d: int = 64
+  }
+  block kda = kda_layer(heads=2, head_dim=32)
+  block moe_a = moe(experts=10, top_k=2, inter=32, shared=1)
+  block moe_b = latent_moe(experts=12, top_k=3, inter=32, latent=32)
+  forward(input_ids: i64[B, T]) {
+    x = embedding(input_ids, vocab=256, dim=d)
+    x = stack(x, layers=1) {
+      attn = kda
+      ffn = moe_a
+    }
+    x = stack(x, layers=1, prefix="model.late") {
+      attn = kda
+      ffn = moe_b
+    }
+    return lm_head(rmsnorm(x), vocab=256)
+  }
+}
+"""
+
+
+def test_lowered_plan_with_moe_layers_of_different_expert_counts(tmp_path):
+    # one slot count per layer, at least the largest layer's experts; one placement per expert count
+    spec = tmp_path / "mixed.mtc"
+    spec.write_text(MIXED_MOE)
+    out = mtc("ir", str(spec), "--stage", "lowered")
+    assert out.returncode == 0, out.stderr
+    assert "routed experts (up to 12 per MoE layer x 2 layers" in out.stdout
+    assert "// MoE layers with 10 experts (top-2): 1 of 2" in out.stdout
+    assert "// MoE layers with 12 experts (top-3): 1 of 2" in out.stdout
+    assert "expert placement: 10 experts -> 12 slots" in out.stdout
+    assert "expert placement: 12 experts -> 12 slots" in out.stdout
+    _clean_error(mtc("ir", str(spec), "--stage", "lowered", "--slots", "10"),
+                 "--slots 10: needs at least the 12 experts of the largest MoE layer")

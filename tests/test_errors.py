@@ -568,3 +568,40 @@ def test_unknown_keyword_lists_name_for_ops_with_parameters_and_ir_text_gets_a_h
     with pytest.raises(MtcError) as ei:
         dsl.load(ir)
     assert "is graph IR text" in ei.value.hint and "dsl.parse_ir" in ei.value.hint
+
+
+@pytest.mark.parametrize("idx,w,x,needle", [
+    ("i64[T, 2]", "f32[T, 3]", "f32[T, 16]", "topk_weight [T, 3] must be [N, k] like topk_idx [T, 2]"),
+    ("i64[S, 2]", "f32[S, 2]", "f32[T, 16]", "topk_idx [S, 2] must have one row per token of x_lat [T, 16]"),
+])
+def test_moe_experts_routing_shapes_are_checked_at_the_call(idx, w, x, needle):
+    spec = f"""model t {{
+  forward(x: {x}, idx: {idx}, w: {w}, w1: f32[4, 32, 16], w3: f32[4, 32, 16], w2: f32[4, 16, 32]) {{
+    return moe_experts(x, idx, w, w1, w3, w2)
+  }}
+}}"""
+    e = _err(spec)
+    assert _loc(e) == (3, 12) and needle in e.msg
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('d = "x"', "config field 'd' is declared int but its value is \"x\""),
+    ("dd = 160", "variant 'big' sets 'dd', which is not a config field"),
+    ("max_seq_len = 0", "config field 'max_seq_len' (the context the model is declared for, in tokens) must be >= 1"),
+])
+def test_every_variant_is_checked_even_when_not_selected(line, needle):
+    spec = f"""model m {{
+  config {{
+    d: int = 32
+    max_seq_len: int = 4096
+  }}
+  variant big {{
+    {line}
+  }}
+  forward(input_ids: i64[B, T]) {{
+    x = embedding(input_ids, vocab=256, dim=d)
+    return lm_head(rmsnorm(x), vocab=256)
+  }}
+}}"""
+    e = _err(spec)                            # no variant selected: the default config would be fine
+    assert _loc(e) == (7, 5) and needle in e.msg

@@ -241,6 +241,8 @@ def test_argument_checks_and_no_double_backward():
     q, k, v, g, beta, S0 = make(1, 70, 1, 16, 16)
     with pytest.raises(ValueError, match="g must be <= 0"):
         tk.kda_chunk(q, k, v, -g, beta, check_finite=True)
+    with pytest.raises(ValueError, match="g must be <= 0"):  # the default checks CPU tensors (as the reference)
+        tk.kda_chunk(q, k, v, -g, beta)
     g_inf = g.clone()
     g_inf[0, 5, 0, 3] = float("-inf")
     with pytest.raises(ValueError, match="g holds NaN or inf"):

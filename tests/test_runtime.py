@@ -1,6 +1,7 @@
 """dsl.compile(target="reference"): a runnable module with HF-style names, sane initialisation, the QB
 bias as a buffer, routing statistics, and the full model on meta tensors."""
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,7 @@ def test_kimi_linear_tiny_runs():
 def test_bad_inputs_are_clear_errors(tiny):
     with pytest.raises(dsl.MtcError, match="rank 2"):
         tiny(torch.randint(0, 256, (5,)))
-    with pytest.raises(dsl.MtcError, match="must be an integer tensor"):
+    with pytest.raises(dsl.MtcError, match="must be an int64 or int32 tensor"):
         tiny(torch.randn(1, 5))
     with pytest.raises(IndexError, match="token id 300"):
         tiny(torch.tensor([[1, 300]]))
@@ -226,6 +227,28 @@ def test_past_max_seq_len_warns_once():
             m(ids)                                  # once per module
 
 
+def test_route_margins_with_every_expert_chosen_is_inf():
+    # top_k == experts: no (k+1)-th score to compare, no choice that rounding could flip
+    spec = """model manye {
+  config {
+    d: int = 32
+  }
+  block kda = kda_layer(heads=2, head_dim=16)
+  block moe = moe(experts=4, top_k=4, inter=8)
+  forward(input_ids: i64[B, T]) {
+    x = embedding(input_ids, vocab=256, dim=d)
+    x = stack(x, layers=1) {
+      attn = kda
+      ffn = moe
+    }
+    return lm_head(rmsnorm(x), vocab=256)
+  }
+}"""
+    m = dsl.compile(dsl.parse(spec))
+    margins = m.route_margins(torch.randint(0, 256, (1, 5)))
+    assert margins and all(v == float("inf") for v in margins.values())
+
+
 def test_route_margins_probe_is_exact_and_changes_nothing():
     m = dsl.compile(dsl.load(K3, "tiny"), target="reference")         # train mode: a forward moves QB biases
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -270,11 +293,63 @@ def test_multi_input_graph_runs_through_run_and_forward_says_so():
 def test_run_refuses_unknown_inputs_and_compile_refuses_a_path(tiny):
     from dsl.errors import MtcError
     ids = torch.randint(0, 256, (1, 9))
-    with pytest.raises(MtcError, match=r"'input_id' is not an input of this graph \(did you mean 'input_ids'\?\); its inputs: input_ids"):
+    with pytest.raises(dsl.MtcError, match=r"'input_id' is not an input of this graph \(did you mean 'input_ids'\?\); its inputs: input_ids"):
         tiny.run(input_ids=ids, input_id=ids)
-    with pytest.raises(MtcError, match=r"input 'input_ids' must be an integer tensor \(i64\[B, T\]\), got torch.float32"):
+    with pytest.raises(dsl.MtcError, match=r"input 'input_ids' must be an int64 or int32 tensor \(i64\[B, T\]\), got torch.float32"):
         tiny.run(input_ids=ids.float())
     out = tiny.run(input_ids=ids)
     assert torch.equal(out[0] if isinstance(out, (list, tuple)) else out, tiny(ids))
     with pytest.raises(TypeError, match=r"dsl.compile takes a Graph .* got str \(a path: dsl.compile\(dsl.load\("):
         dsl.compile(str(K3))
+
+
+def test_one_seed_gives_one_model_in_every_dtype():
+    # initial weights are drawn in float32 and rounded, so the compile dtype does not change the model
+    g = dsl.load(K3, "tiny")
+    a = dsl.compile(g, seed=3).state_dict()
+    for dt, tol in ((torch.float64, 0.0), (torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -10)):
+        b = dsl.compile(g, seed=3, dtype=dt).state_dict()
+        for k, v in a.items():
+            if v.is_floating_point():
+                err = float((b[k].double() - v.double()).abs().max() / v.double().abs().max().clamp_min(1e-30))
+                assert err <= tol, (dt, k, err)
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(dtype=torch.int32), "a model computes in a float dtype"),
+                                       (dict(seed="a"), "seed 'a': an integer"), (dict(seed=-1), "seed -1"),
+                                       (dict(seed=True), "seed True")])
+def test_compile_rejects_a_bad_dtype_or_seed(kw, needle):
+    with pytest.raises(dsl.MtcError, match=re.escape(needle)):
+        dsl.compile(dsl.load(K3, "tiny"), **kw)
+
+
+def test_inputs_multi_output_and_module_dtype():
+    m = dsl.compile(dsl.parse("""model t {
+  forward(x: f32[B, 16]) {
+    return silu(x), sigmoid(x)
+  }
+}"""))
+    x = torch.randn(3, 16, dtype=torch.float64)
+    y = m(x)                                   # several outputs: a tuple; float inputs cast to m.dtype
+    assert isinstance(y, tuple) and len(y) == 2 and y[0].dtype == torch.float32
+    torch.testing.assert_close(y[1], torch.sigmoid(x.float()))
+    with pytest.raises(dsl.MtcError, match=r"input 'x' must be a float tensor \(f32\[B, 16\]\), got torch.int64"):
+        m(torch.ones(3, 16, dtype=torch.int64))
+    k3 = dsl.compile(dsl.load(K3, "tiny"))
+    with pytest.raises(dsl.MtcError, match="must be an int64 or int32 tensor"):
+        k3(torch.zeros(1, 5, dtype=torch.uint8))
+    k3.to(torch.float16)                       # m.dtype follows the weights
+    assert k3.dtype == torch.float16
+    k3.float()
+    assert k3.dtype == torch.float32
+
+
+def test_slice_past_a_symbolic_dimension_names_the_spec_line(tmp_path):
+    spec = tmp_path / "sl.mtc"
+    spec.write_text("model t {\n  forward(x: f32[B, T, 64]) {\n    return slice(x, start=2, end=10, dim=1)\n  }\n}\n")
+    m = dsl.compile(dsl.load(spec))
+    x = torch.randn(2, 12, 64)
+    torch.testing.assert_close(m(x), x[:, 2:10])
+    with pytest.raises(dsl.MtcError, match=r"slice \[2:10\] needs dimension T >= 10, but this input has 5") as ei:
+        m(torch.randn(2, 5, 64))
+    assert ei.value.loc is not None and (ei.value.loc.line, ei.value.loc.col) == (3, 12)
