@@ -169,6 +169,10 @@ def _container(root: nn.Module, path: list[str]) -> nn.Module:
     return m
 
 
+#: balance_defer: warn when this many train-mode forwards kept router scores without apply_balance()
+DEFER_WARN_FORWARDS = 64
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward on this thread (an activation-checkpoint recomputation of
     the forward happens there)."""
@@ -613,7 +617,15 @@ class CompiledModule(nn.Module):
             if not balancing or self.balance_defer:
                 self._bias_used.pop(n.name, None)   # the buffer stays what this forward routed with
                 if balancing:
-                    self._deferred.setdefault(n.name, []).append(scores.detach() if self.balance == "qb" else load)
+                    kept = self._deferred.setdefault(n.name, [])
+                    kept.append(scores.detach() if self.balance == "qb" else load)
+                    if len(kept) == DEFER_WARN_FORWARDS:
+                        import warnings
+                        from dsl.errors import MtcWarning
+                        warnings.warn(MtcWarning(
+                            f"balance_defer: {DEFER_WARN_FORWARDS} train-mode forwards have kept their router scores "
+                            f"for {layer} without apply_balance(); call m.apply_balance() once per optimizer step "
+                            f"(the kept scores grow memory until then)"), stacklevel=2)
                 return
             self._bias_used[n.name] = bias.detach().clone()
             if self.balance == "qb":
@@ -660,8 +672,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         passes / print_after / dump_ir: see passes.PassManager.
         emit_dir: (triton) write the generated kernels there instead of the cache directory.
     Raises:
-        MtcError: an unknown target or device, a dtype that is not a float dtype (or, for "triton" / "tvm",
-            not float32 / float16 / bfloat16), bfloat16 under the Triton interpreter, a seed that is not an
+        MtcError: an unknown target or device, a dtype other than float32 / float16 / bfloat16 (float64
+            too: the reference ops compute in float32), bfloat16 under the Triton interpreter, a seed that is not an
             integer in [0, 2**63), target "tvm" without TVM installed, or a graph that fails verification.
     """
     from passes import PIPELINES, PassManager
@@ -674,8 +686,10 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         from dsl.ir import canon_dtype
         dtype = TORCH_DTYPES[canon_dtype(dtype)]
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-        raise MtcError(f"dtype {dtype!r}: a model computes in a float dtype (float32, bfloat16, float16 or, on "
-                       f"target 'reference', float64)")
+        raise MtcError(f"dtype {dtype!r}: a model computes in float32, bfloat16 or float16")
+    if dtype == torch.float64:
+        raise MtcError("dtype float64: not offered; the reference ops compute in float32 (a float64 model would "
+                       "round every op to float32 and back, which is no float64 check); use float32")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 63):
         raise MtcError(f"seed {seed!r}: an integer in [0, 2**63) (or None: torch's global RNG)")
     if target == "tvm" and passes == "default":
@@ -692,9 +706,6 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if target in ("triton", "tvm") and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise MtcError(f"target '{target}' on the CPU runs its Triton kernels under the interpreter: set "
                        f"TRITON_INTERPRET=1 before triton is imported (mtc run does this itself)")
-    if target in ("triton", "tvm") and dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise MtcError(f"target '{target}': the kernels take float32, float16 or bfloat16, got "
-                       f"{str(dtype).replace('torch.', '')}; use target='reference' for it")
     if dev.type != "meta":
         _check_interpreter_dtype(target, dtype)
     if target == "tvm":

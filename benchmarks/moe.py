@@ -14,8 +14,8 @@ Timing: triton.testing.do_bench (median, CUDA events). FLOPs: expert GEMMs 6*N*k
 forward+backward). Bytes: the weights read once (the floor for a weight-streaming layer) plus the
 token activations in and out. Limits: bf16 dense matmul ~720 TFLOP/s, device copy ~4.2 TB/s.
 
-Weight-gradient implementations (backends.triton.moe.WGRAD_IMPL "auto" (default) / "v1" / "v2"): --wgrad-compare
-times both in one run, the two weight-gradient launches alone (dW1|dW3: 4*N*k*l*I FLOPs, dW2:
+Weight-gradient implementations (backends.triton.moe.WGRAD_IMPL "v1" (default) / "v2" / "v3" / "auto"; per-kernel
+launch-setting sweeps, v3 included: benchmarks/moe_tiles.py): --wgrad-compare times v1 and v2 in one run, the two weight-gradient launches alone (dW1|dW3: 4*N*k*l*I FLOPs, dW2:
 2*N*k*l*I, on random bf16 operands of the real shapes and the real routing) and the routed experts
 forward+backward with each (rows "triton:wgrad-<impl>"); it also checks that v2 matches v1.
 

@@ -51,20 +51,28 @@ SWEEPS = {
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--tokens", type=int, nargs="+", default=None,
+                    help="token counts (default 8192 32768; with --cpu-smoke 37)")
     ap.add_argument("--kernels", default=",".join(SWEEPS), help="comma list of " + ", ".join(SWEEPS))
     ap.add_argument("--rep", type=int, default=300, help="do_bench repetition budget in ms")
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny shapes under TRITON_INTERPRET=1 on the CPU, float32, no timing (checks the script)")
+                    help="tiny shapes (E 6, top-2, 48 x 40) under Triton's interpreter on the CPU, float32, no timing: "
+                         "checks the script and that every setting gives the same result")
     args = ap.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = [37] if args.cpu_smoke else [8192, 32768]
+    if any(t < 1 for t in args.tokens):
+        ap.error(f"--tokens must be >= 1, got {args.tokens}")
     kernels = args.kernels.split(",")
     bad = [k for k in kernels if k not in SWEEPS]
     if bad:
         ap.error(f"unknown kernel(s) {bad}; choose from {list(SWEEPS)}")
     global E, L, I, K
     if args.cpu_smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            ap.error("--cpu-smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--cpu-smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 before triton "
+                     "is imported")
+        os.environ["TRITON_INTERPRET"] = "1"   # before the first import of triton (below)
         E, L, I, K = 6, 48, 40, 2
         dev, bf, cfg_key = "cpu", torch.float32, "cpu"
     elif not torch.cuda.is_available():

@@ -53,7 +53,7 @@ def _warn(msg: str) -> None:
     print(f"mtc: warning: {msg}", file=sys.stderr)
 
 
-def _seed(text: str) -> int:
+def seed(text: str) -> int:
     v = int(text)
     if not 0 <= v < 2 ** 63:
         raise argparse.ArgumentTypeError(f"seed must be in [0, 2^63), got {text}")
@@ -381,6 +381,7 @@ def _check_fits(g, dtype_bytes: int, device: str, spec=None) -> None:
     n = sum(int(p.type.numel()) for p in g.params())
     need = n * dtype_bytes
     if device.startswith("cuda"):
+        _check_device(device)
         have = torch.cuda.get_device_properties(torch.device(device)).total_memory
     else:
         try:
@@ -734,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
     s.add_argument("--dtype", default=None, help=f"{_DTYPE_HELP} (default float32)")
     s.add_argument("--device", default="cpu", help="cpu | cuda")
-    s.add_argument("--seed", type=_seed, default=0, help="parameter initialisation seed (0 .. 2^63-1; default 0)")
+    s.add_argument("--seed", type=seed, default=0, help="parameter initialisation seed (0 .. 2^63-1; default 0)")
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON (- for standard output): the "
                                                  "settings of the run, loss, bits/byte, perplexity, expert load")
     s.set_defaults(fn=cmd_run)

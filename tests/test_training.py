@@ -147,3 +147,18 @@ def test_gradient_accumulation_with_deferred_balancing_equals_one_big_batch(fres
         acc.balance = "fixed"
     with pytest.raises(ValueError, match="balance mode changed"):
         acc.apply_balance()
+
+
+def test_deferred_balancing_warns_when_apply_balance_is_never_called(fresh, monkeypatch):
+    from backends import runtime
+    from dsl.errors import MtcWarning
+    monkeypatch.setattr(runtime, "DEFER_WARN_FORWARDS", 3)
+    m = copy.deepcopy(fresh)
+    m.balance_defer = True
+    ids = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        m(ids)
+        m(ids)
+        with pytest.warns(MtcWarning, match="3 train-mode forwards have kept their router scores"):
+            m(ids)
+    assert m.apply_balance() > 0 and not m._deferred
