@@ -62,9 +62,10 @@ def _time(m, ids, dev) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", default="small")
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
-    ap.add_argument("--quick", action="store_true", help="one short length, few repeats")
+    ap.add_argument("--variant", default="small", help="variant of models/kimi_k3.mtc (default small)")
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536],
+                    help="sequence lengths T, batch 1 (default 8192 65536)")
+    ap.add_argument("--quick", action="store_true", help="T = 2048 only (replaces --seq-lens), few repeats")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--no-ref32", action="store_true", help="skip the float32 reference (error column left empty)")
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
@@ -75,10 +76,15 @@ def main(argv=None):
     if not args.cpu_smoke and not torch.cuda.is_available():
         sys.exit("e2e benchmark: needs a CUDA GPU and fla-core (--cpu-smoke checks this script's control flow on "
                  "the CPU)")
+    given = [f for f, d in (("--variant", "variant"), ("--seq-lens", "seq_lens")) if getattr(args, d) != ap.get_default(d)]
     if args.quick:
+        if "--seq-lens" in given:
+            print("note: --quick times T = 2048 only; --seq-lens is not used", flush=True)
         args.seq_lens = [2048]
     if args.cpu_smoke:
         import os
+        if given:
+            print(f"note: --cpu-smoke runs the tiny variant at T = 64; {' and '.join(given)} not used", flush=True)
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.variant, args.seq_lens, args.no_compile = "tiny", [64], True
 

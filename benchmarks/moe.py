@@ -146,8 +146,8 @@ def rel(a, b):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    ap.add_argument("--experts", type=int, default=896)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768], help="token counts (default 8192 32768)")
+    ap.add_argument("--experts", type=int, default=896, help="routed experts (default 896, the K3 layer)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, no per-expert loop fwd+bwd")
     ap.add_argument("--no-bwd", action="store_true", help="skip forward+backward")
     ap.add_argument("--variants", action="store_true", help="also time alternative tile configs")
@@ -164,8 +164,8 @@ def main():
     t_start = time.time()
     if not args.cpu_smoke and not torch.cuda.is_available():
         sys.exit("moe benchmark: needs a CUDA GPU (--cpu-smoke checks this script's code paths on the CPU)")
-    if args.cpu_smoke and args.tokens != ap.get_default("tokens"):
-        print("note: --cpu-smoke uses its own tiny shapes (37 tokens); --tokens is not used", flush=True)
+    if args.cpu_smoke and (args.tokens != ap.get_default("tokens") or args.experts != ap.get_default("experts")):
+        print("note: --cpu-smoke uses its own tiny shapes (37 tokens); --tokens / --experts are not used", flush=True)
 
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -85,13 +85,16 @@ def run(n, steps, gen, log):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--quick", action="store_true", help="16384 tokens, 12 steps")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536], help="batch sizes in tokens (default "
+                    "16384 65536)")
+    ap.add_argument("--steps", type=int, default=20, help="balancing steps per run (default 20)")
+    ap.add_argument("--quick", action="store_true", help="16384 tokens, 12 steps (replaces --tokens and --steps)")
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     ap.add_argument("--out", default=None, help="folder for qb_balance.md and qb_balance.png")
     args = ap.parse_args()
     if args.quick:
+        if args.tokens != ap.get_default("tokens") or args.steps != ap.get_default("steps"):
+            print("note: --quick runs 16384 tokens for 12 steps; --tokens / --steps are not used", flush=True)
         args.tokens, args.steps = [16384], 12
     if args.steps < 4:
         ap.error(f"--steps must be >= 4 (the verdict averages the steps after the first), got {args.steps}")

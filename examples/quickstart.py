@@ -5,13 +5,18 @@
 Uses the `tiny` variant of models/kimi_k3.mtc (same structure as the 2.8T Kimi K3, shrunk) and the text
 shipped in examples/data; about ten seconds on two CPU cores, no GPU needed (the reference target).
 """
+import sys
 from pathlib import Path
 
-import torch
+if any(a in ("-h", "--help") for a in sys.argv[1:]):    # the script takes no options: its docstring is the help
+    print(__doc__)
+    sys.exit(0)
 
-import dsl
-from passes.place_experts import load_from_routing_stats, plan, routing_layers
-from passes.plan_memory import plan_memory
+import torch  # noqa: E402
+
+import dsl  # noqa: E402
+from passes.place_experts import load_from_routing_stats, plan, routing_layers  # noqa: E402
+from passes.plan_memory import plan_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
