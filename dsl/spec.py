@@ -634,8 +634,10 @@ class SpecBuilder:
         slots = [(str(s.children[0]), s.children[1], self.spec.loc(s)) for s in node.children[2:]]
         names = [s[0] for s in slots]
         if names != ["attn", "ffn"]:
+            # the caret goes to the first slot that differs from attn, ffn (the extra one, or the misplaced one)
+            bad = next((i for i, nm in enumerate(names) if i > 1 or nm != ("attn", "ffn")[i]), None)
             raise self.spec.err(f"a stack body sets exactly two sublayers, 'attn' then 'ffn'; got {names}",
-                                slots[0][2] if slots else loc)
+                                slots[bad][2] if bad is not None else loc)
         x = args[0]
         b = self.b
         d = b.type(x).shape[-1]

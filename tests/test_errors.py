@@ -140,6 +140,9 @@ def test_stack_layer_count_and_slot_kinds_are_checked():
     assert "'attn' slot takes kda_layer or mla_layer" in str(e) and _loc(e) == (8, 7)
     e = _err(STACK.replace("ffn = dense", "ffn = kda"))
     assert "'ffn' slot takes" in str(e) and _loc(e) == (9, 7)
+    # a third slot: the caret on it, not on the first
+    e = _err(STACK.replace("ffn = dense", "ffn = dense\n      norm = dense"))
+    assert "exactly two sublayers" in str(e) and _loc(e) == (10, 7)
 
 
 def test_duplicate_parameter_names_explain_the_fix():
