@@ -76,8 +76,10 @@ def set_trial(tm, change, base=None):
 
 def experts_phases(tm, fwd, inputs, grad_out, reps=5):
     """Median time (ms) of each phase of moe_experts' forward and backward (backends.triton.moe.PROFILE events),
-    as 'name a.bc, ...'."""
+    as 'name a.bc, ...', and the caching allocator's retries over the reps (a retry frees cached blocks and
+    synchronises: the 9th session's weight-gradient phases took ~25% longer in the layer than alone)."""
     per = {}
+    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     for _ in range(reps):
         tm.PROFILE = []
         try:
@@ -91,7 +93,9 @@ def experts_phases(tm, fwd, inputs, grad_out, reps=5):
         for (_, a), (name, b) in zip(ev[:-1], ev[1:]):
             if name != "bwd: start":           # the gap between forward and backward is not a phase
                 per.setdefault(name, []).append(a.elapsed_time(b))
-    return ", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
+    return (", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
+            + f"; allocator retries in {reps} steps: {retries}")
 
 
 def gmm_experts(x, idx, wt, w1, w3, w2):
