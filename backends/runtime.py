@@ -298,8 +298,7 @@ class CompiledModule(nn.Module):
         self._bias_used: dict[str, torch.Tensor] = {}
 
     def _apply(self, fn, recurse=True):
-        # m.to(torch.bfloat16) / m.half() / m.float() convert the weights: keep m.dtype (the dtype float inputs
-        # are cast to) equal to theirs
+        # m.to(torch.bfloat16) / m.half() / m.float() convert the weights: keep m.dtype equal to theirs
         out = super()._apply(fn, recurse)
         if self._dtype_key is not None:
             self.dtype = self.get_parameter(self._dtype_key).dtype
@@ -367,8 +366,10 @@ class CompiledModule(nn.Module):
         """Run the graph on named inputs (``m.run(q=..., k=...)``); returns the list of its outputs.
 
         Inputs are checked against the graph's declared types: rank, the sizes of numeric dimensions, one size
-        per shape symbol across inputs, integer ids (int64 / int32) where the graph declares them; float inputs
-        are cast to the module's dtype (``m.dtype``) for every target. ``progress(done, total)``: see forward.
+        per shape symbol across inputs, integer ids (int64 / int32) or float tensors as declared. Float inputs
+        keep their dtype (an input may be meant to stay float32 in a bf16 model, as kda_chunk's decay g): the
+        reference ops compute in float32, the Triton / TVM kernels take the dtypes their ops document (e.g.
+        kda_chunk: q, k, v of one dtype). ``progress(done, total)``: see forward.
         Raises MtcError for a missing, unknown, empty or mis-shaped input."""
         g = self.graph
         p0 = next(self.parameters(), None)
@@ -396,11 +397,8 @@ class CompiledModule(nn.Module):
                                f"{getattr(x, 'shape', type(x))}")
             if t.dtype in ("i64", "i32") and x.dtype not in (torch.int64, torch.int32):
                 raise MtcError(f"input '{name}' must be an int64 or int32 tensor ({t}), got {x.dtype}")
-            if t.dtype not in ("i64", "i32", "bool"):
-                if not x.is_floating_point():
-                    raise MtcError(f"input '{name}' must be a float tensor ({t}), got {x.dtype}")
-                if x.dtype != self.dtype:
-                    x = x.to(self.dtype)   # every target computes in the module's dtype (the reference did so)
+            if t.dtype not in ("i64", "i32", "bool") and not x.is_floating_point():
+                raise MtcError(f"input '{name}' must be a float tensor ({t}), got {x.dtype}")
             if x.numel() == 0:
                 raise MtcError(f"input '{name}' is empty (shape {list(x.shape)}); need at least one token")
             for d, s in zip(t.shape, x.shape):
