@@ -237,7 +237,7 @@ class CompiledModule(nn.Module):
         self.stats_hooks: list[Callable[[str, torch.Tensor], None]] = []
         gen = None
         if seed is not None and str(device) != "meta":
-            gen = torch.Generator(device=device).manual_seed(seed)
+            gen = torch.Generator(device=device).manual_seed(int(seed))
         for n in graph.nodes:
             if n.op not in ("param", "buffer"):
                 continue
