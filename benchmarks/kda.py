@@ -445,12 +445,14 @@ def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
         # of float32 FMAs (solve phase 6.0 ms at 1M, ~3x its memory floor), 1 and 4 warps (H200, 8th session:
         # 63.43 / 62.96 / 73.18 ms; tf32x3 with 1 warp is now the default)
         cur = dict(base, r_fast=True, nw_strip=8, solve_prec="ieee")
-        # (the first four of the third round were timed in the fifth session; the default, then the new ones)
+        # (the first four of the third round were timed in the fifth session; the 8th session's ieee setting, then
+        # tf32x3 (now the default) and tf32x3 with 4 warps)
         cfgs = [dict(cur), dict(cur, solve_prec="tf32x3"), dict(cur, solve_prec="tf32x3", nw_solve=4)]
     else:
         base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False)
         # (the H200 sweep of 2026-11-29 found BK 16 / 1 warp best among the first nine; the last four: the strip
-        # kernel with r_fast and v5's winning widths, i.e. v5 without its cumsum kernel, not yet timed)
+        # kernel with r_fast and v5's winning widths, i.e. v5 without its cumsum kernel; BK 64 / 8 warps timed in
+        # the 8th session: 174.8 ms at 1M, far slower than v5)
         cfgs = [dict(base), dict(base, tiles=True), dict(base, tiles=True, maxnreg=128),
                 dict(base, tiles=True, nw_strip=2), dict(base, tiles=True, nw_strip=2, maxnreg=128),
                 dict(base, nw_strip=2, maxnreg=128), dict(base, nw_solve=2), dict(base, nw_wu=8),

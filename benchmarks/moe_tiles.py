@@ -140,10 +140,13 @@ def main(argv=None):
             "wgrad13": (4 * nk * L * I, wgrad13, dw3, 2 * E * L * I * 2),
             "wgrad2": (2 * nk * L * I, lambda: tm._wgrad(dus, hw, d, L, I, dw2), dw2, E * L * I * 2),
         }
+        rows_max = int((d.offs[1:] - d.offs[:-1]).max())
         for name in kernels:
             flops, fn, out, wbytes = calls[name]
             ref = None
             for label, ch in SWEEPS[name]:
+                if ch.get("WGRAD_IMPL") == "v3" and rows_max > tm.WGRAD_V3_MAX_ROWS:
+                    label += f" (= v1: an expert has {rows_max} > {tm.WGRAD_V3_MAX_ROWS} rows)"
                 for kk, v in ch.items():
                     if kk in ("GLU_BWD_IMPL", "WGRAD_IMPL"):
                         setattr(tm, kk, v)

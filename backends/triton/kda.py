@@ -5,7 +5,11 @@ Same signatures and results as backends/reference/kda.py (spec/OPS.md); math fro
 
 Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 between chunks):
 
-1. ``_fwd_intra_kernel`` (parallel over chunks x heads).  Cumulative log decay G inside the chunk; the
+(The default forward, ``INTRA_IMPL = "v5"``, splits step 1 into ``_chunk_cumsum_kernel`` (G), ``_fwd_strip5_kernel``
+(Akk and P), ``_fwd_solve4_kernel`` ((I + Akk)^-1) and ``_fwd_wu_kernel``; v2 / v3 below are the earlier forms
+of the same math. Step 2's BV is ``H_CFG["bv"]``: 32, or 64 when 32-column programs would take two waves.)
+
+1. intra-chunk step (parallel over chunks x heads).  Cumulative log decay G inside the chunk; the
    two causal 64x64 matrices  Akk_ij = beta_i sum_d k_id k_jd e^(G_id - G_jd)  (j < i)  and
    P_ij = sum_d q_id k_jd e^(G_id - G_jd)  (j <= i)  row-block by row-block: for the 16-row block r with
    anchor row m, ONE dense ``tl.dot`` of  (x_i e^(G_i - G_m))  with  (k_j e^(G_m - G_j))  covers every
@@ -22,7 +26,7 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
    channels in slices of BK, Akk and P accumulated as four 16-row strips [16, 64] (an mma tile with 16 rows
    spreads its columns over the warps; 16x16 tiles are replicated in every warp), the bound checked per row
    block and channel slice, T formed strip by strip, and Wk, U written directly (no float32 T buffer).
-2. ``_fwd_h_kernel`` (serial over the chunks of a segment; grid V/BV x heads x segments, BV = 32, 4
+2. ``_fwd_h_kernel`` (serial over the chunks of a segment; grid V/BV x heads x segments, BV = 32 or 64, 4
    warps, the state a K x BV float32 register tile): per chunk it stores the chunk-entry state h_c to
    HB [N_chunks, H, K, V] (input dtype), forms W = U - Wk S (stored as VN, the "new values"), and updates
    S <- diag(e^(G_C)) S + (k e^(G_C - G))^T W.  Nothing else sits on the serial path; its tile addresses

@@ -12,13 +12,15 @@ Pipeline of ``moe_experts`` (forward):
      token rows) against the w1 and the w3 tile in the same K loop;
   3. grouped GEMM 2: y = h w2^T per expert;
   4. weighted combine: u[t] = sum_j p[t, j] y[pos[t, j]] in float32.
-Backward (torch.autograd.Function): one grouped GEMM du w2 with the activation's derivative and
-d topk_weight (a row sum of G * h) in its epilogue; dx through one grouped GEMM over both
-[dA dB] [w1; w3]; the weight gradients by a grouped "K = tokens of the expert" GEMM (dw1 and dw3
-share the x tile), one of two kernels chosen by the module attribute WGRAD_IMPL ("auto" default: v2
-when the experts average >= 256 rows, else v1; "v1"; "v2" persistent + TMA; see its definition). No host synchronisation in the GEMM path: the grids are upper bounds and the
-schedule lives on the device; the argument checks read back the expert-id range (moe_experts) and
-the non-finite-row flags (qb_route) once per call.
+Backward (torch.autograd.Function): G = du w2 by a plain grouped GEMM, then a row kernel forms the
+activation's derivative dA, dB and d topk_weight (a row sum of G * h) over the saved pre-activations
+(GLU_BWD_IMPL "split", the default; "fused" puts that in the GEMM's epilogue); dx through one grouped
+GEMM over both [dA dB] [w1; w3]; the weight gradients by a grouped "K = tokens of the expert" GEMM,
+one of three kernels chosen by the module attribute WGRAD_IMPL ("v1" default, two single-output
+launches on 128 x 256 tiles; "v2" persistent + TMA; "v3" for few rows per expert, which reads the
+largest expert's row count on the host; see its definition). Otherwise no host synchronisation in the
+GEMM path: the grids are upper bounds and the schedule lives on the device; the argument checks read
+back the expert-id range (moe_experts) and the non-finite-row flags (qb_route) once per call.
 
 Sources: DeepSeek-V3 (arXiv 2412.19437) Sec. 2.1.2 for the router; the Kimi K3 report
 (arXiv 2607.24653) / spec/OPS.md for Quantile Balancing, SiTU-GLU and Stable LatentMoE.
@@ -90,7 +92,8 @@ TILE_CONFIGS = {
 # Measured on the H200 (K3 layer, benchmarks/moe.py --wgrad-compare, 2026-11-29): at 32768 tokens (585 rows per
 # expert) v2 took 49.9 / 26.1 ms (dW1|dW3 / dW2) against v1's 54.2 / 28.9; at 8192 tokens (146 rows) 28.2 / 12.4
 # against 26.7 / 12.8.  With v1 on 128 x 256 tiles and two single-output launches (9th session, see TILE_CONFIGS)
-# v1 is the faster at both sizes, so "v1" is the default.  Tests and benchmarks may set this module attribute.
+# v1 is the faster at 32768 tokens (49.0 + 25.2 ms against v2's 50.9 + 27.4) and within 3% of v2 at 8192 (23.9 + 12.8
+# against 23.3 + 12.6), so "v1" is the default.  Tests and benchmarks may set this module attribute.
 WGRAD_IMPL = "v1"
 WGRAD_V2_MIN_ROWS = 256
 #   "v3": _wgrad_v3_kernel, one program per (expert, m-tile) holding the expert's whole P^T tile (rows padded to KP,
@@ -108,8 +111,8 @@ SHARED_BYTES = 232448  # an sm_90 block's shared-memory limit (227 KB)
 #   "fused": the GLU backward in the GEMM's epilogue (config "glu_bwd", EPI 2).
 # Measured on the H200 (K3 layer, bf16, 9th session): benchmarks/moe_tiles.py put the fused kernel's 128 x 64 tiles at
 # 206 TFLOP/s at 32768 tokens (55.9 ms; its best launch setting, 6 stages, 42.5 ms; 128 x 128 tiles spill, 64-row
-# tiles re-read the weights); in benchmarks/moe.py --phases the phase went from 63.96 to 27.01 ms at 32768 tokens and
-# from 23.70 to 8.95 at 8192 with "split" (the GEMM on 128 x 256 tiles like GEMM 2, the GLU a bandwidth-bound pass).
+# tiles re-read the weights); in benchmarks/moe.py --phases the phase went from 63.96 to 27.64 ms at 32768 tokens and
+# from 23.70 to 8.91 at 8192 with "split" (the GEMM on 128 x 256 tiles like GEMM 2, the GLU a bandwidth-bound pass).
 GLU_BWD_IMPL = "split"
 
 # (64-row tiles for the token-side GEMMs, "SMALL_M", were timed in the 9th session and removed: at 8192 tokens, 146
