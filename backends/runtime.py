@@ -512,8 +512,8 @@ class CompiledModule(nn.Module):
             dim, start, end = n.attr("dim"), n.attr("start"), n.attr("end")
             size = args[0].shape[dim]
             if end > size:                          # a symbolic dimension the spec could not bound
-                axis = n.inputs and n.types and self._node_types.get(n.inputs[0].node)
-                what = f"dimension {axis[dim]}" if axis else f"dim {dim}"
+                shape = self._node_types.get(n.inputs[0].node)   # the input's symbolic shape
+                what = f"dimension {shape[dim]}" if shape else f"dim {dim}"
                 raise MtcError(f"slice [{start}:{end}] needs {what} >= {end}, but this input has {size} there", n.loc)
             return args[0].narrow(dim, start, end - start)
         if n.op == "concat":
@@ -683,11 +683,11 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if isinstance(dtype, str):
         from dsl.ir import canon_dtype
         dtype = TORCH_DTYPES[canon_dtype(dtype)]
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-        raise MtcError(f"dtype {dtype!r}: a model computes in float32, bfloat16 or float16")
     if dtype == torch.float64:
         raise MtcError("dtype float64: not offered; the reference ops compute in float32 (a float64 model would "
                        "round every op to float32 and back, which is no float64 check); use float32")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise MtcError(f"dtype {dtype!r}: a model computes in float32, bfloat16 or float16")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 63):
         raise MtcError(f"seed {seed!r}: an integer in [0, 2**63) (or None: torch's global RNG)")
     if target == "tvm" and passes == "default":

@@ -326,7 +326,7 @@ def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
                     o.backward(do)
                 del o
     torch.cuda.synchronize()
-    del q, k, v, g, beta, do, a
+    q = k = v = g = beta = do = a = None  # (not del: the calls above close over these names)
     torch.cuda.empty_cache()
 
 
@@ -379,12 +379,10 @@ def set_bwd(tk, spec):
     """Select the backward (tk.BWD_IMPL) and its launch settings from a --bwd item ('v1', 'v2', 'v2@4x2',
     'v2:16x4'); None restores the module defaults."""
     if not hasattr(set_bwd, "saved"):
-        set_bwd.saved = (tk.BWD_IMPL, dict(tk.BWD_DH_CFG), dict(tk.BWD_INTRA_CFG))
-    impl, cfg, icfg = set_bwd.saved
-    tk.BWD_DH_CFG.clear()
-    tk.BWD_DH_CFG.update(cfg)
-    tk.BWD_INTRA_CFG.clear()
-    tk.BWD_INTRA_CFG.update(icfg)
+        snap = _snapshot(tk)
+        set_bwd.saved = (tk.BWD_IMPL, {n: snap[n] for n in ("BWD_DH_CFG", "BWD_INTRA_CFG")})
+    impl, snap = set_bwd.saved
+    _restore(tk, snap)
     tk.BWD_IMPL = impl
     if spec is None:
         return

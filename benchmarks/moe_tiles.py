@@ -105,27 +105,14 @@ def main(argv=None):
         a, b = torch.randn(nk, I, device=dev, dtype=bf), torch.randn(nk, I, device=dev, dtype=bf)
         hw, y = torch.empty(nk, I, device=dev, dtype=bf), torch.empty(nk, L, device=dev, dtype=bf)
         wr = torch.rand(nk, device=dev)
-        da, db, g = torch.empty_like(a), torch.empty_like(b), torch.empty_like(a)
-        dwrow = torch.zeros(nk, device=dev)
+        da, db = torch.empty_like(a), torch.empty_like(b)
         sch = lambda name: d.schedule(tm._cfg(name, xs)["BM"])  # noqa: E731
 
-        def glu_bwd():
-            if tm.GLU_BWD_IMPL == "split":
-                tm._gg("glu_bwd_mm", dus, w2, sch("glu_bwd_mm"), d.offs, E, L, I, g, gather=False, w_kn=True)
-                rc = tm._cfg("glu_bwd_rows", xs)
-                tm._k._glu_bwd_rows_kernel[(triton.cdiv(nk, rc["BLOCK_R"]),)](
-                    g, a, b, wr, da, db, dwrow, nk, I, I, 4.0, 25.0, ACT=0, FAST=dev == "cuda", BLOCK_R=rc["BLOCK_R"],
-                    BLOCK_N=rc["BLOCK_N"], **tm._launch_cfg(rc))
-            else:
-                tm._gg("glu_bwd", dus, w2, sch("glu_bwd"), d.offs, E, L, I, da, gather=False, w_kn=True, epi=2,
-                       c2=db, pa=a, pb=b, wrow=wr, dwrow=dwrow, act=0, bg=4.0, bu=25.0)
+        def glu_bwd():  # the backward's own helper, on separate dA / dB buffers so that a and b stay inputs
+            tm._glu_backward(d, None, dus, w2, a, b, wr, L, I, 0, 4.0, 25.0, da=da, db=db)
 
         def wgrad13():
-            if tm._cfg("wgrad_dual", xs).get("DUAL", True):
-                tm._wgrad(da, xs, d, I, L, dw1, p2=db, out2=dw3)
-            else:
-                tm._wgrad(da, xs, d, I, L, dw1)
-                tm._wgrad(db, xs, d, I, L, dw3)
+            tm._wgrad_w13(da, db, xs, d, I, L, dw1, dw3)
 
         calls = {  # kernel -> (flops, fn, output to compare, bytes of the weight gradient written)
             "glu_fwd": (4 * nk * L * I, lambda: tm._gg("glu_fwd", xs, w1, sch("glu_fwd"), d.offs, E, L, I, hw,
@@ -174,7 +161,7 @@ def main(argv=None):
                     tm.TILE_CONFIGS[cfg_key].update({kk: dict(v) for kk, v in base.items()})
                     tm.GLU_BWD_IMPL, tm.WGRAD_IMPL = base_impl
                     print(f"  ({label}: {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-        del xs, dus, a, b, hw, y, da, db, g
+        xs = dus = a = b = hw = y = da = db = None  # free them (the closures above read these names)
         if dev == "cuda":
             torch.cuda.empty_cache()
 

@@ -485,6 +485,14 @@ def _tma_ok(t, block):
     return all(b_ <= 256 for b_ in block)
 
 
+def _check_tile_rows(what, stride, bm):
+    """The kernels' store epilogues address a tile with int32 offsets (row x stride): ValueError when bm rows of
+    this stride reach 2**31 elements."""
+    if stride * bm >= 2 ** 31:
+        raise ValueError(f"moe_experts: {what} rows of {stride} elements are too wide for {bm}-row tiles "
+                         f"(row stride x tile rows must stay below 2**31)")
+
+
 def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=None, pair=0,
         w2=None, a2=None, epi=0, save=False, c2=None, c3=None, pa=None, pb=None, wrow=None,
         dwrow=None, act=0, bg=4.0, bu=25.0, row_scale=False):
@@ -493,9 +501,7 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     cfg = _cfg(name, a)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     te, ts, mt = sched
-    if c.stride(0) * bm >= 2 ** 31:  # the epilogue's in-tile offsets are int32
-        raise ValueError(f"moe_experts: output rows of {c.stride(0)} elements are too wide for {bm}-row tiles "
-                         f"(row stride x tile rows must stay below 2**31)")
+    _check_tile_rows("output", c.stride(0), bm)
     n_tiles = cdiv(nn, bn)
     if gather:
         a_mode, a_src, a2_src = 0, a, a
@@ -588,9 +594,7 @@ def _wgrad_v3(p, q, d, mm, nn, out, kp, *, ptok=None, qtok=None):
     cfg = _cfg("wgrad3", p)
     bm, bn = cfg["BM"], cfg["BN"]
     m_tiles = cdiv(mm, bm)
-    if bm * out.stride(1) >= 2 ** 31:
-        raise ValueError(f"moe_experts: weight-gradient rows of {out.stride(1)} elements are too wide for "
-                         f"{bm}-row tiles")
+    _check_tile_rows("weight-gradient", out.stride(1), bm)
     launch = _launch_cfg(cfg, p)
     if p.is_cuda:
         launch["num_stages"] = _wgrad_v3_stages(cfg, kp, p.element_size())
@@ -640,6 +644,52 @@ def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None)
         P_DESC=bool(p_desc), Q_DESC=bool(q_desc), O_DESC=bool(o_desc),
         P_GATHER=ptok is not None, Q_GATHER=qtok is not None,
         DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=bk, **launch)
+
+
+def _glu_bwd_gemm():
+    """The TILE_CONFIGS entry of the backward's G = du w2 GEMM under GLU_BWD_IMPL (ValueError for another value)."""
+    if GLU_BWD_IMPL not in ("split", "fused"):
+        raise ValueError(f"moe_experts: GLU_BWD_IMPL must be 'split' or 'fused', got {GLU_BWD_IMPL!r}")
+    return "glu_bwd_mm" if GLU_BWD_IMPL == "split" else "glu_bwd"
+
+
+def _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu, da=None, db=None):
+    """The backward of GEMM 1's GLU epilogue: G = du[tok] w2[e] (K = l, N = i), then dA, dB from the saved
+    pre-activations a, b [rows, i] and d w_rows (float32 [rows], the row sums of G h), as GLU_BWD_IMPL says
+    ("split": a plain GEMM, then _glu_bwd_rows_kernel; "fused": the GLU in the GEMM's epilogue). dus: du's rows
+    in dispatch order (from _pregather) or None (the GEMM gathers du). da, db: output buffers; by default a, b
+    themselves ("split", written in place) or new tensors ("fused"). Returns (da, db, dwrow)."""
+    gb = _glu_bwd_gemm()
+    split = gb == "glu_bwd_mm"
+    src = dus if dus is not None else du
+    sched = d.schedule(_cfg(gb, a)["BM"])
+    if split:
+        da = a if da is None else da
+        db = b if db is None else db
+        dwrow = torch.empty(d.nk, dtype=torch.float32, device=a.device)
+        g = torch.empty_like(a)
+        _gg(gb, src, w2, sched, d.offs, d.e, l, i, g, gather=dus is None, tok=d.tok, w_kn=True)
+        rc = _cfg("glu_bwd_rows", a)
+        _k._glu_bwd_rows_kernel[(cdiv(d.nk, rc["BLOCK_R"]),)](
+            g, a, b, w_rows, da, db, dwrow, d.nk, i, g.stride(0), float(bg), float(bu), ACT=act,
+            FAST=a.is_cuda, BLOCK_R=rc["BLOCK_R"], BLOCK_N=rc["BLOCK_N"], **_launch_cfg(rc))
+    else:
+        da = torch.empty_like(a) if da is None else da
+        db = torch.empty_like(b) if db is None else db
+        dwrow = torch.zeros(d.nk, dtype=torch.float32, device=a.device)
+        _gg(gb, src, w2, sched, d.offs, d.e, l, i, da, gather=dus is None, tok=d.tok, w_kn=True, epi=2, c2=db,
+            pa=a, pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
+    return da, db, dwrow
+
+
+def _wgrad_w13(da, db, q, d, i, l, dw1, dw3, *, qtok=None):
+    """dW1[e] = dA_e^T Q_e and dW3[e] = dB_e^T Q_e: the dual kernel, or two launches of the single-output one
+    ("wgrad_dual" DUAL False: fewer registers, wider tiles)."""
+    if _cfg("wgrad_dual", da).get("DUAL", True):
+        _wgrad(da, q, d, i, l, dw1, p2=db, out2=dw3, qtok=qtok)
+    else:
+        _wgrad(da, q, d, i, l, dw1, qtok=qtok)
+        _wgrad(db, q, d, i, l, dw3, qtok=qtok)
 
 
 class _ExpertsFn(torch.autograd.Function):
@@ -708,29 +758,9 @@ class _ExpertsFn(torch.autograd.Function):
         _mark("bwd: start")
         du = du.to(x.dtype).contiguous()
         dx = dwt = dw1 = dw3 = dw2 = None
-        # G = du[tok] w2[e] (K = l, N = I); epilogue: d topk_weight (row sums of G h), dA, dB
-        if GLU_BWD_IMPL not in ("split", "fused"):
-            raise ValueError(f"moe_experts: GLU_BWD_IMPL must be 'split' or 'fused', got {GLU_BWD_IMPL!r}")
-        split = GLU_BWD_IMPL == "split"
-        gb, gx = ("glu_bwd_mm" if split else "glu_bwd"), "dx"
-        dus = _pregather(gb, du, d)
-        sched = d.schedule(_cfg(gb, x)["BM"])
-        if split:
-            dwrow = torch.empty(d.nk, dtype=torch.float32, device=x.device)
-            g = torch.empty_like(a)
-            _gg(gb, dus if dus is not None else du, w2, sched, d.offs, e, l, i, g, gather=dus is None, tok=d.tok,
-                w_kn=True)
-            rc = _cfg("glu_bwd_rows", x)
-            da, db = a, b  # written in place: the pre-activations are not needed after this
-            _k._glu_bwd_rows_kernel[(cdiv(d.nk, rc["BLOCK_R"]),)](
-                g, a, b, w_rows, da, db, dwrow, d.nk, i, g.stride(0), float(bg), float(bu), ACT=act,
-                FAST=x.is_cuda, BLOCK_R=rc["BLOCK_R"], BLOCK_N=rc["BLOCK_N"], **_launch_cfg(rc))
-            del g
-        else:
-            da, db = torch.empty_like(a), torch.empty_like(b)
-            dwrow = torch.zeros(d.nk, dtype=torch.float32, device=x.device)
-            _gg(gb, dus if dus is not None else du, w2, sched, d.offs, e, l, i, da, gather=dus is None, tok=d.tok,
-                w_kn=True, epi=2, c2=db, pa=a, pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
+        # G = du[tok] w2[e] (K = l, N = I), then d topk_weight (row sums of G h), dA, dB
+        dus = _pregather(_glu_bwd_gemm(), du, d)
+        da, db, dwrow = _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu)
         del a, b
         _mark("bwd: GEMM dA|dB (+ GLU backward)")
         if need_wt:
@@ -748,7 +778,7 @@ class _ExpertsFn(torch.autograd.Function):
         if need_x:
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
             dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
-            _gg(gx, da, w1, d.schedule(_cfg(gx, x)["BM"]), d.offs, e, i, l, dxg, gather=False,
+            _gg("dx", da, w1, d.schedule(_cfg("dx", x)["BM"]), d.offs, e, i, l, dxg, gather=False,
                 w_kn=True, pair=2, a2=db, w2=w3)
             dx = _combine(dxg, d, None, x.dtype)
             del dxg
@@ -757,11 +787,7 @@ class _ExpertsFn(torch.autograd.Function):
             dw1 = torch.empty(e, i, l, dtype=w1.dtype, device=x.device)
             dw3 = torch.empty(e, i, l, dtype=w3.dtype, device=x.device)
             q, qtok = (xs, None) if xs is not None else (x, d.tok)
-            if _cfg("wgrad_dual", x).get("DUAL", True):
-                _wgrad(da, q, d, i, l, dw1, p2=db, out2=dw3, qtok=qtok)
-            else:  # two launches of the lighter kernel (fewer registers: 2 CTAs per SM)
-                _wgrad(da, q, d, i, l, dw1, qtok=qtok)
-                _wgrad(db, q, d, i, l, dw3, qtok=qtok)
+            _wgrad_w13(da, db, q, d, i, l, dw1, dw3, qtok=qtok)
             _mark("bwd: dW1|dW3")
         return dx, None, dwt, dw1, dw3, dw2, None, None, None
 
