@@ -63,10 +63,10 @@ def _sort_rows(idx, e):
 
 
 def set_trial(tm, change, base=None):
-    """Apply a --variants trial ({config name: settings} or {"GLU_BWD_IMPL" / "WGRAD_IMPL": impl}) to
-    backends.triton.moe; with base (a copy of TILE_CONFIGS["cuda"], GLU_BWD_IMPL and WGRAD_IMPL), undo it."""
+    """Apply a --variants trial ({config name: settings} or {"GLU_BWD_IMPL" / "WGRAD_IMPL" / "WGRAD_FEW_ROWS":
+    value}) to backends.triton.moe; with base (a copy of TILE_CONFIGS["cuda"] and of those attributes), undo it."""
     for kk, v in change.items():
-        if kk in ("GLU_BWD_IMPL", "WGRAD_IMPL"):
+        if kk in ("GLU_BWD_IMPL", "WGRAD_IMPL", "WGRAD_FEW_ROWS"):
             setattr(tm, kk, base[kk] if base is not None else v)
         elif base is not None:
             tm.TILE_CONFIGS["cuda"][kk] = dict(base[kk])
@@ -135,7 +135,8 @@ def make_layer(impl, tm):
                                  p["wu"], p["s1"], p["s3"], p["s2"], top_k=k, routed_scaling=scaling)[0]
         idx, wt = torch_route(x, p["rw"], p["rb"], k, scaling)
         xl = x @ p["wd"].t()
-        fn = gmm_experts if impl == "gmm" else loop_experts
+        # "mix": the gmm layer with our experts (the rest, router included, in torch as the baseline has it)
+        fn = {"gmm": gmm_experts, "loop": loop_experts, "mix": tm.moe_experts}[impl]
         u = fn(xl, idx, wt, p["w1"], p["w3"], p["w2"]).float()
         un = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6) * p["nw"].float()).to(x.dtype)
         y = un @ p["wu"].t()
@@ -154,7 +155,9 @@ def main():
     ap.add_argument("--experts", type=int, default=896, help="routed experts (default 896, the K3 layer)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, no per-expert loop fwd+bwd")
     ap.add_argument("--no-bwd", action="store_true", help="skip forward+backward")
-    ap.add_argument("--variants", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time alternative tile configs, and the layer \"mix\" (the gmm layer with our "
+                         "experts: router, norm and shared experts in torch)")
     ap.add_argument("--phases", action="store_true",
                     help="time each phase of the Triton experts' forward and backward (CUDA events)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what remains after this many seconds")
@@ -211,6 +214,7 @@ def main():
         if time.time() - t_start > args.budget_s:
             notes.append(f"skipped {impl} {what} T={T}: time budget")
             return None
+        retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if dev == "cuda" else 0
         try:
             ms = bench(fn, reps_ms)
         except torch.cuda.OutOfMemoryError:
@@ -223,6 +227,11 @@ def main():
             print(f"  {impl:7s} {what:22s} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             return None
         rows.append((impl, T, what, ms, flops, nbytes))
+        if dev == "cuda":
+            # a retry of the caching allocator frees its cached blocks and synchronises: a slow step
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
+            if retries:
+                notes.append(f"{impl} {what} T={T}: {retries} allocator retries while timed")
         if not math.isnan(ms):
             print(f"  {impl:7s} {what:22s} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  "
                   f"({time.time() - t_start:.0f}s)", flush=True)
@@ -432,16 +441,17 @@ def main():
             print("  " + notes[-1], flush=True)
         if args.variants and dev == "cuda":
             base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, GLU_BWD_IMPL=tm.GLU_BWD_IMPL,
-                        WGRAD_IMPL=tm.WGRAD_IMPL)
-            # backward variants beside the default (wgrad-v3 not yet timed; the others timed in the 9th session)
+                        WGRAD_IMPL=tm.WGRAD_IMPL, WGRAD_FEW_ROWS=tm.WGRAD_FEW_ROWS)
+            # backward variants beside the default
             trials = {
-                "wgrad-" + ("split" if base["wgrad_dual"].get("DUAL", True) else "dual"):
-                    {"wgrad_dual": dict(DUAL=not base["wgrad_dual"].get("DUAL", True))},
-                # the GLU backward in the GEMM epilogue (the 8th session's default; 6 stages: best of the 9th
-                # session's launch-setting sweep at 32768 tokens)
-                "glubwd-fused": {"GLU_BWD_IMPL": "fused", "glu_bwd": dict(num_stages=6)},
-                # weight gradients for few rows per expert (not yet timed): the expert's P tile held, Q pipelined
-                "wgrad-v3": {"WGRAD_IMPL": "v3"},
+                # the weight gradients on 128 x 256 tiles at every size (the 9th session's default; "wgrad_few"
+                # takes over below WGRAD_FEW_ROWS rows per expert since the 10th)
+                "wgrad-wide": {"WGRAD_FEW_ROWS": 0},
+                # dx as one K loop over both operand pairs on 128 x 128 tiles (the 9th session's default)
+                "dx-pair2": {"dx": dict(BN=128, PAIR=2)},
+                # weight gradients for few rows per expert: the expert's P tile held, Q pipelined (128 x 64 tiles:
+                # the better of v3's two settings in the 10th session's moe_tiles.py sweep)
+                "wgrad-v3": {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)},
             }
 
             def vstep():
@@ -458,8 +468,10 @@ def main():
                 finally:
                     set_trial(tm, ch, base)
         del xl, wtg, gu
-        for impl in ("triton", "gmm", "loop"):
+        for impl in ("triton", "gmm", "loop", "mix"):
             if impl == "loop" and (T > 8192 or args.quick):
+                continue
+            if impl == "mix" and not args.variants:
                 continue
             layer = make_layer(impl, tm)
 

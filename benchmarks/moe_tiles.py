@@ -34,18 +34,45 @@ SWEEPS = {
                 ("fused 128x128 s4", {"glu_bwd": dict(BN=128, num_stages=4)}),
                 ("fused 64x128 s4", {"glu_bwd": dict(BM=64, BN=128, num_stages=4)}),
                 ("split 128x256 s3", {"glu_bwd_mm": {}}), ("split s4", {"glu_bwd_mm": dict(num_stages=4)})],
-    "dx": [("default", {}), ("128x64 s4 nreg128", {"dx": dict(BN=64, num_stages=4, maxnreg=128)})],
+    # the split GLU backward's row pass alone (G given): dA, dB over the saved pre-activations, d topk_weight
+    "glu_rows": [("4 x 1024 nw8", {}), ("8 x 1024 nw8", {"glu_bwd_rows": dict(BLOCK_R=8)}),
+                 ("2 x 1024 nw4", {"glu_bwd_rows": dict(BLOCK_R=2, num_warps=4)}),
+                 ("1 x 4096 nw8", {"glu_bwd_rows": dict(BLOCK_R=1, BLOCK_N=4096)}),
+                 ("4 x 512 nw4", {"glu_bwd_rows": dict(BLOCK_N=512, num_warps=4)})],
+    "dx": [("pair3 128x256 (default)", {}), ("pair3 128x256 s4", {"dx": dict(num_stages=4)}),
+           ("pair2 128x128 (9th-session default)", {"dx": dict(BN=128, PAIR=2)}),
+           ("pair2 128x64 s4 nreg128", {"dx": dict(BN=64, PAIR=2, num_stages=4, maxnreg=128)})],
     "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}),
                 ("v1 2x 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}),
                 ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),
                 ("v2 dual", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True)}),
                 ("v2 dual O_TMA", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True), "wgrad2_dual": dict(O_TMA=True)}),
                 ("v2 2x", {"WGRAD_IMPL": "v2"}), ("v3", {"WGRAD_IMPL": "v3"}),
-                ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)})],
+                ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)}),
+                # two or three programs per SM, so that one program's stores overlap another's products
+                ("v1 2x 128x128 s2 nreg128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_stages=2, maxnreg=128)}),
+                ("v1 2x 128x128 nw4 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=2)}),
+                ("v1 2x 128x128 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=3)}),
+                ("v1 2x 128x128 nw4 s2 nreg168", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=2,
+                                                                                  maxnreg=168)}),
+                ("v1 2x 128x64 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=64, num_warps=4, num_stages=3)}),
+                ("v1 2x 64x128 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BM=64, BN=128, num_warps=4, num_stages=3)}),
+                ("v1 2x 128x128 nw4 BK32 s4", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, BK=32, num_warps=4,
+                                                                                num_stages=4)}),
+                ("v3 128x64 nw4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4)})],
     "wgrad2": [("v1 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}), ("v1 128x256", {"WGRAD_IMPL": "v1"}),
                ("v1 128x256 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(num_stages=2)}), ("v2", {"WGRAD_IMPL": "v2"}),
                ("v2 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(O_TMA=True)}), ("v3", {"WGRAD_IMPL": "v3"}),
-               ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)})],
+               ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)}),
+               ("v1 128x128 s2 nreg128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_stages=2, maxnreg=128)}),
+               ("v1 128x128 nw4 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=2)}),
+               ("v1 128x128 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=3)}),
+               ("v1 128x128 nw4 s2 nreg168", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=2,
+                                                                              maxnreg=168)}),
+               ("v1 128x64 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=64, num_warps=4, num_stages=3)}),
+               ("v1 64x128 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BM=64, BN=128, num_warps=4, num_stages=3)}),
+               ("v1 128x128 nw4 BK32 s4", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, BK=32, num_warps=4, num_stages=4)}),
+               ("v3 128x64 nw4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4)})],
 }
 
 
@@ -83,6 +110,9 @@ def main(argv=None):
     from backends.triton import moe as tm
 
     torch.manual_seed(0)
+    # the "wgrad" rows below set v1's tiles at every token count (the backward itself picks "wgrad_few" below
+    # WGRAD_FEW_ROWS rows per expert: 128 x 128 nw4 s2 nreg168 here)
+    tm.WGRAD_FEW_ROWS = 0
     base = {k: dict(v) for k, v in tm.TILE_CONFIGS[cfg_key].items()}
     base_impl = (tm.GLU_BWD_IMPL, tm.WGRAD_IMPL)
     need_w = any(k in ("glu_fwd", "mm", "glu_bwd", "dx") for k in kernels)
@@ -103,13 +133,26 @@ def main(argv=None):
         xs = torch.randn(nk, L, device=dev, dtype=bf)   # x[tok] in dispatch order
         dus = torch.randn(nk, L, device=dev, dtype=bf)  # du[tok]
         a, b = torch.randn(nk, I, device=dev, dtype=bf), torch.randn(nk, I, device=dev, dtype=bf)
-        hw, y = torch.empty(nk, I, device=dev, dtype=bf), torch.empty(nk, L, device=dev, dtype=bf)
+        # random operands, also for the buffers that a GEMM overwrites: the weight-gradient kernels read hw, da, db,
+        # and on zeros (fresh, never written memory) the tensor cores draw less power and clock higher (10th
+        # session: dW1|dW3 at 32768 tokens 41.5 ms on never-written da, db against 52.0 on random ones)
+        hw, y = torch.randn(nk, I, device=dev, dtype=bf), torch.randn(nk, L, device=dev, dtype=bf)
         wr = torch.rand(nk, device=dev)
-        da, db = torch.empty_like(a), torch.empty_like(b)
+        da, db = torch.randn_like(a), torch.randn_like(b)
         sch = lambda name: d.schedule(tm._cfg(name, xs)["BM"])  # noqa: E731
 
         def glu_bwd():  # the backward's own helper, on separate dA / dB buffers so that a and b stay inputs
             tm._glu_backward(d, None, dus, w2, a, b, wr, L, I, 0, 4.0, 25.0, da=da, db=db)
+
+        g = torch.randn_like(a)
+
+        def glu_rows():  # the row pass of the split GLU backward on its own
+            rc = tm._cfg("glu_bwd_rows", a)
+            tm._k._glu_bwd_rows_kernel[(triton.cdiv(nk, rc["BLOCK_R"]),)](
+                g, a, b, wr, da, db, dwr, nk, I, g.stride(0), 4.0, 25.0, ACT=0, FAST=a.is_cuda,
+                BLOCK_R=rc["BLOCK_R"], BLOCK_N=rc["BLOCK_N"], **tm._launch_cfg(rc))
+
+        dwr = torch.empty(nk, device=dev)
 
         def wgrad13():
             tm._wgrad_w13(da, db, xs, d, I, L, dw1, dw3)
@@ -122,8 +165,10 @@ def main(argv=None):
             "mm": (2 * nk * L * I, lambda: tm._gg("mm", hw, w2, sch("mm"), d.offs, E, I, L, y, gather=False,
                                                  w_kn=False), y, 0),
             "glu_bwd": (2 * nk * L * I, glu_bwd, da, 0),
+            # (bytes: G, a, b read, dA, dB written, bf16; the "write TB/s" column is the pass's whole traffic)
+            "glu_rows": (0, glu_rows, da, 5 * nk * I * 2),
             "dx": (4 * nk * L * I, lambda: tm._gg("dx", a, w1, sch("dx"), d.offs, E, I, L, y, gather=False,
-                                                 w_kn=True, pair=2, a2=b, w2=w3), y, 0),
+                                                 w_kn=True, pair=tm._cfg("dx", a).get("PAIR", 2), a2=b, w2=w3), y, 0),
             "wgrad13": (4 * nk * L * I, wgrad13, dw3, 2 * E * L * I * 2),
             "wgrad2": (2 * nk * L * I, lambda: tm._wgrad(dus, hw, d, L, I, dw2), dw2, E * L * I * 2),
         }
@@ -139,7 +184,7 @@ def main(argv=None):
                         setattr(tm, kk, v)
                     else:
                         tm.TILE_CONFIGS[cfg_key][kk] = dict(base[kk], **{
-                            c: x for c, x in v.items() if cfg_key == "cuda" or c in ("DUAL",)})
+                            c: x for c, x in v.items() if cfg_key == "cuda" or c in ("DUAL", "PAIR")})
                 if name == "glu_bwd":
                     tm.GLU_BWD_IMPL = "split" if "glu_bwd_mm" in ch else "fused"
                 t0 = time.time()
@@ -161,7 +206,7 @@ def main(argv=None):
                     tm.TILE_CONFIGS[cfg_key].update({kk: dict(v) for kk, v in base.items()})
                     tm.GLU_BWD_IMPL, tm.WGRAD_IMPL = base_impl
                     print(f"  ({label}: {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-        xs = dus = a = b = hw = y = da = db = None  # free them (the closures above read these names)
+        xs = dus = a = b = hw = y = da = db = g = None  # free them (the closures above read these names)
         if dev == "cuda":
             torch.cuda.empty_cache()
 

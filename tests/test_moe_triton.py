@@ -303,6 +303,17 @@ def test_moe_experts_pointer_paths_and_split_wgrad(monkeypatch, wgrad_impl):
     _check_experts(29, 32, 6, 16, 3)
 
 
+@pytest.mark.parametrize("pair", [2, 3])
+@pytest.mark.parametrize("tma", [True, False])
+def test_moe_experts_dx_pair_forms(pair, tma, monkeypatch):
+    # dx = dA w1 + dB w3 as one K loop over both operand pairs (PAIR 2) or two loops in sequence (PAIR 3, the
+    # default), through TMA descriptors or pointers; partial K tiles (i = 21)
+    cfgs = {k_: dict(v) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
+    cfgs["dx"].update(PAIR=pair, A_TMA=tma, W_TMA=tma)
+    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
+    _check_experts(31, 40, 5, 21, 3)
+
+
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_experts_glu_backward_fused_and_split(act, monkeypatch):
     # GLU_BWD_IMPL: the GLU backward in the epilogue of the G = du w2 GEMM ("fused"), or a plain GEMM then a
@@ -418,11 +429,11 @@ def test_wgrad_kernels_match_loop(monkeypatch, impl, counts, tma, gather):
     rows, e = int(offs[-1]), len(counts)
     mm, nn = 36, 20  # partial 16-wide tiles; float32 rows are 16-byte aligned (TMA allowed)
 
-    class D:  # the two fields of _Dispatch the launchers read
+    class D:  # the fields of _Dispatch the launchers read
         pass
 
     d = D()
-    d.e, d.offs = e, offs
+    d.e, d.offs, d.nk = e, offs, rows
     d.tok = torch.randint(0, max(rows, 1), (rows,), device=DEV)
     p, p2 = torch.randn(rows, mm, device=DEV), torch.randn(rows, mm, device=DEV)
     q = torch.randn(rows, nn, device=DEV)

@@ -56,7 +56,10 @@ TILE_CONFIGS = {
         "router": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "dx": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        # dx = dA w1 + dB w3: PAIR 3 (the two products one after the other, so one operand pair per pipeline stage
+        # and 128 x 256 tiles fit; PAIR 2 loads both pairs per stage, 128 x 128 tiles). 10th session, moe_tiles.py:
+        # 39.8 ms (580 TFLOP/s) at 32768 tokens against PAIR 2's 46.5, 16.8 against 19.2 at 8192
+        "dx": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, PAIR=3),
         "glu_bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "glu_bwd_mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         "glu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=8, num_stages=1),
@@ -65,6 +68,11 @@ TILE_CONFIGS = {
         # dual kernel's 26.9 / 54.3 (v2 dual 28.5 / 50.9), dW2 12.8 / 25.2 against 13.0 / 30.4 at 128 x 128 (v2
         # 12.6 / 27.4)
         "wgrad": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+        # ... and below WGRAD_FEW_ROWS rows per expert on average: 128 x 128 tiles, 4 warps, 2 stages, so that two
+        # programs share an SM and one's stores overlap the other's products (10th session, moe_tiles.py with
+        # random operands, ms at 8192 tokens: dW1|dW3 21.9 against 23.8 on 128 x 256 tiles, dW2 11.7 against 12.6;
+        # at 32768 tokens slower: 53.3 against 52.0, 26.4 against 25.0)
+        "wgrad_few": dict(BM=128, BN=128, BK=64, num_warps=4, num_stages=2, maxnreg=168),
         "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, DUAL=False),
         # WGRAD_IMPL "v2" (persistent, TMA): PROGS_PER_SM programs per SM; P_TMA / Q_TMA / O_TMA
         # choose descriptors (else pointers) for the token-side operands and the output
@@ -73,15 +81,18 @@ TILE_CONFIGS = {
                        P_TMA=True, Q_TMA=True, O_TMA=False),
         "wgrad2_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=1,
                             P_TMA=True, Q_TMA=True, O_TMA=False),
-        # WGRAD_IMPL "v3" (few rows per expert; not yet timed): [BM, KP] P tile held, BN-column Q tiles pipelined
+        # WGRAD_IMPL "v3" (few rows per expert, opt-in): [BM, KP] P tile held, BN-column Q tiles pipelined; 10th session
+        # (moe_tiles.py, 8192 tokens, KP 256): 31.8 / 16.2 ms (dW1|dW3 / dW2) on 128 x 128 tiles, 23.1 / 11.6 on 128 x 64,
+        # against v1 on "wgrad_few" tiles 21.9 / 11.7; in the experts' forward+backward 96.8 ms against 92.9
         "wgrad3": dict(BM=128, BN=128, num_warps=8, num_stages=3),  # (stages cut to what fits at large KP)
     },
     "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1,
                        A_TMA=True, W_TMA=True, P_TMA=True, Q_TMA=True, O_TMA=True, NUM_PROGS=3)
-            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm", "wgrad", "wgrad_dual", "wgrad2",
+            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm", "wgrad", "wgrad_few", "wgrad_dual", "wgrad2",
                          "wgrad2_dual", "wgrad3")}
            | {"glu_bwd_rows": dict(BLOCK_R=2, BLOCK_N=16, num_warps=4, num_stages=1)},
 }
+TILE_CONFIGS["cpu"]["dx"]["PAIR"] = 3  # as on the GPU (tests set 2 for the other form)
 
 # Which weight-gradient kernels (dW1|dW3 and dW2) the backward of moe_experts runs:
 #   "v1": _wgrad_kernel, one program per (expert, m-tile, n-tile), pointer loads (measured in
@@ -100,9 +111,12 @@ WGRAD_V2_MIN_ROWS = 256
 #         the next power of two >= the largest expert's rows, at least 16) and looping over n-tiles with the Q loads
 #         pipelined behind the products and stores; for few rows per expert (8192 tokens of the K3 layer: 146 on
 #         average), where v1 writes the gradient at ~1.3-1.6 TB/s. Experts over WGRAD_V3_MAX_ROWS rows fall back to v1.
-#         Reads the largest expert's row count on the host (one device sync per call). Not yet timed on the H200
-#         (benchmarks/moe_tiles.py --kernels wgrad13,wgrad2 lists it).
+#         Reads the largest expert's row count on the host (one device sync per call). Timed in the 10th session
+#         (see "wgrad3" above): not faster than v1 on the "wgrad_few" tiles, so opt-in.
 WGRAD_V3_MAX_ROWS = 256
+# v1's single-output launches use the "wgrad_few" tiles when the experts average fewer rows than this (N * k / E; the
+# K3 layer: 146 at 8192 tokens, 585 at 32768)
+WGRAD_FEW_ROWS = 256
 SHARED_BYTES = 232448  # an sm_90 block's shared-memory limit (227 KB)
 
 # How the backward computes dA, dB (and d topk_weight) from G = du[tok] w2[e]:
@@ -569,7 +583,7 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
                 _wgrad_v3(pp, q, d, mm, nn, oo, kp, ptok=ptok, qtok=qtok)
             return
     dual = p2 is not None
-    cfg = _cfg("wgrad_dual" if dual else "wgrad", p)
+    cfg = _cfg("wgrad_dual" if dual else ("wgrad_few" if d.nk < WGRAD_FEW_ROWS * d.e else "wgrad"), p)
     m_tiles, n_tiles = cdiv(mm, cfg["BM"]), cdiv(nn, cfg["BN"])
     _k._wgrad_kernel[(d.e * m_tiles * n_tiles,)](
         p, p2 if dual else p, ptok if ptok is not None else d.tok,
@@ -779,7 +793,7 @@ class _ExpertsFn(torch.autograd.Function):
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
             dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
             _gg("dx", da, w1, d.schedule(_cfg("dx", x)["BM"]), d.offs, e, i, l, dxg, gather=False,
-                w_kn=True, pair=2, a2=db, w2=w3)
+                w_kn=True, pair=_cfg("dx", x).get("PAIR", 2), a2=db, w2=w3)
             dx = _combine(dxg, d, None, x.dtype)
             del dxg
             _mark("bwd: dx GEMM + combine")

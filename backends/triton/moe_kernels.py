@@ -44,12 +44,25 @@ def _sigmoid(x):
 
 
 @triton.jit
+def _sigmoid_act(x, FAST: tl.constexpr):
+    """sigmoid for the GLU activations: with FAST 0.5 tanh(x/2) + 0.5 on MUFU.TANH (one special-function op, no
+    division: the GLU epilogues and the backward's row pass are arithmetic-bound on the exact form's exp and IEEE
+    division; 10th session, benchmarks/moe_tiles.py: the split backward's row pass 4.33 -> 3.80 ms at 32768 tokens,
+    3.72 -> 4.24 TB/s); else the exact form. (The router's scores keep the exact _sigmoid.)"""
+    if FAST:
+        return 0.5 * _tanh(0.5 * x, FAST) + 0.5
+    else:
+        return _sigmoid(x)
+
+
+@triton.jit
 def _glu_fwd(a, b, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr):
-    """ACT 0: SiTU-GLU  (bg tanh(a/bg) sigmoid(a)) (bu tanh(b/bu));  ACT 1: SwiGLU silu(a) b."""
-    sa = _sigmoid(a)
+    """ACT 0: SiTU-GLU  (bg tanh(a/bg) sigmoid(a)) (bu tanh(b/bu));  ACT 1: SwiGLU silu(a) b.
+    (a / bg is formed as a * (1 / bg): one scalar division, not one per element.)"""
+    sa = _sigmoid_act(a, FAST)
     if ACT == 0:
-        g = beta_gate * _tanh(a / beta_gate, FAST) * sa
-        v = beta_up * _tanh(b / beta_up, FAST)
+        g = beta_gate * _tanh(a * (1.0 / beta_gate), FAST) * sa
+        v = beta_up * _tanh(b * (1.0 / beta_up), FAST)
     else:
         g = a * sa
         v = b
@@ -59,10 +72,10 @@ def _glu_fwd(a, b, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr):
 @triton.jit
 def _glu_bwd(a, b, dh, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr):
     """Returns (h, dA, dB) for h = g(a) v(b): dA = dh v g'(a), dB = dh g v'(b)."""
-    sa = _sigmoid(a)
+    sa = _sigmoid_act(a, FAST)
     if ACT == 0:
-        tg = _tanh(a / beta_gate, FAST)
-        tb = _tanh(b / beta_up, FAST)
+        tg = _tanh(a * (1.0 / beta_gate), FAST)
+        tb = _tanh(b * (1.0 / beta_up), FAST)
         g = beta_gate * tg * sa
         dg = (1.0 - tg * tg) * sa + g * (1.0 - sa)
         v = beta_up * tb
@@ -217,60 +230,10 @@ def _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr, offs_ptr, E, BM: t
 
 
 @triton.jit
-def _grouped_gemm_kernel(
-        a_src, tok_ptr, w_src, a2_src, w2_src,
-        c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
-        tile_expert_ptr, tile_start_ptr, offs_ptr,
-        K, NN, E, n_tiles,
-        stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-        beta_gate, beta_up,
-        PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr, ROW_SCALE: tl.constexpr,
-        ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
-        PREC: tl.constexpr, EVEN_K: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One grouped GEMM over the experts; for the rows r of m-tile's expert e and n-tile cols:
-
-        acc  = A[r] . W[e]          (K-deep dot; W[e] is [NN, K] (k fastest) or [K, NN] (W_KN))
-        PAIR 1 (dual):  acc2 = A[r] . W2[e]            (one A tile against two weight tiles)
-        PAIR 2 (sum):   acc += A2[r] . W2[e]           (A2 rows are never gathered)
-
-    A rows: A_MODE 0 gathered through tok (A[r] = a[tok[r]]), 1 contiguous, 2 a TMA descriptor
-    over contiguous rows. W: pointers with (stride_we, stride_wn, stride_wk), or (W_DESC) a 3-D
-    TMA descriptor over [E, rows, cols] with zero fill outside each expert's block.
-    Epilogue EPI 0: c = acc.  EPI 1 (GLU forward): c = glu(acc, acc2) (times wrow[r] when
-    ROW_SCALE; and, when SAVE, c2 = acc, c3 = acc2: the pre-activations for backward).  EPI 2 (GLU backward, acc = G = du . w2[e]):
-    dwrow[r] += sum_n G h, dH = wrow[r] G, c = dA, c2 = dB from the saved pa, pb.
-    """
-    pid = tl.program_id(0)
-    e, e_ok, pid_n, m_begin, m_end = _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr,
-                                                offs_ptr, E, BM)
-    if e >= E:
-        return
-    rows = m_begin + tl.arange(0, BM)
-    rmask = rows < m_end
-    n0 = pid_n * BN
-    cols = n0 + tl.arange(0, BN)
-    cmask = cols < NN
-    ks = tl.arange(0, BK)
-    e32 = e.to(tl.int32)
-    m32 = m_begin.to(tl.int32)
-    if A_MODE == 0:
-        arow = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        a_ptrs = a_src + arow[:, None] * stride_am + ks[None, :]
-    elif A_MODE == 1:
-        a_ptrs = a_src + rows[:, None] * stride_am + ks[None, :]
-    if PAIR == 2:
-        if A_MODE != 2:
-            a2_ptrs = a2_src + rows[:, None] * stride_am + ks[None, :]
-    if not W_DESC:
-        b_ptrs = (w_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
-                  + ks[:, None] * stride_wk)
-        if PAIR != 0:
-            b2_ptrs = (w2_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
-                       + ks[:, None] * stride_wk)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if PAIR == 1:
-        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+def _gg_k_loop(acc, acc2, a_src, a_ptrs, a2_src, a2_ptrs, w_src, b_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, cmask,
+               ks, stride_wk, PAIR: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
+               PREC: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """The K loop of _grouped_gemm_kernel (PAIR 0, 1 or 2 as there); returns (acc, acc2)."""
     for k0 in range(0, K, BK):
         kmask = (k0 + ks) < K
         # ---- A tile(s) [BM, BK]
@@ -317,6 +280,81 @@ def _grouped_gemm_kernel(
             acc2 = tl.dot(a, b2, acc2, input_precision=PREC)
         elif PAIR == 2:
             acc = tl.dot(a2, b2, acc, input_precision=PREC)
+    return acc, acc2
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+        a_src, tok_ptr, w_src, a2_src, w2_src,
+        c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
+        tile_expert_ptr, tile_start_ptr, offs_ptr,
+        K, NN, E, n_tiles,
+        stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+        beta_gate, beta_up,
+        PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr, ROW_SCALE: tl.constexpr,
+        ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
+        PREC: tl.constexpr, EVEN_K: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One grouped GEMM over the experts; for the rows r of m-tile's expert e and n-tile cols:
+
+        acc  = A[r] . W[e]          (K-deep dot; W[e] is [NN, K] (k fastest) or [K, NN] (W_KN))
+        PAIR 1 (dual):  acc2 = A[r] . W2[e]            (one A tile against two weight tiles)
+        PAIR 2 (sum):   acc += A2[r] . W2[e]           (A2 rows are never gathered)
+        PAIR 3 (sum, sequential): as PAIR 2, one K loop over (A, W) and then one over (A2, W2)
+
+    A rows: A_MODE 0 gathered through tok (A[r] = a[tok[r]]), 1 contiguous, 2 a TMA descriptor
+    over contiguous rows. W: pointers with (stride_we, stride_wn, stride_wk), or (W_DESC) a 3-D
+    TMA descriptor over [E, rows, cols] with zero fill outside each expert's block.
+    Epilogue EPI 0: c = acc.  EPI 1 (GLU forward): c = glu(acc, acc2) (times wrow[r] when
+    ROW_SCALE; and, when SAVE, c2 = acc, c3 = acc2: the pre-activations for backward).  EPI 2 (GLU backward, acc = G = du . w2[e]):
+    dwrow[r] += sum_n G h, dH = wrow[r] G, c = dA, c2 = dB from the saved pa, pb.
+    """
+    pid = tl.program_id(0)
+    e, e_ok, pid_n, m_begin, m_end = _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr,
+                                                offs_ptr, E, BM)
+    if e >= E:
+        return
+    rows = m_begin + tl.arange(0, BM)
+    rmask = rows < m_end
+    n0 = pid_n * BN
+    cols = n0 + tl.arange(0, BN)
+    cmask = cols < NN
+    ks = tl.arange(0, BK)
+    e32 = e.to(tl.int32)
+    m32 = m_begin.to(tl.int32)
+    # (pointer operands that a mode does not use are never loaded: the K loop selects on the same constexprs)
+    a_ptrs = tok_ptr
+    a2_ptrs = tok_ptr
+    b_ptrs = tok_ptr
+    b2_ptrs = tok_ptr
+    if A_MODE == 0:
+        arow = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        a_ptrs = a_src + arow[:, None] * stride_am + ks[None, :]
+    elif A_MODE == 1:
+        a_ptrs = a_src + rows[:, None] * stride_am + ks[None, :]
+    if PAIR >= 2:
+        if A_MODE != 2:
+            a2_ptrs = a2_src + rows[:, None] * stride_am + ks[None, :]
+    if not W_DESC:
+        b_ptrs = (w_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                  + ks[:, None] * stride_wk)
+        if PAIR != 0:
+            b2_ptrs = (w2_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                       + ks[:, None] * stride_wk)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = acc
+    if PAIR == 1:
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    if PAIR == 3:
+        # sequential pair: the K loop over (A, W), then a second one over (A2, W2) into the same accumulator;
+        # each loop a plain one-operand pipeline (fewer shared-memory bytes per stage than PAIR 2: wider tiles fit)
+        acc, acc2 = _gg_k_loop(acc, acc2, a_src, a_ptrs, a_src, a_ptrs, w_src, b_ptrs, w_src, b_ptrs, e32, m32, n0,
+                               K, rmask, cmask, ks, stride_wk, 0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BK, BN)
+        acc, acc2 = _gg_k_loop(acc, acc2, a2_src, a2_ptrs, a2_src, a2_ptrs, w2_src, b2_ptrs, w2_src, b2_ptrs, e32,
+                               m32, n0, K, rmask, cmask, ks, stride_wk, 0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BK, BN)
+    else:
+        acc, acc2 = _gg_k_loop(acc, acc2, a_src, a_ptrs, a2_src, a2_ptrs, w_src, b_ptrs, w2_src, b2_ptrs, e32, m32,
+                               n0, K, rmask, cmask, ks, stride_wk, PAIR, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BK, BN)
     # epilogue offsets: int32 within the tile (BM * stride_cm < 2**31) from int64 tile bases. ptxas sm_90a spills
     # (bytes, int64 [BM, BN] offsets -> these): GLU backward 128 x 64 264 -> 0, dx 440 -> 16, GEMM 1 1204 -> 848,
     # GEMM 2 128 x 256 256 -> 464 (9th session; the GEMM 2 forward phase timed within run-to-run noise)
