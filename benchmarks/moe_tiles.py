@@ -82,6 +82,9 @@ def main(argv=None):
                     help="token counts (default 8192 32768; with --cpu-smoke 37)")
     ap.add_argument("--kernels", default=",".join(SWEEPS), help="comma list of " + ", ".join(SWEEPS))
     ap.add_argument("--rep", type=int, default=300, help="do_bench repetition budget in ms")
+    ap.add_argument("--match", action="append", default=None, metavar="TEXT",
+                    help="time only the settings whose label contains TEXT (repeatable; the first setting of each "
+                         "kernel always runs: the others' err column is against it)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes (E 6, top-2, 48 x 40) under Triton's interpreter on the CPU, float32, no timing: "
                          "checks the script and that every setting gives the same result")
@@ -176,7 +179,9 @@ def main(argv=None):
         for name in kernels:
             flops, fn, out, wbytes = calls[name]
             ref = None
-            for label, ch in SWEEPS[name]:
+            for si, (label, ch) in enumerate(SWEEPS[name]):
+                if si and args.match and not any(m in label for m in args.match):
+                    continue
                 if ch.get("WGRAD_IMPL") == "v3" and rows_max > tm.WGRAD_V3_MAX_ROWS:
                     label += f" (= v1: an expert has {rows_max} > {tm.WGRAD_V3_MAX_ROWS} rows)"
                 for kk, v in ch.items():

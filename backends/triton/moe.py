@@ -114,6 +114,10 @@ WGRAD_V2_MIN_ROWS = 256
 #         Reads the largest expert's row count on the host (one device sync per call). Timed in the 10th session
 #         (see "wgrad3" above): not faster than v1 on the "wgrad_few" tiles, so opt-in.
 WGRAD_V3_MAX_ROWS = 256
+# (A persistent "v4", one flat software-pipelined loop over each program's (tile, K block) pairs so that the next
+# tile's loads overlap a tile's store, was timed in the 10th session and removed: 72.4 / 36.6 ms (dW1|dW3 / dW2) at
+# 32768 tokens against v1's 49.9 / 25.5, 25.2 / 12.9 at 8192 against 21.9 / 11.0; not profiled, most likely the
+# accumulator reset at tile ends, which makes each MMA wait for the one before it.)
 # v1's single-output launches use the "wgrad_few" tiles when the experts average fewer rows than this (N * k / E; the
 # K3 layer: 146 at 8192 tokens, 585 at 32768)
 WGRAD_FEW_ROWS = 256
