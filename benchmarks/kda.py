@@ -99,6 +99,11 @@ def main():
     ap.add_argument("--alt", action="append", default=[], metavar="CFG:key=value,...",
                     help="also time the default with these settings (same syntax as --set), one extra row per "
                          "case and pass tagged [alt N], e.g. --alt \"H_CFG:bv='auto'\" (repeatable)")
+    ap.add_argument("--no-fwd", action="store_true", help="forward+backward rows only")
+    ap.add_argument("--only", choices=("fla", "mtc"), default=None,
+                    help="time one implementation only (the other's columns print '-'): for rows where both do "
+                         "not fit in one process's memory (forward+backward at H=16, T=1M), run one process each "
+                         "on the same machine")
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
@@ -161,10 +166,13 @@ def main():
     print("\n".join(lines), flush=True)
     ratios = {}
     default_intra = tk.INTRA_IMPL
-    warm_up(chunk_kda, kda_chunk, cases[0][1], cases[0][0], grad=wants_bwd(*cases[0], args.no_bwd))
+    warm_up(None if args.only == "mtc" else chunk_kda, None if args.only == "fla" else kda_chunk, cases[0][1],
+            cases[0][0], grad=wants_bwd(*cases[0], args.no_bwd))
     for H, T in cases:
         for mode in ("fwd", "fwd+bwd"):
             if mode == "fwd+bwd" and not wants_bwd(H, T, args.no_bwd):
+                continue
+            if mode == "fwd" and args.no_fwd:
                 continue
             try:
                 q, k, v, g, beta = make(T, H)
@@ -194,9 +202,11 @@ def main():
                     # copy of fla's output (4.3 GB) and its gradients left our forward+backward (~130 GB alone)
                     # short of memory in the same process (9th session)
                     stride = 1 if T < 262144 else 16
-                    o1 = run_fla().detach()[:, ::stride].clone()
-                    t_fla = triton.testing.do_bench(run_fla, warmup=50, rep=args.rep, grad_to_none=gn,
-                                                    return_mode="median")
+                    o1, t_fla = None, float("nan")
+                    if args.only != "mtc":
+                        o1 = run_fla().detach()[:, ::stride].clone()
+                        t_fla = triton.testing.do_bench(run_fla, warmup=50, rep=args.rep, grad_to_none=gn,
+                                                        return_mode="median")
                     if grad:
                         for t in gn:
                             t.grad = None
@@ -205,6 +215,9 @@ def main():
                     alts = [(default_intra, bwds[0], n) for n in range(1, len(args.alt) + 1)]
                     variants = ([(i, bwds[0], None) for i in intras] if not grad
                                 else [(default_intra, b, None) for b in bwds]) + alts
+                    if args.only == "fla":
+                        variants = []
+                        res["fla only"] = (float("nan"), float("nan"))
                     for impl, bwd, alt in variants:
                         tk.INTRA_IMPL = impl
                         set_bwd(tk, bwd)
@@ -212,7 +225,7 @@ def main():
                             apply_set(tk, args.alt[alt - 1])
                         try:
                             o2 = run_mtc().detach()
-                            err = rel(o2[:, ::stride], o1)
+                            err = rel(o2[:, ::stride], o1) if o1 is not None else float("nan")
                             del o2
                             if grad:
                                 for t in gn:
@@ -228,7 +241,10 @@ def main():
                         res[key] = (t_mtc, err) + ((ph,) if ph else ())
                     del o1
             except torch.OutOfMemoryError as e:  # noqa: PERF203
-                print(f"| {H} | {T} | {mode} | OOM: {str(e)[:60]} |", flush=True)
+                who = f" ({args.only} only)" if args.only else ""
+                lines.append(f"| {H} | {T} | {mode}{who} | out of memory: {' '.join(str(e).split())[:300]} |")
+                print(lines[-1], flush=True)
+                write()
                 continue
             finally:
                 tk.INTRA_IMPL = default_intra
@@ -241,12 +257,17 @@ def main():
                 tf, tb = fl / (t_mtc * 1e-3), by / (t_mtc * 1e-3)
                 tag = (f" [{impl}]" if args.alt or (len(intras) > 1 and not grad) or (len(bwds) > 1 and grad)
                        else "")
-                line = (f"| {H} | {T} | {mode}{tag} | {t_fla:.3f} | {t_mtc:.3f} | {t_fla / t_mtc:.2f}x | "
-                        f"{fl / 1e9:.0f} | {by / 1e9:.2f} | {tf / 1e12:.1f} | {100 * tf / MM_PEAK:.1f}% | "
-                        f"{tb / 1e12:.2f} | {100 * tb / BW_PEAK:.1f}% | {err:.1e} |")
+                if args.only:
+                    tag += f" ({args.only} only: the other in its own process)"
+                f3 = lambda x, fmt, unit="": "-" if math.isnan(x) else format(x, fmt) + unit  # noqa: E731
+                line = (f"| {H} | {T} | {mode}{tag} | {f3(t_fla, '.3f')} | {f3(t_mtc, '.3f')} | "
+                        f"{f3(t_fla / t_mtc, '.2f', 'x')} | {fl / 1e9:.0f} | {by / 1e9:.2f} | {f3(tf / 1e12, '.1f')} | "
+                        f"{f3(100 * tf / MM_PEAK, '.1f', '%')} | {f3(tb / 1e12, '.2f')} | "
+                        f"{f3(100 * tb / BW_PEAK, '.1f', '%')} | {f3(err, '.1e')} |")
                 print(line, flush=True)
                 lines.append(line)
-                ratios[(H, T, mode, impl)] = t_fla / t_mtc
+                if not args.only:
+                    ratios[(H, T, mode, impl)] = t_fla / t_mtc
                 if ph:
                     lines.append(f"|   | phases ({'bwd ' if grad else ''}{impl}) H={H} T={T} | {ph[0]} |")
                     print(lines[-1], flush=True)
@@ -278,13 +299,18 @@ def main():
             print(lines[-1], flush=True)
             write()
     parts = []
-    for impl in intras + [f"alt {n}" for n in range(1, len(args.alt) + 1)]:
-        rs = [r for key, r in ratios.items() if key[3] == impl]
-        gm = math.exp(sum(math.log(r) for r in rs) / max(1, len(rs)))
-        big = ratios.get((16, 1048576, "fwd", impl))
-        parts.append(f"{impl}: geometric mean {gm:.2f}x over {len(rs)} rows, min {min(rs, default=float('nan')):.2f}x"
+    groups = ([("forward rows, ", ("fwd",), i) for i in intras]
+              + [("fwd+bwd rows, backward ", ("fwd+bwd",), b) for b in bwds]
+              + [("", ("fwd", "fwd+bwd"), f"alt {n}") for n in range(1, len(args.alt) + 1)])
+    for what, modes, impl in groups:
+        rs = [r for key, r in ratios.items() if key[3] == impl and key[2] in modes]
+        if not rs:
+            continue
+        gm = math.exp(sum(math.log(r) for r in rs) / len(rs))
+        big = ratios.get((16, 1048576, "fwd", impl)) if "fwd" in modes else None
+        parts.append(f"{what}{impl}: geometric mean {gm:.2f}x over {len(rs)} rows, min {min(rs):.2f}x"
                      + (f", at H=16 T=1M fwd {big:.2f}x" if big else ""))
-    last = "ratio fla/mtc (speed-up, >1 = mtc faster): " + "; ".join(parts)
+    last = "ratio fla/mtc (speed-up, >1 = mtc faster): " + ("; ".join(parts) or "no side-by-side rows")
     lines += ["", last]
     print("\n" + last, flush=True)
     write()
@@ -296,10 +322,10 @@ def wants_bwd(H, T, no_bwd):
 
 
 def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
-    """Bring the GPU to its steady clocks and both implementations past compilation and autotuning before the
-    first timed row (H200, 2026-11-30: on a freshly started machine the first row's fla time came out 2x its
-    steady value, 1.14-1.18 ms instead of 0.57 at H=16, T=8192, and fla's first forward+backward, autotuned in
-    the same process, 3.19 ms instead of 2.27). Runs at T capped to 65536: compilation and autotuning do not
+    """Bring the GPU to its steady clocks and both implementations (one when the other is None: --only) past
+    compilation and autotuning before the first timed row (H200, 2026-11-30: on a freshly started machine the
+    first row's fla time came out 2x its steady value, 1.14-1.18 ms instead of 0.57 at H=16, T=8192, and fla's
+    first forward+backward, autotuned in the same process, 3.19 ms instead of 2.27). Runs at T capped to 65536: compilation and autotuning do not
     depend on T, and at 1M a forward+backward of each implementation here left too little memory for the rows
     (9th session: fla's backward ran out of memory with 132 GiB in use)."""
     T = min(T, 65536)
@@ -317,9 +343,10 @@ def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
         for _ in range(20):
             a @ a
         torch.cuda.synchronize()
+    fns = [fn for impl, fn in ((chunk_kda, lambda: chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)),
+                               (kda_chunk, lambda: kda_chunk(q, k, v, g, beta, lower_bound=-5.0))) if impl is not None]
     for reps in (1, 3):
-        for fn in (lambda: chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0),
-                   lambda: kda_chunk(q, k, v, g, beta, lower_bound=-5.0)):
+        for fn in fns:
             for _ in range(reps):
                 o, _ = fn()
                 if grad:

@@ -14,11 +14,14 @@ Pipeline of ``moe_experts`` (forward):
   4. weighted combine: u[t] = sum_j p[t, j] y[pos[t, j]] in float32.
 Backward (torch.autograd.Function): G = du w2 by a plain grouped GEMM, then a row kernel forms the
 activation's derivative dA, dB and d topk_weight (a row sum of G * h) over the saved pre-activations
-(GLU_BWD_IMPL "split", the default; "fused" puts that in the GEMM's epilogue); dx through one grouped
-GEMM over both [dA dB] [w1; w3]; the weight gradients by a grouped "K = tokens of the expert" GEMM,
-one of three kernels chosen by the module attribute WGRAD_IMPL ("v1" default, two single-output
-launches on 128 x 256 tiles; "v2" persistent + TMA; "v3" for few rows per expert, which reads the
-largest expert's row count on the host; see its definition). Otherwise no host synchronisation in the
+(GLU_BWD_IMPL "split", the default; "fused" puts that in the GEMM's epilogue); dx = dA w1 + dB w3
+through one grouped GEMM that runs its K loop over (dA, w1) and then over (dB, w3) into one accumulator
+(PAIR 3); the weight gradients by a grouped "K = tokens of the expert" GEMM, one of three kernels chosen
+by the module attribute WGRAD_IMPL ("v1" default, two single-output launches on 128 x 256 tiles, or
+128 x 128 four-warp tiles below WGRAD_FEW_ROWS rows per expert; "v2" persistent + TMA; "v3" for few
+rows per expert, which reads the largest expert's row count on the host; see its definition). The
+SiTU-GLU's sigmoid and tanh run on the special-function unit (tanh.approx) on the GPU and exactly under
+the interpreter. Otherwise no host synchronisation in the
 GEMM path: the grids are upper bounds and the schedule lives on the device; the argument checks read
 back the expert-id range (moe_experts) and the non-finite-row flags (qb_route) once per call.
 
