@@ -1,12 +1,13 @@
 """Launch-setting sweep of the K3 MoE experts' grouped GEMMs, one kernel at a time (H200, bf16).
 
 Times each token-side grouped GEMM (GEMM 1 + SiTU-GLU, GEMM 2, the backward's G = du w2 in its fused and split
-forms, dx) and the weight-gradient kernels (dW1|dW3, dW2) of backends.triton.moe under several TILE_CONFIGS /
-WGRAD_IMPL settings, at the K3 layer's shapes (896 experts, top-16, latent 3584, intermediate 3072) with uniform
-random routing.  Each row: median ms (triton.testing.do_bench), TFLOP/s of the nominal GEMM work, and for the
-weight gradients the rate at which the gradient itself is written (its bytes are the floor at few rows per
-expert); err = relative difference of the output against the first setting of the same kernel (0 unless a setting
-changes the summation order).  The defaults in backends/triton/moe.py cite this script's 9th-session numbers.
+forms, the split form's row pass alone, dx) and the weight-gradient kernels (dW1|dW3, dW2) of backends.triton.moe
+under several TILE_CONFIGS / WGRAD_IMPL settings, at the K3 layer's shapes (896 experts, top-16, latent 3584,
+intermediate 3072) with uniform random routing and random operands.  Each row: median ms
+(triton.testing.do_bench), TFLOP/s of the nominal GEMM work, and for the weight gradients the rate at which the
+gradient itself is written (its bytes are the floor at few rows per expert; for the row pass its whole traffic);
+err = relative difference of the output against the first setting of the same kernel (0 unless a setting changes
+the summation order).  The defaults in backends/triton/moe.py cite this script's 9th- and 10th-session numbers.
 
 Usage (GPU):  python benchmarks/moe_tiles.py --tokens 8192 32768 [--kernels glu_bwd,wgrad13]
 """
@@ -23,6 +24,16 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 E, L, I, K = 896, 3584, 3072, 16
+
+# v1 weight-gradient tiles with two or three programs per SM (so that one program's stores overlap another's
+# products), for both weight-gradient sweeps: (label, "wgrad" settings)
+_V1_TILES = [("128x128 s2 nreg128", dict(BN=128, num_stages=2, maxnreg=128)),
+             ("128x128 nw4 s2", dict(BN=128, num_warps=4, num_stages=2)),
+             ("128x128 nw4 s3", dict(BN=128, num_warps=4, num_stages=3)),
+             ("128x128 nw4 s2 nreg168", dict(BN=128, num_warps=4, num_stages=2, maxnreg=168)),
+             ("128x64 nw4 s3", dict(BN=64, num_warps=4, num_stages=3)),
+             ("64x128 nw4 s3", dict(BM=64, BN=128, num_warps=4, num_stages=3)),
+             ("128x128 nw4 BK32 s4", dict(BN=128, BK=32, num_warps=4, num_stages=4))]
 
 # kernel -> [(label, {TILE_CONFIGS entry or "GLU_BWD_IMPL"/"WGRAD_IMPL": change})]
 SWEEPS = {
@@ -49,29 +60,13 @@ SWEEPS = {
                 ("v2 dual O_TMA", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True), "wgrad2_dual": dict(O_TMA=True)}),
                 ("v2 2x", {"WGRAD_IMPL": "v2"}), ("v3", {"WGRAD_IMPL": "v3"}),
                 ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)}),
-                # two or three programs per SM, so that one program's stores overlap another's products
-                ("v1 2x 128x128 s2 nreg128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_stages=2, maxnreg=128)}),
-                ("v1 2x 128x128 nw4 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=2)}),
-                ("v1 2x 128x128 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=3)}),
-                ("v1 2x 128x128 nw4 s2 nreg168", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=2,
-                                                                                  maxnreg=168)}),
-                ("v1 2x 128x64 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=64, num_warps=4, num_stages=3)}),
-                ("v1 2x 64x128 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BM=64, BN=128, num_warps=4, num_stages=3)}),
-                ("v1 2x 128x128 nw4 BK32 s4", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, BK=32, num_warps=4,
-                                                                                num_stages=4)}),
+                *[("v1 2x " + lab, {"WGRAD_IMPL": "v1", "wgrad": t}) for lab, t in _V1_TILES],
                 ("v3 128x64 nw4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4)})],
     "wgrad2": [("v1 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}), ("v1 128x256", {"WGRAD_IMPL": "v1"}),
                ("v1 128x256 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(num_stages=2)}), ("v2", {"WGRAD_IMPL": "v2"}),
                ("v2 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(O_TMA=True)}), ("v3", {"WGRAD_IMPL": "v3"}),
                ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)}),
-               ("v1 128x128 s2 nreg128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_stages=2, maxnreg=128)}),
-               ("v1 128x128 nw4 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=2)}),
-               ("v1 128x128 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=3)}),
-               ("v1 128x128 nw4 s2 nreg168", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, num_warps=4, num_stages=2,
-                                                                              maxnreg=168)}),
-               ("v1 128x64 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=64, num_warps=4, num_stages=3)}),
-               ("v1 64x128 nw4 s3", {"WGRAD_IMPL": "v1", "wgrad": dict(BM=64, BN=128, num_warps=4, num_stages=3)}),
-               ("v1 128x128 nw4 BK32 s4", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128, BK=32, num_warps=4, num_stages=4)}),
+               *[("v1 " + lab, {"WGRAD_IMPL": "v1", "wgrad": t}) for lab, t in _V1_TILES],
                ("v3 128x64 nw4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4)})],
 }
 
