@@ -156,6 +156,9 @@ def _init_(t: torch.Tensor, init: str, std: float | None, gen: torch.Generator |
         elif init == "dt_bias":                    # softplus^-1 of dt in [1e-3, 1e-1], log-uniform
             dt = torch.exp(torch.empty_like(t).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
             t.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif init == "dt_bias_sigmoid":            # logit of a fraction f of the gate's bound, log-uniform [2e-4, 0.2]
+            f = torch.exp(torch.empty_like(t).uniform_(math.log(2e-4), math.log(0.2), generator=gen))
+            t.copy_(torch.log(f) - torch.log1p(-f))
         else:
             raise MtcError(f"unknown initialiser '{init}'")
 

@@ -23,7 +23,7 @@ FLOAT = ("f32", "f16", "bf16", "f64")
 #: the routed experts' storage dtypes ("" = the model dtype)
 EXPERT_DTYPES = ("", "f32", "bf16", "f16", "mxfp4", "fp8")
 #: the initialisers a param / buffer node names (backends/runtime.py _init_ implements them)
-INITS = ("normal", "expert", "ones", "zeros", "conv", "a_log", "dt_bias")
+INITS = ("normal", "expert", "ones", "zeros", "conv", "a_log", "dt_bias", "dt_bias_sigmoid")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,8 +675,17 @@ def _kda_params(a, ts):
         p += [ParamSpec("g_a_proj.weight", (gr, d)), ParamSpec("g_b_proj.weight", (H * V, gr))]
     else:
         p += [ParamSpec("g_proj.weight", (H * V, d))]
-    p += [ParamSpec("A_log", (H,), "a_log", dtype="f32"), ParamSpec("dt_bias", (H * K,), "dt_bias", dtype="f32"),
-          ParamSpec("o_norm.weight", (V,), "ones"), ParamSpec("o_proj.weight", (d, H * V))]
+    # decay-gate parameters: Mamba's convention for the softplus gate (A in [1, 16], dt_bias = softplus^-1(dt));
+    # for the sigmoid gate A = 1 and sigmoid(dt_bias) log-uniform in [2e-4, 0.2], i.e. g = lower_bound *
+    # sigmoid(x + dt_bias) starts at 2e-4 .. 0.2 of the bound (at -5: decay per token exp(-1e-3) .. exp(-1)), where
+    # it passes gradient. (Mamba's values inside the sigmoid put exp(A_log) (x + dt_bias) near -50: g ~ -1e-5, no
+    # forgetting and no gradient to the gate.)
+    if a["gate"] == "sigmoid":
+        p += [ParamSpec("A_log", (H,), "zeros", dtype="f32"),
+              ParamSpec("dt_bias", (H * K,), "dt_bias_sigmoid", dtype="f32")]
+    else:
+        p += [ParamSpec("A_log", (H,), "a_log", dtype="f32"), ParamSpec("dt_bias", (H * K,), "dt_bias", dtype="f32")]
+    p += [ParamSpec("o_norm.weight", (V,), "ones"), ParamSpec("o_proj.weight", (d, H * V))]
     return p
 
 

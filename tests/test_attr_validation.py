@@ -191,7 +191,8 @@ def test_ir_layer_op_attributes_are_checked(hybrid_ir):
     ("std = 0.02}", "std = -1.0}", "param: attribute 'std' must be a finite number >= 0, got -1.0"),
     ("std = 0.02}", "std = nan}", "param: attribute 'std' must be a finite number >= 0, got nan"),
     ('init = "normal"', 'init = "nromal"', "param: attribute 'init' must be one of 'normal', 'expert', 'ones', "
-                                           "'zeros', 'conv', 'a_log', 'dt_bias', got 'nromal' (did you mean 'normal'?)"),
+                                           "'zeros', 'conv', 'a_log', 'dt_bias', 'dt_bias_sigmoid', got 'nromal' (did you mean "
+                                           "'normal'?)"),
     ("std = 0.02}", "sdt = 0.02}", "param has no attribute 'sdt' (did you mean 'std'?)"),
     ('{init = "normal", ', "{", "param needs the attribute 'init' (its initialiser)"),
     ("f32[512, 96]", "f32[512, 0]", "the shape [512, 0] has a dimension 0"),

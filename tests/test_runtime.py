@@ -58,6 +58,44 @@ def test_state_dict_names_and_initialisation(tiny):
     assert tiny.state_dict()["model.layers.0.self_attn.q_conv1d.weight"].shape == (64, 1, 4)
 
 
+def _kda_gate_params(m):
+    sd = dict(m.named_parameters())
+    return [(sd[k], sd[k.replace("A_log", "dt_bias")]) for k in sd if k.endswith("self_attn.A_log")]
+
+
+def test_sigmoid_decay_gate_starts_open_to_learning():
+    # gate "sigmoid" (K3's): at initialisation g = lower_bound * sigmoid(exp(A_log) (x + dt_bias)) must sit inside
+    # (lower_bound, 0), away from 0 (forgetting happens) and from the bound, with a gradient reaching A_log and
+    # dt_bias. (Mamba's softplus-gate initialisation inside the sigmoid gave g ~ -1e-5 and ~1e-5 gradients.)
+    m = dsl.compile(dsl.load(K3, "tiny"), target="reference", seed=int(torch.randint(0, 2**31, ())))
+    gates = _kda_gate_params(m)
+    assert gates
+    for a_log, dt in gates:
+        h = a_log.shape[0]
+        x = torch.randn(1, 16, h, dt.shape[0] // h) * 0.1
+        g = R.kda_gate(x, a_log, dt, lower_bound=-5.0)
+        assert float(g.max()) < -5e-4 and float(g.min()) > -2.0, (float(g.min()), float(g.max()))
+        assert float(g.min()) < 10 * float(g.max())             # a spread of decay rates, not one value
+    ids = torch.randint(0, 256, (1, 64))
+    loss = torch.nn.functional.cross_entropy(m(ids)[0, :-1], ids[0, 1:])
+    loss.backward()
+    q = dict(m.named_parameters())["model.layers.0.self_attn.q_proj.weight"].grad.abs().max()
+    a_log, dt = gates[0]
+    assert float(a_log.grad.abs().max()) > 1e-2 * float(q) and float(dt.grad.abs().max()) > 1e-3 * float(q)
+
+
+def test_softplus_decay_gate_keeps_the_mamba_initialisation(tmp_path):
+    spec = K3.read_text().replace("lower_bound=lower_bound,", 'gate="softplus",', 1)
+    assert spec != K3.read_text()
+    f = tmp_path / "k3_softplus.mtc"
+    f.write_text(spec)
+    m = dsl.compile(dsl.load(f, "tiny"), target="reference")
+    for a_log, dt in _kda_gate_params(m):
+        assert float(a_log.min()) >= 0.0 and float(a_log.max()) <= math.log(16.0) + 1e-6   # A in [1, 16]
+        sp = torch.nn.functional.softplus(dt)                                             # dt in [1e-3, 0.1]
+        assert float(sp.min()) >= 1e-3 * (1 - 1e-4) and float(sp.max()) <= 0.1 * (1 + 1e-4)
+
+
 def test_zero_queries_make_attn_res_a_mean():
     """With zero pseudo-queries every AttnRes read is the plain mean of its sources (softmax of equal
     logits) - checked through the module against the reference op on a one-block model."""
