@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
 from typing import Callable
 
 import sympy
@@ -99,8 +100,9 @@ def _triton_table() -> dict[str, Callable]:
     table["mla_attention"] = lambda n, q, k, v: T.mla_attention(q, k, v, scale=n.attr("scale"),
                                                                 causal=n.attr("causal"))
     if hasattr(T, "kda_chunk"):
+        # the gate's bound selects the dense diagonal tiles when the kernel can take it (>= -10), else the safe path
         table["kda_chunk"] = lambda n, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=n.attr("scale"),
-                                                                  lower_bound=n.attr("lower_bound"))[0]
+                                                                  lower_bound=_fast_bound(n.attr("lower_bound")))[0]
     if hasattr(T, "kda_gate"):
         # the Triton gate kernel is forward-only: with autograd recording the reference op runs
         table["kda_gate"] = lambda n, x, a, d: (R.kda_gate if _records_grad(x, a, d) else T.kda_gate)(
@@ -344,7 +346,6 @@ class CompiledModule(nn.Module):
         longest = max((x.shape[-1] for x in inputs.values() if isinstance(x, torch.Tensor)
                        and x.dtype in (torch.int64, torch.int32) and x.dim() >= 1), default=0)
         if longest > limit:
-            import warnings
             from dsl.errors import MtcWarning
             self._warned_seq_len = True
             warnings.warn(MtcWarning(f"{self.graph.name}: {longest} tokens per sequence is past the spec's "
@@ -621,7 +622,6 @@ class CompiledModule(nn.Module):
                     kept = self._deferred.setdefault(n.name, [])
                     kept.append(scores.detach() if self.balance == "qb" else load)
                     if len(kept) == DEFER_WARN_FORWARDS:
-                        import warnings
                         from dsl.errors import MtcWarning
                         warnings.warn(MtcWarning(
                             f"balance_defer: {DEFER_WARN_FORWARDS} train-mode forwards have kept their router scores "
@@ -635,11 +635,29 @@ class CompiledModule(nn.Module):
                 bias.copy_(fixed_step_update(bias, load, step=self.fixed_step))
 
 
+def _fast_bound(lower_bound):
+    """kda_chunk's lower_bound for the Triton kernel: the gate's bound when its dense diagonal tiles can take it
+    (>= FAST_LOWER_BOUND_LIMIT, -10), else None (the safe path, correct for any g <= 0)."""
+    from backends.triton.kda import FAST_LOWER_BOUND_LIMIT
+    if lower_bound is None or float(lower_bound) < FAST_LOWER_BOUND_LIMIT:
+        return None
+    return lower_bound
+
+
 def _check_kernel_constraints(g: Graph, target: str) -> None:
     """Shapes the Triton templates cannot take are errors at compile time, at the user's spec line (kda_chunk:
-    K, V <= 256; sizes that are not powers of two >= 16 run zero-padded)."""
+    K, V <= 256; sizes that are not powers of two >= 16 run zero-padded); a gate bound below the dense tiles'
+    limit is a warning there (kda_chunk then takes its safe path)."""
+    from backends.triton.kda import FAST_LOWER_BOUND_LIMIT
     for n in g.nodes:
         if n.op == "kda_chunk":
+            lb = n.attr("lower_bound")
+            if lb is not None and float(lb) < FAST_LOWER_BOUND_LIMIT:
+                from dsl.errors import MtcWarning
+                warnings.warn(MtcWarning(
+                    f"target '{target}': lower_bound = {lb} is below {FAST_LOWER_BOUND_LIMIT}, the limit of the "
+                    f"Triton kda_chunk's dense diagonal tiles (their factors reach e^(8 |bound|), float32 ends at e^88): this "
+                    f"layer runs the kernel's safe path (slower, same result)", n.loc), stacklevel=2)
             K = int(g.type_of(n.inputs[0]).shape[3])      # q [B, T, H, K]
             V = int(n.types[0].shape[3])                  # o [B, T, H, V]
             for name, d in (("head_dim (K)", K), ("value head_dim (V)", V)):
