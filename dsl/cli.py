@@ -413,6 +413,19 @@ def _check_run_input(g) -> None:
         raise MtcError(f"`mtc run` feeds windows of --batch-size x --seq-len tokens (the last one shorter); "
                        f"model '{g.name}' takes {decl}, a fixed shape: declare it "
                        f"{ins[0].attr('name')}: {t.dtype}[B, T], or run it from Python")
+    # ... and scores next-token prediction: one output, the logits [batch, seq-len, vocab] of an lm_head
+    nodes = g.node_map()
+    outs = ", ".join(f"{g.type_of(o, nodes)} ({nodes[o.node].op})" for o in g.outputs)
+    if len(g.outputs) != 1:
+        raise MtcError(f"`mtc run` scores next-token prediction from one output, the logits [batch, seq-len, vocab]; "
+                       f"model '{g.name}' returns {len(g.outputs)}: {outs}; run it from Python, dsl.compile(g)(ids)")
+    o = g.outputs[0]
+    ot, producer = g.type_of(o, nodes), nodes[o.node]
+    if (producer.op != "lm_head" or ot.rank != 3 or ot.dtype not in ("f32", "f16", "bf16")
+            or not ot.shape[2].is_number or list(ot.shape[:2]) != list(t.shape)):
+        raise MtcError(f"`mtc run` scores next-token prediction: the model must return the logits of an lm_head, "
+                       f"[{t.shape[0]}, {t.shape[1]}, vocab]; model '{g.name}' returns {outs}",
+                       producer.loc if producer.op != "input" else None)
 
 
 def _warn_past_max_seq_len(g, T: int, flag: str, what: str) -> None:

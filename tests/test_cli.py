@@ -51,6 +51,30 @@ def test_bad_input_is_one_clean_error(args, needle):
     _clean_error(mtc(*args), needle)
 
 
+_ONE_FFN = """model m {
+  forward(input_ids: i64[B, T]) {
+    x = embedding(input_ids, vocab=256, dim=DIM)
+    y = glu_ffn(x, inter=64, name="f")
+    return RET
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("ret,dim,needle", [
+    ("lm_head(y, vocab=256), y", 32, "from one output, the logits [batch, seq-len, vocab]; model 'm' returns 2: "
+                                     "f32[B, T, 256] (lm_head), f32[B, T, 32] (glu_ffn)"),
+    ("input_ids", 32, "must return the logits of an lm_head, [B, T, vocab]; model 'm' returns i64[B, T] (input)"),
+    # a hidden state as wide as a vocabulary is not read as logits
+    ("y", 300, "m.mtc:4:9: error: `mtc run` scores next-token prediction: the model must return the logits of an "
+               "lm_head, [B, T, vocab]; model 'm' returns f32[B, T, 300] (glu_ffn)"),
+])
+def test_run_needs_the_logits_of_an_lm_head(tmp_path, ret, dim, needle):
+    p = tmp_path / "m.mtc"
+    p.write_text(_ONE_FFN.replace("RET", ret).replace("DIM", str(dim)))
+    _clean_error(in_process("run", str(p), "--max-tokens", "64"), needle)
+
+
 def test_binary_spec(tmp_path):
     p = tmp_path / "bin.mtc"
     p.write_bytes(b"\xff\xfe\x00model")
