@@ -400,7 +400,7 @@ class SpecBuilder:
 
     def apply(self, fname: str, args: list, kwargs: dict, loc: Loc, arg_locs: list | None = None):
         from .ops import OPS
-        target = self.env.get(fname) if fname not in OPS else None
+        target = self.env.get(fname)          # a block shadows an op of its name (`block moe = latent_moe(...)`)
         if isinstance(target, Block):
             self.used.add(fname)
             if kwargs.keys() - {"name"}:

@@ -166,3 +166,17 @@ def test_mla_with_a_zero_qk_part_equals_the_full_layer_with_that_part_switched_o
     a, b = part(x), full(x)
     assert torch.isfinite(a).all()
     assert ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt() < 1e-5
+
+
+def test_a_block_shadows_the_op_of_its_name():
+    # `block moe = moe(...)` then `moe(x)`: the configured block is applied (K3 names its latent_moe block `moe`),
+    # not the op (which would then miss its attributes)
+    g = dsl.parse("""model m {
+  block moe = moe(experts=6, top_k=2, inter=24)
+  forward(input_ids: i64[B, T]) {
+    x = embedding(input_ids, vocab=256, dim=32)
+    return lm_head(moe(x), vocab=256)
+  }
+}""")
+    layers = [n for n in g.nodes if n.op == "moe"]
+    assert len(layers) == 1 and layers[0].attr("experts") == 6 and layers[0].attr("top_k") == 2
