@@ -131,6 +131,8 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
     layers = {"kda": 0, "mla": 0, "dense_ffn": 0, "moe": 0}
     d_model = None
     for n in graph.nodes:
+        if n.name not in live:            # a layer the outputs do not depend on (dropped when compiled)
+            continue
         a = n.attr_dict
         if n.op == "mla_layer":
             layers["mla"] += 1

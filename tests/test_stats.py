@@ -102,3 +102,23 @@ def test_absurd_gpu_counts_are_errors():
     from passes.plan_memory import plan_memory
     with pytest.raises(ValueError, match="more than 1,048,576"):
         plan_memory(g, seq_len=64, gpus=10 ** 30)
+
+
+def test_layers_the_outputs_do_not_use_are_not_counted():
+    # dead code (dropped when compiled) adds no layer, cache or state to the statistics either
+    spec = """model m {
+  forward(input_ids: i64[B, T]) {
+    x = embedding(input_ids, vocab=256, dim=32)
+    h = kda_layer(x, heads=2, head_dim=16, name="l0")
+    y = mla_layer(x, heads=2, kv_lora_rank=16, qk_nope_dim=16, qk_rope_dim=8, v_dim=16, name="l1")
+    return lm_head(RET, vocab=256)
+  }
+}"""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                  # the spec's own 'never used' warnings
+        both = compute_stats(dsl.parse(spec.replace("RET", "add(h, y)")))
+        kda_only = compute_stats(dsl.parse(spec.replace("RET", "h")))
+    assert both.layers["kda"] == 1 and both.layers["mla"] == 1 and both.kv_cache_bytes > 0
+    assert kda_only.layers["kda"] == 1 and kda_only.layers["mla"] == 0 and kda_only.kv_cache_bytes == 0
+    assert kda_only.kda_state_bytes == both.kda_state_bytes > 0
