@@ -302,6 +302,19 @@ class CompiledModule(nn.Module):
         # bias each router used in the last train-mode forward, for activation-checkpoint recomputation
         self._bias_used: dict[str, torch.Tensor] = {}
 
+    def to(self, *args, **kwargs):
+        """nn.Module.to; float64 is refused (MtcError), as at compile: the kernels take float32, float16 and
+        bfloat16."""
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
+        if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise MtcError(f"{self.graph.name}: dtype {str(dtype).removeprefix('torch.')} is not offered (float32, "
+                           f"float16 or bfloat16); the module stays {str(self.dtype).removeprefix('torch.')}")
+        return super().to(*args, **kwargs)
+
+    def double(self):
+        """Refused (MtcError): no float64 model (see ``to``)."""
+        return self.to(torch.float64)
+
     def _apply(self, fn, recurse=True):
         # m.to(torch.bfloat16) / m.half() / m.float() convert the weights: keep m.dtype equal to theirs
         out = super()._apply(fn, recurse)
@@ -403,6 +416,10 @@ class CompiledModule(nn.Module):
                 raise MtcError(f"input '{name}' must be an int64 or int32 tensor ({t}), got {x.dtype}")
             if t.dtype not in ("i64", "i32", "bool") and not x.is_floating_point():
                 raise MtcError(f"input '{name}' must be a float tensor ({t}), got {x.dtype}")
+            if x.is_floating_point() and x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise MtcError(f"input '{name}' is {str(x.dtype).removeprefix('torch.')}: the model computes in "
+                               f"{str(self.dtype).removeprefix('torch.')} (float32, float16 or bfloat16 are offered); "
+                               f"pass {name}.to({self.dtype})")
             if x.numel() == 0:
                 raise MtcError(f"input '{name}' is empty (shape {list(x.shape)}); need at least one token")
             for d, s in zip(t.shape, x.shape):

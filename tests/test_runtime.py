@@ -406,3 +406,23 @@ def test_slice_past_a_symbolic_dimension_names_the_spec_line(tmp_path):
     with pytest.raises(dsl.MtcError, match=r"slice \[2:10\] needs dimension T >= 10, but this input has 5") as ei:
         m(torch.randn(2, 5, 64))
     assert ei.value.loc is not None and (ei.value.loc.line, ei.value.loc.col) == (3, 12)
+
+
+def test_no_float64_module_or_input():
+    # compile refuses float64 (the kernels take float32 / float16 / bfloat16): so do m.double(), m.to(float64) and a
+    # float64 input, with the module left as it was
+    m = dsl.compile(dsl.parse("""model m {
+  forward(x: f32[B, T, 32]) {
+    return glu_ffn(x, inter=64, name="f")
+  }
+}"""))
+    x = torch.randn(2, 7, 32)
+    want = m(x)
+    for bad in (lambda: m.double(), lambda: m.to(torch.float64), lambda: m.to("cpu", torch.float64)):
+        with pytest.raises(dsl.MtcError, match="dtype float64 is not offered .* the module stays float32"):
+            bad()
+    assert m.dtype == torch.float32 and all(p.dtype == torch.float32 for p in m.parameters())
+    with pytest.raises(dsl.MtcError, match=r"input 'x' is float64: the model computes in float32 .* x\.to\("):
+        m(x.double())
+    assert torch.equal(m(x), want)
+    assert m.to(torch.bfloat16).dtype == torch.bfloat16        # the offered dtypes still convert
