@@ -422,6 +422,11 @@ class CompiledModule(nn.Module):
                                f"pass {name}.to({self.dtype})")
             if x.numel() == 0:
                 raise MtcError(f"input '{name}' is empty (shape {list(x.shape)}); need at least one token")
+            if x.is_floating_point() and x.device.type == "cpu" and not bool(torch.isfinite(x).all()):
+                # (on the CPU, where the scan costs nothing beside the model; on a GPU it would synchronise every
+                # call, and NaN in gives NaN out there, as the kernels say)
+                bad = [int(i) for i in torch.nonzero(~torch.isfinite(x))[0]]
+                raise MtcError(f"input '{name}' holds NaN or inf (first at index {bad}: {float(x[tuple(bad)])})")
             for d, s in zip(t.shape, x.shape):
                 if isinstance(d, sympy.Symbol):
                     if bind.setdefault(d, s) != s:

@@ -426,3 +426,18 @@ def test_no_float64_module_or_input():
         m(x.double())
     assert torch.equal(m(x), want)
     assert m.to(torch.bfloat16).dtype == torch.bfloat16        # the offered dtypes still convert
+
+
+def test_nan_or_inf_in_a_float_input_is_named():
+    m = dsl.compile(dsl.parse("""model m {
+  forward(x: f32[B, T, 32]) {
+    return glu_ffn(x, inter=64, name="f")
+  }
+}"""))
+    x = torch.randn(2, 9, 32)
+    t, c = int(torch.randint(0, 9, ())), int(torch.randint(0, 32, ()))
+    for v in (float("nan"), float("inf"), -float("inf")):
+        xb = x.clone()
+        xb[1, t, c] = v
+        with pytest.raises(dsl.MtcError, match=rf"input 'x' holds NaN or inf \(first at index \[1, {t}, {c}\]"):
+            m(xb)
