@@ -92,6 +92,7 @@ RULES: list[FusionRule] = [
 
 def _groups(g: Graph, rules=RULES) -> dict[str, tuple[FusionRule, list[str]]]:
     nodes = g.node_map()
+    order = {n.name: i for i, n in enumerate(g.nodes)}       # a group's members in graph (topological) order
     users = g.users()
     owner: dict[str, str] = {}
     groups: dict[str, tuple[FusionRule, list[str]]] = {}
@@ -128,7 +129,7 @@ def _groups(g: Graph, rules=RULES) -> dict[str, tuple[FusionRule, list[str]]]:
                 cur = c
             for m in members:
                 owner[m] = n.name
-            groups[n.name] = (rule, [x.name for x in g.nodes if x.name in members])
+            groups[n.name] = (rule, sorted(members, key=order.__getitem__))
             break
     return groups
 
