@@ -629,6 +629,10 @@ class CompiledModule(nn.Module):
         from backends.reference import expert_load, fixed_step_update
         if self.balance not in ("qb", "fixed", None):
             raise ValueError(f"CompiledModule.balance must be 'qb', 'fixed' or None, got {self.balance!r}")
+        w = self.balance_warmup
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0:
+            raise ValueError(f"CompiledModule.balance_warmup must be an integer >= 0 (the QB updates of each router "
+                             f"made with ema 0 before balance_ema applies), got {w!r}")
         idx, _w, scores = out
         layer, bias_key = self._router_layers[n.name]
         bias = self._tensor(bias_key)

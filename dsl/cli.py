@@ -598,7 +598,9 @@ def cmd_compile(args) -> int:
     from passes import PassManager
     from passes.lower import lower
     os.environ.setdefault("TRITON_INTERPRET", "0" if _has_cuda() else "1")
-    if args.emit:
+    if args.emit is not None:
+        if not args.emit.strip():
+            raise MtcError("--emit needs a directory name (without --emit the kernels go to the cache)")
         _check_output_dir("--emit", args.emit)
     g = _load(args)
     fused = PassManager().run(g)          # no weights are allocated: the full model compiles too

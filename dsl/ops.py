@@ -830,6 +830,8 @@ def _moe_params(a, ts, latent: bool):
     d = ts[0].shape[-1]
     E, I, k = a["experts"], a["inter"], a["top_k"]
     w = a["latent"] if latent else d
+    if E < 1:
+        raise ShapeError(f"experts = {E} must be >= 1")
     if not 1 <= k <= E:
         raise ShapeError(f"top_k = {k} must be in [1, experts = {E}]")
     _positive(a, "routed_scaling", *(("beta_gate", "beta_up") if a["act"] == "situ" else ()))

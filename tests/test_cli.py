@@ -46,6 +46,8 @@ def _clean_error(r, needle):
     (["stats", "models/kimi_k3.mtc", "--set", "max_seq_len=0"], "must be >= 1"),
     (["stats", "models/kimi_k3.mtc", "--set", "expert_dtype=int3"], "int3"),
     (["ir", "models/kimi_k3.mtc", "-v", "tiny", "-o", "/nonexistent-dir/x"], "cannot write --output"),
+    (["compile", "models/kimi_k3.mtc", "-v", "tiny", "--emit", ""], "--emit needs a directory name"),
+    (["stats", "models/kimi_k3.mtc", "-v", "tiny", "--set", "experts=0"], "latent_moe: experts = 0 must be >= 1"),
 ])
 def test_bad_input_is_one_clean_error(args, needle):
     _clean_error(mtc(*args), needle)

@@ -441,3 +441,11 @@ def test_nan_or_inf_in_a_float_input_is_named():
         xb[1, t, c] = v
         with pytest.raises(dsl.MtcError, match=rf"input 'x' holds NaN or inf \(first at index \[1, {t}, {c}\]"):
             m(xb)
+
+
+@pytest.mark.parametrize("bad", [-3, 2.5, True, "3"])
+def test_balance_warmup_must_be_a_count(bad):
+    m = dsl.compile(dsl.load(K3, "tiny"), target="reference").train()
+    m.balance_warmup = bad
+    with pytest.raises(ValueError, match=r"balance_warmup must be an integer >= 0 .* got " + re.escape(repr(bad))):
+        m(torch.randint(0, 256, (1, 16)))
