@@ -23,7 +23,8 @@ def test_quickstart_runs():
     assert abs(loss - 5.545) < 0.3                  # untrained: near ln 256
     gpu_loads = re.search(r"GPU loads \[([0-9, ]+)\]", r.stdout).group(1)
     loads = [int(x) for x in gpu_loads.split(",")]
-    assert sum(loads) == 512 * 4 and max(loads) <= 1.05 * 512      # 512 tokens x top-4 over 4 GPUs
+    # 512 tokens x top-4 over 4 GPUs (each printed load is rounded: a replicated expert's tokens split in halves)
+    assert abs(sum(loads) - 512 * 4) <= len(loads) / 2 and max(loads) <= 1.05 * 512
     assert "routed experts (7 per MoE layer x 92 layers, EP 128)" in r.stdout
 
 
