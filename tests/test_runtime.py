@@ -408,14 +408,19 @@ def test_slice_past_a_symbolic_dimension_names_the_spec_line(tmp_path):
     assert ei.value.loc is not None and (ei.value.loc.line, ei.value.loc.col) == (3, 12)
 
 
-def test_no_float64_module_or_input():
-    # compile refuses float64 (the kernels take float32 / float16 / bfloat16): so do m.double(), m.to(float64) and a
-    # float64 input, with the module left as it was
-    m = dsl.compile(dsl.parse("""model m {
+def _one_ffn():
+    """A compiled model of one gated FFN on a float input x [B, T, 32]."""
+    return dsl.compile(dsl.parse("""model m {
   forward(x: f32[B, T, 32]) {
     return glu_ffn(x, inter=64, name="f")
   }
 }"""))
+
+
+def test_no_float64_module_or_input():
+    # compile refuses float64 (the kernels take float32 / float16 / bfloat16): so do m.double(), m.to(float64) and a
+    # float64 input, with the module left as it was
+    m = _one_ffn()
     x = torch.randn(2, 7, 32)
     want = m(x)
     for bad in (lambda: m.double(), lambda: m.to(torch.float64), lambda: m.to("cpu", torch.float64)):
@@ -429,11 +434,7 @@ def test_no_float64_module_or_input():
 
 
 def test_nan_or_inf_in_a_float_input_is_named():
-    m = dsl.compile(dsl.parse("""model m {
-  forward(x: f32[B, T, 32]) {
-    return glu_ffn(x, inter=64, name="f")
-  }
-}"""))
+    m = _one_ffn()
     x = torch.randn(2, 9, 32)
     t, c = int(torch.randint(0, 9, ())), int(torch.randint(0, 32, ()))
     for v in (float("nan"), float("inf"), -float("inf")):
