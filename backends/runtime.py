@@ -682,8 +682,8 @@ def _check_kernel_constraints(g: Graph, target: str) -> None:
                 from dsl.errors import MtcWarning
                 warnings.warn(MtcWarning(
                     f"target '{target}': lower_bound = {lb} is below {FAST_LOWER_BOUND_LIMIT}, the limit of the "
-                    f"Triton kda_chunk's dense diagonal tiles (their factors reach e^(8 |bound|), float32 ends at e^88): this "
-                    f"layer runs the kernel's safe path (slower, same result)", n.loc), stacklevel=2)
+                    f"Triton kda_chunk's dense diagonal tiles (their factors reach e^(8 |bound|), float32 ends at "
+                    f"e^88): this layer runs the kernel's safe path (slower, same result)", n.loc), stacklevel=2)
             K = int(g.type_of(n.inputs[0]).shape[3])      # q [B, T, H, K]
             V = int(n.types[0].shape[3])                  # o [B, T, H, V]
             for name, d in (("head_dim (K)", K), ("value head_dim (V)", V)):
