@@ -176,6 +176,16 @@ def _container(root: nn.Module, path: list[str]) -> nn.Module:
 
 #: balance_defer: warn when this many train-mode forwards kept router scores without apply_balance()
 DEFER_WARN_FORWARDS = 64
+#: activation checkpointing: the router biases of this many recent train-mode forwards are kept for their recomputation
+#: (micro-batches summed into one backward; apply_balance() before the backward)
+BIAS_KEEP_FORWARDS = 64
+
+
+def _forward_key(inputs: dict) -> tuple:
+    """Which forward a (re)computation is: its input tensors by storage, shape and version (a checkpoint's
+    recomputation gets the same tensors back; tensors alive at the same time never share a storage address)."""
+    return tuple(sorted((k, v.data_ptr(), tuple(v.shape), tuple(v.stride()), v._version)
+                        for k, v in inputs.items() if isinstance(v, torch.Tensor)))
 
 
 def _in_backward() -> bool:
@@ -299,8 +309,9 @@ class CompiledModule(nn.Module):
                                                                 device=device))
             self.register_load_state_dict_pre_hook(_fill_balance_updates)
             self.register_load_state_dict_post_hook(lambda module, _keys: module._sync_updates())
-        # bias each router used in the last train-mode forward, for activation-checkpoint recomputation
-        self._bias_used: dict[str, torch.Tensor] = {}
+        # router -> {forward key: the bias that train-mode forward routed with} (the last BIAS_KEEP_FORWARDS), for
+        # activation-checkpoint recomputation
+        self._bias_used: dict[str, dict[tuple, torch.Tensor]] = {}
 
     def to(self, *args, **kwargs):
         """nn.Module.to; float64 is refused (MtcError), as at compile: the kernels take float32, float16 and
@@ -474,15 +485,18 @@ class CompiledModule(nn.Module):
             recompute = False
             if n.op == "qb_route":
                 # activation checkpointing re-runs the forward inside the backward: route with the bias the
-                # original forward used (the balancing update has changed the buffer since), and neither update
-                # the bias nor count nor call the hooks a second time
+                # original forward used (a balancing update, or apply_balance(), may have changed the buffer since;
+                # several forwards may precede one backward), and neither update the bias nor count nor call the
+                # hooks a second time
                 recompute = _in_backward()
-                if recompute and n.name in self._bias_used:
-                    args = [args[0], args[1], self._bias_used[n.name]]
+                fkey = _forward_key(inputs)
+                used = self._bias_used.get(n.name, {}).get(fkey) if recompute else None
+                if used is not None:
+                    args = [args[0], args[1], used]
             out = self._exec(n, args, bind)
             env[n.name] = out
             if n.op == "qb_route" and not recompute:
-                self._after_route(n, out)
+                self._after_route(n, out, fkey)
         return [self._value(env, r) for r in g.outputs]
 
     def attach_generated(self, program, path, module, kernels) -> None:
@@ -625,7 +639,7 @@ class CompiledModule(nn.Module):
         self._updates[layer] = step + 1
         self.balance_updates[self._router_order.index(layer)] += 1
 
-    def _after_route(self, n: Node, out) -> None:
+    def _after_route(self, n: Node, out, fkey: tuple) -> None:
         from backends.reference import expert_load, fixed_step_update
         if self.balance not in ("qb", "fixed", None):
             raise ValueError(f"CompiledModule.balance must be 'qb', 'fixed' or None, got {self.balance!r}")
@@ -642,8 +656,13 @@ class CompiledModule(nn.Module):
             for h in self.stats_hooks:
                 h(layer, load)
             balancing = self.training and self.balance is not None
+            if balancing:
+                kept_bias = self._bias_used.setdefault(n.name, {})
+                kept_bias.pop(fkey, None)
+                kept_bias[fkey] = bias.detach().clone()       # what this forward routed with
+                while len(kept_bias) > BIAS_KEEP_FORWARDS:
+                    kept_bias.pop(next(iter(kept_bias)))       # the oldest
             if not balancing or self.balance_defer:
-                self._bias_used.pop(n.name, None)   # the buffer stays what this forward routed with
                 if balancing:
                     kept = self._deferred.setdefault(n.name, [])
                     kept.append(scores.detach() if self.balance == "qb" else load)
@@ -654,7 +673,6 @@ class CompiledModule(nn.Module):
                             f"for {layer} without apply_balance(); call m.apply_balance() once per optimizer step "
                             f"(the kept scores grow memory until then)"), stacklevel=2)
                 return
-            self._bias_used[n.name] = bias.detach().clone()
             if self.balance == "qb":
                 self._qb_step(layer, bias, scores, n.attr("top_k"))
             else:

@@ -57,6 +57,46 @@ def test_activation_checkpointing_with_balancing_matches_plain_backward(fresh):
     assert torch.equal(a.balance_updates, b.balance_updates) and int(a.balance_updates.min()) == 2
 
 
+def _grads_equal(a, b):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert (pa.grad is None) == (pb.grad is None), name
+        if pa.grad is not None:
+            assert torch.allclose(pa.grad, pb.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_checkpointed_micro_batches_summed_into_one_backward(fresh):
+    # two train-mode forwards (each moves the router biases) before one backward: each recomputation routes with
+    # the bias its own forward used, so gradients and biases equal those of the same step without checkpointing
+    a, b = copy.deepcopy(fresh), copy.deepcopy(fresh)
+    micro = [torch.randint(0, VOCAB, (2, 65)) for _ in range(3)]
+    la = sum(loss_of(a(ids), ids) for ids in micro)
+    la.backward()
+    lb = sum(loss_of(checkpoint(b, ids, use_reentrant=False), ids) for ids in micro)
+    lb.backward()
+    assert torch.equal(la.detach(), lb.detach())
+    _grads_equal(a, b)
+    ba, bb = biases(a), biases(b)
+    assert all(torch.equal(ba[k], bb[k]) for k in ba) and int(b.balance_updates.min()) == 3
+
+
+def test_checkpointing_with_apply_balance_before_the_backward(fresh):
+    # balance_defer: apply_balance() may come before the backward; the recomputation still routes with the bias of
+    # the forward (not the updated one)
+    a, b = copy.deepcopy(fresh), copy.deepcopy(fresh)
+    a.balance_defer = b.balance_defer = True
+    ids = torch.randint(0, VOCAB, (2, 65))
+    la = loss_of(a(ids), ids)
+    a.apply_balance()
+    la.backward()
+    lb = loss_of(checkpoint(b, ids, use_reentrant=False), ids)
+    b.apply_balance()
+    lb.backward()
+    _grads_equal(a, b)
+    ba, bb = biases(a), biases(b)
+    assert all(torch.equal(ba[k], bb[k]) for k in ba)
+    assert not all(torch.equal(ba[k], biases(fresh)[k]) for k in ba)   # apply_balance did update the biases
+
+
 def test_resume_from_a_state_dict_continues_training_identically(fresh):
     torch.manual_seed(1)
     batches = [torch.randint(0, VOCAB, (1, 48)) for _ in range(7)]
