@@ -593,6 +593,8 @@ class CompiledModule(nn.Module):
             return out
 
         training, self._table["qb_route"] = self.training, spy
+        hooks, stats = self.stats_hooks, dict(self.routing_stats)
+        self.stats_hooks = []                   # a probe: no hook call, and routing_stats stays the last forward's
         self.eval()
         try:
             with torch.no_grad():
@@ -600,6 +602,7 @@ class CompiledModule(nn.Module):
         finally:
             self._table["qb_route"] = route
             self.train(training)
+            self.stats_hooks, self.routing_stats = hooks, stats
         return margins
 
     def apply_balance(self) -> int:
@@ -626,9 +629,12 @@ class CompiledModule(nn.Module):
         return done
 
     def _sync_updates(self) -> None:
-        """_updates from the balance_updates buffer (after load_state_dict)."""
+        """_updates from the balance_updates buffer (after load_state_dict); router scores kept by balance_defer
+        and the biases kept for checkpoint recomputation belong to the replaced state: dropped."""
         counts = self.balance_updates.tolist() if self.balance_updates.device.type != "meta" else []
         self._updates = {layer: int(c) for layer, c in zip(self._router_order, counts) if c}
+        self._deferred = {}
+        self._bias_used = {}
 
     def _qb_step(self, layer: str, bias: torch.Tensor, scores: torch.Tensor, top_k: int) -> None:
         """One QB update of a router's bias in place (ema 0 during the warm-up), counted."""
@@ -647,6 +653,12 @@ class CompiledModule(nn.Module):
         if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0:
             raise ValueError(f"CompiledModule.balance_warmup must be an integer >= 0 (the QB updates of each router "
                              f"made with ema 0 before balance_ema applies), got {w!r}")
+        ema = self.balance_ema
+        if isinstance(ema, bool) or not isinstance(ema, numbers.Real) or not 0.0 <= ema < 1.0:
+            raise ValueError(f"CompiledModule.balance_ema must be a number in [0, 1) (QB's moving average of the "
+                             f"bias estimate), got {ema!r}")
+        if not isinstance(self.balance_defer, bool):
+            raise ValueError(f"CompiledModule.balance_defer must be True or False, got {self.balance_defer!r}")
         idx, _w, scores = out
         layer, bias_key = self._router_layers[n.name]
         bias = self._tensor(bias_key)
@@ -662,6 +674,13 @@ class CompiledModule(nn.Module):
                 kept_bias[fkey] = bias.detach().clone()       # what this forward routed with
                 while len(kept_bias) > BIAS_KEEP_FORWARDS:
                     kept_bias.pop(next(iter(kept_bias)))       # the oldest
+            if balancing and not self.balance_defer and self._deferred.get(n.name):
+                from dsl.errors import MtcWarning
+                warnings.warn(MtcWarning(
+                    f"balance_defer is off but {len(self._deferred[n.name])} earlier forward(s) kept their router "
+                    f"scores for {layer} without apply_balance(): dropped (this forward balances at once)"),
+                    stacklevel=2)
+                self._deferred.pop(n.name)
             if not balancing or self.balance_defer:
                 if balancing:
                     kept = self._deferred.setdefault(n.name, [])

@@ -305,9 +305,18 @@ def test_route_margins_probe_is_exact_and_changes_nothing():
     m = dsl.compile(dsl.load(K3, "tiny"), target="reference")         # train mode: a forward moves QB biases
     before = {k: v.clone() for k, v in m.state_dict().items()}
     ids = torch.randint(0, 256, (2, 41))
+    with torch.no_grad():
+        m(torch.randint(0, 256, (1, 9)))                             # (a train-mode forward: the biases move)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    stats = {k: v.clone() for k, v in m.routing_stats.items()}
+    calls = []
+    m.stats_hooks.append(lambda layer, load: calls.append(layer))
     margins = m.route_margins(ids)
     assert m.training and all(torch.equal(before[k], v) for k, v in m.state_dict().items())
-    assert set(margins) == set(m.routing_stats)
+    assert set(margins) == {layer for layer, _ in m._router_layers.values()}
+    # a probe: no hook call, and routing_stats still those of the last forward
+    assert calls == [] and set(stats) == set(m.routing_stats)
+    assert all(torch.equal(stats[k], m.routing_stats[k]) for k in stats)
     # independent: recompute layer 1's router input by hand from the recorded node inputs
     seen = {}
     orig = m._exec

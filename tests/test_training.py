@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import dsl
+from dsl.errors import MtcWarning
 
 K3 = Path(__file__).resolve().parent.parent / "models" / "kimi_k3.mtc"
 VOCAB = 256
@@ -202,3 +203,29 @@ def test_deferred_balancing_warns_when_apply_balance_is_never_called(fresh, monk
         with pytest.warns(MtcWarning, match="3 train-mode forwards have kept their router scores"):
             m(ids)
     assert m.apply_balance() > 0 and not m._deferred
+
+
+@pytest.mark.parametrize("attr,bad,needle", [("balance_ema", 2.0, "balance_ema must be a number in \\[0, 1\\)"),
+                                             ("balance_ema", -0.1, "balance_ema must be a number in \\[0, 1\\)"),
+                                             ("balance_defer", "yes", "balance_defer must be True or False")])
+def test_balance_settings_are_checked_at_the_first_train_forward(fresh, attr, bad, needle):
+    m = copy.deepcopy(fresh)
+    setattr(m, attr, bad)
+    with pytest.raises(ValueError, match=needle):
+        m(torch.randint(0, VOCAB, (1, 17)))
+
+
+def test_kept_router_scores_are_dropped_when_no_longer_applicable(fresh):
+    # balance_defer switched off with scores kept: the next forward balances at once and says it drops them;
+    # load_state_dict drops them too (they belong to the replaced state)
+    m = copy.deepcopy(fresh)
+    m.balance_defer = True
+    m(torch.randint(0, VOCAB, (1, 17)))
+    m.balance_defer = False
+    with pytest.warns(MtcWarning, match=r"balance_defer is off but 1 earlier forward\(s\) kept their router"):
+        m(torch.randint(0, VOCAB, (1, 17)))
+    assert m.apply_balance() == 0
+    m.balance_defer = True
+    m(torch.randint(0, VOCAB, (1, 17)))
+    m.load_state_dict(copy.deepcopy(fresh).state_dict())
+    assert m.apply_balance() == 0
