@@ -82,7 +82,8 @@ def main(argv=None):
                          "kernel always runs: the others' err column is against it)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes (E 6, top-2, 48 x 40) under Triton's interpreter on the CPU, float32, no timing: "
-                         "checks the script and that every setting gives the same result")
+                         "checks the script and that every setting writes the same result (on the CPU the tile sizes "
+                         "are the interpreter's; the implementations, DUAL and PAIR choices differ)")
     args = ap.parse_args(argv)
     if args.tokens is None:
         args.tokens = [37] if args.cpu_smoke else [8192, 32768]
@@ -189,6 +190,7 @@ def main(argv=None):
                     tm.GLU_BWD_IMPL = "split" if "glu_bwd_mm" in ch else "fused"
                 t0 = time.time()
                 try:
+                    out.fill_(float("nan"))              # a setting that leaves part of its output unwritten shows
                     fn()
                     if dev == "cuda":
                         torch.cuda.synchronize()

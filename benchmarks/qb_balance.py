@@ -125,11 +125,12 @@ def main():
         out += ["", f"- mean floor {floor:.3f}; steps {len(rows) // 2}..{len(rows) - 1} mean: "
                 + ", ".join(f"{m} {v:.3f} ({v / floor:.3f}x floor)" for m, v in mean_tail.items()),
                 "- first step from which the mean of the remaining steps is within 5% of the floor: "
-                + ", ".join(f"{m} {settled[m]}" for m in methods),
+                + ", ".join(f"{m} {settled[m] if settled[m] is not None else 'never'}" for m in methods),
                 f"- QB over steps 1-10: max {max(qb10):.3f} = {max(qb10) / floor:.3f}x floor", ""]
         for m in ("QB", "QB ema=0.5", "QB warm-up 3, ema=0.5"):
             ok = settled[m] is not None and settled[m] <= 10
-            verdicts.append(f"N={n}: {m}: within 5% of the floor from step {settled[m]} on (mean of the remaining "
+            when = f"from step {settled[m]} on" if settled[m] is not None else "at no step"
+            verdicts.append(f"N={n}: {m}: within 5% of the floor {when} (mean of the remaining "
                             f"steps) -> {'target met' if ok else 'target MISSED'}; steps {len(rows) // 2}.. at "
                             f"{mean_tail[m] / floor:.3f}x floor")
         verdicts.append(f"N={n}: fixed u=1e-3: steps {len(rows) // 2}.. at "
