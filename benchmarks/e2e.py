@@ -152,7 +152,10 @@ def main(argv=None):
     text = "\n".join(lines)
     print(text)
     if args.out:
-        Path(args.out).write_text(f"# e2e forward, {g.name}, bf16, B=1, H200\n\n{text}\n")
+        where = (torch.cuda.get_device_name() if dev == "cuda" else
+                 "CPU smoke run (Triton interpreter: the times and ratios mean nothing)")
+        Path(args.out).write_text(f"# e2e forward, {g.name}, {str(dtype).removeprefix('torch.')}, B=1, {where}\n\n"
+                                  f"{text}\n")
 
 
 def _e(x):
