@@ -21,10 +21,12 @@ import sympy
 import torch
 from torch import nn
 
-from dsl.errors import MtcError
+from dsl.errors import MtcError, MtcWarning
 from dsl.ir import SOURCE_OPS, Graph, Node, Ref
 from dsl.printer import print_graph
 
+#: the dtypes a model computes in (its kernels take these; float64 is not offered)
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64,
                 "i64": torch.int64, "i32": torch.int32}
 
@@ -317,7 +319,7 @@ class CompiledModule(nn.Module):
         """nn.Module.to; float64 is refused (MtcError), as at compile: the kernels take float32, float16 and
         bfloat16."""
         dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
-        if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if dtype is not None and dtype not in MODEL_DTYPES:
             raise MtcError(f"{self.graph.name}: dtype {str(dtype).removeprefix('torch.')} is not offered (float32, "
                            f"float16 or bfloat16); the module stays {str(self.dtype).removeprefix('torch.')}")
         return super().to(*args, **kwargs)
@@ -370,7 +372,6 @@ class CompiledModule(nn.Module):
         longest = max((x.shape[-1] for x in inputs.values() if isinstance(x, torch.Tensor)
                        and x.dtype in (torch.int64, torch.int32) and x.dim() >= 1), default=0)
         if longest > limit:
-            from dsl.errors import MtcWarning
             self._warned_seq_len = True
             warnings.warn(MtcWarning(f"{self.graph.name}: {longest} tokens per sequence is past the spec's "
                                      f"max_seq_len = {limit} (the context it is built for); running anyway"),
@@ -427,7 +428,7 @@ class CompiledModule(nn.Module):
                 raise MtcError(f"input '{name}' must be an int64 or int32 tensor ({t}), got {x.dtype}")
             if t.dtype not in ("i64", "i32", "bool") and not x.is_floating_point():
                 raise MtcError(f"input '{name}' must be a float tensor ({t}), got {x.dtype}")
-            if x.is_floating_point() and x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            if x.is_floating_point() and x.dtype not in MODEL_DTYPES:
                 raise MtcError(f"input '{name}' is {str(x.dtype).removeprefix('torch.')}: the model computes in "
                                f"{str(self.dtype).removeprefix('torch.')} (float32, float16 or bfloat16 are offered); "
                                f"pass {name}.to({self.dtype})")
@@ -446,6 +447,10 @@ class CompiledModule(nn.Module):
                     raise MtcError(f"input '{name}' has size {s} where {t} needs {d}")
             env[n.name] = x
         self._warn_past_max_seq_len(inputs)
+        fkey = None
+        if self._router_layers:
+            self._check_balance_settings()
+            fkey = _forward_key(inputs)         # which forward this is, for a checkpoint's recomputation
         ops = [n for n in g.nodes if n.op not in SOURCE_OPS]
         epi_done: set[str] = set()
         # the generated and fused kernels are forward-only: while autograd records (training), every op runs
@@ -489,7 +494,6 @@ class CompiledModule(nn.Module):
                 # several forwards may precede one backward), and neither update the bias nor count nor call the
                 # hooks a second time
                 recompute = _in_backward()
-                fkey = _forward_key(inputs)
                 used = self._bias_used.get(n.name, {}).get(fkey) if recompute else None
                 if used is not None:
                     args = [args[0], args[1], used]
@@ -645,8 +649,8 @@ class CompiledModule(nn.Module):
         self._updates[layer] = step + 1
         self.balance_updates[self._router_order.index(layer)] += 1
 
-    def _after_route(self, n: Node, out, fkey: tuple) -> None:
-        from backends.reference import expert_load, fixed_step_update
+    def _check_balance_settings(self) -> None:
+        """ValueError for a balance setting out of its domain (checked at every forward of a model with routers)."""
         if self.balance not in ("qb", "fixed", None):
             raise ValueError(f"CompiledModule.balance must be 'qb', 'fixed' or None, got {self.balance!r}")
         w = self.balance_warmup
@@ -659,6 +663,9 @@ class CompiledModule(nn.Module):
                              f"bias estimate), got {ema!r}")
         if not isinstance(self.balance_defer, bool):
             raise ValueError(f"CompiledModule.balance_defer must be True or False, got {self.balance_defer!r}")
+
+    def _after_route(self, n: Node, out, fkey: tuple) -> None:
+        from backends.reference import expert_load, fixed_step_update
         idx, _w, scores = out
         layer, bias_key = self._router_layers[n.name]
         bias = self._tensor(bias_key)
@@ -675,7 +682,6 @@ class CompiledModule(nn.Module):
                 while len(kept_bias) > BIAS_KEEP_FORWARDS:
                     kept_bias.pop(next(iter(kept_bias)))       # the oldest
             if balancing and not self.balance_defer and self._deferred.get(n.name):
-                from dsl.errors import MtcWarning
                 warnings.warn(MtcWarning(
                     f"balance_defer is off but {len(self._deferred[n.name])} earlier forward(s) kept their router "
                     f"scores for {layer} without apply_balance(): dropped (this forward balances at once)"),
@@ -686,7 +692,6 @@ class CompiledModule(nn.Module):
                     kept = self._deferred.setdefault(n.name, [])
                     kept.append(scores.detach() if self.balance == "qb" else load)
                     if len(kept) == DEFER_WARN_FORWARDS:
-                        from dsl.errors import MtcWarning
                         warnings.warn(MtcWarning(
                             f"balance_defer: {DEFER_WARN_FORWARDS} train-mode forwards have kept their router scores "
                             f"for {layer} without apply_balance(); call m.apply_balance() once per optimizer step "
@@ -716,7 +721,6 @@ def _check_kernel_constraints(g: Graph, target: str) -> None:
         if n.op == "kda_chunk":
             lb = n.attr("lower_bound")
             if lb is not None and float(lb) < FAST_LOWER_BOUND_LIMIT:
-                from dsl.errors import MtcWarning
                 warnings.warn(MtcWarning(
                     f"target '{target}': lower_bound = {lb} is below {FAST_LOWER_BOUND_LIMIT}, the limit of the "
                     f"Triton kda_chunk's dense diagonal tiles (their factors reach e^(8 |bound|), float32 ends at "
@@ -770,7 +774,7 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if dtype == torch.float64:
         raise MtcError("dtype float64: not offered; the reference ops compute in float32 (a float64 model would "
                        "round every op to float32 and back, which is no float64 check); use float32")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if dtype not in MODEL_DTYPES:
         raise MtcError(f"dtype {dtype!r}: a model computes in float32, bfloat16 or float16")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 63):
         raise MtcError(f"seed {seed!r}: an integer in [0, 2**63) (or None: torch's global RNG)")
