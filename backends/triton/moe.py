@@ -674,6 +674,16 @@ def _glu_bwd_gemm():
     return "glu_bwd_mm" if GLU_BWD_IMPL == "split" else "glu_bwd"
 
 
+def _glu_bwd_rows(g, a, b, w_rows, da, db, dwrow, act, bg, bu):
+    """The split GLU backward's row pass (config "glu_bwd_rows"): from G and the saved pre-activations a, b [rows, i],
+    dA, dB (da / db may be a / b themselves) and dwrow[r] = sum_n G h, float32."""
+    rows, i = a.shape
+    rc = _cfg("glu_bwd_rows", a)
+    _k._glu_bwd_rows_kernel[(cdiv(rows, rc["BLOCK_R"]),)](
+        g, a, b, w_rows, da, db, dwrow, rows, i, g.stride(0), float(bg), float(bu), ACT=act,
+        FAST=a.is_cuda, BLOCK_R=rc["BLOCK_R"], BLOCK_N=rc["BLOCK_N"], **_launch_cfg(rc))
+
+
 def _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu, da=None, db=None):
     """The backward of GEMM 1's GLU epilogue: G = du[tok] w2[e] (K = l, N = i), then dA, dB from the saved
     pre-activations a, b [rows, i] and d w_rows (float32 [rows], the row sums of G h), as GLU_BWD_IMPL says
@@ -690,10 +700,7 @@ def _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu, da=None, db=N
         dwrow = torch.empty(d.nk, dtype=torch.float32, device=a.device)
         g = torch.empty_like(a)
         _gg(gb, src, w2, sched, d.offs, d.e, l, i, g, gather=dus is None, tok=d.tok, w_kn=True)
-        rc = _cfg("glu_bwd_rows", a)
-        _k._glu_bwd_rows_kernel[(cdiv(d.nk, rc["BLOCK_R"]),)](
-            g, a, b, w_rows, da, db, dwrow, d.nk, i, g.stride(0), float(bg), float(bu), ACT=act,
-            FAST=a.is_cuda, BLOCK_R=rc["BLOCK_R"], BLOCK_N=rc["BLOCK_N"], **_launch_cfg(rc))
+        _glu_bwd_rows(g, a, b, w_rows, da, db, dwrow, act, bg, bu)
     else:
         da = torch.empty_like(a) if da is None else da
         db = torch.empty_like(b) if db is None else db
