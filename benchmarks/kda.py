@@ -325,9 +325,9 @@ def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
     """Bring the GPU to its steady clocks and both implementations (one when the other is None: --only) past
     compilation and autotuning before the first timed row (H200, 2026-11-30: on a freshly started machine the
     first row's fla time came out 2x its steady value, 1.14-1.18 ms instead of 0.57 at H=16, T=8192, and fla's
-    first forward+backward, autotuned in the same process, 3.19 ms instead of 2.27). Runs at T capped to 65536: compilation and autotuning do not
-    depend on T, and at 1M a forward+backward of each implementation here left too little memory for the rows
-    (9th session: fla's backward ran out of memory with 132 GiB in use)."""
+    first forward+backward, autotuned in the same process, 3.19 ms instead of 2.27). Runs at T capped to 65536:
+    compilation and autotuning do not depend on T, and at 1M a forward+backward of each implementation here left
+    too little memory for the rows (9th session: fla's backward ran out of memory with 132 GiB in use)."""
     T = min(T, 65536)
     q, k, v, g, beta = make(T, H)
     if grad:

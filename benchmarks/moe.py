@@ -62,11 +62,26 @@ def _sort_rows(idx, e):
     return order, order // idx.shape[1], counts
 
 
+#: module attributes of backends.triton.moe that a --variants trial may set (besides TILE_CONFIGS entries)
+TRIAL_ATTRS = ("GLU_BWD_IMPL", "WGRAD_IMPL", "WGRAD_FEW_ROWS")
+
+
+def trial_base(tm):
+    """What set_trial restores: a copy of TILE_CONFIGS["cuda"] and of the TRIAL_ATTRS."""
+    return dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()},
+                **{a: getattr(tm, a) for a in TRIAL_ATTRS})
+
+
+def alloc_retries():
+    """The CUDA caching allocator's retries so far (a retry frees cached blocks and synchronises)."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
 def set_trial(tm, change, base=None):
-    """Apply a --variants trial ({config name: settings} or {"GLU_BWD_IMPL" / "WGRAD_IMPL" / "WGRAD_FEW_ROWS":
-    value}) to backends.triton.moe; with base (a copy of TILE_CONFIGS["cuda"] and of those attributes), undo it."""
+    """Apply a --variants trial ({config name: settings} or {one of TRIAL_ATTRS: value}) to backends.triton.moe;
+    with base (from trial_base), undo it."""
     for kk, v in change.items():
-        if kk in ("GLU_BWD_IMPL", "WGRAD_IMPL", "WGRAD_FEW_ROWS"):
+        if kk in TRIAL_ATTRS:
             setattr(tm, kk, base[kk] if base is not None else v)
         elif base is not None:
             tm.TILE_CONFIGS["cuda"][kk] = dict(base[kk])
@@ -79,7 +94,7 @@ def experts_phases(tm, fwd, inputs, grad_out, reps=5):
     as 'name a.bc, ...', and the caching allocator's retries over the reps (a retry frees cached blocks and
     synchronises: the 9th session's weight-gradient phases took ~25% longer in the layer than alone)."""
     per = {}
-    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    retries0 = alloc_retries()
     for _ in range(reps):
         tm.PROFILE = []
         try:
@@ -93,7 +108,7 @@ def experts_phases(tm, fwd, inputs, grad_out, reps=5):
         for (_, a), (name, b) in zip(ev[:-1], ev[1:]):
             if name != "bwd: start":           # the gap between forward and backward is not a phase
                 per.setdefault(name, []).append(a.elapsed_time(b))
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
+    retries = alloc_retries() - retries0
     return (", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
             + f"; allocator retries in {reps} steps: {retries}")
 
@@ -214,7 +229,7 @@ def main():
         if time.time() - t_start > args.budget_s:
             notes.append(f"skipped {impl} {what} T={T}: time budget")
             return None
-        retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if dev == "cuda" else 0
+        retries0 = alloc_retries() if dev == "cuda" else 0
         try:
             ms = bench(fn, reps_ms)
         except torch.cuda.OutOfMemoryError:
@@ -229,7 +244,7 @@ def main():
         rows.append((impl, T, what, ms, flops, nbytes))
         if dev == "cuda":
             # a retry of the caching allocator frees its cached blocks and synchronises: a slow step
-            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
+            retries = alloc_retries() - retries0
             if retries:
                 notes.append(f"{impl} {what} T={T}: {retries} allocator retries while timed")
         if not math.isnan(ms):
@@ -389,8 +404,7 @@ def main():
             record("loop", T, "experts fwd", lambda: loop_experts(xl, idx, wt, p["w1"], p["w3"], p["w2"]),
                    f_exp, ebytes, reps)
             if args.variants and not args.cpu_smoke:
-                base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, GLU_BWD_IMPL=tm.GLU_BWD_IMPL,
-                        WGRAD_IMPL=tm.WGRAD_IMPL)
+                base = trial_base(tm)
                 trials = {
                     "glu-gather": {"glu_fwd": dict(A_TMA=False)},
                     "mm128x128s4": {"mm": dict(BN=128, num_stages=4)},
@@ -423,16 +437,16 @@ def main():
             xl = (x @ p["wd"].t()).requires_grad_()
         wtg = wt.clone().requires_grad_()
         gu = torch.randn(T, lat, device=dev, dtype=dt)
-        for impl, fn in (("triton", tm.moe_experts), ("gmm", gmm_experts)):
-            def estep(fn=fn):
-                u = fn(xl, idx, wtg, leaves["w1"], leaves["w3"], leaves["w2"])
-                gr = torch.autograd.grad(u, (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu)
-                del gr, u
+        def estep(fn):
+            """One forward+backward of the experts fn (tm.moe_experts or gmm_experts); the gradients dropped."""
+            u = fn(xl, idx, wtg, leaves["w1"], leaves["w3"], leaves["w2"])
+            torch.autograd.grad(u, (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu)
 
+        for impl, fn in (("triton", tm.moe_experts), ("gmm", gmm_experts)):
             if dev == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            if record(impl, T, "experts fwd+bwd", estep, 3 * f_exp, 3 * wbytes_exp + 4 * T * lat * 2, reps * 2) and dev == "cuda":
+            if record(impl, T, "experts fwd+bwd", lambda fn=fn: estep(fn), 3 * f_exp, 3 * wbytes_exp + 4 * T * lat * 2, reps * 2) and dev == "cuda":
                 notes.append(f"{impl} experts fwd+bwd T={T}: peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         if args.phases and dev == "cuda":
             notes.append(f"triton experts fwd+bwd T={T} phases (ms, median of 5): " + experts_phases(
@@ -440,8 +454,7 @@ def main():
                 (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu))
             print("  " + notes[-1], flush=True)
         if args.variants and dev == "cuda":
-            base = dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()}, GLU_BWD_IMPL=tm.GLU_BWD_IMPL,
-                        WGRAD_IMPL=tm.WGRAD_IMPL, WGRAD_FEW_ROWS=tm.WGRAD_FEW_ROWS)
+            base = trial_base(tm)
             # backward variants beside the default
             trials = {
                 # the weight gradients on 128 x 256 tiles at every size (the 9th session's default; "wgrad_few"
@@ -454,16 +467,11 @@ def main():
                 "wgrad-v3": {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)},
             }
 
-            def vstep():
-                u = tm.moe_experts(xl, idx, wtg, leaves["w1"], leaves["w3"], leaves["w2"])
-                gr = torch.autograd.grad(u, (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu)
-                del gr, u
-
             for name, ch in trials.items():
                 set_trial(tm, ch)
                 try:
                     torch.cuda.empty_cache()
-                    record("triton:" + name, T, "experts fwd+bwd", vstep, 3 * f_exp,
+                    record("triton:" + name, T, "experts fwd+bwd", lambda: estep(tm.moe_experts), 3 * f_exp,
                            3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
                 finally:
                     set_trial(tm, ch, base)
