@@ -303,7 +303,6 @@ def test_route_margins_with_every_expert_chosen_is_inf():
 
 def test_route_margins_probe_is_exact_and_changes_nothing():
     m = dsl.compile(dsl.load(K3, "tiny"), target="reference")         # train mode: a forward moves QB biases
-    before = {k: v.clone() for k, v in m.state_dict().items()}
     ids = torch.randint(0, 256, (2, 41))
     with torch.no_grad():
         m(torch.randint(0, 256, (1, 9)))                             # (a train-mode forward: the biases move)
