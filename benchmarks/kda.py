@@ -97,8 +97,9 @@ def main():
                     help="update a launch-setting dict of backends.triton.kda before timing, e.g. "
                          "--set INTRA4_CFG:BK=64,nw_strip=8,r_fast=True (repeatable; values are Python literals)")
     ap.add_argument("--alt", action="append", default=[], metavar="CFG:key=value,...",
-                    help="also time the default with these settings (same syntax as --set), one extra row per "
-                         "case and pass tagged [alt N], e.g. --alt \"H_CFG:bv='auto'\" (repeatable)")
+                    help="also time the default with these settings (same syntax as --set; several dicts joined "
+                         "by ';'), one extra row per case and pass tagged [alt N], e.g. --alt \"H_CFG:bv='auto'\" "
+                         "(repeatable)")
     ap.add_argument("--no-fwd", action="store_true", help="forward+backward rows only")
     ap.add_argument("--only", choices=("fla", "mtc"), default=None,
                     help="time one implementation only (the other's columns print '-'): for rows where both do "
@@ -145,7 +146,7 @@ def main():
         settings = [apply_set(tk, item) for item in args.set]
         snap = _snapshot(tk)
         for item in args.alt:        # validated now, applied per row
-            apply_set(tk, item)
+            apply_alt(tk, item)
             _restore(tk, snap)
     except ValueError as e:
         ap.error(f"--set / --alt: {e}")
@@ -222,7 +223,7 @@ def main():
                         tk.INTRA_IMPL = impl
                         set_bwd(tk, bwd)
                         if alt:
-                            apply_set(tk, args.alt[alt - 1])
+                            apply_alt(tk, args.alt[alt - 1])
                         try:
                             o2 = run_mtc().detach()
                             err = rel(o2[:, ::stride], o1) if o1 is not None else float("nan")
@@ -389,6 +390,11 @@ def apply_set(tk, item):
     return f"{name} {upd}"
 
 
+def apply_alt(tk, item):
+    """Apply one --alt item: --set items joined by ';' (e.g. 'H_CFG:bv=32;INTRA5_CFG:kgb=False')."""
+    return "; ".join(apply_set(tk, part) for part in item.split(";") if part.strip())
+
+
 def parse_bwd(spec):
     """'v2@4x2:16x4' -> ('v2', (4, 2) or None, (16, 4) or None); ValueError if malformed."""
     head, _, pair = spec.partition(":")
@@ -508,20 +514,27 @@ def sweep(tk, kda_chunk, T, H, triton):
     n = (T + 63) // 64
     saved = dict(tk.H_CFG)
     out = []
-    cfgs = [dict(num_warps=4, num_stages=2, ctas_per_sm=2), dict(num_warps=4, num_stages=1, ctas_per_sm=4),
-            dict(num_warps=4, num_stages=3, ctas_per_sm=1)]
+    # (settings, segment lengths): the default over several splits, then variants unsplit and at the model's
+    # choice (stages_one_wave: stages of a pass with at most one program per SM, see H_CFG)
+    base = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv="auto", stages_one_wave=3)
+    splits = [math.ceil(n / ns) for ns in (2, 8, 33) if ns < n]
+    cfgs = [(base, [None, 1 << 30] + splits),
+            (dict(base, stages_one_wave=2), [1 << 30]),
+            (dict(base, stages_one_wave=4), [1 << 30]),
+            (dict(base, num_warps=2), [1 << 30]),
+            (dict(base, num_warps=8), [1 << 30]),
+            (dict(base, bv=32), [1 << 30])]
     try:
-        for cfg in cfgs:
+        for cfg, segs in cfgs:
             tk.H_CFG.update(cfg)
-            segs = [None, 1 << 30] + [math.ceil(n / ns) for ns in ((2, 4, 8, 16, 33, 66) if cfg is cfgs[0] else (8, 16))
-                                      if ns < n]
             for seg in segs:
                 with torch.no_grad():
                     def f():
                         return kda_chunk(q, k, v, g, beta, lower_bound=-5.0, segment_chunks=seg)
                     f()
                     t = triton.testing.do_bench(f, warmup=20, rep=60, return_mode="median")
-                out.append(f"{cfg}: seg={seg if seg != 1 << 30 else 'off'}: {t:.2f} ms")
+                diff = {key: val for key, val in cfg.items() if base.get(key) != val}
+                out.append(f"{diff or 'default'}: seg={seg if seg != 1 << 30 else 'off'}: {t:.2f} ms")
     finally:
         tk.H_CFG.clear()
         tk.H_CFG.update(saved)

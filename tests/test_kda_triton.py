@@ -126,10 +126,12 @@ def test_cu_seqlens_uneven(impl):
 
 
 @pytest.mark.parametrize("seg", [None, 2])
-def test_wide_value_blocks_forward_and_backward(seg, monkeypatch):
-    # H_CFG["bv"] = 64: the serial passes (state pass, segment maps, the backward's dS chain) on 64 state
-    # columns per program; V = 64 + initial and final state, gradients of every input against the reference
-    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=64))
+@pytest.mark.parametrize("bv", [16, 64])
+def test_value_blocks_forward_and_backward(bv, seg, monkeypatch):
+    # H_CFG["bv"] = 16 / 64: the serial passes (state pass, segment maps, the backward's dS chain) on 16 / 64
+    # state columns per program (16: what "auto" picks for forwards without autograd when 16-column programs
+    # fit one per SM); V = 64 + initial and final state, gradients of every input against the reference
+    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=bv))
     B, T, H, K, V = 1, 150, 2, 16, 64
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
     ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S0)]
@@ -152,10 +154,15 @@ def test_value_block_rule():
         tk.H_CFG["bv"] = "auto"
         assert tk._value_block(96, 128, 264) == 64 and tk._value_block(16, 128, 264) == 32
         assert tk._value_block(96, 32, 264) == 32 and tk._value_block(96, 128, None) == 32
+        # without autograd: 16 columns when they fit one program per SM (H=16: 128 <= 132), else as before
+        assert tk._value_block(16, 128, 264, 132, grad=False) == 16
+        assert tk._value_block(16, 128, 264, 132, grad=True) == 32
+        assert tk._value_block(32, 128, 264, 132, grad=False) == 32
+        assert tk._value_block(96, 128, 264, 132, grad=False) == 64
         tk.H_CFG["bv"] = 32
         assert tk._value_block(96, 128, 264) == 32 and tk._value_block(1, 16, 264) == 16
         tk.H_CFG["bv"] = 48
-        with pytest.raises(ValueError, match="must be 32, 64 or 'auto'"):
+        with pytest.raises(ValueError, match="must be 16, 32, 64 or 'auto'"):
             tk._value_block(16, 128, 264)
     finally:
         tk.H_CFG.clear()
@@ -448,6 +455,12 @@ for mode, sw in ((0, 128), (1, 256)):
                                               STORE_VN=mode == 0),                       # H_CFG["bv"] = 64
                tk.H_CFG["num_warps"], tk.H_CFG["num_stages"])
     assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
+    for bv in (16, 32):     # one program per SM (_pass_stages): stages_one_wave
+        ck = build(tk._fwd_h_kernel, sig, dict(K=128, V=128, BV=bv, SW=sw, MODE=mode, STORE=mode == 0,
+                                                  STORE_VN=mode == 0),
+                   tk.H_CFG["num_warps"], tk.H_CFG["stages_one_wave"])
+        assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "state kernel: no tensor-core instruction"
+        assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 sig = dict(QG=P, WK=P, KD=P, AQK=P, GAM=F, DO=P, HB=P, DS_END=F, DHB=P, DU=P, DGP=F, DS_OUT=F, seg_t0=I,
            seg_t1=I, seg_c0=I, seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr")
 for bv in (32, 64):
@@ -502,14 +515,16 @@ def test_hopper_compile_uses_tensor_cores():
 @pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3"),
                                          (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"), (4, 8, "v4-rfast"),
                                          (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast"), (4, 8, "v5-tf32solve"),
-                                         (4, 8, "v5-bv64"), (96, None, "v5-bv64")])
+                                         (4, 8, "v5-bv64"), (96, None, "v5-bv64"), (4, 8, "v5-bv16"),
+                                         (16, None, "v5")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles"),
                                                **(dict(r_fast=True, BK=64, nw_strip=8) if intra == "v4-rfast" else {})))
     monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast"),
                                                solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee"))
-    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=64 if intra.endswith("bv64") else tk.H_CFG["bv"]))
+    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv={"bv64": 64, "bv16": 16}.get(intra.split("-")[-1],
+                                                                                   tk.H_CFG["bv"])))
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,

@@ -7,7 +7,8 @@ Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 be
 
 (The default forward, ``INTRA_IMPL = "v5"``, splits step 1 into ``_chunk_cumsum_kernel`` (G), ``_fwd_strip5_kernel``
 (Akk and P), ``_fwd_solve4_kernel`` ((I + Akk)^-1) and ``_fwd_wu_kernel``; v2 / v3 below are the earlier forms
-of the same math. Step 2's BV is ``H_CFG["bv"]``: 32, or 64 when 32-column programs would take two waves.)
+of the same math. Step 2's BV is ``H_CFG["bv"]``: 32, or 64 when 32-column programs would take two waves; in a
+forward without autograd 16 when 16-column programs fit one per SM, which then run unsplit with 3 pipeline stages.)
 
 1. intra-chunk step (parallel over chunks x heads).  Cumulative log decay G inside the chunk; the
    two causal 64x64 matrices  Akk_ij = beta_i sum_d k_id k_jd e^(G_id - G_jd)  (j < i)  and
@@ -26,7 +27,7 @@ of the same math. Step 2's BV is ``H_CFG["bv"]``: 32, or 64 when 32-column progr
    channels in slices of BK, Akk and P accumulated as four 16-row strips [16, 64] (an mma tile with 16 rows
    spreads its columns over the warps; 16x16 tiles are replicated in every warp), the bound checked per row
    block and channel slice, T formed strip by strip, and Wk, U written directly (no float32 T buffer).
-2. ``_fwd_h_kernel`` (serial over the chunks of a segment; grid V/BV x heads x segments, BV = 32 or 64, 4
+2. ``_fwd_h_kernel`` (serial over the chunks of a segment; grid V/BV x heads x segments, BV = 16, 32 or 64, 4
    warps, the state a K x BV float32 register tile): per chunk it stores the chunk-entry state h_c to
    HB [N_chunks, H, K, V] (input dtype), forms W = U - Wk S (stored as VN, the "new values"), and updates
    S <- diag(e^(G_C)) S + (k e^(G_C - G))^T W.  Nothing else sits on the serial path; its tile addresses
@@ -436,10 +437,12 @@ def _fwd_intra2_kernel(q, k, v, g, beta, cstart, clen, TB, QG, KD, AQK, GAM, sca
 
 @triton.jit
 def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr,
-                   CUMSUM: tl.constexpr = False):
+                   CUMSUM: tl.constexpr = False, KGB_IN: tl.constexpr = False):
     """One (chunk, head): Wk = T (beta k e^G), U = T (beta v) with T [64, 64] from _fwd_intra2_kernel
-    (lower block-triangular; the blocks above the diagonal are never written and are masked here).
-    CUMSUM: ``g`` already holds the in-chunk cumulative gate G (_chunk_cumsum_kernel's output)."""
+    (lower block-triangular; the blocks above the diagonal are never written and are masked here; float32
+    or the input dtype: it is rounded to the input dtype for the dots either way).
+    CUMSUM: ``g`` already holds the in-chunk cumulative gate G (_chunk_cumsum_kernel's output).
+    KGB_IN: ``k`` already holds beta k e^G (_fwd_strip5_kernel's KGB; ``g`` is not read)."""
     c_ = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(cstart + c_)
@@ -456,11 +459,15 @@ def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V
     pw = tl.make_block_ptr(WK + tok * K, (L, K), (H * K, 1), (0, 0), (64, K), (1, 0))
     pv = tl.make_block_ptr(v + tok * V, (L, V), (H * V, 1), (0, 0), (64, V), (1, 0))
     pu = tl.make_block_ptr(U + tok * V, (L, V), (H * V, 1), (0, 0), (64, V), (1, 0))
-    if CUMSUM:
-        G = tl.load(pg, boundary_check=(0,), padding_option="zero")
+    if KGB_IN:
+        kg = tl.load(pk, boundary_check=(0,), padding_option="zero").to(DT)
     else:
-        G = tl.cumsum(tl.load(pg, boundary_check=(0,), padding_option="zero"), axis=0)
-    kg = (tl.load(pk, boundary_check=(0,), padding_option="zero").to(tl.float32) * tl.exp(G) * bb[:, None]).to(DT)
+        if CUMSUM:
+            G = tl.load(pg, boundary_check=(0,), padding_option="zero")
+        else:
+            G = tl.cumsum(tl.load(pg, boundary_check=(0,), padding_option="zero"), axis=0)
+        kg = (tl.load(pk, boundary_check=(0,), padding_option="zero").to(tl.float32) * tl.exp(G)
+              * bb[:, None]).to(DT)
     tl.store(pw, tl.dot(T, kg).to(WK.dtype.element_ty), boundary_check=(0,))
     vb = (tl.load(pv, boundary_check=(0,), padding_option="zero").to(tl.float32) * bb[:, None]).to(DT)
     tl.store(pu, tl.dot(T, vb).to(U.dtype.element_ty), boundary_check=(0,))
@@ -795,16 +802,25 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
 @triton.jit
 def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
                        K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, R_FAST: tl.constexpr = False,
-                       BM=None, SAVE_B: tl.constexpr = False):
+                       BM=None, SAVE_B: tl.constexpr = False, KGB=None, WRITE_KGB: tl.constexpr = False,
+                       LIM_ROWS: tl.constexpr = False):
     """_fwd_strip4_kernel's outputs from the precomputed in-chunk cumulative gate (GCS, FB of
     _chunk_cumsum_kernel): no scan and no row extraction in the kernel, only loads.  The anchor c of row
     block R: the middle of its G range when FB says the block's gates are >= lb (then one dense
     [16, BK] x [BK, 64] dot covers every causal tile, the diagonal one included), else G before the block
     (exponents <= 0; the diagonal tile token pair by token pair).
     Grid (NC, H, 4), or with R_FAST (4 * NC, H): the 4 row blocks of a chunk as consecutive programs, so
-    that the [64, K] column operands (k, G) the 4 programs each load are still in L2 for 3 of them."""
+    that the [64, K] column operands (k, G) the 4 programs each load are still in L2 for 3 of them.
+    WRITE_KGB: also store KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's
+    operand (it then loads neither k nor G).  LIM_ROWS: load only the column-operand rows that row block R
+    uses (rows < 16 R + 16; the others are masked to 0 in the dot anyway), 160 of the 256 row loads of a
+    chunk's 4 programs."""
     c_, R, h = _strip_program(R_FAST)
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
+    if LIM_ROWS:
+        m64 = m64 & (rows64 < R * 16 + 16)[:, None]
+    if WRITE_KGB:
+        bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
     fr = tl.load(FB + (tl.cast(c_, tl.int64) * H + h) * 4 + R)
     # rows past the chunk's end have G = G of its last row (as a scan of zero-padded gates gives)
     last = L - 1
@@ -827,6 +843,8 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
         Gr = tl.where(mr, Gr, ch[None, :])
         a, p = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM,
                             c_, h, H, scale, K, DT)
+        if WRITE_KGB:
+            tl.store(KGB + base + orr, (kr * tl.exp(Gr) * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
     _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
 
 
@@ -1619,7 +1637,7 @@ def _build_tables(B, T, bounds, seg_chunks, device):
                 segmented=bool((sq1a - sq0a > 1).any()))
 
 
-def _seg_chunks_for(n_chunks_longest, BH, K, V, BV, device, seg_chunks):
+def _seg_chunks_for(n_chunks_longest, BH, K, V, BV, device, seg_chunks, grad=True):
     """Segment length (in chunks) for the long-context split, from a wave model of the serial passes.
 
     Every program of a state pass walks its whole segment, so a pass over NS segments takes
@@ -1627,21 +1645,38 @@ def _seg_chunks_for(n_chunks_longest, BH, K, V, BV, device, seg_chunks):
     Unsplit (NS = 1) the forward has one pass of BH * V/BV programs over n steps; split, it adds the
     augmented transition pass (BH * (K+V)/BV programs) and NS serial combine steps.  Step costs (us) from
     the H200 phase timings at H=16, K=V=128, BV=32 (benchmarks/results/kda.md): state pass ~2.4 per
-    step and wave, transition pass ~1.4; a combine step is an estimate (~10).  The NS with the lowest
-    modelled time wins (1 << 30 = no split)."""
+    step and wave, transition pass ~1.4; a combine step is an estimate (~10).  A forward without
+    autograd (grad False) whose unsplit pass has at most one program per SM runs it with
+    H_CFG["stages_one_wave"] pipeline stages at H_CFG["w_one_wave"] us per step (H200, 11th session: 1.1;
+    forward at T = 1M, H = 16, BV = 32: unsplit 58.6 ms against 61.7 split into 33 segments; BV = 16,
+    which _value_block then picks: unsplit 55.2, split 68.6-77.6).  With autograd the backward's passes
+    share the split (its unsplit dS chain was slower: fwd+bwd at H=16, T=256K 74.4 ms against 66.8), and the
+    2.4 us model stays.  The NS with the lowest modelled time wins (1 << 30 = no split)."""
     if seg_chunks is not None:
         return max(1, int(seg_chunks))
     if device.type != "cuda" or n_chunks_longest <= 1:
         return 1 << 30
-    return _seg_model(n_chunks_longest, BH, K, V, BV, sm_count(device) * H_CFG["ctas_per_sm"])
+    sms = sm_count(device)
+    w_un = None if grad or BH * (V // BV) > sms else float(H_CFG["w_one_wave"])
+    return _seg_model(n_chunks_longest, BH, K, V, BV, sms * H_CFG["ctas_per_sm"], w_un)
+
+
+def _pass_stages(programs, device):
+    """Pipeline stages of a serial state pass with this many programs: H_CFG["stages_one_wave"] when they
+    fit one per SM (latency-bound: loads issued two chunks ahead), else H_CFG["num_stages"] (two programs
+    per SM share the bandwidth and the shared memory)."""
+    if device.type == "cuda" and programs <= sm_count(device):
+        return H_CFG["stages_one_wave"]
+    return H_CFG["num_stages"]
 
 
 @functools.lru_cache(maxsize=256)
-def _seg_model(n_chunks_longest, BH, K, V, BV, slots):
-    """_seg_chunks_for's wave model (memoised: ~20-40 us of Python per call otherwise)."""
+def _seg_model(n_chunks_longest, BH, K, V, BV, slots, w_unsplit=None):
+    """_seg_chunks_for's wave model (memoised: ~20-40 us of Python per call otherwise); w_unsplit: the step
+    cost of the unsplit pass when it differs from the split passes' (us)."""
     w0, w1, wc = 2.4, 1.4, 10.0
     p0, p1 = BH * (V // BV), BH * ((K + V) // BV)
-    best, best_ns = n_chunks_longest * w0 * math.ceil(p0 / slots), 1
+    best, best_ns = n_chunks_longest * (w_unsplit or w0) * math.ceil(p0 / slots), 1
     for ns in range(2, min(256, n_chunks_longest) + 1):
         steps = math.ceil(n_chunks_longest / ns)
         cost = steps * (w0 * math.ceil(ns * p0 / slots) + w1 * math.ceil(ns * p1 / slots)) + wc * ns
@@ -1709,8 +1744,17 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # "ieee" 63.43 ms (solve phase 5.93), "tf32x3" 62.96 (5.51), "tf32x3" with 4 solve warps 73.18 (15.69); the
 # bf16 T=4096 GPU test passes with it (tests/test_kda_triton.py v5-tf32solve): the default is now "tf32x3"
 # (the interpreter always runs "ieee")
+# kgb: the strip kernel stores diag(beta) k e^G (input dtype, into WK's buffer) and the w/u kernel reads it in place
+# of k and the float32 G (768 -> 256 B read per token and head); lim_rows: the strip kernel loads only the column-
+# operand rows each row block uses; tb_lowp: T in the input dtype when the backward does not keep it (the w/u
+# kernel rounds it to that dtype for its dots anyway: same results, half the bytes).  H200, 11th session, forward
+# phases (ms) at H=16 T=1M / H=96 T=64K: w/u 7.51 -> 5.03 / 2.90 -> 1.98, solve 5.56 -> 5.20 / 2.09 -> 1.96, strip
+# 17.7 -> 19.1 / 6.8 -> 7.3 (the KGB stores; lim_rows alone saved 0.45 / 0.2); kgb off alone: 1M 56.42 against
+# 55.39 ms.  Tried and dropped the same session: one strip program per (chunk, head) looping over the 4 row blocks
+# (the [64, BK] column operands loaded once instead of 4 times): 240 registers at 8 warps, strip phase 33.1 ms at
+# 1M (25.7 at BK 32 / 4 warps) against 19.0.
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
-                  r_fast=True, solve_prec="tf32x3")
+                  r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True)
 
 
 def _solve_prec(cfg):
@@ -1723,10 +1767,11 @@ def _maxnreg(n):
     return {} if n is None or _interpret() else dict(maxnreg=int(n))
 
 
-def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, save_b):
+def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, save_b, KGB=None):
     """The v5 intra-chunk products of every (chunk, head): the in-chunk cumulative gate GCS, the strips
-    (QG, KD, AQK, GAM written into the given tensors) and T = (I + diag(beta) Akk)^-1 (TB, float32
-    [N, H, 64]); with save_b also Bm = Akk before beta (BM, float32 [N, H, 64], for the backward).
+    (QG, KD, AQK, GAM written into the given tensors; with KGB also diag(beta) k e^G into KGB [N, H, K]) and
+    T = (I + diag(beta) Akk)^-1 (TB [N, H, 64], float32, or the input dtype with INTRA5_CFG["tb_lowp"] when
+    save_b is off); with save_b also Bm = Akk before beta (BM, float32 [N, H, 64], for the backward).
     Returns (TB, GCS, BM or None)."""
     N, dev, NC = q2.shape[0], q2.device, tab["n_chunks"]
     cfg = INTRA5_CFG
@@ -1741,9 +1786,11 @@ def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, s
     _fwd_strip5_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
         q2, k2, GCS, FB, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, H, K=K,
         BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, BM=BM if save_b else NBUF, SAVE_B=save_b,
+        KGB=KGB if KGB is not None else NBUF, WRITE_KGB=KGB is not None, LIM_ROWS=bool(cfg.get("lim_rows")),
         num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
     _mark("intra: strip")
-    TB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
+    tdt = idt if cfg.get("tb_lowp") and not save_b else torch.float32
+    TB = torch.empty(N, H, 64, dtype=tdt, device=dev)
     _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, PREC=_solve_prec(cfg),
                                 num_warps=cfg["nw_solve"], num_stages=1)
     _mark("intra: solve")
@@ -1781,9 +1828,13 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
         _mark("intra")
         _mark("w/u")
     elif NC and INTRA_IMPL == "v5":
-        TB, GCS, BM = _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, keep_t)
-        _fwd_wu_kernel[(NC, H)](k2, v2, GCS, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K, V=V,
-                                DT=_TL[idt], CUMSUM=True, num_warps=INTRA5_CFG["nw_wu"], num_stages=1)
+        kgb = bool(INTRA5_CFG.get("kgb"))
+        TB, GCS, BM = _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, keep_t,
+                              KGB=WK if kgb else None)
+        # with kgb, WK holds diag(beta) k e^G on entry; each program reads its chunk's rows before writing them
+        _fwd_wu_kernel[(NC, H)](WK if kgb else k2, v2, GCS, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K,
+                                V=V, DT=_TL[idt], CUMSUM=True, KGB_IN=kgb, num_warps=INTRA5_CFG["nw_wu"],
+                                num_stages=1)
         del GCS
         if keep_t:
             kept = (TB, BM)
@@ -1841,7 +1892,12 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
 # Tried and dropped (H200, 2026-11-30): forming the output inside this pass (no HB / VN written, 1.5 KB per token
 # and head less traffic) took as long as the two kernels it replaced (H=16, 1M: 16.15 ms vs 9.46 + 6.44; H=96,
 # 64K: 6.30 vs 4.02 + 2.48): the pass is latency-bound and the extra loads and products lengthen each step.
-H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv="auto")
+# stages_one_wave / w_one_wave: pipeline stages and modelled step cost (us) of a pass whose programs fit one per SM
+# (_pass_stages, _seg_chunks_for); one_wave_grad: let forwards under autograd use that model too (off: they keep
+# the split model, which the backward's passes were tuned with).  H200, 11th session, H=16, T=1M forward sweep:
+# 2 stages unsplit 65.1 ms, split (33 segments) 61.7; 3 stages unsplit 58.6, split into 8 59.5.
+H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv="auto", stages_one_wave=3, w_one_wave=1.1,
+             one_wave_grad=False)
 # bv: state columns per program of the serial passes (forward state pass and the backward's dS chain): 32, 64, or
 # "auto" = 64 when 32-column programs (sequences x heads x V / 32) would not fit one wave of slots unsplit.  At
 # H=96, K=V=128 on the H200: 384 programs on 264 slots, i.e. two waves of the whole serial chain (state pass 0.51 ms
@@ -1852,13 +1908,20 @@ H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv="auto")
 # 255 registers, 108 B of spills.
 
 
-def _value_block(BH, V, slots):
-    """BV for H_CFG["bv"] (32, 64 or "auto"; slots = SMs x ctas_per_sm, None off the GPU: 32)."""
+def _value_block(BH, V, slots, sms=None, grad=True):
+    """BV for H_CFG["bv"] (16, 32, 64 or "auto"; slots = SMs x ctas_per_sm, None off the GPU: 32).
+
+    "auto" without autograd (grad False, sms = the SM count): 16 when 16-column programs fit one per SM (the
+    unsplit pass is latency-bound; H200, 11th session, H=16, T=1M forward unsplit: 55.4 ms at 16 columns, 58.6
+    at 32, 69.7 at 64).  With autograd the backward's dS chain shares BV and keeps the rule below."""
     bv = H_CFG.get("bv", 32)
     if bv == "auto":
-        bv = 64 if slots is not None and V >= 64 and BH * (V // 32) > slots else 32
-    if bv not in (32, 64):
-        raise ValueError(f"backends.triton.kda.H_CFG['bv'] must be 32, 64 or 'auto', got {bv!r}")
+        if not grad and sms is not None and V >= 16 and BH * (V // 16) <= sms:
+            bv = 16
+        else:
+            bv = 64 if slots is not None and V >= 64 and BH * (V // 32) > slots else 32
+    if bv not in (16, 32, 64):
+        raise ValueError(f"backends.triton.kda.H_CFG['bv'] must be 16, 32, 64 or 'auto', got {bv!r}")
     return min(bv, V)
 
 # which backward runs the state-gradient chain: "v2" (default) = _bwd_dh_kernel, the serial reverse chain of dS
@@ -1892,8 +1955,9 @@ def _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn):
     VN = torch.empty(U.shape, dtype=idt, device=dev) if store_vn else HB
     S_OUT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
     _fwd_h_kernel[(V // BV, H, NS)](WK, U, KD, GAM, VN, HB, S_IN, S_OUT, tab["seg_t0"], tab["seg_t1"],
-                                    tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True, STORE_VN=store_vn,
-                                    num_warps=H_CFG["num_warps"], num_stages=H_CFG["num_stages"])
+                                    tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True,
+                                    STORE_VN=store_vn, num_warps=H_CFG["num_warps"],
+                                    num_stages=_pass_stages(V // BV * H * NS, dev))
     return HB, (VN if store_vn else None), S_OUT
 
 
@@ -1912,7 +1976,7 @@ def _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd, 
         _fwd_h_kernel[((K + V) // B1, H, NS)](WK, U, KD, GAM, MD, MD, MD, MD, tab["seg_t0"], tab["seg_t1"],
                                               tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=B1, SW=K + V, MODE=1,
                                               STORE=False, STORE_VN=False, num_warps=H_CFG["num_warps"],
-                                              num_stages=H_CFG["num_stages"])
+                                              num_stages=_pass_stages((K + V) // B1 * H * NS, dev))
     else:
         _bwd_state_kernel[grid](WK, U, QG, KD, AQK, GAM, DO, MD, MD, MD, MD, MD, MD, MD, MD, MD,
                                 tab["cstart"], tab["clen"], tab["seg_c0"], tab["seg_c1"], H, K=K, V=V,
@@ -2117,14 +2181,17 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     scale = K ** -0.5 if scale is None else float(scale)
     if q.device.type != "cuda" and not _interpret():
         raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1)")
-    BV = _value_block(n_seq * H, V, sm_count(q.device) * H_CFG["ctas_per_sm"] if q.is_cuda else None)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, g, beta, initial_state))
+    sms = sm_count(q.device) if q.is_cuda else None
+    BV = _value_block(n_seq * H, V, sms * H_CFG["ctas_per_sm"] if sms else None, sms, grad=grad)
     n_longest = max(((e - s + CHUNK - 1) // CHUNK for (s, e) in bounds), default=0) if bounds else \
         (T + CHUNK - 1) // CHUNK
-    seg = _seg_chunks_for(n_longest, n_seq * H, K, V, BV, q.device, segment_chunks)
+    seg = _seg_chunks_for(n_longest, n_seq * H, K, V, BV, q.device, segment_chunks,
+                          grad=grad and not H_CFG.get("one_wave_grad"))
     tab = _tables(B, T, bounds if cu_seqlens is not None else None, seg, q.device)
     qc, kc, vc, gc, bc = (t.contiguous() for t in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
     o, final = _KDAFunction.apply(qc, kc, vc, gc, bc, h0, scale, tab, fast, lb, BV, grad)
     return o, (final if output_final_state else None)
 
