@@ -1752,7 +1752,10 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # 17.7 -> 19.1 / 6.8 -> 7.3 (the KGB stores; lim_rows alone saved 0.45 / 0.2); kgb off alone: 1M 56.42 against
 # 55.39 ms.  Tried and dropped the same session: one strip program per (chunk, head) looping over the 4 row blocks
 # (the [64, BK] column operands loaded once instead of 4 times): 240 registers at 8 warps, strip phase 33.1 ms at
-# 1M (25.7 at BK 32 / 4 warps) against 19.0.
+# 1M (25.7 at BK 32 / 4 warps) against 19.0.  Also dropped: the column operand k_j e^(E_b - G_j) (bf16, E_b = G at the
+# end of j's row block) written by the cumsum kernel, so that the strip kernel loads 2 bytes per element instead of
+# 6 and takes 4 x BK exponentials per slice instead of 64 x BK: cumsum 4.8 -> 11.4 ms at 1M (255 registers), strip
+# 19.2 -> 23.3 (18.4 with maxnreg 80), o error 3.6e-3 -> 4.0e-3 against fla; forward 66.6 against 56.0 ms.
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
                   r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True)
 
