@@ -178,6 +178,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what remains after this many seconds")
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, no timing")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seed of the random weights and inputs (default: a fresh one, printed in the header, so "
+                         "that a run can be repeated)")
     ap.add_argument("--wgrad-compare", action="store_true",
                     help="time the weight-gradient kernels v1 and v2 side by side (alone and in experts fwd+bwd)")
     ap.add_argument("--no-layer", action="store_true",
@@ -202,7 +205,8 @@ def main():
     else:
         d, lat, e, k, inter, i_s, tokens = 7168, 3584, args.experts, 16, 3072, 6144, args.tokens
     scaling = 1.0
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
 
     def rnd(*shape, scale):
         t = torch.randn(*shape, device=dev, dtype=dt)
@@ -284,7 +288,7 @@ def main():
         dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)"
         head = [f"# MoE layer benchmark ({dev_name}, torch {torch.__version__}, triton {triton.__version__})", "",
                 f"K3 MoE layer: d {d}, latent {lat}, {e} experts, top-{k}, intermediate {inter}, shared Is {i_s}, "
-                f"{str(dt).replace('torch.', '')}; median of do_bench; "
+                f"{str(dt).replace('torch.', '')}; seed {seed}; median of do_bench; "
                 f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}.", ""]
         tail = ["", *[f"- {n}" for n in notes]]
         if ratios:
@@ -339,7 +343,7 @@ def main():
                 notes.append(f"T={T}: wgrad v2 vs v1 rel-RMS (dW1 part, dW3 part, dW2 part) = "
                              + ", ".join(f"{x_:.1e}" for x_ in errs))
                 print("  " + notes[-1], flush=True)
-            del da, db, xs, dw1, dw3, ref_out
+            da = db = xs = dw1 = dw3 = ref_out = None  # (not del: the lambdas above close over these names)
             xl = (x @ p["wd"].t()).requires_grad_()
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -362,7 +366,7 @@ def main():
                        3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
             finally:
                 tm.WGRAD_IMPL = wgrad_default
-        del xl, wtg, gu, ws
+        xl = wtg = gu = ws = None  # (not del: estep closes over these names)
         if dev == "cuda":
             torch.cuda.empty_cache()
 
@@ -420,7 +424,7 @@ def main():
             for impl in ("triton", "gmm", "loop"):
                 layer = make_layer(impl, tm)
                 record(impl, T, "layer fwd", lambda: layer(x, p, k, scaling), f_exp + f_dense, lbytes, reps)
-            del xl
+            xl = None  # (not del: the timed lambdas close over it)
         if args.no_bwd:
             emit()
             continue
@@ -475,7 +479,7 @@ def main():
                            3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
                 finally:
                     set_trial(tm, ch, base)
-        del xl, wtg, gu
+        xl = wtg = gu = None  # (not del: the timed closures read these names)
         for impl in ("triton", "gmm", "loop", "mix"):
             if impl == "loop" and (T > 8192 or args.quick):
                 continue
@@ -490,7 +494,7 @@ def main():
 
             torch.cuda.empty_cache() if dev == "cuda" else None
             record(impl, T, "layer fwd+bwd", step, 3 * (f_exp + f_dense), bbytes, reps * 2)
-        del leaves, xg, inputs, gy
+        leaves = xg = inputs = gy = None  # (not del: the timed closures read these names)
         if dev == "cuda":
             torch.cuda.empty_cache()
         emit()
