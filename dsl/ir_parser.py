@@ -134,9 +134,13 @@ def parse_ir(text: str, file: str = "<ir>") -> Graph:
     Raises:
         MtcError: a syntax or checking error, at ``file:line:col`` of the IR text with its excerpt.
     """
-    if text.lstrip().startswith("kernels "):
-        raise MtcError("this is kernel IR (the 'lowered' stage: launches, for reading); parse_ir reads the graph IR "
-                       "of the stages graph, typed, canonical and fused", Loc(file, 1, 1), text)
+    first = next(((i, ln.strip()) for i, ln in enumerate(text.splitlines(), 1)
+                  if ln.strip() and not ln.strip().startswith(("//", "#"))), (1, ""))
+    if first[1].startswith("kernels ") or first[1].startswith(("@T.prim_func", "@I.ir_module", "from tvm")):
+        what = ("kernel IR (the 'lowered' stage: launches, for reading)" if first[1].startswith("kernels ")
+                else "a TVMScript listing (the 'tvm' stage, for reading)")
+        raise MtcError(f"this is {what}; parse_ir reads the graph IR of the stages graph, typed, canonical and "
+                       f"fused (mtc ir SPEC --stage fused)", Loc(file, first[0], 1), text)
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:

@@ -291,6 +291,21 @@ def test_parse_ir_checks_nodes_at_the_ir_line(edit, msg):
     assert dsl.parse_ir(text) is not None                                      # the unedited IR is fine
 
 
+@pytest.mark.parametrize("stage,what", [("lowered", "this is kernel IR"), ("tvm", "this is a TVMScript listing")])
+def test_parse_ir_names_the_listings_it_does_not_read(stage, what, capsys):
+    # the lowered and tvm stages print listings for reading, after header comments: parse_ir says so at the
+    # listing's first line instead of a syntax error about the header
+    from dsl.cli import main
+    root = Path(__file__).resolve().parents[1]
+    assert main(["ir", str(root / "models" / "kimi_k3.mtc"), "--variant", "tiny", "--stage", stage]) in (0, None)
+    text = capsys.readouterr().out
+    e = _ir_err(text)
+    first = next(i for i, ln in enumerate(text.splitlines(), 1)
+                 if ln.strip() and not ln.lstrip().startswith(("//", "#")))
+    assert e.msg.startswith(what) and "--stage fused" in e.msg and (e.loc.line, e.loc.col) == (first, 1), e.render()
+    assert first > 1                                   # the header comments were skipped, not the cause
+
+
 def test_parse_ir_type_and_return_errors_are_located():
     text = _canonical_ir()
     lines = text.splitlines()
