@@ -203,8 +203,18 @@ def _fill_balance_updates(module, state_dict, prefix, *_):
     state_dict.setdefault(prefix + "balance_updates", module.balance_updates.detach().clone())
 
 
+def _sync_updates_hook(module, _keys):
+    """load_state_dict post-hook: the Python-side QB counts follow the loaded balance_updates buffer."""
+    module._sync_updates()
+
+
 class CompiledModule(nn.Module):
     """A compiled graph. ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]``.
+
+    ``torch.save(m)`` / ``torch.load(..., weights_only=False)`` keep the whole module (graph, IR stages,
+    weights, balancing state; the op table and target="triton"'s generated kernels are rebuilt on load).
+    Raises MtcError for a module with ``dp_group`` set (a process group does not travel) or with a stats hook
+    that cannot be pickled; ``m.state_dict()`` with ``dsl.compile`` is the portable way to keep weights.
 
     Attributes:
         graph: the executed (canonical) graph; stages: every IR stage by name.
@@ -310,10 +320,39 @@ class CompiledModule(nn.Module):
             self.register_buffer("balance_updates", torch.zeros(len(self._router_order), dtype=torch.int64,
                                                                 device=device))
             self.register_load_state_dict_pre_hook(_fill_balance_updates)
-            self.register_load_state_dict_post_hook(lambda module, _keys: module._sync_updates())
+            self.register_load_state_dict_post_hook(_sync_updates_hook)
         # router -> {forward key: the bias that train-mode forward routed with} (the last BIAS_KEEP_FORWARDS), for
         # activation-checkpoint recomputation
         self._bias_used: dict[str, dict[tuple, torch.Tensor]] = {}
+
+    def __getstate__(self):
+        if self.dp_group is not None:
+            raise MtcError(f"{self.graph.name}: a module with dp_group set cannot be pickled (a process group does "
+                           f"not travel): set m.dp_group = None before torch.save(m), and again after loading")
+        import pickle
+        for i, hook in enumerate(self.stats_hooks):
+            try:
+                pickle.dumps(hook)
+            except Exception as e:  # noqa: BLE001 - any pickling failure of a user callable
+                raise MtcError(f"{self.graph.name}: stats_hooks[{i}] ({getattr(hook, '__qualname__', hook)!r}) "
+                               f"cannot be pickled ({type(e).__name__}: {e}): remove it before torch.save(m) "
+                               f"(m.stats_hooks.clear()), or save m.state_dict() instead") from None
+        state = self.__dict__.copy()
+        state["_table"] = None                 # lambdas: rebuilt from the target name on load
+        state["_gen"] = None                   # generated kernels (imported module): regenerated on load
+        state["_shape_cache"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._table = TARGETS[self.target]()
+        self._gen = {}
+        if self.target == "triton" and self.program is not None and "fused" in self.stages:
+            from backends.triton.codegen import write_and_load
+            path, module, kernels = write_and_load(self.program, self.stages["fused"])
+            self.kernel_source_path = path
+            for k in kernels:
+                self._gen[k.members[-1]] = (k, getattr(module, k.name))
 
     def to(self, *args, **kwargs):
         """nn.Module.to; float64 is refused (MtcError), as at compile: the kernels take float32, float16 and

@@ -458,3 +458,42 @@ def test_balance_warmup_must_be_a_count(bad):
     m.balance_warmup = bad
     with pytest.raises(ValueError, match=r"balance_warmup must be an integer >= 0 .* got " + re.escape(repr(bad))):
         m(torch.randint(0, 256, (1, 16)))
+
+
+def test_whole_module_pickles_and_resumes_training(tmp_path):
+    # torch.save(m) keeps the graph, weights and the balancing state (counts, ema schedule); the loaded module
+    # gives the same logits and, trained one more step beside the original, the same biases
+    import io
+    m = dsl.compile(dsl.load(K3, "tiny"), target="reference", seed=3)
+    ids = torch.randint(0, 256, (2, 61))
+    for _ in range(2):                              # two QB updates: past the ema-0 warm-up's first step
+        m(ids).float().sum().backward()
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    m2 = torch.load(buf, weights_only=False)
+    assert m2._updates == m._updates and torch.equal(m2.balance_updates, m.balance_updates)
+    with torch.no_grad():
+        assert torch.equal(m.eval()(ids), m2.eval()(ids))
+    m.train(), m2.train()
+    ids2 = torch.randint(0, 256, (2, 61))
+    m(ids2).float().sum().backward()
+    m2(ids2).float().sum().backward()
+    sd, sd2 = m.state_dict(), m2.state_dict()
+    biases = [key for _, key in m._router_layers.values()]
+    assert biases and all(sd[k].abs().sum() > 0 for k in biases)     # the QB updates moved them
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+
+
+def test_pickling_refuses_what_does_not_travel():
+    import io
+    m = dsl.compile(dsl.load(K3, "tiny"), target="reference")
+    m.stats_hooks.append(lambda layer, load: None)
+    with pytest.raises(dsl.MtcError, match=r"stats_hooks\[0\].*cannot be pickled.*stats_hooks.clear\(\)"):
+        torch.save(m, io.BytesIO())
+    m.stats_hooks.clear()
+    m.dp_group = object()                           # stands in for a torch.distributed process group
+    with pytest.raises(dsl.MtcError, match="dp_group set cannot be pickled"):
+        torch.save(m, io.BytesIO())
+    m.dp_group = None
+    torch.save(m, io.BytesIO())

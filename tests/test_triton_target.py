@@ -155,3 +155,18 @@ def test_generated_kernels_compile_for_hopper():
     r = subprocess.run([sys.executable, "-c", _COMPILE_GENERATED], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_triton_module_pickles_with_its_generated_kernels():
+    # torch.save(m) of a target="triton" module: the generated pointwise kernels are regenerated on load and run
+    import io
+    g = dsl.load(ROOT / "models" / "kimi_k3.mtc", "tiny")
+    tri = dsl.compile(g, target="triton", seed=1).eval()
+    buf = io.BytesIO()
+    torch.save(tri, buf)
+    buf.seek(0)
+    tri2 = torch.load(buf, weights_only=False)
+    assert tri2._gen.keys() == tri._gen.keys() and tri2._gen
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(tri(ids), tri2(ids))
