@@ -227,8 +227,9 @@ class CompiledModule(nn.Module):
             recomputation (inside the backward) routes with the bias of the original forward and updates
             nothing. balance_defer: keep each train-mode forward's router scores instead of updating;
             apply_balance() then updates once from all of them (gradient accumulation). fixed_step: the fixed
-            rule's step. stats_hooks: callables fn(layer, load [E] int64)
-            called after every router. dp_group: torch.distributed group over which QB averages its step.
+            rule's step. stats_hooks: callables fn(layer, load [E] int64), called for every router (in
+            graph order) once the forward has run, so that a hook that raises leaves no half-updated forward.
+            dp_group: torch.distributed group over which QB averages its step.
     """
 
     def __init__(self, graph: Graph, stages: dict[str, Graph], target: str, dtype: torch.dtype,
@@ -262,6 +263,7 @@ class CompiledModule(nn.Module):
         # centring (spec/OPS.md qb_update), so every rank applies the same bias; None = this process alone
         self.dp_group = None
         self.stats_hooks: list[Callable[[str, torch.Tensor], None]] = []
+        self._hook_calls: list[tuple[str, torch.Tensor]] = []
         gen = None
         if seed is not None and str(device) != "meta":
             gen = torch.Generator(device=device).manual_seed(int(seed))
@@ -341,6 +343,7 @@ class CompiledModule(nn.Module):
         state["_table"] = None                 # lambdas: rebuilt from the target name on load
         state["_gen"] = None                   # generated kernels (imported module): regenerated on load
         state["_shape_cache"] = {}
+        state["_hook_calls"] = []
         return state
 
     def __setstate__(self, state):
@@ -487,6 +490,7 @@ class CompiledModule(nn.Module):
             env[n.name] = x
         self._warn_past_max_seq_len(inputs)
         fkey = None
+        self._hook_calls = []
         if self._router_layers:
             self._check_balance_settings()
             fkey = _forward_key(inputs)         # which forward this is, for a checkpoint's recomputation
@@ -540,7 +544,23 @@ class CompiledModule(nn.Module):
             env[n.name] = out
             if n.op == "qb_route" and not recompute:
                 self._after_route(n, out, fkey)
-        return [self._value(env, r) for r in g.outputs]
+        outs = [self._value(env, r) for r in g.outputs]
+        self._call_stats_hooks()
+        return outs
+
+    def _call_stats_hooks(self) -> None:
+        """The stats hooks, router by router, after the forward: a hook that raises leaves a whole forward behind
+        (every router updated), and its error says which hook and layer it came from."""
+        calls, self._hook_calls = self._hook_calls, []
+        with torch.no_grad():
+            for layer, load in calls:
+                for i, h in enumerate(self.stats_hooks):
+                    try:
+                        h(layer, load)
+                    except Exception as e:
+                        e.add_note(f"mtc: raised by stats_hooks[{i}] ({getattr(h, '__qualname__', h)!r}) for {layer}; "
+                                   f"the forward itself had completed (every router's statistics and bias updated)")
+                        raise
 
     def attach_generated(self, program, path, module, kernels) -> None:
         """Run the generated pointwise kernels (backends/triton/codegen.py) in place of their ops."""
@@ -711,8 +731,7 @@ class CompiledModule(nn.Module):
         with torch.no_grad():
             load = expert_load(idx, bias.shape[0])
             self.routing_stats[layer] = load
-            for h in self.stats_hooks:
-                h(layer, load)
+            self._hook_calls.append((layer, load))            # called once the whole forward has run
             balancing = self.training and self.balance is not None
             if balancing:
                 kept_bias = self._bias_used.setdefault(n.name, {})

@@ -497,3 +497,25 @@ def test_pickling_refuses_what_does_not_travel():
         torch.save(m, io.BytesIO())
     m.dp_group = None
     torch.save(m, io.BytesIO())
+
+
+def test_a_raising_stats_hook_leaves_a_whole_forward():
+    # the hooks run after the forward: one that raises at the second router leaves every router's bias updated,
+    # as the same forward without hooks does, and its error names the hook and the layer
+    a = dsl.compile(dsl.load(K3, "tiny"), target="reference", seed=5)
+    b = dsl.compile(dsl.load(K3, "tiny"), target="reference", seed=5)
+    seen = []
+
+    def picky(layer, load):
+        seen.append(layer)
+        if len(seen) == 2:
+            raise RuntimeError("hook failed")
+    a.stats_hooks.append(picky)
+    ids = torch.randint(0, 256, (2, 40))
+    with pytest.raises(RuntimeError, match="hook failed") as ei:
+        a(ids)
+    assert any("stats_hooks[0]" in note and seen[1] in note and "completed" in note for note in ei.value.__notes__)
+    b(ids)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert len(a._router_layers) > 2 and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a._updates == b._updates and a.routing_stats.keys() == b.routing_stats.keys()
