@@ -626,7 +626,11 @@ class CompiledModule(nn.Module):
         fn = self._table.get(n.op)
         if fn is None:
             raise MtcError(f"target '{self.target}' has no kernel for op '{n.op}'", n.loc)
-        return fn(n, *args)
+        try:
+            return fn(n, *args)
+        except ValueError as e:                 # the ops' bad-value errors (NaN / inf operands, ...): at the spec line
+            raise MtcError(f"%{n.name} = {n.op}(...): {e} (a value computed inside the model: check the weights and "
+                           f"the ops before it)", n.loc) from e
 
     def route_margins(self, input_ids: torch.Tensor) -> dict[str, float]:
         """How close each MoE layer's top-k choice is to a tie, for one input (a probe forward).

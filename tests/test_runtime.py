@@ -519,3 +519,17 @@ def test_a_raising_stats_hook_leaves_a_whole_forward():
     sa, sb = a.state_dict(), b.state_dict()
     assert len(a._router_layers) > 2 and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert a._updates == b._updates and a.routing_stats.keys() == b.routing_stats.keys()
+
+
+def test_nan_arising_inside_the_model_names_the_spec_line():
+    # a NaN that is not in the input (here: one embedding row) reaches an op that refuses it: the error is an
+    # MtcError at the spec line of the node, naming the op and the operand
+    m = dsl.compile(dsl.load(K3, "tiny"), target="reference", seed=0).eval()
+    key = next(k for k, _ in m.named_parameters() if "embed" in k)
+    with torch.no_grad():
+        m.get_parameter(key)[5] = float("nan")
+    with pytest.raises(dsl.MtcError) as ei:
+        m(torch.full((1, 8), 5))
+    e = ei.value
+    assert str(e.loc.file).endswith("kimi_k3.mtc") and e.loc.line > 1
+    assert "NaN" in e.msg and "inside the model" in e.msg and isinstance(e.__cause__, ValueError)
