@@ -466,6 +466,9 @@ class CompiledModule(nn.Module):
             if not isinstance(x, torch.Tensor) or x.dim() != t.rank:
                 raise MtcError(f"input '{name}' must be a tensor of rank {t.rank} ({t}), got "
                                f"{getattr(x, 'shape', type(x))}")
+            if p0 is not None and x.device != p0.device:
+                raise MtcError(f"input '{name}' is on {x.device} but the model's weights are on {p0.device}: move "
+                               f"it there (x.to({str(p0.device)!r})) or the model (m.to(...))")
             if t.dtype in ("i64", "i32") and x.dtype not in (torch.int64, torch.int32):
                 raise MtcError(f"input '{name}' must be an int64 or int32 tensor ({t}), got {x.dtype}")
             if t.dtype not in ("i64", "i32", "bool") and not x.is_floating_point():

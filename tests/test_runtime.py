@@ -533,3 +533,8 @@ def test_nan_arising_inside_the_model_names_the_spec_line():
     e = ei.value
     assert str(e.loc.file).endswith("kimi_k3.mtc") and e.loc.line > 1
     assert "NaN" in e.msg and "inside the model" in e.msg and isinstance(e.__cause__, ValueError)
+
+
+def test_input_on_another_device_than_the_weights_is_named(tiny):
+    with pytest.raises(dsl.MtcError, match=r"input 'input_ids' is on meta but the model's weights are on cpu"):
+        tiny(torch.zeros(1, 4, dtype=torch.long, device="meta"))

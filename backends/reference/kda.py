@@ -140,6 +140,10 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where):
         raise ValueError(f"{where}: beta must be [B,T,H] = {(B, T, H)}, got {tuple(beta.shape)}")
     if K == 0 or V == 0 or H == 0:
         raise ValueError(f"{where}: empty head/key/value dimension (H={H}, K={K}, V={V})")
+    named = (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state))
+    for name, t in named:                # (cu_seqlens is read on the host: any device)
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but q is on {q.device} (every tensor on one device)")
     check_scale(scale, where)
     bounds = check_cu_seqlens(cu_seqlens, B, T, where) if cu_seqlens is not None else None
     n_seq = len(bounds) if bounds is not None else B
@@ -183,7 +187,7 @@ def _chunk_one(q, k, v, g, beta, S, scale):
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None):
+              cu_seqlens=None, lower_bound=None, segment_chunks=None, check_finite=None):
     """Kimi Delta Attention over whole sequences, chunked WY/UT algorithm in float32 (the reference).
 
     Args:
@@ -197,6 +201,10 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         output_final_state: return the state after the last token of each sequence.
         cu_seqlens: int32/int64 [N_seq+1] offsets of packed sequences (requires B == 1); each sequence
             starts from its own initial state (or zero).  Empty sequences are allowed (state passes through).
+        lower_bound, segment_chunks, check_finite: the Triton backend's launch options, accepted so that a
+            call runs on either backend unchanged; the reference's result does not depend on them (it always
+            checks the inputs).  lower_bound must still be None or a number < 0 (TypeError / ValueError), and
+            segment_chunks None or a positive int.
 
     Returns:
         (o, final_state): o [B, T, H, V] in v's dtype; final_state [N_seq, H, K, V] float32 or None.
@@ -213,6 +221,15 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """
     where = "kda_chunk"
     B, T, H, K, V, bounds, n_seq = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"{where}: lower_bound must be a number or None, got {type(lower_bound).__name__} "
+                            f"{lower_bound!r}")
+        if not -math.inf < float(lower_bound) < 0:
+            raise ValueError(f"{where}: lower_bound must be a finite number < 0 or None, got {lower_bound!r}")
+    if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
+                                       or segment_chunks < 1):
+        raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
     check_inputs_finite_and_decay(q, k, v, g, beta, where)
     if initial_state is not None:
         _check_finite("initial_state", initial_state, where)
@@ -260,6 +277,12 @@ def check_scale(scale, where: str) -> None:
         raise ValueError(f"{where}: scale must be finite, got {scale!r}")
 
 
+def check_step_finite(q, k, v, g, beta, state, where: str) -> None:
+    """kda_step's value checks: ValueError if an input or the state holds NaN/inf, or g > 0 anywhere."""
+    check_inputs_finite_and_decay(q, k, v, g, beta, where)
+    _check_finite("state", state, where)
+
+
 def check_step_args(q, k, v, g, beta, state, where: str):
     """The argument checks of kda_step (shared with the Triton backend): float tensors, q / k / g [B,H,K],
     v [B,H,V], beta [B,H], state [B,H,K,V], on one device. Returns (B, H, K, V).
@@ -294,7 +317,7 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
 
     Args:
         q, k: [B, H, K]; v: [B, H, V]; g: [B, H, K] log decay (<= 0); beta: [B, H];
-        state: [B, H, K, V] (float32; not modified in place); scale: default K ** -0.5.
+        state: [B, H, K, V] (any float dtype, used as float32; not modified in place); scale: default K ** -0.5.
 
     Returns:
         (o [B, H, V] in v's dtype, new_state [B, H, K, V] float32), with
@@ -303,10 +326,11 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
 
     Raises:
         TypeError: non-tensor / non-float inputs, a scale that is not a real number.  ValueError: shape
-        mismatches, K or V = 0, a NaN / infinite scale.
+        mismatches, K or V = 0, a NaN / infinite scale, NaN / inf in an input or the state, g > 0 anywhere.
     """
     B, H, K, V = check_step_args(q, k, v, g, beta, state, "kda_step")
     check_scale(scale, "kda_step")
+    check_step_finite(q, k, v, g, beta, state, "kda_step")
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = torch.float32
     S = state.to(f32) * g.to(f32).exp()[..., None]

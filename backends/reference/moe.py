@@ -102,8 +102,9 @@ def check_route_inputs(x, weight, bias, top_k, where: str = "qb_route"):
     return n, d, e
 
 
-def check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, where="moe_experts"):
-    """Shape/dtype checks of moe_experts' arguments; returns (N, l, E, I, k)."""
+def check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, where="moe_experts",
+                        beta_gate=4.0, beta_up=25.0):
+    """Shape/dtype/device checks of moe_experts' arguments (and the SiTU-GLU bounds); returns (N, l, E, I, k)."""
     _check_tensor("x_lat", x_lat, 2, where)
     _check_tensor("topk_idx", topk_idx, 2, where)
     _check_tensor("topk_weight", topk_weight, 2, where)
@@ -114,6 +115,12 @@ def check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, wh
     _check_float("topk_weight", topk_weight, where)
     if topk_idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{where}: topk_idx must be int64 (or int32), got {topk_idx.dtype}")
+    named = dict(x_lat=x_lat, topk_idx=topk_idx, topk_weight=topk_weight, w1=w1, w3=w3, w2=w2)
+    if len({t.device for t in named.values()}) > 1:
+        raise ValueError(f"{where}: the tensors are on different devices: "
+                         + ", ".join(f"{name} on {t.device}" for name, t in named.items()))
+    if activation == "situ":
+        check_betas(beta_gate, beta_up, where)
     n, l = x_lat.shape
     e, i, l1 = w1.shape
     if tuple(w3.shape) != (e, i, l1):
@@ -329,6 +336,11 @@ def check_glu_args(a, b, beta_gate, beta_up, where: str) -> None:
         raise ValueError(f"{where}: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
     if a.device != b.device:
         raise ValueError(f"{where}: a is on {a.device} but b on {b.device}")
+    check_betas(beta_gate, beta_up, where)
+
+
+def check_betas(beta_gate, beta_up, where: str) -> None:
+    """SiTU-GLU's bounds: numbers, finite and > 0 (TypeError / ValueError)."""
     for name, x in (("beta_gate", beta_gate), ("beta_up", beta_up)):
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise TypeError(f"{where}: {name} must be a number, got {type(x).__name__} {x!r}")
@@ -382,7 +394,8 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
         TypeError / ValueError on wrong shapes/dtypes, out-of-range indices or an unknown
         activation.
     """
-    n, l, e, i, k = check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation)
+    n, l, e, i, k = check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation,
+                                        beta_gate=beta_gate, beta_up=beta_up)
     xf = x_lat.float()
     u = torch.zeros(n, l, dtype=torch.float32, device=x_lat.device)
     idx = topk_idx.long()

@@ -138,6 +138,14 @@ def check_attention_args(q, k, v, scale, where: str) -> None:
         raise ValueError(f"{where}: scale must be finite, got {scale!r}")
 
 
+def check_attention_finite(q, k, v, where: str) -> None:
+    """ValueError naming the first of q, k, v that holds NaN or inf (a NaN query would give NaN rows here and
+    zeros in torch's fused CPU kernel: neither is a result)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: {name} holds NaN or inf")
+
+
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention core of (gated) MLA: o = softmax(q k^T * scale + mask) v, softmax in float32.
@@ -146,9 +154,10 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     [N+1] for packed sequences (B == 1): attention never crosses a sequence boundary.
     Returns o [B, T, H, Dv] in v's dtype. Vaswani et al. 2017, eq. 1; DeepSeek-V2 (MLA).
     Raises TypeError (non-float tensors, a non-numeric scale, bad cu_seqlens dtype) and ValueError (shapes that
-    are not [B, T, H, D] or disagree, cu_seqlens with B != 1 or not offsets 0 ... T)."""
+    are not [B, T, H, D] or disagree, cu_seqlens with B != 1 or not offsets 0 ... T, NaN / inf in q, k or v)."""
     where = "mla_attention"
     check_attention_args(q, k, v, scale, where)
+    check_attention_finite(q, k, v, where)
     B, T, H, _ = q.shape
     qf, kf, vf = (_f32(t).transpose(1, 2) for t in (q, k, v))   # [B, H, T, D]
     s = (qf @ kf.transpose(-1, -2)) * scale                      # [B, H, T, T]

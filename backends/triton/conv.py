@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .guard import cdiv, check_forward_only, next_power_of_2
+from .guard import cdiv, check_forward_only, check_kernel_device, next_power_of_2
 
 __all__ = ["conv_silu_norm"]
 
@@ -67,6 +67,7 @@ def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, 
         RuntimeError: autograd records a gradient for x or weight (forward only: the result would carry none).
     Forward only (no autograd): the runtime uses it when no gradient is recorded."""
     check_forward_only("conv_silu_norm", x, weight)
+    check_kernel_device("triton.conv_silu_norm", x=x, weight=weight)
     if x.dim() != 3:
         raise ValueError(f"conv_silu_norm: x must be [B, T, C], got {list(x.shape)}")
     w = weight.reshape(weight.shape[0], -1)

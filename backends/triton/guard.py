@@ -14,6 +14,19 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def check_kernel_device(where: str, **tensors) -> None:
+    """The Triton kernels run on a CUDA device, or on the CPU under TRITON_INTERPRET=1: ValueError naming the
+    tensors otherwise, and for tensors on different devices (None entries are skipped)."""
+    named = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    devs = {t.device for t in named.values()}
+    if len(devs) > 1:
+        raise ValueError(f"{where}: the tensors are on different devices: "
+                         + ", ".join(f"{n} on {t.device}" for n, t in named.items()))
+    dev = next(iter(devs), None)
+    if dev is not None and dev.type != "cuda" and not interpreted():
+        raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of host integers (grid sizes), the same value as ``triton.cdiv``.
 

@@ -2164,6 +2164,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         lb, fast = 0.0, False
     if check_finite or (check_finite is None and not q.is_cuda):
         _ref.check_inputs_finite_and_decay(q, k, v, g, beta, where)
+        if initial_state is not None:
+            _ref._check_finite("initial_state", initial_state, where)
     if not (_pow2(K) and _pow2(V)):
         # the kernels take powers of two >= 16: zero channels / value columns (q = k = 0, g = 0, v = 0, a zero
         # state) change nothing in the others and stay zero; the scale stays that of the real K
@@ -2232,19 +2234,23 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
     return g
 
 
-def kda_step(q, k, v, g, beta, state, *, scale=None):
+def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
     """One KDA decoding step as a Triton kernel; same contract as backends.reference.kda.kda_step.
 
-    q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32 (not modified); any K, V >= 1.
-    Returns (o [B, H, V] in v's dtype, new_state float32).  Raises TypeError / ValueError like the reference
-    (same checks), ValueError for CPU tensors without TRITON_INTERPRET=1, and RuntimeError when autograd
-    records a gradient for an input: forward only (decoding); use the reference kda_step for gradients.
+    q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] (any float dtype, used as float32; not
+    modified); any K, V >= 1.  Returns (o [B, H, V] in v's dtype, new_state float32).  Raises TypeError /
+    ValueError like the reference (same checks; the NaN/inf and g <= 0 scan on CPU tensors, or always with
+    check_finite=True: it costs a host sync on the GPU), ValueError for CPU tensors without TRITON_INTERPRET=1,
+    and RuntimeError when autograd records a gradient for an input: forward only (decoding); use the reference
+    kda_step for gradients.
     """
     where = "triton.kda_step"
     B, H, K, V = _ref.check_step_args(q, k, v, g, beta, state, where)
     _ref.check_scale(scale, where)
     check_forward_only(where, q, k, v, g, beta, state)
     _check_on_device(q, where)
+    if check_finite or (check_finite is None and not q.is_cuda):
+        _ref.check_step_finite(q, k, v, g, beta, state, where)
     scale = K ** -0.5 if scale is None else float(scale)
     S_in = state.float().contiguous()
     S_out = torch.empty_like(S_in)

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from backends.reference.kda import check_cu_seqlens
-from backends.reference.ops import check_attention_args
+from backends.reference.ops import check_attention_args, check_attention_finite
 
 __all__ = ["mla_attention"]
 
 
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
-                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None, check_finite: bool | None = None) -> torch.Tensor:
     """o = softmax(q k^T * scale + mask) v per head (Vaswani et al. 2017, eq. 1; DeepSeek-V2 MLA), softmax in
     float32 inside the fused kernel.
 
@@ -28,15 +28,20 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         causal: mask future tokens (default True).
         cu_seqlens: int32/int64 [N_seq+1] offsets of packed sequences (B == 1): attention never crosses a
             sequence boundary (one fused call per sequence; read on the host once).
+        check_finite: scan q, k, v for NaN / inf first (None: on CPU tensors only; on the GPU it costs a
+            host sync).
 
     Returns:
         o [B, T, H, Dv] in v's dtype.
 
     Raises:
-        TypeError / ValueError: as backends.reference.mla_attention (shapes, dtypes, scale, cu_seqlens).
+        TypeError / ValueError: as backends.reference.mla_attention (shapes, dtypes, scale, cu_seqlens, NaN /
+            inf when scanned).
     """
     where = "triton.mla_attention"
     check_attention_args(q, k, v, scale, where)
+    if check_finite or (check_finite is None and not q.is_cuda):
+        check_attention_finite(q, k, v, where)
     B, T = q.shape[:2]
     if cu_seqlens is not None:
         bounds = check_cu_seqlens(cu_seqlens, B, T, where)

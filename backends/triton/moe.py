@@ -38,8 +38,8 @@ from backends.reference import moe as _ref
 from backends.reference.ops import check_eps
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
-from .guard import (cdiv, check_interpreter_dot_dtype, device_table, mark_phase, next_power_of_2, no_create_graph,
-                    sm_count)
+from .guard import (cdiv, check_interpreter_dot_dtype, check_kernel_device, device_table, mark_phase,
+                    next_power_of_2, no_create_graph, sm_count)
 
 __all__ = [
     "qb_route",
@@ -308,6 +308,7 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     _ref._check_float("x", x, "qb_route")
     _ref._check_float("weight", weight, "qb_route")
     _ref._check_float("bias", bias, "qb_route")
+    check_kernel_device("triton.qb_route", x=x, weight=weight, bias=bias)
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"qb_route: weight is [E, d] = {tuple(weight.shape)} but x has d = {x.shape[1]}")
     if bias.shape[0] != weight.shape[0]:
@@ -336,6 +337,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     _ref._check_tensor("bias", bias, 1, where)
     _ref._check_float("scores", scores, where)
     _ref._check_float("bias", bias, where)
+    check_kernel_device("triton.qb_update", scores=scores, bias=bias)
     n, e = scores.shape
     if bias.shape[0] != e:
         raise ValueError(f"{where}: bias has {bias.shape[0]} entries but scores has E = {e}")
@@ -378,6 +380,7 @@ def expert_load(topk_idx, num_experts):
     """
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.is_floating_point():
         raise TypeError("expert_load: topk_idx must be an integer tensor")
+    check_kernel_device("triton.expert_load", topk_idx=topk_idx)
     e = int(num_experts)
     if e <= 0:
         raise ValueError(f"expert_load: num_experts must be positive, got {num_experts}")
@@ -457,6 +460,7 @@ def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
     hardware approximation (relative error ~2^-11). Raises TypeError / ValueError as the reference (same
     checks)."""
     _ref.check_glu_args(a, b, beta_gate, beta_up, "situ_glu")
+    check_kernel_device("triton.situ_glu", a=a, b=b)
     return _GluFn.apply(a, b, 0, beta_gate, beta_up)
 
 
@@ -840,7 +844,9 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
         TypeError / ValueError on wrong shapes/dtypes, out-of-range expert ids (checked on the
         device range with one host sync), or an unknown activation.
     """
-    _ref.check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation)
+    _ref.check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, beta_gate=beta_gate,
+                             beta_up=beta_up)
+    check_kernel_device("triton.moe_experts", x_lat=x_lat)
     _check_gemm_operands("triton.moe_experts", x_lat=x_lat, w1=w1, w3=w3, w2=w2)
     check_interpreter_dot_dtype("triton.moe_experts", x_lat=x_lat)
     return _ExpertsFn.apply(x_lat.contiguous(), topk_idx, topk_weight, w1, w3, w2, _ACT[activation],
