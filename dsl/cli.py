@@ -301,7 +301,8 @@ def _lowered_report(args, g, pm, prog) -> str:
     t0 = time.perf_counter()
     out = [prog.text()]
     counts = prog.counts()
-    out.append(f"// {len(prog.launches)} launches: " + ", ".join(f"{k} x{v}" for k, v in counts.items()))
+    out.append(f"// {len(prog.launches)} launches" + (": " + ", ".join(f"{k} x{v}" for k, v in counts.items())
+                                                      if counts else ""))
     out.append(f"// code cache key: {prog.cache_key()}\n")
     T = args.seq_len or dict(g.meta_get("config", ())).get("max_seq_len", 4096)
     moe = [n for n in g.nodes if n.op in ("latent_moe", "moe")]
@@ -698,10 +699,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "parameters, forward FLOPs per token at --seq-len (MLA attention grows "
                                    "with T, KDA does not), weights, MLA latent KV cache and KDA state.")
     _add_spec_args(s)
-    s.add_argument("--seq-len", "-T", type=int, default=None, help="context length (default: the spec's max_seq_len)")
+    s.add_argument("--seq-len", "-T", type=int, default=None,
+                   help="context length (default: the spec's max_seq_len, else 4096)")
     s.add_argument("--batch", type=int, default=None,
                    help="sequences held at once (KV cache and state scale with it; default 1)")
-    s.add_argument("--gpus", type=int, default=1, help="GPUs to spread weights and caches over (even split)")
+    s.add_argument("--gpus", type=int, default=1,
+                   help="GPUs to spread weights and caches over (even split; default 1)")
     s.add_argument("--json", action="store_true", help="print machine-readable JSON")
     s.set_defaults(fn=cmd_stats)
 
@@ -714,14 +717,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and the KV cache by tensor-parallel groups of up to 8, unlike `mtc stats`' "
                                    "even split), tvm (the TVMScript of the TVM kernels).")
     _add_spec_args(s)
-    s.add_argument("--stage", default="graph", help="graph | typed | canonical | fused | lowered | tvm")
+    s.add_argument("--stage", default="graph", help="graph | typed | canonical | fused | lowered | tvm (default graph)")
     s.add_argument("--seq-len", "-T", type=int, default=None,
-                   help="(lowered) context length for the memory plan (default: the spec's max_seq_len)")
+                   help="(lowered) context length for the memory plan (default: the spec's max_seq_len, else 4096)")
     s.add_argument("--gpus", type=int, default=None,
                    help="(lowered) GPUs for the memory plan and expert placement (default 1)")
     s.add_argument("--slots", type=int, default=None,
                    help="(lowered) physical expert slots per MoE layer: >= the experts and a multiple of --gpus "
-                        "(more than the experts: replicas of the hottest)")
+                        "(more than the experts: replicas of the hottest; default: the fewest such)")
     s.add_argument("--checkpointing", default=None, choices=["none", "layer", "block", "inference"],
                    help="(lowered) activation checkpointing for the memory plan (default layer)")
     s.add_argument("--target", default=None, choices=["triton", "tvm"],
@@ -743,13 +746,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(s, spec_optional=True)
     s.add_argument("--input", "-i", help=f"a text file, or - for standard input (default: "
                                          f"{DEFAULT_TEXT.relative_to(ROOT)}); only --max-tokens bytes are read")
-    s.add_argument("--target", default="reference", help="reference | triton | tvm (on CPU: Triton interpreter)")
+    s.add_argument("--target", default="reference",
+                   help="reference | triton | tvm (on CPU: Triton interpreter; default reference)")
     s.add_argument("--seq-len", "-T", type=int, default=256,
                    help="tokens per sequence (default 256; beyond the spec's max_seq_len: a warning)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default 4)")
     s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
     s.add_argument("--dtype", default=None, help=f"{_DTYPE_HELP} (default float32)")
-    s.add_argument("--device", default="cpu", help="cpu | cuda")
+    s.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     s.add_argument("--seed", type=seed, default=0, help="parameter initialisation seed (0 .. 2^63-1; default 0)")
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON (- for standard output): the "
                                                  "settings of the run, loss, bits/byte, perplexity, expert load")

@@ -162,7 +162,7 @@ def describe_groups(g: Graph) -> str:
         a = n.attr("fusion")
         if a is not None:
             groups.setdefault(a, []).append(n)
-    lines = [f"// {len(groups)} fused kernels"]
+    lines = [f"// {len(groups)} fused kernels (the first two of each anchor op listed, then the count per anchor op)"]
     kinds = Counter()
     for a, ms in groups.items():
         anchor = next(m for m in ms if m.name == a)

@@ -69,6 +69,11 @@ _FLOAT = ("f32", "f16", "bf16", "f64", "fp8")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def _tokens(x: float) -> str:
+    """Tokens per GPU as printed: whole numbers as such, an uneven split's average with 3 decimals (not 0)."""
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:,.3f}"
+
+
 @dataclass
 class MoEComm:
     """Expert-parallel all-to-all of one MoE layer for one forward pass, bytes sent per GPU."""
@@ -168,7 +173,7 @@ class MemoryPlan:
         ]
         w = max(len(r[0]) for r in rows) + 2
         out = [f"memory plan: {self.model}, T = {self.seq_len:,} x B = {self.batch} on {self.gpus} GPU(s) "
-               f"({self.tokens_per_gpu:,.0f} tokens per GPU)",
+               f"({_tokens(self.tokens_per_gpu)} tokens per GPU)",
                f"  {'per GPU':<{w}}{'bytes':>12}"]
         out += [f"  {name:<{w}}{hb(v):>12}" for name, v in rows]
         out.append(f"  {'total':<{w}}{hb(self.total_bytes):>12}")
@@ -181,7 +186,7 @@ class MemoryPlan:
                        f"{f' (the largest, {c.layer})' if len({(x.experts, x.top_k, x.width) for x in self.moe_comm}) > 1 else ''}"
                        f": dispatch {hb(c.dispatch_bytes)} + combine "
                        f"{hb(c.combine_bytes)} per GPU (top-{c.top_k} x width {c.width} x "
-                       f"{c.tokens_per_gpu:,.0f} tokens, {c.remote_fraction:.3f} remote; dispatch once per GPU: "
+                       f"{_tokens(c.tokens_per_gpu)} tokens, {c.remote_fraction:.3f} remote; dispatch once per GPU: "
                        f"{hb(c.dispatch_dedup_bytes)}); {hb(self.a2a_bytes_total)} over {len(self.moe_comm)} layers")
         return "\n".join(out)
 

@@ -437,3 +437,24 @@ def test_lowered_plan_with_moe_layers_of_different_expert_counts(tmp_path):
     assert "expert placement: 12 experts -> 12 slots" in out.stdout
     _clean_error(mtc("ir", str(spec), "--stage", "lowered", "--slots", "10"),
                  "--slots 10: needs at least the 12 experts of the largest MoE layer")
+
+
+@pytest.mark.parametrize("cmd,flags", [("stats", ["--seq-len", "--gpus"]), ("ir", ["--stage", "--seq-len", "--slots"]),
+                                       ("run", ["--target", "--device", "--seq-len"])])
+def test_help_states_the_defaults(cmd, flags):
+    # every option with a default says what it is (third new-user trial: --stage, --slots, --gpus, --target and
+    # --device did not)
+    import re
+    r = in_process(cmd, "--help")
+    options = r.stdout.split("options:", 1)[1]
+    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", options)]        # one entry per option
+    for flag in flags:
+        entry = next(e for e in entries if re.match(r"(-\w+ \S+, )?" + re.escape(flag) + r"\b", e))
+        assert "default" in entry, entry
+
+
+def test_memory_plan_prints_an_uneven_token_split_and_no_dangling_colon():
+    r = in_process("ir", str(ROOT / "models" / "kimi_k3.mtc"), "--stage", "lowered", "--seq-len", "1", "--gpus", "128")
+    assert r.returncode in (0, None), r.stderr
+    assert "(0.008 tokens per GPU)" in r.stdout and "x 0.008 tokens" in r.stdout
+    assert not any(ln.rstrip().endswith("launches:") for ln in r.stdout.splitlines())
