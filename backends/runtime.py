@@ -632,8 +632,8 @@ class CompiledModule(nn.Module):
         try:
             return fn(n, *args)
         except ValueError as e:                 # the ops' bad-value errors (NaN / inf operands, ...): at the spec line
-            raise MtcError(f"%{n.name} = {n.op}(...): {e} (a value computed inside the model: check the weights and "
-                           f"the ops before it)", n.loc) from e
+            raise MtcError(f"%{n.name} = {n.op}(...): {e} (raised inside the model; for NaN / inf: check the weights "
+                           f"and the ops before it)", n.loc) from e
 
     def route_margins(self, input_ids: torch.Tensor) -> dict[str, float]:
         """How close each MoE layer's top-k choice is to a tie, for one input (a probe forward).
