@@ -168,6 +168,11 @@ calls = {
     "moe_experts": lambda: X.moe_experts(torch.randn(5, 16), torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2),
                                          torch.randn(4, 8, 16), torch.randn(4, 8, 16), torch.randn(4, 16, 8)),
     "conv_silu_norm": lambda: X.conv_silu_norm(torch.randn(1, 5, 8), torch.randn(8, 4)),
+    "kda_chunk": lambda: X.kda_chunk(*(torch.randn(1, 5, 1, 16) for _ in range(3)), -torch.rand(1, 5, 1, 16),
+                                     torch.rand(1, 5, 1)),
+    "kda_gate": lambda: X.kda_gate(torch.randn(1, 5, 1, 16), torch.zeros(1), torch.zeros(16)),
+    "kda_step": lambda: X.kda_step(*(torch.randn(1, 1, 16) for _ in range(3)), -torch.rand(1, 1, 16),
+                                   torch.rand(1, 1), torch.zeros(1, 1, 16, 16)),
 }
 for name, f in calls.items():
     try:
@@ -183,7 +188,7 @@ for name, f in calls.items():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = r.stdout.split("\n")
-    assert r.returncode == 0 and len([ln for ln in lines if ln.strip()]) == 6, r.stderr[-2000:]
+    assert r.returncode == 0 and len([ln for ln in lines if ln.strip()]) == 9, r.stderr[-2000:]
     assert all(ln.endswith(" OK") for ln in lines if ln.strip()), r.stdout
 
 

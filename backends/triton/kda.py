@@ -64,8 +64,8 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
-from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, device_table,
-                    mark_phase, next_power_of_2, no_create_graph, sm_count)
+from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, check_kernel_device,
+                    device_table, mark_phase, next_power_of_2, no_create_graph, sm_count)
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -2184,8 +2184,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                                        or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
         raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
     scale = K ** -0.5 if scale is None else float(scale)
-    if q.device.type != "cuda" and not _interpret():
-        raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1)")
+    check_kernel_device(where, q=q)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (q, k, v, g, beta, initial_state))
     sms = sm_count(q.device) if q.is_cuda else None
@@ -2219,7 +2218,7 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
         raise TypeError(f"triton.kda_gate: x must be a torch.Tensor, got {type(x).__name__}")
     _ref.kda_gate(x[:0] if x.dim() == 4 else x, A_log, dt_bias, lower_bound=lower_bound, gate=gate)  # checks
     check_forward_only("triton.kda_gate", x, A_log, dt_bias)
-    _check_on_device(x, "triton.kda_gate")
+    check_kernel_device("triton.kda_gate", x=x)
     B, T, H, K = x.shape
     if K == 0:
         raise ValueError(f"triton.kda_gate: the key dimension K of x {list(x.shape)} must be >= 1")
@@ -2248,7 +2247,7 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
     B, H, K, V = _ref.check_step_args(q, k, v, g, beta, state, where)
     _ref.check_scale(scale, where)
     check_forward_only(where, q, k, v, g, beta, state)
-    _check_on_device(q, where)
+    check_kernel_device(where, q=q)
     if check_finite or (check_finite is None and not q.is_cuda):
         _ref.check_step_finite(q, k, v, g, beta, state, where)
     scale = K ** -0.5 if scale is None else float(scale)
@@ -2261,8 +2260,3 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
                                            beta.contiguous(), S_in, S_out, o, scale, K=K, V=V, BV=BV,
                                            KP=next_power_of_2(K))
     return o, S_out
-
-
-def _check_on_device(t, where):
-    if t.device.type != "cuda" and not _interpret():
-        raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1)")
