@@ -756,6 +756,34 @@ def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
     return SpecModel(tree, file, text)
 
 
+def _unclosed(text: str, end: int):
+    """The innermost bracket '(' / '[' / '{' still open at offset ``end`` of a spec, as (bracket, line, column),
+    or None; strings and # comments are skipped."""
+    stack, line, col, i, pairs = [], 1, 1, 0, {")": "(", "]": "[", "}": "{"}
+    while i < end:
+        c = text[i]
+        if c == '"':                                   # a string: to its closing quote on the same line
+            j = i + 1
+            while j < end and text[j] not in '"\n':
+                j += 1
+            col += j - i
+            i = j
+        elif c == "#":                                 # a comment: to the end of the line
+            while i < end and text[i] != "\n":
+                i += 1
+            continue
+        elif c in "([{":
+            stack.append((c, line, col))
+        elif c in ")]}" and stack and stack[-1][0] == pairs[c]:
+            stack.pop()
+        if i < end and text[i] == "\n":
+            line, col = line + 1, 1
+        else:
+            col += 1
+        i += 1
+    return stack[-1] if stack else None
+
+
 def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> MtcError:
     """A lark parse failure as an MtcError at the place it was found."""
     if isinstance(e, lark.exceptions.UnexpectedCharacters):
@@ -768,8 +796,17 @@ def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> M
         exp = sorted({_describe(x) for x in e.expected if not x.startswith("__")})
         more = f" (or {len(exp) - 10} more)" if len(exp) > 10 else ""
         what = "end of file" if tok.type == "$END" else f"'{tok}'"
+        hint = None
+        closers = {"')'": "(", "']'": "["}
+        want = [closers[x] for x in exp if x in closers]
+        if want and str(tok) not in (")", "]"):
+            pos = getattr(tok, "start_pos", None)
+            opened = _unclosed(text, len(text) if pos is None or tok.type == "$END" else pos)
+            if opened and opened[0] in want:
+                hint = f"the '{opened[0]}' opened at line {opened[1]}, column {opened[2]} is not closed"
         return MtcError(f"syntax error: unexpected {what}; expected {', '.join(exp[:10])}{more}",
-                        Loc(file, e.line if e.line > 0 else text.count(chr(10)) + 1, max(e.column, 1)), text)
+                        Loc(file, e.line if e.line > 0 else text.count(chr(10)) + 1, max(e.column, 1)), text,
+                        hint)
     return MtcError("syntax error: unexpected end of file (a '}' missing?)", Loc(file, text.count("\n") + 1, 1), text)
 
 

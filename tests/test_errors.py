@@ -623,3 +623,17 @@ def test_every_variant_is_checked_even_when_not_selected(line, needle):
 }}"""
     e = _err(spec)                            # no variant selected: the default config would be fine
     assert _loc(e) == (7, 5) and needle in e.msg
+
+
+@pytest.mark.parametrize("edit,opened", [
+    (lambda s: s.replace("vocab=256)\n  }", "vocab=256\n  }"), (11, 19)),          # lm_head( never closed
+    (lambda s: s.replace("dim=d)", "dim=d  # a comment with ) in it"), (6, 18)),   # the ')' in a comment: not one
+    (lambda s: s.replace("block dense = glu_ffn(inter=48)", 'block dense = glu_ffn(inter=48, name="a)"'),
+     (4, 24)),                                                                       # the ')' in a string: not one
+])
+def test_unclosed_bracket_is_named_where_it_opened(edit, opened):
+    # the parser notices a missing ')' only at the next token it cannot take (often the next line's '}'); the
+    # error says where the unclosed '(' is
+    e = _err(edit(STACK))
+    assert e.msg.startswith("syntax error") and e.hint is not None, e.render()
+    assert f"the '(' opened at line {opened[0]}, column {opened[1]} is not closed" == e.hint, e.render()
