@@ -147,6 +147,17 @@ def test_value_blocks_forward_and_backward(bv, seg, monkeypatch):
         assert rel_rms(a_, b_) < 1e-4, name
 
 
+def test_segment_model_one_wave_forward():
+    # H200 figures (132 SMs, 2 programs per SM): the forward without autograd at H=16, T=1M (16384 chunks, 16-column
+    # programs, 128 <= 132) runs unsplit at the one-wave step cost; with autograd the split model stays (33
+    # segments of 497 chunks at 32 columns); a pass with few programs (H=1) still splits, at either cost
+    w = tk.H_CFG["w_one_wave"]
+    assert tk._seg_model(16384, 16, 128, 128, 16, 264, w) == 1 << 30
+    assert tk._seg_model(16384, 16, 128, 128, 32, 264) == 497
+    assert tk._seg_model(16384, 1, 128, 128, 16, 264, w) < 16384
+    assert tk._seg_model(16384, 1, 128, 128, 16, 264) < 16384
+
+
 def test_value_block_rule():
     # "auto": 64 columns when 32-column programs would not fit one wave of slots (H=96, V=128: 384 > 264)
     saved = dict(tk.H_CFG)
