@@ -161,6 +161,30 @@ def parse_ir(text: str, file: str = "<ir>") -> Graph:
     return g
 
 
+def _ref_text(r) -> str:
+    return f"%{r.node}" + (f"#{r.index}" if r.index else "")
+
+
+def _check_merge(n: Node, seen: dict, err) -> None:
+    """An attn_residual_merge (an edited fused IR) reads (acc, max, sum) of one attn_residual_phase1 node, and its
+    index selects the phase-1 query and RMSNorm weight that it names as its own query and weight."""
+    acc, m, s, q, w = n.inputs[:5]
+    p1 = seen.get(acc.node)
+    if p1 is None or p1.op != "attn_residual_phase1" or [(r.node, r.index) for r in (acc, m, s)] != \
+            [(acc.node, 0), (acc.node, 1), (acc.node, 2)]:
+        raise err("attn_residual_merge: its first three inputs must be outputs 0, 1 and 2 (acc, max, sum) of one "
+                  f"attn_residual_phase1 node, got {', '.join(_ref_text(r) for r in (acc, m, s))}")
+    i, nq = n.attr("index"), int(p1.attr("n_queries"))
+    queries, weights = p1.inputs[:nq], p1.inputs[nq:2 * nq]
+    if queries[i] != q or weights[i] != w:
+        mine = next((j for j in range(nq) if queries[j] == q and weights[j] == w), None)
+        raise err(f"attn_residual_merge: index {i} selects query {_ref_text(queries[i])} and weight "
+                  f"{_ref_text(weights[i])} of %{p1.name}, but this merge reads query {_ref_text(q)} and weight "
+                  f"{_ref_text(w)}",
+                  f"index = {mine}" if mine is not None else
+                  f"%{p1.name} has no query {_ref_text(q)} with weight {_ref_text(w)}")
+
+
 def _check(g: Graph, where: dict, text: str, file: str) -> None:
     from .builder import ShapeError
     from .ops import OPS, check_source
@@ -174,8 +198,10 @@ def _check(g: Graph, where: dict, text: str, file: str) -> None:
         line = next((i for i, x in enumerate(text.splitlines(), 1) if x.lstrip().startswith("graph")), 1)
         raise MtcError(f"the graph's signature declares the shape symbol '{dup}' twice", Loc(file, line, 1),
                        text)
+    seen: dict[str, Node] = {}
     for n in g.nodes:
         loc = where.get(id(n))
+        seen[n.name] = n
 
         def err(msg, hint=None):
             return MtcError(f"%{n.name}: {msg}", loc, text, hint)
@@ -218,6 +244,8 @@ def _check(g: Graph, where: dict, text: str, file: str) -> None:
             got = tuple(od.check_and_infer(in_types, {**od.attrs, **n.attr_dict}))
         except ShapeError as e:
             raise err(f"{n.op}: {e}") from None
+        if n.op == "attn_residual_merge":
+            _check_merge(n, seen, err)
         if n.types and all(t is not None for t in n.types):
             if len(got) != len(n.types) or not all(a.same(b) for a, b in zip(got, n.types)):
                 raise err(f"{n.op} is typed {', '.join(map(str, n.types))} but its inputs give "

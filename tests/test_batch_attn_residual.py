@@ -44,3 +44,24 @@ def test_two_phase_model_equals_direct_model():
     tok = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
     assert tok.median().item() < 2e-5, tok.sort().values[-8:]
     assert tok.max().item() < 1e-2 and ((a - b).norm() / b.norm()).item() < 1e-3
+
+
+def test_edited_merge_must_read_its_own_phase1_query():
+    # an edited fused IR whose merge index selects another sublayer's query, or whose (acc, max, sum) inputs are
+    # swapped, is refused at the merge's line (the types alone cannot tell: every query's rows have one shape)
+    import re
+    import pytest
+    g = PassManager().run(dsl.load(K3, "tiny"))
+    text = str(g)
+    lines = text.splitlines()
+    k, line = next((i, ln) for i, ln in enumerate(lines) if "= attn_residual_merge(" in ln and "index = 1," in ln)
+    bad = "\n".join(lines[:k] + [line.replace("index = 1,", "index = 2,")] + lines[k + 1:])
+    with pytest.raises(dsl.MtcError) as ei:
+        dsl.parse_ir(bad, file="f.ir")
+    e = ei.value
+    assert e.loc.line == k + 1 and "index 2 selects query" in e.msg and e.hint == "index = 1", e.render()
+    swapped = re.sub(r"\((%[\w.]+), (%[\w.]+)#1, (%[\w.]+)#2,", r"(\1, \3#2, \2#1,", line, count=1)
+    assert swapped != line
+    with pytest.raises(dsl.MtcError, match=r"first three inputs must be outputs 0, 1 and 2"):
+        dsl.parse_ir("\n".join(lines[:k] + [swapped] + lines[k + 1:]))
+    assert dsl.parse_ir(text) == g
