@@ -13,9 +13,11 @@ The lowering (passes/lower.py) turns each group into one kernel launch.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from dsl.errors import MtcWarning
 from dsl.ir import Graph, Node
 
 from .manager import register_pass
@@ -149,7 +151,15 @@ def fuse_tiles(g: Graph) -> Graph:
         attrs = dict(n.attr_dict)
         attrs["fusion"] = a
         if n.name == a:
-            attrs["tiles"] = groups[a][0].tiles(n, nodes)
+            tiles = groups[a][0].tiles(n, nodes)
+            given = n.attr("tiles")
+            if given is not None and dict(given) != dict(tiles):
+                # an IR written by hand or edited (parse_ir) carries tiles: they are this pass's choice, not input
+                warnings.warn(MtcWarning(f"%{n.name} ({n.op}): tiles {dict(given)} in the input IR are replaced by "
+                                         f"fuse_tiles' choice {dict(tiles)} (tile sizes are chosen by the pass, per "
+                                         f"rule in passes/fuse_tiles.py RULES, not read from the IR)", n.loc),
+                              stacklevel=2)
+            attrs["tiles"] = tiles
         out.append(n.replace(attrs=attrs))
     return g.with_nodes(out)
 

@@ -65,3 +65,16 @@ def test_edited_merge_must_read_its_own_phase1_query():
     with pytest.raises(dsl.MtcError, match=r"first three inputs must be outputs 0, 1 and 2"):
         dsl.parse_ir("\n".join(lines[:k] + [swapped] + lines[k + 1:]))
     assert dsl.parse_ir(text) == g
+
+
+def test_edited_tiles_are_replaced_with_a_warning():
+    # tile sizes are fuse_tiles' choice: an edited fused IR's tiles do not survive compile, and say so
+    import pytest
+    g = PassManager().run(dsl.load(K3, "tiny"))
+    text = str(g)
+    line = next(ln for ln in text.splitlines() if "= attn_residual_merge(" in ln and "ROWS = 2" in ln)
+    edited = text.replace(line, line.replace("ROWS = 2", "ROWS = 4"))
+    from dsl.errors import MtcWarning
+    with pytest.warns(MtcWarning, match=r"tiles \{'BLOCK_D': 64, 'ROWS': 4\} in the input IR are replaced"):
+        m = dsl.compile(dsl.parse_ir(edited), target="reference")
+    assert dict(m.graph.node_map()[line.split("=")[0].strip().lstrip("%")].attr("tiles"))["ROWS"] == 2
