@@ -164,6 +164,11 @@ def _as_load(load, num_experts: int | None) -> tuple[np.ndarray, bool]:
     if (arr < 0).any():
         bad = np.argwhere(arr < 0)[0].tolist()
         raise ValueError(f"plan: load must be non-negative; found {arr[tuple(bad)]} at index {bad}")
+    with np.errstate(over="ignore"):
+        total = arr.sum(axis=-1)
+    if not np.isfinite(total).all():
+        raise ValueError(f"plan: the loads of a layer sum past float64's range (~1.8e308; largest load "
+                         f"{arr.max():.3g}): scale them down, the placement depends only on their ratios")
     if num_experts is not None and num_experts != arr.shape[-1]:
         raise ValueError(f"plan: num_experts = {num_experts} but the load has {arr.shape[-1]} experts")
     return arr, False
@@ -371,7 +376,8 @@ def plan(load, num_gpus: int, num_slots: int | None = None, num_nodes: int = 1, 
         unavoidable (more replicas of an expert than GPUs available to it).
 
     Raises:
-        ValueError: negative, NaN or infinite loads; a load that is not 1-D/2-D; num_slots not a multiple
+        ValueError: negative, NaN or infinite loads, or loads of a layer whose sum overflows float64; a load
+            that is not 1-D/2-D; num_slots not a multiple
             of num_gpus or < E; num_gpus > MAX_GPUS or num_slots > MAX_SLOTS; num_gpus not a
             multiple of num_nodes; E not divisible into num_groups groups or num_groups not a multiple of
             num_nodes; non-positive counts.

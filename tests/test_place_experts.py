@@ -268,3 +268,15 @@ def test_default_slot_count_is_the_fewest_multiple_of_the_gpus():
         assert p.num_slots == slots and p.num_gpus == gpus
         check_consistent(p, load, gpus, slots)
     assert int(plan(load, 4).replica_count.max()) == 1
+
+
+def test_loads_past_float64_range_are_a_clear_error():
+    # loads whose sum overflows float64 were a numpy broadcast error after overflow warnings; now a ValueError that
+    # says what to do (the placement depends only on the loads' ratios), and huge but summable loads still plan
+    import numpy as np
+    with pytest.raises(ValueError, match="sum past float64's range.*scale them down"):
+        plan([1e308] * 8 + [1.0] * 8, 4, 16)
+    rng = np.random.default_rng(7)
+    small = rng.random(64) + 0.1
+    a, b = plan(small, 8, 72), plan(small * 1e300, 8, 72)
+    assert a.physical_to_logical.tolist() == b.physical_to_logical.tolist()
