@@ -352,10 +352,8 @@ class CompiledModule(nn.Module):
         self._gen = {}
         if self.target == "triton" and self.program is not None and "fused" in self.stages:
             from backends.triton.codegen import write_and_load
-            path, module, kernels = write_and_load(self.program, self.stages["fused"])
-            self.kernel_source_path = path
-            for k in kernels:
-                self._gen[k.members[-1]] = (k, getattr(module, k.name))
+            # (attach_generated's other updates, _gen_skip and _epi, came with the state: they repeat as no-ops)
+            self.attach_generated(self.program, *write_and_load(self.program, self.stages["fused"]))
 
     def to(self, *args, **kwargs):
         """nn.Module.to; float64 is refused (MtcError), as at compile: the kernels take float32, float16 and
@@ -785,7 +783,7 @@ def _check_kernel_constraints(g: Graph, target: str) -> None:
     for n in g.nodes:
         if n.op == "kda_chunk":
             lb = n.attr("lower_bound")
-            if lb is not None and float(lb) < FAST_LOWER_BOUND_LIMIT:
+            if lb is not None and _fast_bound(lb) is None:
                 warnings.warn(MtcWarning(
                     f"target '{target}': lower_bound = {lb} is below {FAST_LOWER_BOUND_LIMIT}, the limit of the "
                     f"Triton kda_chunk's dense diagonal tiles (their factors reach e^(8 |bound|), float32 ends at "
