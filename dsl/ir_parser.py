@@ -136,8 +136,9 @@ def parse_ir(text: str, file: str = "<ir>") -> Graph:
     """
     first = next(((i, ln.strip()) for i, ln in enumerate(text.splitlines(), 1)
                   if ln.strip() and not ln.strip().startswith(("//", "#"))), (1, ""))
-    if first[1].startswith("kernels ") or first[1].startswith(("@T.prim_func", "@I.ir_module", "from tvm")):
-        what = ("kernel IR (the 'lowered' stage: launches, for reading)" if first[1].startswith("kernels ")
+    kernel_ir = first[1].startswith("kernels ")
+    if kernel_ir or first[1].startswith(("@T.prim_func", "@I.ir_module", "from tvm")):
+        what = ("kernel IR (the 'lowered' stage: launches, for reading)" if kernel_ir
                 else "a TVMScript listing (the 'tvm' stage, for reading)")
         raise MtcError(f"this is {what}; parse_ir reads the graph IR of the stages graph, typed, canonical and "
                        f"fused (mtc ir SPEC --stage fused)", Loc(file, first[0], 1), text)
@@ -161,10 +162,6 @@ def parse_ir(text: str, file: str = "<ir>") -> Graph:
     return g
 
 
-def _ref_text(r) -> str:
-    return f"%{r.node}" + (f"#{r.index}" if r.index else "")
-
-
 def _check_merge(n: Node, seen: dict, err) -> None:
     """An attn_residual_merge (an edited fused IR) reads (acc, max, sum) of one attn_residual_phase1 node, and its
     index selects the phase-1 query and RMSNorm weight that it names as its own query and weight."""
@@ -173,16 +170,14 @@ def _check_merge(n: Node, seen: dict, err) -> None:
     if p1 is None or p1.op != "attn_residual_phase1" or [(r.node, r.index) for r in (acc, m, s)] != \
             [(acc.node, 0), (acc.node, 1), (acc.node, 2)]:
         raise err("attn_residual_merge: its first three inputs must be outputs 0, 1 and 2 (acc, max, sum) of one "
-                  f"attn_residual_phase1 node, got {', '.join(_ref_text(r) for r in (acc, m, s))}")
+                  f"attn_residual_phase1 node, got {', '.join(map(str, (acc, m, s)))}")
     i, nq = n.attr("index"), int(p1.attr("n_queries"))
     queries, weights = p1.inputs[:nq], p1.inputs[nq:2 * nq]
     if queries[i] != q or weights[i] != w:
         mine = next((j for j in range(nq) if queries[j] == q and weights[j] == w), None)
-        raise err(f"attn_residual_merge: index {i} selects query {_ref_text(queries[i])} and weight "
-                  f"{_ref_text(weights[i])} of %{p1.name}, but this merge reads query {_ref_text(q)} and weight "
-                  f"{_ref_text(w)}",
-                  f"index = {mine}" if mine is not None else
-                  f"%{p1.name} has no query {_ref_text(q)} with weight {_ref_text(w)}")
+        raise err(f"attn_residual_merge: index {i} selects query {queries[i]} and weight {weights[i]} of "
+                  f"%{p1.name}, but this merge reads query {q} and weight {w}",
+                  f"index = {mine}" if mine is not None else f"%{p1.name} has no query {q} with weight {w}")
 
 
 def _check(g: Graph, where: dict, text: str, file: str) -> None:
