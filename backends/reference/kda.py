@@ -222,10 +222,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     where = "kda_chunk"
     B, T, H, K, V, bounds, n_seq = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"{where}: lower_bound must be a number or None, got {type(lower_bound).__name__} "
-                            f"{lower_bound!r}")
-        if not -math.inf < float(lower_bound) < 0:
+        if not -math.inf < check_lower_bound_type(lower_bound, where) < 0:
             raise ValueError(f"{where}: lower_bound must be a finite number < 0 or None, got {lower_bound!r}")
     if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
                                        or segment_chunks < 1):
@@ -275,6 +272,15 @@ def check_scale(scale, where: str) -> None:
         raise TypeError(f"{where}: scale must be a real number or None, got {type(scale).__name__} {scale!r}")
     if not math.isfinite(float(scale)):
         raise ValueError(f"{where}: scale must be finite, got {scale!r}")
+
+
+def check_lower_bound_type(lower_bound, where: str) -> float:
+    """kda_chunk's lower_bound (not None) as a float: TypeError unless a number (bools are not); the range each
+    backend checks itself (the Triton kernel's dense tiles take [-10, 0))."""
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"{where}: lower_bound must be a number or None, got {type(lower_bound).__name__} "
+                        f"{lower_bound!r}")
+    return float(lower_bound)
 
 
 def check_step_finite(q, k, v, g, beta, state, where: str) -> None:

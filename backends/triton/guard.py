@@ -27,6 +27,12 @@ def check_kernel_device(where: str, **tensors) -> None:
         raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
 
 
+def scan_values(check_finite: bool | None, t: torch.Tensor) -> bool:
+    """Whether an op scans its inputs for NaN / inf (its ``check_finite`` argument): when asked, and by default
+    (None) on CPU tensors only (on the GPU the scan costs a host sync per call)."""
+    return bool(check_finite) or (check_finite is None and not t.is_cuda)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of host integers (grid sizes), the same value as ``triton.cdiv``.
 

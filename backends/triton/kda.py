@@ -65,7 +65,7 @@ import triton.language as tl
 
 from backends.reference import kda as _ref
 from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, check_kernel_device,
-                    device_table, mark_phase, next_power_of_2, no_create_graph, sm_count)
+                    device_table, mark_phase, next_power_of_2, no_create_graph, scan_values, sm_count)
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -2151,10 +2151,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         raise ValueError(f"{where}: K and V must be at most 256 (the chunk kernels hold [64, K] and [K, V] tiles); "
                          f"got K={K}, V={V}")
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"{where}: lower_bound must be a number or None, got {type(lower_bound).__name__} "
-                            f"{lower_bound!r}")
-        lb = float(lower_bound)
+        lb = _ref.check_lower_bound_type(lower_bound, where)
         if not (FAST_LOWER_BOUND_LIMIT <= lb < 0):
             raise ValueError(f"{where}: lower_bound must be in [{FAST_LOWER_BOUND_LIMIT}, 0) for the dense "
                              f"diagonal tiles, got {lower_bound!r}; pass None for the safe path")
@@ -2162,7 +2159,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         fast = not (q.dtype == torch.float16 and lb < FP16_FAST_LOWER_BOUND_LIMIT)
     else:
         lb, fast = 0.0, False
-    if check_finite or (check_finite is None and not q.is_cuda):
+    if scan_values(check_finite, q):
         _ref.check_inputs_finite_and_decay(q, k, v, g, beta, where)
         if initial_state is not None:
             _ref._check_finite("initial_state", initial_state, where)
@@ -2178,7 +2175,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                              torch.nn.functional.pad(v, pv), torch.nn.functional.pad(g, pk), beta,
                              scale=K ** -0.5 if scale is None else scale, initial_state=h0,
                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                             lower_bound=lower_bound, segment_chunks=segment_chunks)
+                             lower_bound=lower_bound, segment_chunks=segment_chunks,
+                             check_finite=False)     # (scanned above, when asked or on the CPU)
         return o[..., :V], (final[:, :, :K, :V] if final is not None else None)
     if segment_chunks is not None and (isinstance(segment_chunks, bool)
                                        or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
@@ -2248,7 +2246,7 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
     _ref.check_scale(scale, where)
     check_forward_only(where, q, k, v, g, beta, state)
     check_kernel_device(where, q=q)
-    if check_finite or (check_finite is None and not q.is_cuda):
+    if scan_values(check_finite, q):
         _ref.check_step_finite(q, k, v, g, beta, state, where)
     scale = K ** -0.5 if scale is None else float(scale)
     S_in = state.float().contiguous()

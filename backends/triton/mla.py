@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from backends.reference.kda import check_cu_seqlens
 from backends.reference.ops import check_attention_args, check_attention_finite
+from .guard import scan_values
 
 __all__ = ["mla_attention"]
 
@@ -40,7 +41,7 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     """
     where = "triton.mla_attention"
     check_attention_args(q, k, v, scale, where)
-    if check_finite or (check_finite is None and not q.is_cuda):
+    if scan_values(check_finite, q):
         check_attention_finite(q, k, v, where)
     B, T = q.shape[:2]
     if cu_seqlens is not None:
