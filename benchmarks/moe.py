@@ -412,6 +412,8 @@ def main():
                 trials = {
                     "glu-gather": {"glu_fwd": dict(A_TMA=False)},
                     "mm128x128s4": {"mm": dict(BN=128, num_stages=4)},
+                    # every m-tile at full height (the 11th session's kernels; HALF: see HALF_TILE_MAX_ROWS)
+                    "no-half": {"glu_fwd": dict(HALF=False), "mm": dict(HALF=False)},
                 }
                 for name, ch in trials.items():
                     set_trial(tm, ch)
@@ -469,6 +471,15 @@ def main():
                 # weight gradients for few rows per expert: the expert's P tile held, Q pipelined (128 x 64 tiles:
                 # the better of v3's two settings in the 10th session's moe_tiles.py sweep)
                 "wgrad-v3": {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)},
+                # the few-row weight-gradient tiles as in the 11th session (64-row K blocks in 2 stages, maxnreg 168,
+                # pointer stores), and those with TMA stores (the 12th session's first change)
+                "wgrad-11th": {"wgrad_few": dict(BK=64, num_stages=2, maxnreg=168, O_TMA=False)},
+                "wgrad-bk64-tma": {"wgrad_few": dict(BK=64, num_stages=2, maxnreg=168)},
+                # every token-side m-tile at full height
+                "no-half": {n_: dict(HALF=False) for n_ in ("glu_fwd", "mm", "dx", "glu_bwd_mm")},
+                # the 11th session's experts: no half-height tiles, few-row weight gradients as then
+                "11th": dict({n_: dict(HALF=False) for n_ in ("glu_fwd", "mm", "dx", "glu_bwd_mm")},
+                             wgrad_few=dict(BK=64, num_stages=2, maxnreg=168, O_TMA=False)),
             }
 
             for name, ch in trials.items():

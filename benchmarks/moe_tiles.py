@@ -33,18 +33,47 @@ _V1_TILES = [("128x128 s2 nreg128", dict(BN=128, num_stages=2, maxnreg=128)),
              ("128x128 nw4 s2 nreg168", dict(BN=128, num_warps=4, num_stages=2, maxnreg=168)),
              ("128x64 nw4 s3", dict(BN=64, num_warps=4, num_stages=3)),
              ("64x128 nw4 s3", dict(BM=64, BN=128, num_warps=4, num_stages=3)),
-             ("128x128 nw4 BK32 s4", dict(BN=128, BK=32, num_warps=4, num_stages=4))]
+             ("128x128 nw4 BK32 s4", dict(BN=128, BK=32, num_warps=4, num_stages=4)),
+             # O_TMA: the output tile stored through a TMA descriptor (12th session)
+             ("128x128 nw4 s2 nreg168 TMA", dict(BN=128, num_warps=4, num_stages=2, maxnreg=168, O_TMA=True)),
+             ("128x128 nw4 s2 TMA", dict(BN=128, num_warps=4, num_stages=2, O_TMA=True)),
+             ("128x128 nw4 BK32 s3 TMA", dict(BN=128, BK=32, num_warps=4, num_stages=3, O_TMA=True)),
+             ("128x128 nw4 BK32 s3 nreg168 TMA", dict(BN=128, BK=32, num_warps=4, num_stages=3, maxnreg=168, O_TMA=True)),
+             ("128x128 nw4 BK32 s2 nreg168 TMA", dict(BN=128, BK=32, num_warps=4, num_stages=2, maxnreg=168, O_TMA=True)),
+             ("128x128 nw4 BK32 s4 nreg168 TMA", dict(BN=128, BK=32, num_warps=4, num_stages=4, maxnreg=168, O_TMA=True)),
+             ("128x128 nw4 BK16 s4 nreg168 TMA", dict(BN=128, BK=16, num_warps=4, num_stages=4, maxnreg=168, O_TMA=True)),
+             ("128x256 nw8 BK32 s3 TMA", dict(BN=256, BK=32, num_warps=8, num_stages=3, O_TMA=True)),
+             ("128x64 nw4 s3 TMA", dict(BN=64, num_warps=4, num_stages=3, O_TMA=True)),
+             ("64x128 nw4 s3 TMA", dict(BM=64, BN=128, num_warps=4, num_stages=3, O_TMA=True)),
+             ("128x128 nw8 s2 TMA", dict(BN=128, num_warps=8, num_stages=2, O_TMA=True))]
+
+# v2 (persistent) on v1's few-row tiles: 4 warps, 32-row K blocks, 3 programs per SM, TMA stores (12th session)
+_V2_FEW = [("v2 p3 128x128 nw4 BK32 s3 nreg168 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(
+               BK=32, num_warps=4, num_stages=3, PROGS_PER_SM=3, maxnreg=168, O_TMA=True)}),
+           ("v2 p3 128x128 nw4 BK32 s3 nreg168 O_TMA ptr loads", {"WGRAD_IMPL": "v2", "wgrad2": dict(
+               BK=32, num_warps=4, num_stages=3, PROGS_PER_SM=3, maxnreg=168, O_TMA=True, P_TMA=False, Q_TMA=False)}),
+           ("v2 p2 128x128 nw4 BK32 s3 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(
+               BK=32, num_warps=4, num_stages=3, PROGS_PER_SM=2, maxnreg=None, O_TMA=True)})]
 
 # kernel -> [(label, {TILE_CONFIGS entry or "GLU_BWD_IMPL"/"WGRAD_IMPL": change})]
 SWEEPS = {
-    "glu_fwd": [("default", {}), ("s4", {"glu_fwd": dict(num_stages=4)}), ("BN64 s4", {"glu_fwd": dict(BN=64, num_stages=4)})],
+    # BM64 rows: 64-row tiles (146 rows per expert at 8192 tokens pad to 192 instead of 256); HALF: 128-row tiles, an
+    # expert's last tile at 64 rows when it has at most 64 (12th session)
+    "glu_fwd": [("default", {}), ("s4", {"glu_fwd": dict(num_stages=4)}), ("BN64 s4", {"glu_fwd": dict(BN=64, num_stages=4)}),
+                ("BM64", {"glu_fwd": dict(BM=64)}), ("BM64 s4", {"glu_fwd": dict(BM=64, num_stages=4)}),
+                ("BM64 nw4 s4", {"glu_fwd": dict(BM=64, num_warps=4, num_stages=4)}),
+                ("HALF", {"glu_fwd": dict(HALF=True)})],
     "mm": [("default", {}), ("s4", {"mm": dict(num_stages=4)}),
-           ("128x128 s4 nreg128", {"mm": dict(BN=128, num_stages=4, maxnreg=128)})],
+           ("128x128 s4 nreg128", {"mm": dict(BN=128, num_stages=4, maxnreg=128)}),
+           ("BM64", {"mm": dict(BM=64)}), ("BM64 s4", {"mm": dict(BM=64, num_stages=4)}),
+           ("BM64 nw4 s4", {"mm": dict(BM=64, num_warps=4, num_stages=4)}), ("HALF", {"mm": dict(HALF=True)})],
     "glu_bwd": [("fused 128x64 s3", {"glu_bwd": {}}), ("fused s4", {"glu_bwd": dict(num_stages=4)}),
                 ("fused s6", {"glu_bwd": dict(num_stages=6)}), ("fused nreg128", {"glu_bwd": dict(maxnreg=128)}),
                 ("fused 128x128 s4", {"glu_bwd": dict(BN=128, num_stages=4)}),
                 ("fused 64x128 s4", {"glu_bwd": dict(BM=64, BN=128, num_stages=4)}),
-                ("split 128x256 s3", {"glu_bwd_mm": {}}), ("split s4", {"glu_bwd_mm": dict(num_stages=4)})],
+                ("split 128x256 s3", {"glu_bwd_mm": {}}), ("split s4", {"glu_bwd_mm": dict(num_stages=4)}),
+                ("split BM64", {"glu_bwd_mm": dict(BM=64)}), ("split BM64 s4", {"glu_bwd_mm": dict(BM=64, num_stages=4)}),
+                ("split HALF", {"glu_bwd_mm": dict(HALF=True)})],
     # the split GLU backward's row pass alone (G given): dA, dB over the saved pre-activations, d topk_weight
     "glu_rows": [("4 x 1024 nw8", {}), ("8 x 1024 nw8", {"glu_bwd_rows": dict(BLOCK_R=8)}),
                  ("2 x 1024 nw4", {"glu_bwd_rows": dict(BLOCK_R=2, num_warps=4)}),
@@ -52,7 +81,9 @@ SWEEPS = {
                  ("4 x 512 nw4", {"glu_bwd_rows": dict(BLOCK_N=512, num_warps=4)})],
     "dx": [("pair3 128x256 (default)", {}), ("pair3 128x256 s4", {"dx": dict(num_stages=4)}),
            ("pair2 128x128 (9th-session default)", {"dx": dict(BN=128, PAIR=2)}),
-           ("pair2 128x64 s4 nreg128", {"dx": dict(BN=64, PAIR=2, num_stages=4, maxnreg=128)})],
+           ("pair2 128x64 s4 nreg128", {"dx": dict(BN=64, PAIR=2, num_stages=4, maxnreg=128)}),
+           ("pair3 BM64", {"dx": dict(BM=64)}), ("pair3 BM64 s4", {"dx": dict(BM=64, num_stages=4)}),
+           ("pair3 BM64 nw4 s4", {"dx": dict(BM=64, num_warps=4, num_stages=4)}), ("pair3 HALF", {"dx": dict(HALF=True)})],
     "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}),
                 ("v1 2x 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}),
                 ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),
@@ -63,6 +94,7 @@ SWEEPS = {
                 *[("v1 2x " + lab, {"WGRAD_IMPL": "v1", "wgrad": t}) for lab, t in _V1_TILES],
                 ("v3 128x64 nw4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4)})],
     "wgrad2": [("v1 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}), ("v1 128x256", {"WGRAD_IMPL": "v1"}),
+               *[(lab, ch) for lab, ch in _V2_FEW],
                ("v1 128x256 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(num_stages=2)}), ("v2", {"WGRAD_IMPL": "v2"}),
                ("v2 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(O_TMA=True)}), ("v3", {"WGRAD_IMPL": "v3"}),
                ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)}),

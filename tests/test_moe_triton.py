@@ -314,6 +314,46 @@ def test_moe_experts_dx_pair_forms(pair, tma, monkeypatch):
     _check_experts(31, 40, 5, 21, 3)
 
 
+def test_moe_experts_forward_without_gradients_gathers_in_the_gemm(monkeypatch):
+    # without gradients GEMM 1 gathers the token rows itself (no dispatch-order copy of x); the result is the same
+    # as with gradients (copy through TMA) and as the naive loop
+    n, l, e, i, k = 45, 40, 5, 24, 3
+    x = torch.randn(n, l, device=DEV)
+    idx, wt = random_routing(n, e, k)
+    w1, w3, w2 = expert_weights(e, i, l, scale=3.0)
+    calls = []
+    real = tm._pregather
+    monkeypatch.setattr(tm, "_pregather", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    with torch.no_grad():
+        u0 = tm.moe_experts(x, idx, wt, w1, w3, w2)
+    assert calls == []
+    u1 = tm.moe_experts(x.clone().requires_grad_(), idx, wt, w1, w3, w2)
+    assert calls == [1]
+    exp = naive_experts(x, idx, wt, w1, w3, w2, "situ")
+    assert rel_rms(u0, exp) < 1e-5
+    assert rel_rms(u0, u1.detach()) < 1e-6
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("glu_bwd", ["split", "fused"])
+def test_moe_experts_half_height_tail_tiles(tma, glu_bwd, monkeypatch):
+    # HALF: an expert's last m-tile with at most BM / 2 rows runs at BM / 2 rows (32-row tiles here, so tails of
+    # 1..16 rows take the 16-row path and 17..31 the full one); every token-side GEMM, A through TMA or pointers,
+    # both GLU backward forms. Experts of 8 rows (one 16-row tile), 50 (32 + a full-height 18-row tail), none,
+    # and 44 (32 + a 16-row 12-row tail); tokens in shuffled order, so the dispatch gathers them.
+    cfgs = {k_: dict(v) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
+    for name in ("glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm"):
+        cfgs[name].update(BM=32, HALF=True, A_TMA=tma)
+    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
+    monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)
+    slots = torch.tensor([0] * 8 + [1] * 50 + [3] * 44, device=DEV)
+    idx = torch.stack([slots[:51], slots[51:]], dim=1)          # distinct experts per token: (0,1) (0,3) (1,3)
+    idx = idx[torch.randperm(51, device=DEV)]
+    assert torch.bincount(idx.flatten(), minlength=4).tolist() == [8, 50, 0, 44]
+    wt = torch.rand(51, 2, device=DEV)
+    _check_experts(51, 40, 4, 24, 2, idx=idx, wt=wt)
+
+
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_experts_glu_backward_fused_and_split(act, monkeypatch):
     # GLU_BWD_IMPL: the GLU backward in the epilogue of the G = du w2 GEMM ("fused"), or a plain GEMM then a
@@ -470,18 +510,19 @@ fn = K._grouped_gemm_kernel
 bf = "*bf16"
 types = {n: "i32" for n in fn.arg_names}
 types.update(a_src="tensordesc<bf16[128,64]>", a2_src="tensordesc<bf16[128,64]>",
+             a_h_src="tensordesc<bf16[64,64]>", a2_h_src="tensordesc<bf16[64,64]>",
              w_src="tensordesc<bf16[1,128,64]>", w2_src="tensordesc<bf16[1,128,64]>",
              tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf,
              wrow_ptr="*fp32", dwrow_ptr="*fp32", tile_expert_ptr="*i64",
              tile_start_ptr="*i64", offs_ptr="*i64", beta_gate="fp32", beta_up="fp32")
 consts = dict(PAIR=1, EPI=1, SAVE=True, ROW_SCALE=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True, W_KN=False,
-              PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64)
+              PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64, HALF=True)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
 ptx = k.asm["ptx"]
 print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"),
-      "tanh", ptx.count("tanh.approx.f32"))
+      "tanh", ptx.count("tanh.approx.f32"), "smem_ok", int(k.metadata.shared <= 227 * 1024))
 fn = K._route_topk_kernel                                  # the router's top-k (with the bias check)
 types = dict(logit_ptr="*fp32", bias_ptr="*fp32", score_ptr="*fp32", idx_ptr="*i64", wt_ptr="*fp32",
              alpha_ptr="*fp32", bad_ptr="*i32", N="i32", E="i32", routed_scaling="fp32")
@@ -496,12 +537,13 @@ c = M.TILE_CONFIGS["cuda"]["glu_bwd_mm"]
 BM, BN, BK = c["BM"], c["BN"], c["BK"]
 types = {n: "i32" for n in fn.arg_names}
 types.update(a_src=f"tensordesc<bf16[{BM},{BK}]>", a2_src=f"tensordesc<bf16[{BM},{BK}]>",
+             a_h_src=f"tensordesc<bf16[{BM // 2},{BK}]>", a2_h_src=f"tensordesc<bf16[{BM // 2},{BK}]>",
              w_src=f"tensordesc<bf16[1,{BK},{BN}]>", w2_src=f"tensordesc<bf16[1,{BK},{BN}]>",
              tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf, wrow_ptr="*fp32",
              dwrow_ptr="*fp32", tile_expert_ptr="*i64", tile_start_ptr="*i64", offs_ptr="*i64",
              beta_gate="fp32", beta_up="fp32")
 consts = dict(PAIR=0, EPI=0, SAVE=False, ROW_SCALE=False, W_KN=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True,
-              PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK)
+              PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK, HALF=bool(c.get("HALF")))
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
@@ -538,6 +580,7 @@ def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
     assert int(counts["tma"]) > 0  # TMA loads of the token tile and both weight tiles
     assert int(counts["tanh"]) > 0  # SiTU in the epilogue
     assert counts["route"] == "1"   # the router's top-k kernel compiles too
+    assert counts["smem_ok"] == "1"  # with the half-height tail path (HALF) inside the sm_90 shared-memory limit
     assert counts["split"] == "2"   # the split GLU backward: a wgmma GEMM within 227 KB, the row kernel with SiTU
 
 

@@ -57,14 +57,14 @@ __all__ = [
 TILE_CONFIGS = {
     "cuda": {
         "router": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True),
+        "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True),
         # dx = dA w1 + dB w3: PAIR 3 (the two products one after the other, so one operand pair per pipeline stage
         # and 128 x 256 tiles fit; PAIR 2 loads both pairs per stage, 128 x 128 tiles). 10th session, moe_tiles.py:
         # 39.8 ms (580 TFLOP/s) at 32768 tokens against PAIR 2's 46.5, 16.8 against 19.2 at 8192
-        "dx": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, PAIR=3),
+        "dx": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, PAIR=3, HALF=True),
         "glu_bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "glu_bwd_mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+        "glu_bwd_mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True),
         "glu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=8, num_stages=1),
         # v1 weight gradients: two launches of the single-output kernel on 128 x 256 tiles ("wgrad_dual" DUAL False);
         # H200, K3 layer (9th session, benchmarks/moe_tiles.py, ms at 8192 / 32768 tokens): dW1|dW3 23.9 / 49.0 against the
@@ -75,7 +75,12 @@ TILE_CONFIGS = {
         # programs share an SM and one's stores overlap the other's products (10th session, moe_tiles.py with
         # random operands, ms at 8192 tokens: dW1|dW3 21.9 against 23.8 on 128 x 256 tiles, dW2 11.7 against 12.6;
         # at 32768 tokens slower: 53.3 against 52.0, 26.4 against 25.0)
-        "wgrad_few": dict(BM=128, BN=128, BK=64, num_warps=4, num_stages=2, maxnreg=168),
+        # 12th session: O_TMA (the tile leaves through shared memory and the copy engine) and 32-row K blocks in 3
+        # stages. moe_tiles.py at 8192 tokens, two runs (ms, dW1|dW3 / dW2): 19.07, 19.11 / 9.76, 10.42 against
+        # 21.25 / 10.64 for the 11th session's BK 64 / 2 stages / pointer stores and 20.03 / 10.15 for that with
+        # O_TMA; run-to-run spread of one setting up to 10%. At 32768 tokens TMA stores gain nothing (128 x 128:
+        # 26.9 against 26.5 ms for one dW launch; 128 x 256: 30.5 against 24.8), so "wgrad" keeps pointer stores.
+        "wgrad_few": dict(BM=128, BN=128, BK=32, num_warps=4, num_stages=3, O_TMA=True),
         "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, DUAL=False),
         # WGRAD_IMPL "v2" (persistent, TMA): PROGS_PER_SM programs per SM; P_TMA / Q_TMA / O_TMA
         # choose descriptors (else pointers) for the token-side operands and the output
@@ -124,6 +129,12 @@ WGRAD_V3_MAX_ROWS = 256
 # v1's single-output launches use the "wgrad_few" tiles when the experts average fewer rows than this (N * k / E; the
 # K3 layer: 146 at 8192 tokens, 585 at 32768)
 WGRAD_FEW_ROWS = 256
+# The token-side GEMMs (TILE_CONFIGS entries with HALF True) run an expert's last m-tile at half height when it has at
+# most BM / 2 rows, if the experts average fewer rows than this (N * k / E). 12th session, moe_tiles.py on the H200,
+# ms without / with HALF: at 8192 tokens (146 rows per expert: 128 + 18) GEMM 1 + GLU 18.41 / 16.91, GEMM 2 8.21 /
+# 7.43, dx 16.31 / 14.88, G = du w2 (split GLU backward) 8.88 / 8.05; at 32768 tokens (585 rows: 4 x 128 + 73) the
+# two-path kernel is slower (GEMM 1 45.0 / 48.7, dx 39.3 / 42.2, GEMM 2 20.3 / 20.2), hence the threshold.
+HALF_TILE_MAX_ROWS = 256
 SHARED_BYTES = 232448  # an sm_90 block's shared-memory limit (227 KB)
 
 # How the backward computes dA, dB (and d topk_weight) from G = du[tok] w2[e]:
@@ -545,6 +556,12 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     else:
         w_src, w2_src = w, (w2 if w2 is not None else w)
     swk, swn = (w.stride(1), w.stride(2)) if w_kn else (w.stride(2), w.stride(1))
+    rows = tok.numel() if gather and tok is not None else a.shape[0]
+    half = bool(cfg.get("HALF")) and bm >= 32 and rows < HALF_TILE_MAX_ROWS * max(num_experts, 1)
+    a_h_src, a2_h_src = a_src, a2_src
+    if half and a_mode == 2:
+        a_h_src = TensorDescriptor.from_tensor(a, [bm // 2, bk])
+        a2_h_src = TensorDescriptor.from_tensor(a2, [bm // 2, bk]) if a2 is not None else a_h_src
     dummy = c
     _k._grouped_gemm_kernel[(mt * n_tiles,)](
         a_src, tok if tok is not None else offs, w_src, a2_src, w2_src,
@@ -554,7 +571,8 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
         te, ts, offs, kk, nn, num_experts, n_tiles,
         a.stride(0), w.stride(0), swn, swk, c.stride(0), float(bg), float(bu),
         PAIR=pair, EPI=epi, SAVE=save, ROW_SCALE=row_scale, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=w_desc,
-        W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk, **_launch_cfg(cfg, a))
+        W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk, HALF=half,
+        a_h_src=a_h_src, a2_h_src=a2_h_src, **_launch_cfg(cfg, a))
     return c
 
 
@@ -595,14 +613,22 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
             return
     dual = p2 is not None
     cfg = _cfg("wgrad_dual" if dual else ("wgrad_few" if d.nk < WGRAD_FEW_ROWS * d.e else "wgrad"), p)
-    m_tiles, n_tiles = cdiv(mm, cfg["BM"]), cdiv(nn, cfg["BN"])
+    bm, bn = cfg["BM"], cfg["BN"]
+    m_tiles, n_tiles = cdiv(mm, bm), cdiv(nn, bn)
+    out2_ = out2 if dual else out
+    o_dst, o2_dst = out, out2_
+    o_desc = bool(cfg.get("O_TMA")) and _tma_ok(out, [1, bm, bn]) and _tma_ok(out2_, [1, bm, bn]) \
+        and out2_.stride() == out.stride()
+    if o_desc:
+        o_dst = TensorDescriptor.from_tensor(out, [1, bm, bn])
+        o2_dst = TensorDescriptor.from_tensor(out2_, [1, bm, bn]) if dual else o_dst
     _k._wgrad_kernel[(d.e * m_tiles * n_tiles,)](
         p, p2 if dual else p, ptok if ptok is not None else d.tok,
         pscale if pscale is not None else p, q, qtok if qtok is not None else d.tok,
-        out, out2 if dual else out, d.offs, mm, nn, m_tiles, n_tiles,
+        o_dst, o2_dst, d.offs, mm, nn, m_tiles, n_tiles,
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
-        DUAL=dual, PREC=_prec(p.dtype), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], **_launch_cfg(cfg, p))
+        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=cfg["BK"], O_DESC=o_desc, **_launch_cfg(cfg, p))
 
 
 def _wgrad_v3_stages(cfg, kp, es):
@@ -743,7 +769,10 @@ class _ExpertsFn(torch.autograd.Function):
         #   hw[r] = p[r] glu(x[tok r] w1^T, x[tok r] w3^T)      (N = I, K = l)
         g1, g2 = "glu_fwd", "mm"
         cfg = _cfg(g1, x)
-        xs = _pregather(g1, x, d)
+        # the dispatch-order copy of x feeds GEMM 1 through TMA and is kept for dW1|dW3; without gradients GEMM 1
+        # gathers the rows itself (12th session, H200, K3 layer: experts forward 25.53 against 26.21 ms at 8192
+        # tokens; 10th session 67.55 against 68.86 at 32768)
+        xs = _pregather(g1, x, d) if need_grad else None
         wt = topk_weight.float().contiguous()
         w_rows = wt.reshape(-1)[d.perm].contiguous()  # routing weight of each sorted row
         hw = torch.empty(d.nk, i, dtype=x.dtype, device=x.device)

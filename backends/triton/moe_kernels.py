@@ -294,7 +294,8 @@ def _grouped_gemm_kernel(
         PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr, ROW_SCALE: tl.constexpr,
         ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
         PREC: tl.constexpr, EVEN_K: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr = False,
+        a_h_src=None, a2_h_src=None):
     """One grouped GEMM over the experts; for the rows r of m-tile's expert e and n-tile cols:
 
         acc  = A[r] . W[e]          (K-deep dot; W[e] is [NN, K] (k fastest) or [K, NN] (W_KN))
@@ -308,12 +309,43 @@ def _grouped_gemm_kernel(
     Epilogue EPI 0: c = acc.  EPI 1 (GLU forward): c = glu(acc, acc2) (times wrow[r] when
     ROW_SCALE; and, when SAVE, c2 = acc, c3 = acc2: the pre-activations for backward).  EPI 2 (GLU backward, acc = G = du . w2[e]):
     dwrow[r] += sum_n G h, dH = wrow[r] G, c = dA, c2 = dB from the saved pa, pb.
+
+    HALF: an m-tile with at most BM / 2 rows (an expert's last tile) runs at BM / 2 rows, so its products cost
+    half (at 8192 tokens of the K3 layer an expert has ~146 rows: 128 + 18, padded to 192 rows of MMA instead
+    of 256); with A_MODE 2 its A rows come through a_h_src / a2_h_src, descriptors with [BM / 2, BK] blocks.
     """
     pid = tl.program_id(0)
     e, e_ok, pid_n, m_begin, m_end = _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr,
                                                 offs_ptr, E, BM)
     if e >= E:
         return
+    if HALF:
+        if m_end - m_begin <= BM // 2:
+            _gg_tile(a_h_src, tok_ptr, w_src, a2_h_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
+                     dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
+                     stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
+                     PREC, EVEN_K, BM // 2, BN, BK)
+        else:
+            _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
+                     dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
+                     stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
+                     PREC, EVEN_K, BM, BN, BK)
+    else:
+        _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
+                 dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
+                 stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
+                 PREC, EVEN_K, BM, BN, BK)
+
+
+@triton.jit
+def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
+             e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+             beta_gate, beta_up, PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr,
+             ROW_SCALE: tl.constexpr, ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr,
+             W_DESC: tl.constexpr, W_KN: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One BM x BN output tile of _grouped_gemm_kernel (rows m_begin .. m_end - 1 of expert e): K loop and
+    epilogue, as documented there."""
     rows = m_begin + tl.arange(0, BM)
     rmask = rows < m_end
     n0 = pid_n * BN
@@ -429,11 +461,13 @@ def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr,
                   stride_pm, stride_qm, stride_oe, stride_om,
                   P_GATHER: tl.constexpr, P_SCALE: tl.constexpr, Q_GATHER: tl.constexpr,
                   DUAL: tl.constexpr, PREC: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, O_DESC: tl.constexpr = False):
     """Weight gradient of every expert: out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n]
     (and out2[e] = P2^T Q when DUAL, sharing the Q tile), with P rows gathered/scaled
     (P[r] = pscale[r] * p[ptok[r]]) and Q rows gathered (Q[r] = q[qtok[r]]) on request.
-    Experts with no row get an exact zero block. Grid: E * m_tiles * n_tiles, n fastest."""
+    Experts with no row get an exact zero block. Grid: E * m_tiles * n_tiles, n fastest.
+    O_DESC: out_ptr / out2_ptr are 3-D TMA descriptors over out [E, MM, NN] with block [1, BM, BN] (the tile
+    goes out through shared memory and the copy engine, which clips the edges), else masked pointer stores."""
     pid = tl.program_id(0)
     per_e = m_tiles * n_tiles
     e = pid // per_e
@@ -471,11 +505,17 @@ def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr,
         if DUAL:
             p2 = tl.load(p2_ptr + prow[None, :] * stride_pm + ms[:, None], mask=pm, other=0.0)
             acc2 = tl.dot(p2, qv, acc2, input_precision=PREC)
-    o = e.to(tl.int64) * stride_oe + ms.to(tl.int64)[:, None] * stride_om + ns[None, :]
-    om = mmask[:, None] & nmask[None, :]
-    tl.store(out_ptr + o, acc.to(out_ptr.dtype.element_ty), mask=om)
-    if DUAL:
-        tl.store(out2_ptr + o, acc2.to(out2_ptr.dtype.element_ty), mask=om)
+    if O_DESC:
+        e32 = e.to(tl.int32)
+        out_ptr.store([e32, pid_m * BM, pid_n * BN], tl.reshape(acc.to(out_ptr.dtype), [1, BM, BN]))
+        if DUAL:
+            out2_ptr.store([e32, pid_m * BM, pid_n * BN], tl.reshape(acc2.to(out2_ptr.dtype), [1, BM, BN]))
+    else:
+        o = e.to(tl.int64) * stride_oe + ms.to(tl.int64)[:, None] * stride_om + ns[None, :]
+        om = mmask[:, None] & nmask[None, :]
+        tl.store(out_ptr + o, acc.to(out_ptr.dtype.element_ty), mask=om)
+        if DUAL:
+            tl.store(out2_ptr + o, acc2.to(out2_ptr.dtype.element_ty), mask=om)
 
 
 @triton.jit
