@@ -437,6 +437,9 @@ for r_fast in (False, True):
     ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr"),
                dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=r_fast), cfg5["nw_strip"], cfg5["ns_strip"])
     assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v5 strip kernel: no tensor-core instruction"
+ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr", FTZ="constexpr"),
+           dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=True, FTZ=True), cfg5["nw_strip"], cfg5["ns_strip"])
+assert "ex2.approx.ftz.f32" in ck.asm["ptx"], "v5 strip kernel (ftz): no flush-to-zero exponential"
 ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
                                          FAST="constexpr"), dict(K=128, FAST=True), cfg5["nw_cumsum"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
@@ -527,13 +530,14 @@ def test_hopper_compile_uses_tensor_cores():
                                          (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"), (4, 8, "v4-rfast"),
                                          (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast"), (4, 8, "v5-tf32solve"),
                                          (4, 8, "v5-bv64"), (96, None, "v5-bv64"), (4, 8, "v5-bv16"),
-                                         (16, None, "v5")])
+                                         (16, None, "v5"), (4, 8, "v5-ftz")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles"),
                                                **(dict(r_fast=True, BK=64, nw_strip=8) if intra == "v4-rfast" else {})))
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast"),
-                                               solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee"))
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast") or intra == "v5-ftz",
+                                               solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee",
+                                               ftz=intra == "v5-ftz"))
     monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv={"bv64": 64, "bv16": 16}.get(intra.split("-")[-1],
                                                                                    tk.H_CFG["bv"])))
     B, T, K, V = 1, 4096, 128, 128

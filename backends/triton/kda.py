@@ -691,28 +691,40 @@ def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr):
 
 
 @triton.jit
+def _ex(x, FTZ: tl.constexpr):
+    """e^x (float32). FTZ: the log2(e) multiply and one ex2.approx.ftz.f32 (MUFU.EX2); results below 2^-126 flush
+    to 0. tl.exp keeps denormal results, which costs a compare and two predicated multiplies per call on sm_90
+    (the strip kernel's sm_90a SASS: 1120 -> 1032 instructions, MUFU count unchanged). GPU only (inline PTX)."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
 def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
-                 scale, K: tl.constexpr, DT: tl.constexpr):
+                 scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False):
     """One channel slice of a strip program (_fwd_strip4_kernel / _fwd_strip5_kernel), given the slice's
     operands and cumulative gates: G64 [64, BK] of the chunk, Gr [16, BK] of row block R, GC / cl / ch [BK]
     at the chunk's last row / before the block / the block's last row, fr = 1 when the block's gates are
     >= lb.  Adds the slice's share to the strips a (Akk) and p (P) [16, 64] and stores its QG, KD (and GAM
-    for R = 0); returns (a, p)."""
+    for R = 0); returns (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only)."""
     c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
-    er = tl.exp(Gr - c[None, :])
+    er = _ex(Gr - c[None, :], FTZ)
     lim = R * 16 + 16 * fr
-    col = (k64 * tl.exp(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")))).to(DT)
+    col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
     a += tl.dot((kr * er).to(DT), tl.trans(col))
     p += tl.dot((qr * er).to(DT), tl.trans(col))
     if fr == 0:
         a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
         p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
-    eG = tl.exp(Gr)
+    eG = _ex(Gr, FTZ)
     tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
-    tl.store(KD + base + orr, (kr * tl.exp(GC[None, :] - Gr)).to(KD.dtype.element_ty), mask=mr)
+    tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
     if R == 0:
         tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
-    return a, p
+    return a, p, eG
 
 
 @triton.jit
@@ -770,8 +782,8 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
             fr = (tl.min(tl.min(gr, axis=1), axis=0) >= lb).to(tl.int32)
         else:
             fr = tl.zeros([], dtype=tl.int32)
-        a, p = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM,
-                            c_, h, H, scale, K, DT)
+        a, p, _ = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM,
+                               c_, h, H, scale, K, DT)
     _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, NB, False)
 
 
@@ -803,7 +815,7 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
 def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
                        K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, R_FAST: tl.constexpr = False,
                        BM=None, SAVE_B: tl.constexpr = False, KGB=None, WRITE_KGB: tl.constexpr = False,
-                       LIM_ROWS: tl.constexpr = False):
+                       LIM_ROWS: tl.constexpr = False, FTZ: tl.constexpr = False):
     """_fwd_strip4_kernel's outputs from the precomputed in-chunk cumulative gate (GCS, FB of
     _chunk_cumsum_kernel): no scan and no row extraction in the kernel, only loads.  The anchor c of row
     block R: the middle of its G range when FB says the block's gates are >= lb (then one dense
@@ -814,7 +826,7 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
     WRITE_KGB: also store KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's
     operand (it then loads neither k nor G).  LIM_ROWS: load only the column-operand rows that row block R
     uses (rows < 16 R + 16; the others are masked to 0 in the dot anyway), 160 of the 256 row loads of a
-    chunk's 4 programs."""
+    chunk's 4 programs.  FTZ: the dense path's exponentials as ex2.approx.ftz (see _ex; GPU only)."""
     c_, R, h = _strip_program(R_FAST)
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
     if LIM_ROWS:
@@ -841,10 +853,10 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
         GC = tl.load(GCS + base + last * (H * K) + d)
         Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
         Gr = tl.where(mr, Gr, ch[None, :])
-        a, p = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM,
-                            c_, h, H, scale, K, DT)
+        a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD,
+                                GAM, c_, h, H, scale, K, DT, FTZ)
         if WRITE_KGB:
-            tl.store(KGB + base + orr, (kr * tl.exp(Gr) * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
+            tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
     _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
 
 
@@ -1756,8 +1768,12 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # end of j's row block) written by the cumsum kernel, so that the strip kernel loads 2 bytes per element instead of
 # 6 and takes 4 x BK exponentials per slice instead of 64 x BK: cumsum 4.8 -> 11.4 ms at 1M (255 registers), strip
 # 19.2 -> 23.3 (18.4 with maxnreg 80), o error 3.6e-3 -> 4.0e-3 against fla; forward 66.6 against 56.0 ms.
+# ftz (12th session, prepared, NOT yet timed on the GPU: no device time was left): the strip kernel's dense-path
+# exponentials as ex2.approx.ftz.f32 (_ex). An Nsight Compute profile (H=16, T=64K) shows that kernel instruction-bound
+# (IPC 2.3, DRAM 40%); its sm_90a SASS shrinks 1120 -> 1032 instructions with it. Time it with
+# benchmarks/kda.py --alt "INTRA5_CFG:ftz=True" before making it the default.
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
-                  r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True)
+                  r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True, ftz=False)
 
 
 def _solve_prec(cfg):
@@ -1790,6 +1806,7 @@ def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, s
         q2, k2, GCS, FB, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, H, K=K,
         BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, BM=BM if save_b else NBUF, SAVE_B=save_b,
         KGB=KGB if KGB is not None else NBUF, WRITE_KGB=KGB is not None, LIM_ROWS=bool(cfg.get("lim_rows")),
+        FTZ=bool(cfg.get("ftz")) and not _interpret(),
         num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
     _mark("intra: strip")
     tdt = idt if cfg.get("tb_lowp") and not save_b else torch.float32
