@@ -53,7 +53,14 @@ _V2_FEW = [("v2 p3 128x128 nw4 BK32 s3 nreg168 O_TMA", {"WGRAD_IMPL": "v2", "wgr
            ("v2 p3 128x128 nw4 BK32 s3 nreg168 O_TMA ptr loads", {"WGRAD_IMPL": "v2", "wgrad2": dict(
                BK=32, num_warps=4, num_stages=3, PROGS_PER_SM=3, maxnreg=168, O_TMA=True, P_TMA=False, Q_TMA=False)}),
            ("v2 p2 128x128 nw4 BK32 s3 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(
-               BK=32, num_warps=4, num_stages=3, PROGS_PER_SM=2, maxnreg=None, O_TMA=True)})]
+               BK=32, num_warps=4, num_stages=3, PROGS_PER_SM=2, maxnreg=None, O_TMA=True)}),
+           # one tile per program (not persistent): v1's schedule with TMA loads of the full K blocks and a peeled
+           # masked tail; the ncu profile of v1 at 8192 tokens shows the ALU (address and mask arithmetic of the
+           # pointer loads) as its busiest pipe, 43% (prepared in the 12th session, not yet timed)
+           ("v2 1-tile 128x128 nw4 BK32 s3 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(
+               BK=32, num_warps=4, num_stages=3, NUM_PROGS=2 ** 31 - 1, maxnreg=None, O_TMA=True)}),
+           ("v2 1-tile 128x128 nw4 BK32 s3 nreg168 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(
+               BK=32, num_warps=4, num_stages=3, NUM_PROGS=2 ** 31 - 1, maxnreg=168, O_TMA=True)})]
 
 # kernel -> [(label, {TILE_CONFIGS entry or "GLU_BWD_IMPL"/"WGRAD_IMPL": change})]
 SWEEPS = {
@@ -84,7 +91,7 @@ SWEEPS = {
            ("pair2 128x64 s4 nreg128", {"dx": dict(BN=64, PAIR=2, num_stages=4, maxnreg=128)}),
            ("pair3 BM64", {"dx": dict(BM=64)}), ("pair3 BM64 s4", {"dx": dict(BM=64, num_stages=4)}),
            ("pair3 BM64 nw4 s4", {"dx": dict(BM=64, num_warps=4, num_stages=4)}), ("pair3 HALF", {"dx": dict(HALF=True)})],
-    "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}),
+    "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}), *_V2_FEW,
                 ("v1 2x 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}),
                 ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),
                 ("v2 dual", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True)}),
