@@ -22,6 +22,18 @@ import torch
 from torch import nn
 
 from dsl.errors import MtcError, MtcWarning
+
+_MODULE_CALL_FILE = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def _caller_stacklevel() -> int:
+    """The warnings.warn stacklevel, for a warning raised in this file, of the first frame outside this file and
+    torch.nn.Module's call machinery: the user's line that called the model."""
+    import sys
+    f, level = sys._getframe(1), 1
+    while f is not None and (f.f_code.co_filename == __file__ or f.f_code.co_filename.endswith(_MODULE_CALL_FILE)):
+        f, level = f.f_back, level + 1
+    return level
 from dsl.ir import SOURCE_OPS, Graph, Node, Ref
 from dsl.printer import print_graph
 
@@ -415,7 +427,7 @@ class CompiledModule(nn.Module):
             self._warned_seq_len = True
             warnings.warn(MtcWarning(f"{self.graph.name}: {longest} tokens per sequence is past the spec's "
                                      f"max_seq_len = {limit} (the context it is built for); running anyway"),
-                          stacklevel=4)
+                          stacklevel=_caller_stacklevel())
 
     def forward(self, input_ids: torch.Tensor, *, progress: Callable[[int, int], None] | None = None):
         """The model on its single input (token ids [B, T] for the K3 specs); returns its output, or the tuple of
@@ -826,6 +838,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
             integer in [0, 2**63), target "tvm" without TVM installed, or a graph that fails verification.
     """
     from passes import PIPELINES, PassManager
+    if not isinstance(target, str):
+        raise MtcError(f"target must be a string, one of {', '.join(TARGETS)}; got {type(target).__name__}")
     if target not in TARGETS:
         from dsl.errors import did_you_mean
         raise MtcError(f"unknown target '{target}'{did_you_mean(target, TARGETS)}; targets: {', '.join(TARGETS)}")
@@ -833,7 +847,11 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         dtype = torch.float32
     if isinstance(dtype, str):
         from dsl.ir import canon_dtype
-        dtype = TORCH_DTYPES[canon_dtype(dtype)]
+        try:
+            dtype = TORCH_DTYPES[canon_dtype(dtype)]
+        except (MtcError, KeyError):
+            raise MtcError(f"dtype '{dtype}': not a model dtype; a model computes in f32, bf16 or f16 (float32, bfloat16, "
+                           f"float16)") from None
     if dtype == torch.float64:
         raise MtcError("dtype float64: not offered; the reference ops compute in float32 (a float64 model would "
                        "round every op to float32 and back, which is no float64 check); use float32")

@@ -55,4 +55,11 @@ def compile(graph: Graph, target: str = "reference", **options):
                 if isinstance(graph, (str, os.PathLike)) else "")
         raise TypeError(f"dsl.compile takes a Graph (from dsl.load, dsl.parse or dsl.parse_ir), got "
                         f"{type(graph).__name__}{hint}")
+    import inspect
+    known = [n for n, prm in inspect.signature(compile_graph).parameters.items() if prm.kind == prm.KEYWORD_ONLY]
+    bad = sorted(set(options) - set(known))
+    if bad:
+        from dsl.errors import did_you_mean
+        raise MtcError(f"dsl.compile: unknown option{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}"
+                       f"{did_you_mean(bad[0], known)}; options: target, {', '.join(known)}")
     return compile_graph(graph, target=target, **options)

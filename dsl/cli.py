@@ -734,7 +734,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--print-after", action="append", metavar="PASS[,PASS...]",
                    help=f"also print the IR after these passes (comma-separated or repeated): "
                         f"{', '.join(PRINT_AFTER)}, or all")
-    s.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, one file per pass")
+    s.add_argument("--dump-ir", metavar="DIR",
+                   help="write the graph IR after every graph pass up to --stage to DIR, one file per pass "
+                        "(NN-<pass>.ir, NN in pipeline order); --stage lowered adds the lowered kernel listing "
+                        "as NN-lowered.txt (the lower pass's output is not graph IR)")
     s.add_argument("--timing", action="store_true", help="print per-pass timing to stderr")
     s.add_argument("--no-loc", action="store_true", help="omit source locations")
     s.add_argument("--output", "-o", help="write to a file instead of stdout")
@@ -864,7 +867,9 @@ def main(argv=None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 1
     except MtcError as e:
-        print(e.render(), file=sys.stderr)
+        # located errors keep the compiler form "file:line:col: error: ..."; the others read like the argument
+        # errors of argparse and the range checks above ("mtc: error: ...")
+        print(e.render() if e.loc else f"mtc: {e.render()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -34,10 +34,17 @@ class ModelStats:
         return nbytes / self.gpus
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["per_gpu"] = {k: self.per_gpu(getattr(self, k)) for k in
+        """The fields as JSON-ready values: whole-number counts (bytes, FLOPs) as ints, fractions as floats."""
+        d = {k: _whole(v) for k, v in asdict(self).items()}
+        d["flops_per_token_by_op"] = {k: _whole(v) for k, v in d["flops_per_token_by_op"].items()}
+        d["per_gpu"] = {k: _whole(self.per_gpu(getattr(self, k))) for k in
                         ("weights_bytes", "kv_cache_bytes", "kda_state_bytes")}
         return d
+
+
+def _whole(v):
+    """A float that holds a whole number as an int (JSON prints 1559945231488, not 1559945231488.0)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 def _numel(t) -> int:
@@ -157,15 +164,20 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         residual_stream_bytes=float(T * batch * (d_model or 0) * act_bytes), layers=layers)
 
 
+def _sig3(v: float) -> str:
+    """About three significant digits without an exponent (1008, 99.5, 1.25; .3g would print 1.01e+03)."""
+    return f"{v:.0f}" if abs(v) >= 99.95 else f"{v:.3g}"
+
+
 def human(n: float, unit: str = "") -> str:
     for div, suf in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(n) >= div:
-            return f"{n / div:.3g} {suf}{unit}"
-    return f"{n:.3g} {unit}".strip()
+            return f"{_sig3(n / div)} {suf}{unit}"
+    return f"{_sig3(n)} {unit}".strip()
 
 
 def human_bytes(n: float) -> str:
     for div, suf in ((2 ** 40, "TiB"), (2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
         if n >= div:
-            return f"{n / div:.3g} {suf}"
+            return f"{_sig3(n / div)} {suf}"
     return f"{n:.0f} B"

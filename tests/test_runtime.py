@@ -268,9 +268,10 @@ def test_past_max_seq_len_warns_once():
     m = dsl.compile(dsl.load(K3, "tiny"), target="reference").eval()
     ids = torch.randint(0, 256, (1, 4100))
     from dsl.errors import MtcWarning
-    with pytest.warns(MtcWarning, match="4100 tokens per sequence is past the spec's max_seq_len = 4096"):
+    with pytest.warns(MtcWarning, match="4100 tokens per sequence is past the spec's max_seq_len = 4096") as rec:
         with torch.no_grad():
             m(ids)
+    assert [w.filename for w in rec] == [__file__]   # attributed to the caller's line, not torch's Module call
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -378,7 +379,13 @@ def test_one_seed_gives_one_model_in_every_dtype():
 @pytest.mark.parametrize("kw,needle", [(dict(dtype=torch.int32), "a model computes in float32, bfloat16 or float16"),
                                        (dict(dtype=torch.float64), "the reference ops compute in float32"),
                                        (dict(seed="a"), "seed 'a': an integer"), (dict(seed=-1), "seed -1"),
-                                       (dict(seed=True), "seed True")])
+                                       (dict(seed=True), "seed True"),
+                                       (dict(dtype="float128"), "dtype 'float128': not a model dtype; a model computes "
+                                                                "in f32, bf16 or f16"),
+                                       (dict(dtype="mxfp4"), "dtype 'mxfp4': not a model dtype"),
+                                       (dict(target=None), "target must be a string, one of reference, triton, tvm"),
+                                       (dict(dtyp="bf16"), "dsl.compile: unknown option 'dtyp' (did you mean 'dtype'?); "
+                                                           "options: target, dtype, device, seed")])
 def test_compile_rejects_a_bad_dtype_or_seed(kw, needle):
     with pytest.raises(dsl.MtcError, match=re.escape(needle)):
         dsl.compile(dsl.load(K3, "tiny"), **kw)

@@ -122,3 +122,13 @@ def test_layers_the_outputs_do_not_use_are_not_counted():
     assert both.layers["kda"] == 1 and both.layers["mla"] == 1 and both.kv_cache_bytes > 0
     assert kda_only.layers["kda"] == 1 and kda_only.layers["mla"] == 0 and kda_only.kv_cache_bytes == 0
     assert kda_only.kda_state_bytes == both.kda_state_bytes > 0
+
+
+def test_human_formats_have_no_exponent_and_json_counts_are_ints():
+    from dsl.stats import human, human_bytes
+    assert human_bytes(1008 * 1024) == "1008 KiB"          # .3g printed 1.01e+03 KiB
+    assert human_bytes(2.5 * 2 ** 30) == "2.5 GiB" and human_bytes(5) == "5 B"
+    assert human(2.78e12, "FLOP") == "2.78 TFLOP" and human(999.6) == "1000"
+    d = compute_stats(dsl.load(ROOT / "models" / "kimi_k3.mtc")).to_dict()
+    assert isinstance(d["weights_bytes"], int) and isinstance(d["flops_per_token"], int)
+    assert all(isinstance(v, int) for v in d["flops_per_token_by_op"].values())
