@@ -131,7 +131,7 @@ def test_value_blocks_forward_and_backward(bv, transposed, seg, monkeypatch):
     # H_CFG["bv"] = 16 / 64: the serial passes (state pass, segment maps, the backward's dS chain) on 16 / 64
     # state columns per program (16: what "auto" picks for forwards without autograd when 16-column programs
     # fit one per SM); V = 64 + initial and final state, gradients of every input against the reference.
-    # transposed: the state pass with the state held as S^T (_fwd_hT_kernel)
+    # transposed: the state pass with the state held as S^T (_fwd_h_kernel TRANS)
     monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=bv, transposed=transposed))
     B, T, H, K, V = 1, 150, 2, 16, 64
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
@@ -441,9 +441,10 @@ for r_fast in (False, True):
 ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr", FTZ="constexpr"),
            dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=True, FTZ=True), cfg5["nw_strip"], cfg5["ns_strip"])
 assert "ex2.approx.ftz.f32" in ck.asm["ptx"], "v5 strip kernel (ftz): no flush-to-zero exponential"
-ck = build(tk._fwd_hT_kernel, dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I,
-                                  seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr", STORE_VN="constexpr"),
-           dict(K=128, V=128, BV=16, STORE_VN=True), tk.H_CFG["num_warps"], 3)
+ck = build(tk._fwd_h_kernel, dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I,
+                                 seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr",
+                                 MODE="constexpr", STORE="constexpr", STORE_VN="constexpr", TRANS="constexpr"),
+           dict(K=128, V=128, BV=16, SW=128, MODE=0, STORE=True, STORE_VN=True, TRANS=True), tk.H_CFG["num_warps"], 3)
 assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "transposed state pass: no tensor-core instruction"
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",

@@ -1021,7 +1021,7 @@ def _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s):
 @triton.jit
 def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SW: tl.constexpr,
-                  MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr):
+                  MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr, TRANS: tl.constexpr = False):
     """The serial state chain of one segment, one head and BV state columns; nothing else on it.
 
     Per chunk c (tokens t0 .. t0+63 of the segment, rows past the segment end read as 0):
@@ -1031,7 +1031,11 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
     MODE 0: S [K, BV] starts from S_IN (width V), columns vb*BV..; MODE 1: the augmented transition
     [M | D] (width SW = K+V): columns < K start as the identity and see no U, columns >= K start at 0 and
     see U.  S_OUT gets the state after the segment.  The token addresses are affine in the loop counter
-    (t0 = segment start + 64 j), so the loads of chunk j+1 are issued while chunk j computes."""
+    (t0 = segment start + 64 j), so the loads of chunk j+1 are issued while chunk j computes.
+    TRANS (MODE 0 only; H_CFG "transposed"): the state held as S^T [BV, K], W^T = U^T - S^T Wk^T and
+    S^T <- S^T diag(e^(G_C)) + W^T (k e^(G_C - G)), so that each of the chain's two products takes the chain's
+    value as its register operand (as flash attention's P V does) and the chunk's tiles are the shared-memory
+    operands; same results up to summation order (12th session: prepared, not yet timed on the GPU)."""
     vb = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -1039,7 +1043,11 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
     rows = tl.arange(0, 64)
     dk = tl.arange(0, K)
     cols = vb * BV + tl.arange(0, BV)
-    if MODE == 0:
+    if TRANS:
+        S = tl.load(S_IN + ((tl.cast(s, tl.int64) * H + h) * K + dk[None, :]) * V + cols[:, None])   # [BV, K]
+        ucol = cols
+        umask = cols < V
+    elif MODE == 0:
         S = tl.load(S_IN + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :])
         ucol = cols
         umask = cols < V
@@ -1049,8 +1057,12 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         umask = cols >= K
     # scalar bases advanced per chunk + loop-invariant int32 tile offsets (no 64-bit pointer tiles carried)
     ok = rows[:, None] * (H * K) + dk[None, :]
-    ou = rows[:, None] * (H * V) + ucol[None, :]
-    oh = dk[:, None] * V + cols[None, :]
+    if TRANS:
+        ou = rows[None, :] * (H * V) + ucol[:, None]            # [BV, 64]: U^T and VN^T
+        oh = dk[None, :] * V + cols[:, None]                    # [BV, K]: HB^T
+    else:
+        ou = rows[:, None] * (H * V) + ucol[None, :]
+        oh = dk[:, None] * V + cols[None, :]
     bk = WK + (ts * H + h) * K
     bd = KD + (ts * H + h) * K
     bu = U + (ts * H + h) * V
@@ -1066,12 +1078,20 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         if STORE:
             tl.store(bh + oh, S.to(HB.dtype.element_ty))
         wk = tl.load(bk + ok, mask=rm[:, None], other=0.0)
-        uu = tl.load(bu + ou, mask=rm[:, None] & umask[None, :], other=0.0).to(tl.float32)
-        W = uu - tl.dot(wk, S.to(wk.dtype))
-        if STORE_VN:
-            tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[:, None])
-        kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
-        S = S * gam[:, None] + tl.dot(tl.trans(kd), W.to(kd.dtype))
+        if TRANS:
+            uu = tl.load(bu + ou, mask=rm[None, :] & umask[:, None], other=0.0).to(tl.float32)
+            W = uu - tl.dot(S.to(wk.dtype), tl.trans(wk))
+            if STORE_VN:
+                tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[None, :])
+            kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
+            S = S * gam[None, :] + tl.dot(W.to(kd.dtype), kd)
+        else:
+            uu = tl.load(bu + ou, mask=rm[:, None] & umask[None, :], other=0.0).to(tl.float32)
+            W = uu - tl.dot(wk, S.to(wk.dtype))
+            if STORE_VN:
+                tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[:, None])
+            kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
+            S = S * gam[:, None] + tl.dot(tl.trans(kd), W.to(kd.dtype))
         gam = gnext
         bk += 64 * H * K
         bd += 64 * H * K
@@ -1079,58 +1099,10 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         bn += 64 * H * V
         bg += H * K
         bh += H * K * V
-    tl.store(S_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * SW + cols[None, :], S)
-
-
-@triton.jit
-def _fwd_hT_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
-                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STORE_VN: tl.constexpr):
-    """_fwd_h_kernel's MODE 0 pass (STORE on) with the state held transposed, S^T [BV, K] (H_CFG "transposed"):
-
-        W^T = U^T - S^T Wk^T,   S^T <- S^T diag(e^(G_C)) + W^T (k e^(G_C - G)).
-
-    Each product's register operand is the chain's own value (S^T, then W^T): the serial chain does not pass
-    through shared memory between the two products, as a flash-attention P V product does not; the chunk's
-    tiles (Wk, KD) are the shared-memory operands. Same results as _fwd_h_kernel MODE 0 up to summation order.
-    (12th session: prepared, not yet timed on the GPU.)"""
-    vb = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    ts, te, c0, c1 = _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s)
-    rows = tl.arange(0, 64)
-    dk = tl.arange(0, K)
-    cols = vb * BV + tl.arange(0, BV)
-    ST = tl.load(S_IN + ((tl.cast(s, tl.int64) * H + h) * K + dk[None, :]) * V + cols[:, None])    # [BV, K]
-    ok = rows[:, None] * (H * K) + dk[None, :]                   # [64, K] tiles of WK and KD
-    ouT = rows[None, :] * (H * V) + cols[:, None]                # [BV, 64]: U^T and VN^T
-    ohT = dk[None, :] * V + cols[:, None]                        # [BV, K]: HB^T
-    bk = WK + (ts * H + h) * K
-    bd = KD + (ts * H + h) * K
-    bu = U + (ts * H + h) * V
-    bn = VN + (ts * H + h) * V
-    bg = GAM + (tl.cast(c0, tl.int64) * H + h) * K
-    bh = HB + (tl.cast(c0, tl.int64) * H + h) * K * V
-    nch = c1 - c0
-    gam = tl.load(bg + dk, mask=(dk < K) & (nch > 0), other=1.0)
-    for j in range(0, nch):
-        gnext = tl.load(bg + H * K + dk, mask=(dk < K) & (j + 1 < nch), other=1.0)
-        rm = (ts + j * 64 + rows) < te
-        tl.store(bh + ohT, ST.to(HB.dtype.element_ty))
-        wk = tl.load(bk + ok, mask=rm[:, None], other=0.0)
-        uuT = tl.load(bu + ouT, mask=rm[None, :], other=0.0).to(tl.float32)
-        WT = uuT - tl.dot(ST.to(wk.dtype), tl.trans(wk))
-        if STORE_VN:
-            tl.store(bn + ouT, WT.to(VN.dtype.element_ty), mask=rm[None, :])
-        kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
-        ST = ST * gam[None, :] + tl.dot(WT.to(kd.dtype), kd)
-        gam = gnext
-        bk += 64 * H * K
-        bd += 64 * H * K
-        bu += 64 * H * V
-        bn += 64 * H * V
-        bg += H * K
-        bh += H * K * V
-    tl.store(S_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[None, :]) * V + cols[:, None], ST)
+    if TRANS:
+        tl.store(S_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[None, :]) * SW + cols[:, None], S)
+    else:
+        tl.store(S_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * SW + cols[None, :], S)
 
 
 @triton.jit
@@ -1969,9 +1941,9 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
 # 2 stages unsplit 65.1 ms, split (33 segments) 61.7; 3 stages unsplit 58.6, split into 8 59.5.
 H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv="auto", stages_one_wave=3, w_one_wave=1.1,
              one_wave_grad=False, transposed=False)
-# transposed (12th session, prepared, NOT yet timed on the GPU): the forward state pass as _fwd_hT_kernel, the state
+# transposed (12th session, prepared, NOT yet timed on the GPU): the forward state pass with TRANS, the state
 # held as S^T [BV, K] so that each of the chain's two products takes the chain's value as its register operand (sm_90a
-# compile at BV 16: mma.sync instead of wgmma, 984 against 1064 SASS instructions, 70 against 106 KB of shared
+# compile at BV 16: mma.sync instead of wgmma, 976 against 1064 SASS instructions, 70 against 106 KB of shared
 # memory). The state pass is the serial chunk-to-chunk chain (27% of the forward at H=16, 64K under ncu). Time it
 # with benchmarks/kda.py --alt "H_CFG:transposed=True" before making it the default.
 # bv: state columns per program of the serial passes (forward state pass and the backward's dS chain): 32, 64, or
@@ -2030,15 +2002,10 @@ def _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn):
     HB = torch.empty(max(NC, 1), H, K, V, dtype=idt, device=dev)
     VN = torch.empty(U.shape, dtype=idt, device=dev) if store_vn else HB
     S_OUT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
-    if H_CFG.get("transposed"):
-        _fwd_hT_kernel[(V // BV, H, NS)](WK, U, KD, GAM, VN, HB, S_IN, S_OUT, tab["seg_t0"], tab["seg_t1"],
-                                         tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, STORE_VN=store_vn,
-                                         num_warps=H_CFG["num_warps"], num_stages=_pass_stages(V // BV * H * NS, dev))
-    else:
-        _fwd_h_kernel[(V // BV, H, NS)](WK, U, KD, GAM, VN, HB, S_IN, S_OUT, tab["seg_t0"], tab["seg_t1"],
-                                        tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True,
-                                        STORE_VN=store_vn, num_warps=H_CFG["num_warps"],
-                                        num_stages=_pass_stages(V // BV * H * NS, dev))
+    _fwd_h_kernel[(V // BV, H, NS)](WK, U, KD, GAM, VN, HB, S_IN, S_OUT, tab["seg_t0"], tab["seg_t1"],
+                                    tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True,
+                                    STORE_VN=store_vn, TRANS=bool(H_CFG.get("transposed")),
+                                    num_warps=H_CFG["num_warps"], num_stages=_pass_stages(V // BV * H * NS, dev))
     return HB, (VN if store_vn else None), S_OUT
 
 
