@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 import warnings
 from typing import Callable
 
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 
 from dsl.errors import MtcError, MtcWarning
+from dsl.ir import SOURCE_OPS, Graph, Node, Ref
+from dsl.printer import print_graph
 
 _MODULE_CALL_FILE = os.path.join("torch", "nn", "modules", "module.py")
 
@@ -29,13 +32,11 @@ _MODULE_CALL_FILE = os.path.join("torch", "nn", "modules", "module.py")
 def _caller_stacklevel() -> int:
     """The warnings.warn stacklevel, for a warning raised in this file, of the first frame outside this file and
     torch.nn.Module's call machinery: the user's line that called the model."""
-    import sys
     f, level = sys._getframe(1), 1
     while f is not None and (f.f_code.co_filename == __file__ or f.f_code.co_filename.endswith(_MODULE_CALL_FILE)):
         f, level = f.f_back, level + 1
     return level
-from dsl.ir import SOURCE_OPS, Graph, Node, Ref
-from dsl.printer import print_graph
+
 
 #: the dtypes a model computes in (its kernels take these; float64 is not offered)
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -615,13 +615,7 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
     cfg = _cfg("wgrad_dual" if dual else ("wgrad_few" if d.nk < WGRAD_FEW_ROWS * d.e else "wgrad"), p)
     bm, bn = cfg["BM"], cfg["BN"]
     m_tiles, n_tiles = cdiv(mm, bm), cdiv(nn, bn)
-    out2_ = out2 if dual else out
-    o_dst, o2_dst = out, out2_
-    o_desc = bool(cfg.get("O_TMA")) and _tma_ok(out, [1, bm, bn]) and _tma_ok(out2_, [1, bm, bn]) \
-        and out2_.stride() == out.stride()
-    if o_desc:
-        o_dst = TensorDescriptor.from_tensor(out, [1, bm, bn])
-        o2_dst = TensorDescriptor.from_tensor(out2_, [1, bm, bn]) if dual else o_dst
+    o_desc, o_dst, o2_dst = _wgrad_out(cfg, out, out2 if dual else out, dual, bm, bn)
     _k._wgrad_kernel[(d.e * m_tiles * n_tiles,)](
         p, p2 if dual else p, ptok if ptok is not None else d.tok,
         pscale if pscale is not None else p, q, qtok if qtok is not None else d.tok,
@@ -629,6 +623,16 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
         DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=cfg["BK"], O_DESC=o_desc, **_launch_cfg(cfg, p))
+
+
+def _wgrad_out(cfg, out, out2, dual, bm, bn):
+    """The weight-gradient kernels' output slots: (True, descriptor, descriptor) with [1, bm, bn] blocks when cfg
+    asks for TMA stores ("O_TMA") and both outputs allow them (alike strides), else (False, out, out2)."""
+    if not (cfg.get("O_TMA") and _tma_ok(out, [1, bm, bn]) and _tma_ok(out2, [1, bm, bn])
+            and out2.stride() == out.stride()):
+        return False, out, out2
+    o_dst = TensorDescriptor.from_tensor(out, [1, bm, bn])
+    return True, o_dst, (TensorDescriptor.from_tensor(out2, [1, bm, bn]) if dual else o_dst)
 
 
 def _wgrad_v3_stages(cfg, kp, es):
@@ -672,20 +676,13 @@ def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None)
     p_desc = (ptok is None and cfg.get("P_TMA") and _tma_ok(p, [bk, bm]) and _tma_ok(p2_, [bk, bm])
               and p2_.stride() == p.stride())
     q_desc = qtok is None and cfg.get("Q_TMA") and _tma_ok(q, [bk, bn])
-    out2_ = out2 if dual else out
-    o_desc = (cfg.get("O_TMA") and _tma_ok(out, [1, bm, bn]) and _tma_ok(out2_, [1, bm, bn])
-              and out2_.stride() == out.stride())
+    o_desc, o_dst, o2_dst = _wgrad_out(cfg, out, out2 if dual else out, dual, bm, bn)
     if p_desc:
         p_src = TensorDescriptor.from_tensor(p, [bk, bm])
         p2_src = TensorDescriptor.from_tensor(p2_, [bk, bm]) if dual else p_src
     else:
         p_src, p2_src = p, p2_
     q_src = TensorDescriptor.from_tensor(q, [bk, bn]) if q_desc else q
-    if o_desc:
-        o_dst = TensorDescriptor.from_tensor(out, [1, bm, bn])
-        o2_dst = TensorDescriptor.from_tensor(out2_, [1, bm, bn]) if dual else o_dst
-    else:
-        o_dst, o2_dst = out, out2_
     launch = _launch_cfg(cfg, p)
     _k._wgrad_v2_kernel[(nprog,)](
         p_src, p2_src, q_src, p, p2_, ptok if ptok is not None else d.tok, q,

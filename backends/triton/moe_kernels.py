@@ -319,17 +319,14 @@ def _grouped_gemm_kernel(
                                                 offs_ptr, E, BM)
     if e >= E:
         return
+    half = False                            # a constexpr unless HALF: then the tile's height decides at run time
     if HALF:
-        if m_end - m_begin <= BM // 2:
-            _gg_tile(a_h_src, tok_ptr, w_src, a2_h_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
-                     dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
-                     stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
-                     PREC, EVEN_K, BM // 2, BN, BK)
-        else:
-            _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
-                     dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
-                     stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
-                     PREC, EVEN_K, BM, BN, BK)
+        half = m_end - m_begin <= BM // 2
+    if half:
+        _gg_tile(a_h_src, tok_ptr, w_src, a2_h_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
+                 dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
+                 stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
+                 PREC, EVEN_K, BM // 2, BN, BK)
     else:
         _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
                  dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
@@ -507,15 +504,21 @@ def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr,
             acc2 = tl.dot(p2, qv, acc2, input_precision=PREC)
     if O_DESC:
         e32 = e.to(tl.int32)
-        out_ptr.store([e32, pid_m * BM, pid_n * BN], tl.reshape(acc.to(out_ptr.dtype), [1, BM, BN]))
+        _store_tile_desc(out_ptr, acc, e32, pid_m * BM, pid_n * BN, BM, BN)
         if DUAL:
-            out2_ptr.store([e32, pid_m * BM, pid_n * BN], tl.reshape(acc2.to(out2_ptr.dtype), [1, BM, BN]))
+            _store_tile_desc(out2_ptr, acc2, e32, pid_m * BM, pid_n * BN, BM, BN)
     else:
         o = e.to(tl.int64) * stride_oe + ms.to(tl.int64)[:, None] * stride_om + ns[None, :]
         om = mmask[:, None] & nmask[None, :]
         tl.store(out_ptr + o, acc.to(out_ptr.dtype.element_ty), mask=om)
         if DUAL:
             tl.store(out2_ptr + o, acc2.to(out2_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _store_tile_desc(dst, acc, e32, m0, n0, BM: tl.constexpr, BN: tl.constexpr):
+    """Store the [BM, BN] tile acc, in dst's dtype, at (expert e32, m0, n0) through the 3-D TMA descriptor dst."""
+    dst.store([e32, m0, n0], tl.reshape(acc.to(dst.dtype), [1, BM, BN]))
 
 
 @triton.jit
@@ -654,9 +657,9 @@ def _wgrad_v2_kernel(p_src, p2_src, q_src, p_ptr, p2_ptr, ptok_ptr, q_ptr, qtok_
         # ---- epilogue
         if O_DESC:
             e32 = e.to(tl.int32)
-            o_dst.store([e32, m0, n0], tl.reshape(acc.to(o_dst.dtype), [1, BM, BN]))
+            _store_tile_desc(o_dst, acc, e32, m0, n0, BM, BN)
             if DUAL:
-                o2_dst.store([e32, m0, n0], tl.reshape(acc2.to(o2_dst.dtype), [1, BM, BN]))
+                _store_tile_desc(o2_dst, acc2, e32, m0, n0, BM, BN)
         else:
             # 64-bit scalar base, 32-bit offsets inside the tile (BM * stride_om < 2**31)
             base = e.to(tl.int64) * stride_oe + m0.to(tl.int64) * stride_om
