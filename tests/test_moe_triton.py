@@ -523,6 +523,14 @@ k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 
 ptx = k.asm["ptx"]
 print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"),
       "tanh", ptx.count("tanh.approx.f32"), "smem_ok", int(k.metadata.shared <= 227 * 1024))
+# the same kernel without half-height tiles (HALF False: the router, GEMMs above HALF_TILE_MAX_ROWS rows per expert):
+# the half-height branch must drop out at compile time (its [BM / 2] tile does not match the full-height blocks)
+types.update(a_h_src="tensordesc<bf16[128,64]>", a2_h_src="tensordesc<bf16[128,64]>")
+consts.update(HALF=False)
+sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+print("nohalf_wgmma", k.asm["ptx"].count("wgmma.mma_async"))
 fn = K._route_topk_kernel                                  # the router's top-k (with the bias check)
 types = dict(logit_ptr="*fp32", bias_ptr="*fp32", score_ptr="*fp32", idx_ptr="*i64", wt_ptr="*fp32",
              alpha_ptr="*fp32", bad_ptr="*i32", N="i32", E="i32", routed_scaling="fp32")
@@ -577,6 +585,7 @@ def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
     assert out.returncode == 0, out.stderr[-3000:]
     counts = dict(zip(*[iter(out.stdout.split())] * 2))
     assert int(counts["wgmma"]) > 0  # Hopper tensor-core MMA
+    assert int(counts["nohalf_wgmma"]) > 0  # and without half-height tiles
     assert int(counts["tma"]) > 0  # TMA loads of the token tile and both weight tiles
     assert int(counts["tanh"]) > 0  # SiTU in the epilogue
     assert counts["route"] == "1"   # the router's top-k kernel compiles too

@@ -319,7 +319,7 @@ def _grouped_gemm_kernel(
                                                 offs_ptr, E, BM)
     if e >= E:
         return
-    half = False                            # a constexpr unless HALF: then the tile's height decides at run time
+    half: tl.constexpr = False              # a constexpr unless HALF: then the tile's height decides at run time
     if HALF:
         half = m_end - m_begin <= BM // 2
     if half:
