@@ -14,7 +14,7 @@ Timing: triton.testing.do_bench (median, CUDA events). FLOPs: expert GEMMs 6*N*k
 forward+backward). Bytes: the weights read once (the floor for a weight-streaming layer) plus the
 token activations in and out. Limits: bf16 dense matmul ~720 TFLOP/s, device copy ~4.2 TB/s.
 
-Weight-gradient implementations (backends.triton.moe.WGRAD_IMPL "v1" (default) / "v2" / "v3" / "auto"; per-kernel
+Weight-gradient implementations (backends.triton.moe.WGRAD_IMPL "auto" (default) / "v1" / "v2" / "v3"; per-kernel
 launch-setting sweeps, v3 included: benchmarks/moe_tiles.py): --wgrad-compare times v1 and v2 in one run, the two weight-gradient launches alone (dW1|dW3: 4*N*k*l*I FLOPs, dW2:
 2*N*k*l*I, on random bf16 operands of the real shapes and the real routing) and the routed experts
 forward+backward with each (rows "triton:wgrad-<impl>"); it also checks that v2 matches v1.
@@ -468,18 +468,17 @@ def main():
                 "wgrad-wide": {"WGRAD_FEW_ROWS": 0},
                 # dx as one K loop over both operand pairs on 128 x 128 tiles (the 9th session's default)
                 "dx-pair2": {"dx": dict(BN=128, PAIR=2)},
-                # weight gradients for few rows per expert: the expert's P tile held, Q pipelined (128 x 64 tiles:
-                # the better of v3's two settings in the 10th session's moe_tiles.py sweep)
-                "wgrad-v3": {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)},
+                # the weight gradients by v1 at every size (the 12th session's default: "wgrad_few" tiles below
+                # WGRAD_FEW_ROWS rows per expert), against the default "auto" (v3 with depth classes there)
+                "wgrad-v1": {"WGRAD_IMPL": "v1"},
                 # the few-row weight-gradient tiles as in the 11th session (64-row K blocks in 2 stages, maxnreg 168,
-                # pointer stores), and those with TMA stores (the 12th session's first change)
-                "wgrad-11th": {"wgrad_few": dict(BK=64, num_stages=2, maxnreg=168, O_TMA=False)},
-                "wgrad-bk64-tma": {"wgrad_few": dict(BK=64, num_stages=2, maxnreg=168)},
+                # pointer stores)
+                "wgrad-11th": {"WGRAD_IMPL": "v1", "wgrad_few": dict(BK=64, num_stages=2, maxnreg=168, O_TMA=False)},
                 # every token-side m-tile at full height
                 "no-half": {n_: dict(HALF=False) for n_ in ("glu_fwd", "mm", "dx", "glu_bwd_mm")},
                 # the 11th session's experts: no half-height tiles, few-row weight gradients as then
                 "11th": dict({n_: dict(HALF=False) for n_ in ("glu_fwd", "mm", "dx", "glu_bwd_mm")},
-                             wgrad_few=dict(BK=64, num_stages=2, maxnreg=168, O_TMA=False)),
+                             WGRAD_IMPL="v1", wgrad_few=dict(BK=64, num_stages=2, maxnreg=168, O_TMA=False)),
             }
 
             for name, ch in trials.items():

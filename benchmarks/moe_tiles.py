@@ -62,6 +62,24 @@ _V2_FEW = [("v2 p3 128x128 nw4 BK32 s3 nreg168 O_TMA", {"WGRAD_IMPL": "v2", "wgr
            ("v2 1-tile 128x128 nw4 BK32 s3 nreg168 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(
                BK=32, num_warps=4, num_stages=3, NUM_PROGS=2 ** 31 - 1, maxnreg=168, O_TMA=True)})]
 
+# v3 with the held P^T depth following each expert's row count in KX steps (experts grouped by depth; 13th session)
+_V3X = [("v3x 128x64 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=32)}),
+        ("v3x 128x64 nw4 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4, KX=32)}),
+        ("v3x 128x128 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=128, KX=32)}),
+        ("v3x 256x64 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BM=256, BN=64, KX=32)}),
+        ("v3x 256x128 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BM=256, BN=128, KX=32)}),
+        ("v3x 128x64 KX16", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=16)}),
+        ("v3x 128x64 KX32 s4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=32, num_stages=4)}),
+        ("v3x 128x32 nw4 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=32, num_warps=4, KX=32)}),
+        # O_TMA: the gradient tile leaves through shared memory and the copy engine
+        ("v3x 128x128 KX32 TMA", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=128, KX=32, O_TMA=True)}),
+        ("v3x 128x128 KX32 s2 TMA", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=128, KX=32, num_stages=2, O_TMA=True)}),
+        ("v3x 256x64 KX32 TMA", {"WGRAD_IMPL": "v3", "wgrad3": dict(BM=256, BN=64, KX=32, O_TMA=True)}),
+        ("v3x 128x64 nw4 KX32 TMA", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4, KX=32, O_TMA=True)}),
+        ("v3x 128x64 nw4 KX32 s2 TMA", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4, KX=32, num_stages=2,
+                                                                           O_TMA=True)}),
+        ("v3x 128x64 KX32 TMA", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=32, O_TMA=True)})]
+
 # kernel -> [(label, {TILE_CONFIGS entry or "GLU_BWD_IMPL"/"WGRAD_IMPL": change})]
 SWEEPS = {
     # BM64 rows: 64-row tiles (146 rows per expert at 8192 tokens pad to 192 instead of 256); HALF: 128-row tiles, an
@@ -91,7 +109,7 @@ SWEEPS = {
            ("pair2 128x64 s4 nreg128", {"dx": dict(BN=64, PAIR=2, num_stages=4, maxnreg=128)}),
            ("pair3 BM64", {"dx": dict(BM=64)}), ("pair3 BM64 s4", {"dx": dict(BM=64, num_stages=4)}),
            ("pair3 BM64 nw4 s4", {"dx": dict(BM=64, num_warps=4, num_stages=4)}), ("pair3 HALF", {"dx": dict(HALF=True)})],
-    "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}), *_V2_FEW,
+    "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}), *_V3X, *_V2_FEW,
                 ("v1 2x 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}),
                 ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),
                 ("v2 dual", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True)}),
@@ -101,7 +119,7 @@ SWEEPS = {
                 *[("v1 2x " + lab, {"WGRAD_IMPL": "v1", "wgrad": t}) for lab, t in _V1_TILES],
                 ("v3 128x64 nw4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4)})],
     "wgrad2": [("v1 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}), ("v1 128x256", {"WGRAD_IMPL": "v1"}),
-               *[(lab, ch) for lab, ch in _V2_FEW],
+               *_V3X, *[(lab, ch) for lab, ch in _V2_FEW],
                ("v1 128x256 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(num_stages=2)}), ("v2", {"WGRAD_IMPL": "v2"}),
                ("v2 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(O_TMA=True)}), ("v3", {"WGRAD_IMPL": "v3"}),
                ("v3 128x64", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64)}),

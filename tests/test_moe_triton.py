@@ -448,22 +448,41 @@ def _naive_wgrad(p, q, offs, ptok=None, qtok=None):
     return out
 
 
-@pytest.mark.parametrize("impl", ["v1", "v2", "v3", "v3-fallback"])
+def _v3_launches(counts, kx, max_rows, base=16):
+    """The (KP, NX) depth classes v3 launches for these row counts (an independent restatement of the rule in
+    backends.triton.moe._wgrad_v3_groups: next power of two up to `base` rows, then `base` + NX blocks of kx;
+    experts over max_rows rows or 4 blocks are left to v1)."""
+    if not kx:
+        return int(max(counts) <= max_rows)
+    keys = set()
+    for c in counts:
+        if c <= base:
+            keys.add((max(16, 1 << max(c - 1, 0).bit_length()), 0))
+        elif c <= max_rows and -(-(c - base) // kx) <= 4:
+            keys.add((base, -(-(c - base) // kx)))
+    return len(keys)
+
+
+@pytest.mark.parametrize("impl", ["v1", "v2", "v3", "v3-pow2", "v3-fallback", "auto"])
 @pytest.mark.parametrize("counts", [[0, 37, 0, 16, 1, 0, 50], [0, 0, 70, 0], [5, 0, 0, 0, 0, 0]])
 @pytest.mark.parametrize("tma,gather", [(True, False), (False, False), (True, True)])
 def test_wgrad_kernels_match_loop(monkeypatch, impl, counts, tma, gather):
     """The weight-gradient kernels on their own (dual dW1|dW3 form and single dW2 form): experts
     with zero rows, all rows on one expert, row counts that are and are not multiples of the
     K block (16 on CPU), widths with partial tiles; TMA descriptors on and off, gathered rows.
-    v3 pads each expert's rows to a power of two (here 64 or 128); "v3-fallback": an expert over
-    WGRAD_V3_MAX_ROWS sends the call to v1."""
-    monkeypatch.setattr(tm, "WGRAD_IMPL", impl[:2])
+    v3 holds each expert's rows at a depth of 16 plus 16-row blocks (CPU "wgrad3": KP_BASE 16, KX 16; experts
+    grouped by depth, one launch per group); "v3-pow2": one launch at the next power of two of the largest
+    count (no KX); "v3-fallback": the experts over WGRAD_V3_MAX_ROWS go to v1 (an expert list), the others to v3;
+    "auto": v3 here (fewer than WGRAD_FEW_ROWS rows per expert)."""
+    monkeypatch.setattr(tm, "WGRAD_IMPL", impl[:2] if impl != "auto" else impl)
     v3_calls = []
     real_v3 = tm._wgrad_v3
     monkeypatch.setattr(tm, "_wgrad_v3", lambda *a, **k: (v3_calls.append(1), real_v3(*a, **k)))
     if impl == "v3-fallback":
         monkeypatch.setattr(tm, "WGRAD_V3_MAX_ROWS", 32)
     cfgs = {k_: dict(v, P_TMA=tma, Q_TMA=tma, O_TMA=tma) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
+    if impl == "v3-pow2":
+        cfgs["wgrad3"]["KX"] = None
     monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
     offs = torch.tensor([0] + counts, device=DEV).cumsum(0)
     rows, e = int(offs[-1]), len(counts)
@@ -489,8 +508,10 @@ def test_wgrad_kernels_match_loop(monkeypatch, impl, counts, tma, gather):
     for j, c in enumerate(counts):
         if c == 0:
             assert torch.equal(out[j], torch.zeros_like(out[j])), j  # exact zeros, no NaN left
-    # v3 ran (dual form: two launches, then the single form) unless an expert had too many rows
-    assert len(v3_calls) == (3 if impl == "v3" or (impl == "v3-fallback" and max(counts) <= 32) else 0)
+    # v3 ran (dual form: two launches per depth class, then the single form) on the experts it takes
+    max_rows = 32 if impl == "v3-fallback" else tm.WGRAD_V3_MAX_ROWS
+    ran_v3 = impl.startswith("v3") or impl == "auto"
+    assert len(v3_calls) == (3 * _v3_launches(counts, cfgs["wgrad3"]["KX"], max_rows) if ran_v3 else 0)
 
 
 def test_wgrad_impl_switch_rejects_unknown(monkeypatch):
@@ -620,15 +641,17 @@ spill = sum(int(w) for line in r.stderr.splitlines() if "spill" in line
             for w, nxt in zip(line.split(), line.split()[1:]) if nxt == "bytes" and w.isdigit())
 print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"), "spill", spill,
       "rc", r.returncode)
-# v3 (few rows per expert) at KP = 256 with the stage count the launcher picks: the Q loads pipelined (cp.async),
-# within the shared memory, no spills; pointers and strides 16-divisible as the JIT specialises them at run time
+# v3 (few rows per expert) at its deepest class, 128 + 4 x KX = 256 rows, with the stage count the launcher picks:
+# the Q loads pipelined (cp.async), within the shared memory, no spills; pointers and strides 16-divisible as the
+# JIT specialises them at run time
 from backends.triton import moe as M
 fn = K._wgrad_v3_kernel
 types = {n: "i32" for n in fn.arg_names}
-types.update(p_ptr=bf, q_ptr=bf, out_ptr=bf, ptok_ptr="*i64", qtok_ptr="*i64", offs_ptr="*i64")
+types.update(p_ptr=bf, q_ptr=bf, out_ptr=bf, ptok_ptr="*i64", qtok_ptr="*i64", offs_ptr="*i64", exp_ptr="*i32")
 c = M.TILE_CONFIGS["cuda"]["wgrad3"]
-consts = dict(P_GATHER=False, Q_GATHER=False, PREC="tf32", BM=c["BM"], BN=c["BN"], KP=256)
-stages = M._wgrad_v3_stages(c, 256, 2)
+consts = dict(P_GATHER=False, Q_GATHER=False, PREC="tf32", BM=c["BM"], BN=c["BN"], KP=128, KX=c["KX"], NX=4,
+              EXP_LIST=True, O_DESC=False)
+stages = M._wgrad_v3_stages(c, 128 + 4 * c["KX"], 2)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
          for n in fn.arg_names if n not in consts and not n.endswith("tiles")}
@@ -716,16 +739,27 @@ def test_gpu_moe_experts_bf16(n, l, e, i, k, glu_bwd, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,e,k", [(4097, 896, 16), (1000, 64, 8)])
-def test_gpu_wgrad_v3_bf16_matches_float32(n, e, k):
-    # v3 (few rows per expert: 73 / 125 on average here, KP 128 / 256) in bf16 against a float32 einsum per expert
+@pytest.mark.parametrize("n,e,k", [(4097, 896, 16), (1000, 64, 8), (8191, 896, 16)])
+@pytest.mark.parametrize("form", ["classes", "pow2"])
+def test_gpu_wgrad_v3_bf16_matches_float32(n, e, k, form, monkeypatch):
+    # v3 (few rows per expert: 73 / 125 / 146 on average here) in bf16 against a float32 einsum per expert;
+    # "classes": through _wgrad with the default "wgrad3" depth classes (KX), "pow2": one launch at the next
+    # power of two of the largest count
     l, i = 512, 384
     idx = torch.randn(n, e, device="cuda").topk(k, dim=1).indices
     d = tm._Dispatch(idx, e)
     p = torch.randn(d.nk, i, device="cuda").bfloat16()
     q = torch.randn(n, l, device="cuda").bfloat16()
     out = torch.full((e, i, l), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tm._wgrad_v3(p, q, d, i, l, out, tm.next_power_of_2(int((d.offs[1:] - d.offs[:-1]).max())), qtok=d.tok)
+    if form == "classes":
+        monkeypatch.setattr(tm, "WGRAD_IMPL", "v3")
+        calls = []
+        real_v3 = tm._wgrad_v3
+        monkeypatch.setattr(tm, "_wgrad_v3", lambda *a, **kw: (calls.append(kw["nx"]), real_v3(*a, **kw)))
+        tm._wgrad(p, q, d, i, l, out, qtok=d.tok)
+        assert calls and (n < 8000 or max(calls) >= 1)  # v3 ran, with 32-row blocks past 128 rows
+    else:
+        tm._wgrad_v3(p, q, d, i, l, out, tm.next_power_of_2(int((d.offs[1:] - d.offs[:-1]).max())), qtok=d.tok)
     want = torch.zeros(e, i, l, device="cuda")
     qf = q.float()[d.tok]
     for j in range(e):

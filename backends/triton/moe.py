@@ -17,13 +17,14 @@ activation's derivative dA, dB and d topk_weight (a row sum of G * h) over the s
 (GLU_BWD_IMPL "split", the default; "fused" puts that in the GEMM's epilogue); dx = dA w1 + dB w3
 through one grouped GEMM that runs its K loop over (dA, w1) and then over (dB, w3) into one accumulator
 (PAIR 3); the weight gradients by a grouped "K = tokens of the expert" GEMM, one of three kernels chosen
-by the module attribute WGRAD_IMPL ("v1" default, two single-output launches on 128 x 256 tiles, or
-128 x 128 four-warp tiles below WGRAD_FEW_ROWS rows per expert; "v2" persistent + TMA; "v3" for few
-rows per expert, which reads the largest expert's row count on the host; see its definition). The
+by the module attribute WGRAD_IMPL ("auto" default: "v3" below WGRAD_FEW_ROWS rows per expert, which
+holds an expert's P^T tile and groups the experts by their row counts on the host, else "v1", two
+single-output launches on 128 x 256 tiles; "v2" persistent + TMA; see their definitions). The
 SiTU-GLU's sigmoid and tanh run on the special-function unit (tanh.approx) on the GPU and exactly under
 the interpreter. Otherwise no host synchronisation in the
 GEMM path: the grids are upper bounds and the schedule lives on the device; the argument checks read
-back the expert-id range (moe_experts) and the non-finite-row flags (qb_route) once per call.
+back the expert-id range (moe_experts) and the non-finite-row flags (qb_route) once per call, and v3's
+row counts come through a copy to pinned memory that the forward starts (the backward waits for it only).
 
 Sources: DeepSeek-V3 (arXiv 2412.19437) Sec. 2.1.2 for the router; the Kimi K3 report
 (arXiv 2607.24653) / spec/OPS.md for Quantile Balancing, SiTU-GLU and Stable LatentMoE.
@@ -89,10 +90,13 @@ TILE_CONFIGS = {
                        P_TMA=True, Q_TMA=True, O_TMA=False),
         "wgrad2_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=1,
                             P_TMA=True, Q_TMA=True, O_TMA=False),
-        # WGRAD_IMPL "v3" (few rows per expert, opt-in): [BM, KP] P tile held, BN-column Q tiles pipelined; 10th session
-        # (moe_tiles.py, 8192 tokens, KP 256): 31.8 / 16.2 ms (dW1|dW3 / dW2) on 128 x 128 tiles, 23.1 / 11.6 on 128 x 64,
-        # against v1 on "wgrad_few" tiles 21.9 / 11.7; in the experts' forward+backward 96.8 ms against 92.9
-        "wgrad3": dict(BM=128, BN=128, num_warps=8, num_stages=3),  # (stages cut to what fits at large KP)
+        # WGRAD_IMPL "v3" (few rows per expert): the expert's P^T tile held, BN-column Q tiles pipelined. 10th session
+        # (moe_tiles.py, 8192 tokens, one power-of-two depth KP 256): 31.8 / 16.2 ms (dW1|dW3 / dW2) on 128 x 128
+        # tiles, 23.1 / 11.6 on 128 x 64, against v1 on "wgrad_few" tiles 21.9 / 11.7. 13th session: KX 32 (the depth
+        # follows each expert's rows in 32-row steps, 146 rows -> 160 deep; experts grouped by depth, one launch per
+        # group), two runs: 18.66, 18.31 / 9.18, 9.24 against v1's 20.13, 19.63 / 9.69, 9.73 ("v3x" rows of
+        # moe_tiles.py; 128 x 64 nw4 9.43, 256 x 64 9.41-9.46, KX 16 10.13, TMA stores 10.2-14.8: slower)
+        "wgrad3": dict(BM=128, BN=128, num_warps=8, num_stages=3, KX=32),  # (stages cut to what fits at large KP)
     },
     "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1,
                        A_TMA=True, W_TMA=True, P_TMA=True, Q_TMA=True, O_TMA=True, NUM_PROGS=3)
@@ -101,26 +105,27 @@ TILE_CONFIGS = {
            | {"glu_bwd_rows": dict(BLOCK_R=2, BLOCK_N=16, num_warps=4, num_stages=1)},
 }
 TILE_CONFIGS["cpu"]["dx"]["PAIR"] = 3  # as on the GPU (tests set 2 for the other form)
+TILE_CONFIGS["cpu"]["wgrad3"].update(KX=16, KP_BASE=16)  # v3's depth classes at the CPU tiles' scale
 
 # Which weight-gradient kernels (dW1|dW3 and dW2) the backward of moe_experts runs:
 #   "v1": _wgrad_kernel, one program per (expert, m-tile, n-tile), pointer loads (measured in
 #         benchmarks/results/moe.md);
 #   "v2": _wgrad_v2_kernel, persistent grid, TMA descriptors for the token-side operands with a
 #         peeled masked tail block per expert (configs "wgrad2" / "wgrad2_dual");
-#   "auto": v2 when the experts average at least WGRAD_V2_MIN_ROWS rows (N * k / E), else v1.
+#   "v3": _wgrad_v3_kernel, one program per (expert, m-tile) holding the expert's whole P^T tile and looping over
+#         n-tiles with the Q loads pipelined behind the products and stores, so that each Q element is read once per
+#         m-tile; for few rows per expert (8192 tokens of the K3 layer: 146 on average). The depth follows each
+#         expert's rows ("wgrad3" KX, see there). Experts over WGRAD_V3_MAX_ROWS rows go to v1 (one launch over
+#         those experts). Reads the row counts on the host: the forward starts their copy to pinned memory when the
+#         weights need gradients, so the backward waits for that small copy only (Dispatch.prefetch_counts).
+#   "auto" (default): v3 when the experts average fewer than WGRAD_FEW_ROWS rows (N * k / E), else v1.
 # Measured on the H200 (K3 layer, benchmarks/moe.py --wgrad-compare, 2026-11-29): at 32768 tokens (585 rows per
 # expert) v2 took 49.9 / 26.1 ms (dW1|dW3 / dW2) against v1's 54.2 / 28.9; at 8192 tokens (146 rows) 28.2 / 12.4
 # against 26.7 / 12.8.  With v1 on 128 x 256 tiles and two single-output launches (9th session, see TILE_CONFIGS)
 # v1 is the faster at 32768 tokens (49.0 + 25.2 ms against v2's 50.9 + 27.4) and within 3% of v2 at 8192 (23.9 + 12.8
-# against 23.3 + 12.6), so "v1" is the default.  Tests and benchmarks may set this module attribute.
-WGRAD_IMPL = "v1"
-WGRAD_V2_MIN_ROWS = 256
-#   "v3": _wgrad_v3_kernel, one program per (expert, m-tile) holding the expert's whole P^T tile (rows padded to KP,
-#         the next power of two >= the largest expert's rows, at least 16) and looping over n-tiles with the Q loads
-#         pipelined behind the products and stores; for few rows per expert (8192 tokens of the K3 layer: 146 on
-#         average), where v1 writes the gradient at ~1.3-1.6 TB/s. Experts over WGRAD_V3_MAX_ROWS rows fall back to v1.
-#         Reads the largest expert's row count on the host (one device sync per call). Timed in the 10th session
-#         (see "wgrad3" above): not faster than v1 on the "wgrad_few" tiles, so opt-in.
+# against 23.3 + 12.6); at 8192 v3 with KX 32 is faster than both (13th session, see "wgrad3").  Tests and
+# benchmarks may set this module attribute.
+WGRAD_IMPL = "auto"
 WGRAD_V3_MAX_ROWS = 256
 # (A persistent "v4", one flat software-pipelined loop over each program's (tile, K block) pairs so that the next
 # tile's loads overlap a tile's store, was timed in the 10th session and removed: 72.4 / 36.6 ms (dW1|dW3 / dW2) at
@@ -498,6 +503,24 @@ class _Dispatch:
         pos[perm] = torch.arange(self.nk, device=dev)
         self.pos = pos  # flat (token, slot) -> row
         self._sched = {}
+        self._counts = self._counts_ready = None
+
+    def prefetch_counts(self):
+        """Start copying the rows per expert to pinned host memory behind the work queued so far (CUDA), so that
+        host_counts() later waits for that copy only, not for the whole queue (a plain read-back would drain it:
+        the launches after it then start from an empty queue)."""
+        if self._counts is None and self.offs.is_cuda:
+            self._counts = torch.empty(self.e, dtype=torch.int64, pin_memory=True)
+            self._counts.copy_(self.offs[1:] - self.offs[:-1], non_blocking=True)
+            self._counts_ready = torch.cuda.Event()
+            self._counts_ready.record()
+
+    def host_counts(self):
+        """Rows per expert as a Python list (after prefetch_counts: waits for that copy; else one device sync)."""
+        if self._counts_ready is not None:
+            self._counts_ready.synchronize()
+            return self._counts.tolist()
+        return (self.offs[1:] - self.offs[:-1]).tolist()
 
     def schedule(self, bm):
         """(tile_expert [max_tiles] int64, tile_start [E] int64, max_tiles) for tile height bm."""
@@ -601,28 +624,36 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
         raise ValueError(f"moe_experts: WGRAD_IMPL must be 'auto', 'v1', 'v2' or 'v3', got {WGRAD_IMPL!r}")
     impl = WGRAD_IMPL
     if impl == "auto":
-        impl = "v2" if d.nk >= WGRAD_V2_MIN_ROWS * max(d.e, 1) else "v1"
+        impl = "v3" if d.nk < WGRAD_FEW_ROWS * d.e else "v1"
     if impl == "v2" and pscale is None:
         return _wgrad_v2(p, q, d, mm, nn, out, p2=p2, out2=out2, ptok=ptok, qtok=qtok)
+    rest = None  # the experts left to v1 (None: all of them)
     if impl == "v3" and pscale is None:
-        rows_max = int((d.offs[1:] - d.offs[:-1]).max()) if d.e else 0
-        if rows_max <= WGRAD_V3_MAX_ROWS:
-            kp = max(16, next_power_of_2(max(rows_max, 1)))
-            for pp, oo in ((p, out),) + (((p2, out2),) if p2 is not None else ()):
-                _wgrad_v3(pp, q, d, mm, nn, oo, kp, ptok=ptok, qtok=qtok)
+        groups, rest = _wgrad_v3_groups(_counts_of(d), _cfg("wgrad3", p))
+        for pp, oo in ((p, out),) + (((p2, out2),) if p2 is not None else ()):
+            for (kp, nx), experts in groups:
+                _wgrad_v3(pp, q, d, mm, nn, oo, kp, ptok=ptok, qtok=qtok, nx=nx, experts=experts)
+        if rest == []:
             return
     dual = p2 is not None
     cfg = _cfg("wgrad_dual" if dual else ("wgrad_few" if d.nk < WGRAD_FEW_ROWS * d.e else "wgrad"), p)
     bm, bn = cfg["BM"], cfg["BN"]
     m_tiles, n_tiles = cdiv(mm, bm), cdiv(nn, bn)
     o_desc, o_dst, o2_dst = _wgrad_out(cfg, out, out2 if dual else out, dual, bm, bn)
-    _k._wgrad_kernel[(d.e * m_tiles * n_tiles,)](
+    exp = d.offs if rest is None else _device_list(rest, p.device)
+    _k._wgrad_kernel[((d.e if rest is None else len(rest)) * m_tiles * n_tiles,)](
         p, p2 if dual else p, ptok if ptok is not None else d.tok,
         pscale if pscale is not None else p, q, qtok if qtok is not None else d.tok,
-        o_dst, o2_dst, d.offs, mm, nn, m_tiles, n_tiles,
+        o_dst, o2_dst, d.offs, exp, mm, nn, m_tiles, n_tiles,
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
-        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=cfg["BK"], O_DESC=o_desc, **_launch_cfg(cfg, p))
+        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=cfg["BK"], O_DESC=o_desc, EXP_LIST=rest is not None,
+        **_launch_cfg(cfg, p))
+
+
+def _device_list(experts, device):
+    """Expert ids as an int32 tensor on device (the EXP_LIST argument of the weight-gradient kernels)."""
+    return torch.tensor(experts, dtype=torch.int32).to(device, non_blocking=True)
 
 
 def _wgrad_out(cfg, out, out2, dual, bm, bn):
@@ -644,19 +675,62 @@ def _wgrad_v3_stages(cfg, kp, es):
     return max(1, min(cfg["num_stages"], fit))
 
 
-def _wgrad_v3(p, q, d, mm, nn, out, kp, *, ptok=None, qtok=None):
-    """Launch _wgrad_v3_kernel: out[e] = P_e^T Q_e for experts of at most kp rows (kp a power of two >= 16)."""
+def _counts_of(d):
+    """Rows per expert of dispatch d as a Python list, read once and kept on d for its other launches (d may be any
+    object with e and offs, as the tests' stand-ins)."""
+    counts = getattr(d, "_host_list", None)
+    if counts is None:
+        counts = (d.host_counts() if hasattr(d, "host_counts") else (d.offs[1:] - d.offs[:-1]).tolist()) if d.e else []
+        d._host_list = counts
+    return counts
+
+
+def _wgrad_v3_groups(counts, cfg):
+    """The v3 launches for experts of these row counts, and the experts left to v1: ([((KP, NX), experts or
+    None)], rest), rest = [] when v3 takes every expert, None when it takes none (v1 then runs over all of them).
+    v3 takes an expert of at most WGRAD_V3_MAX_ROWS rows (and at most KP_BASE + 4 KX with "KX").
+    Without "KX" in cfg: one launch over every expert at KP = the next power of two of the largest count (>= 16),
+    or none when an expert is too large. With "KX": experts grouped by depth, an expert of c rows at KP = next
+    power of two of c (>= 16) when c <= KP_BASE (default 128), else KP = KP_BASE and NX = ceil((c - KP_BASE) / KX)
+    more KX-row blocks; the experts too large for that go to v1."""
+    rows_max = max(counts, default=0)
+    kx = cfg.get("KX")
+    if not kx:
+        if rows_max > WGRAD_V3_MAX_ROWS:
+            return [], None
+        return [((max(16, next_power_of_2(max(rows_max, 1))), 0), None)], []
+    base = cfg.get("KP_BASE", 128)
+    groups, rest = {}, []
+    for e, c in enumerate(counts):
+        key = (max(16, next_power_of_2(max(c, 1))), 0) if c <= base else (base, cdiv(c - base, kx))
+        if key[1] > 4 or c > WGRAD_V3_MAX_ROWS:
+            rest.append(e)
+        else:
+            groups.setdefault(key, []).append(e)
+    if len(rest) == len(counts):
+        return [], None
+    return sorted(groups.items()), rest
+
+
+def _wgrad_v3(p, q, d, mm, nn, out, kp, *, ptok=None, qtok=None, nx=0, experts=None):
+    """Launch _wgrad_v3_kernel: out[e] = P_e^T Q_e for experts of at most kp + nx * KX rows (kp a power of two
+    >= 16; KX from the "wgrad3" config, 16 when unset), over every expert or over the list `experts`."""
     cfg = _cfg("wgrad3", p)
     bm, bn = cfg["BM"], cfg["BN"]
+    kx = cfg.get("KX") or 16
     m_tiles = cdiv(mm, bm)
     _check_tile_rows("weight-gradient", out.stride(1), bm)
     launch = _launch_cfg(cfg, p)
     if p.is_cuda:
-        launch["num_stages"] = _wgrad_v3_stages(cfg, kp, p.element_size())
-    _k._wgrad_v3_kernel[(d.e * m_tiles,)](
-        p, ptok if ptok is not None else d.tok, q, qtok if qtok is not None else d.tok, out, d.offs,
+        launch["num_stages"] = _wgrad_v3_stages(cfg, kp + nx * kx, p.element_size())
+    exp = d.offs if experts is None else _device_list(experts, p.device)
+    n_exp = d.e if experts is None else len(experts)
+    o_desc, o_dst, _ = _wgrad_out(cfg, out, out, False, bm, bn)
+    _k._wgrad_v3_kernel[(n_exp * m_tiles,)](
+        p, ptok if ptok is not None else d.tok, q, qtok if qtok is not None else d.tok, o_dst, d.offs, exp,
         mm, nn, m_tiles, p.stride(0), q.stride(0), out.stride(0), out.stride(1),
-        P_GATHER=ptok is not None, Q_GATHER=qtok is not None, PREC=_prec(p.dtype), BM=bm, BN=bn, KP=kp, **launch)
+        P_GATHER=ptok is not None, Q_GATHER=qtok is not None, PREC=_prec(p.dtype), BM=bm, BN=bn, KP=kp, KX=kx,
+        NX=nx, EXP_LIST=experts is not None, O_DESC=o_desc, **launch)
 
 
 def _num_sms(t):
@@ -762,6 +836,8 @@ class _ExpertsFn(torch.autograd.Function):
         if w1.stride() != w3.stride():
             w1, w3 = w1.contiguous(), w3.contiguous()
         need_grad = any(ctx.needs_input_grad)
+        if any(ctx.needs_input_grad[3:6]):
+            d.prefetch_counts()  # the weight gradients' v3 launches read them; copied now, in the GPU's order
         # GEMM 1 + SiTU-GLU, scaled by the routing weight of the row:
         #   hw[r] = p[r] glu(x[tok r] w1^T, x[tok r] w3^T)      (N = I, K = l)
         g1, g2 = "glu_fwd", "mm"

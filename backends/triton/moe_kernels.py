@@ -453,21 +453,26 @@ def _glu_bwd_rows_kernel(g_ptr, a_ptr, b_ptr, wrow_ptr, da_ptr, db_ptr, dwrow_pt
 
 
 @triton.jit
-def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr, out2_ptr, offs_ptr,
+def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr, out2_ptr, offs_ptr, exp_ptr,
                   MM, NN, m_tiles, n_tiles,
                   stride_pm, stride_qm, stride_oe, stride_om,
                   P_GATHER: tl.constexpr, P_SCALE: tl.constexpr, Q_GATHER: tl.constexpr,
                   DUAL: tl.constexpr, PREC: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, O_DESC: tl.constexpr = False):
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, O_DESC: tl.constexpr = False,
+                  EXP_LIST: tl.constexpr = False):
     """Weight gradient of every expert: out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n]
     (and out2[e] = P2^T Q when DUAL, sharing the Q tile), with P rows gathered/scaled
     (P[r] = pscale[r] * p[ptok[r]]) and Q rows gathered (Q[r] = q[qtok[r]]) on request.
     Experts with no row get an exact zero block. Grid: E * m_tiles * n_tiles, n fastest.
     O_DESC: out_ptr / out2_ptr are 3-D TMA descriptors over out [E, MM, NN] with block [1, BM, BN] (the tile
-    goes out through shared memory and the copy engine, which clips the edges), else masked pointer stores."""
+    goes out through shared memory and the copy engine, which clips the edges), else masked pointer stores.
+    EXP_LIST: the programs cover only the experts exp_ptr[0 ..] (grid: len * m_tiles * n_tiles; the experts that
+    v3 leaves over), else every expert."""
     pid = tl.program_id(0)
     per_e = m_tiles * n_tiles
     e = pid // per_e
+    if EXP_LIST:
+        e = tl.load(exp_ptr + e)
     rem = pid % per_e
     pid_m = rem // n_tiles
     pid_n = rem % n_tiles
@@ -546,28 +551,54 @@ def _wgrad_q_tile(q_ptr, qtok_ptr, k0, kk, rmask, ns, nmask, stride_qm, Q_GATHER
 
 
 @triton.jit
-def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, MM, NN, m_tiles,
+def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_ptr, MM, NN, m_tiles,
                      stride_pm, stride_qm, stride_oe, stride_om,
                      P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, PREC: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, KX: tl.constexpr = 16,
+                     NX: tl.constexpr = 0, EXP_LIST: tl.constexpr = False, O_DESC: tl.constexpr = False):
     """Weight gradient for few rows per expert ("v3"; same result as ``_wgrad_kernel`` without DUAL / P_SCALE):
-    out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n], every expert having at most KP rows (the host checks).
+    out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n], every expert having at most KP + NX * KX rows (the host
+    checks).
 
-    One program per (expert, m-tile): the expert's P^T tile [BM, KP] is loaded once (rows past the expert read
-    as 0), then the loop over the n-tiles loads Q [KP, BN], forms one KP-deep product and stores the [BM, BN]
-    gradient tile. The n loop is the software-pipelined loop, so the next Q tile is in flight while a tile is
-    multiplied and stored: at a few hundred rows per expert the gradient's bytes (E x MM x NN) dominate and v1's
-    one short K loop per program leaves the stores unoverlapped."""
+    One program per (expert, m-tile): the expert's P^T tile is loaded once (rows past the expert read as 0), as
+    one [BM, KP] block and NX [BM, KX] blocks after it (0 <= NX <= 4), so that the depth can follow the row count
+    in KX steps (146 rows: 128 + 32 = 160, where one power-of-two block would be 256 deep). The loop over the
+    n-tiles loads the matching Q blocks, forms the product and stores the [BM, BN] gradient tile; it is the
+    software-pipelined loop, so the next Q tiles are in flight while a tile is multiplied and stored. Each Q
+    element is read once per m-tile, against once per (m-tile, n-tile) pair with P too in v1: at a few hundred
+    rows per expert that operand traffic, not the gradient's stores, bounds v1.
+    EXP_LIST: program j // m_tiles works on expert exp_ptr[j // m_tiles] (the host groups experts by depth),
+    else on expert j // m_tiles. O_DESC: out_ptr is a 3-D TMA descriptor over out [E, MM, NN] with block
+    [1, BM, BN] (the copy engine writes the tile and clips the edges), else masked pointer stores."""
     pid = tl.program_id(0)
     e = pid // m_tiles
     pid_m = pid % m_tiles
+    if EXP_LIST:
+        e = tl.load(exp_ptr + e)
     r0 = tl.load(offs_ptr + e).to(tl.int64)
     r1 = tl.load(offs_ptr + e + 1).to(tl.int64)
     kk = tl.arange(0, KP)
     rmask = (r0 + kk) < r1
+    kx = tl.arange(0, KX)
     ms = pid_m * BM + tl.arange(0, BM)
     mmask = ms < MM
     pt = _wgrad_p_tile(p_ptr, ptok_ptr, r0, kk, rmask, ms, mmask, stride_pm, P_GATHER)  # [BM, KP]
+    if NX >= 1:
+        x1 = r0 + KP
+        m1 = (x1 + kx) < r1
+        p1 = _wgrad_p_tile(p_ptr, ptok_ptr, x1, kx, m1, ms, mmask, stride_pm, P_GATHER)  # [BM, KX]
+    if NX >= 2:
+        x2 = x1 + KX
+        m2 = (x2 + kx) < r1
+        p2 = _wgrad_p_tile(p_ptr, ptok_ptr, x2, kx, m2, ms, mmask, stride_pm, P_GATHER)
+    if NX >= 3:
+        x3 = x2 + KX
+        m3 = (x3 + kx) < r1
+        p3 = _wgrad_p_tile(p_ptr, ptok_ptr, x3, kx, m3, ms, mmask, stride_pm, P_GATHER)
+    if NX >= 4:
+        x4 = x3 + KX
+        m4 = (x4 + kx) < r1
+        p4 = _wgrad_p_tile(p_ptr, ptok_ptr, x4, kx, m4, ms, mmask, stride_pm, P_GATHER)
     base = e.to(tl.int64) * stride_oe + (pid_m * BM).to(tl.int64) * stride_om
     o_rows = tl.arange(0, BM)[:, None] * stride_om  # 32-bit in-tile offsets (BM * stride_om < 2**31)
     for n0 in range(0, NN, BN):
@@ -575,8 +606,23 @@ def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, MM, NN
         nmask = ns < NN
         qv = _wgrad_q_tile(q_ptr, qtok_ptr, r0, kk, rmask, ns, nmask, stride_qm, Q_GATHER)  # [KP, BN]
         acc = tl.dot(pt, qv, input_precision=PREC, out_dtype=tl.float32)
-        tl.store(out_ptr + base + (o_rows + ns[None, :]), acc.to(out_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        if NX >= 1:
+            acc = tl.dot(p1, _wgrad_q_tile(q_ptr, qtok_ptr, x1, kx, m1, ns, nmask, stride_qm, Q_GATHER), acc,
+                         input_precision=PREC)
+        if NX >= 2:
+            acc = tl.dot(p2, _wgrad_q_tile(q_ptr, qtok_ptr, x2, kx, m2, ns, nmask, stride_qm, Q_GATHER), acc,
+                         input_precision=PREC)
+        if NX >= 3:
+            acc = tl.dot(p3, _wgrad_q_tile(q_ptr, qtok_ptr, x3, kx, m3, ns, nmask, stride_qm, Q_GATHER), acc,
+                         input_precision=PREC)
+        if NX >= 4:
+            acc = tl.dot(p4, _wgrad_q_tile(q_ptr, qtok_ptr, x4, kx, m4, ns, nmask, stride_qm, Q_GATHER), acc,
+                         input_precision=PREC)
+        if O_DESC:
+            _store_tile_desc(out_ptr, acc, e.to(tl.int32), pid_m * BM, n0, BM, BN)
+        else:
+            tl.store(out_ptr + base + (o_rows + ns[None, :]), acc.to(out_ptr.dtype.element_ty),
+                     mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
