@@ -126,13 +126,12 @@ def test_cu_seqlens_uneven(impl):
 
 
 @pytest.mark.parametrize("seg", [None, 2])
-@pytest.mark.parametrize("bv,transposed", [(16, False), (64, False), (16, True)])
-def test_value_blocks_forward_and_backward(bv, transposed, seg, monkeypatch):
+@pytest.mark.parametrize("bv", [16, 64])
+def test_value_blocks_forward_and_backward(bv, seg, monkeypatch):
     # H_CFG["bv"] = 16 / 64: the serial passes (state pass, segment maps, the backward's dS chain) on 16 / 64
     # state columns per program (16: what "auto" picks for forwards without autograd when 16-column programs
     # fit one per SM); V = 64 + initial and final state, gradients of every input against the reference.
-    # transposed: the state pass with the state held as S^T (_fwd_h_kernel TRANS)
-    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=bv, transposed=transposed))
+    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=bv))
     B, T, H, K, V = 1, 150, 2, 16, 64
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
     ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S0)]
@@ -441,12 +440,6 @@ for r_fast in (False, True):
 ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr", FTZ="constexpr"),
            dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=True, FTZ=True), cfg5["nw_strip"], cfg5["ns_strip"])
 assert "ex2.approx.ftz.f32" in ck.asm["ptx"], "v5 strip kernel (ftz): no flush-to-zero exponential"
-ck = build(tk._fwd_h_kernel, dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I,
-                                 seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr",
-                                 MODE="constexpr", STORE="constexpr", STORE_VN="constexpr", TRANS="constexpr"),
-           dict(K=128, V=128, BV=16, SW=128, MODE=0, STORE=True, STORE_VN=True, TRANS=True), tk.H_CFG["num_warps"], 3)
-assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "transposed state pass: no tensor-core instruction"
-assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
                                          FAST="constexpr"), dict(K=128, FAST=True), cfg5["nw_cumsum"], 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
@@ -537,17 +530,20 @@ def test_hopper_compile_uses_tensor_cores():
                                          (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"), (4, 8, "v4-rfast"),
                                          (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast"), (4, 8, "v5-tf32solve"),
                                          (4, 8, "v5-bv64"), (96, None, "v5-bv64"), (4, 8, "v5-bv16"),
-                                         (16, None, "v5"), (4, 8, "v5-ftz"), (4, 8, "v5-hT"), (16, None, "v5-hT")])
+                                         (16, None, "v5"), (4, 8, "v5-ftz"), (4, 8, "v5-default"),
+                                         (16, None, "v5-default")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
+    # "v5-default": the forward exactly as configured (INTRA5_CFG, H_CFG untouched); the other v5 rows set
+    # r_fast, solve_prec and ftz themselves
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles"),
                                                **(dict(r_fast=True, BK=64, nw_strip=8) if intra == "v4-rfast" else {})))
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast") or intra == "v5-ftz",
-                                               solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee",
-                                               ftz=intra == "v5-ftz"))
-    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv={"bv64": 64, "bv16": 16}.get(intra.split("-")[-1],
-                                                                                   tk.H_CFG["bv"]),
-                                          transposed=intra.endswith("hT")))
+    if intra != "v5-default":
+        monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast") or intra == "v5-ftz",
+                                                   solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee",
+                                                   ftz=intra == "v5-ftz"))
+        monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv={"bv64": 64, "bv16": 16}.get(intra.split("-")[-1],
+                                                                                       tk.H_CFG["bv"])))
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,

@@ -1021,7 +1021,7 @@ def _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s):
 @triton.jit
 def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SW: tl.constexpr,
-                  MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr, TRANS: tl.constexpr = False):
+                  MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr):
     """The serial state chain of one segment, one head and BV state columns; nothing else on it.
 
     Per chunk c (tokens t0 .. t0+63 of the segment, rows past the segment end read as 0):
@@ -1031,11 +1031,7 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
     MODE 0: S [K, BV] starts from S_IN (width V), columns vb*BV..; MODE 1: the augmented transition
     [M | D] (width SW = K+V): columns < K start as the identity and see no U, columns >= K start at 0 and
     see U.  S_OUT gets the state after the segment.  The token addresses are affine in the loop counter
-    (t0 = segment start + 64 j), so the loads of chunk j+1 are issued while chunk j computes.
-    TRANS (MODE 0 only; H_CFG "transposed"): the state held as S^T [BV, K], W^T = U^T - S^T Wk^T and
-    S^T <- S^T diag(e^(G_C)) + W^T (k e^(G_C - G)), so that each of the chain's two products takes the chain's
-    value as its register operand (as flash attention's P V does) and the chunk's tiles are the shared-memory
-    operands; same results up to summation order (12th session: prepared, not yet timed on the GPU)."""
+    (t0 = segment start + 64 j), so the loads of chunk j+1 are issued while chunk j computes."""
     vb = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -1043,11 +1039,7 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
     rows = tl.arange(0, 64)
     dk = tl.arange(0, K)
     cols = vb * BV + tl.arange(0, BV)
-    if TRANS:
-        S = tl.load(S_IN + ((tl.cast(s, tl.int64) * H + h) * K + dk[None, :]) * V + cols[:, None])   # [BV, K]
-        ucol = cols
-        umask = cols < V
-    elif MODE == 0:
+    if MODE == 0:
         S = tl.load(S_IN + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * V + cols[None, :])
         ucol = cols
         umask = cols < V
@@ -1057,12 +1049,8 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         umask = cols >= K
     # scalar bases advanced per chunk + loop-invariant int32 tile offsets (no 64-bit pointer tiles carried)
     ok = rows[:, None] * (H * K) + dk[None, :]
-    if TRANS:
-        ou = rows[None, :] * (H * V) + ucol[:, None]            # [BV, 64]: U^T and VN^T
-        oh = dk[None, :] * V + cols[:, None]                    # [BV, K]: HB^T
-    else:
-        ou = rows[:, None] * (H * V) + ucol[None, :]
-        oh = dk[:, None] * V + cols[None, :]
+    ou = rows[:, None] * (H * V) + ucol[None, :]
+    oh = dk[:, None] * V + cols[None, :]
     bk = WK + (ts * H + h) * K
     bd = KD + (ts * H + h) * K
     bu = U + (ts * H + h) * V
@@ -1078,20 +1066,12 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         if STORE:
             tl.store(bh + oh, S.to(HB.dtype.element_ty))
         wk = tl.load(bk + ok, mask=rm[:, None], other=0.0)
-        if TRANS:
-            uu = tl.load(bu + ou, mask=rm[None, :] & umask[:, None], other=0.0).to(tl.float32)
-            W = uu - tl.dot(S.to(wk.dtype), tl.trans(wk))
-            if STORE_VN:
-                tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[None, :])
-            kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
-            S = S * gam[None, :] + tl.dot(W.to(kd.dtype), kd)
-        else:
-            uu = tl.load(bu + ou, mask=rm[:, None] & umask[None, :], other=0.0).to(tl.float32)
-            W = uu - tl.dot(wk, S.to(wk.dtype))
-            if STORE_VN:
-                tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[:, None])
-            kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
-            S = S * gam[:, None] + tl.dot(tl.trans(kd), W.to(kd.dtype))
+        uu = tl.load(bu + ou, mask=rm[:, None] & umask[None, :], other=0.0).to(tl.float32)
+        W = uu - tl.dot(wk, S.to(wk.dtype))
+        if STORE_VN:
+            tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[:, None])
+        kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
+        S = S * gam[:, None] + tl.dot(tl.trans(kd), W.to(kd.dtype))
         gam = gnext
         bk += 64 * H * K
         bd += 64 * H * K
@@ -1099,10 +1079,7 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         bn += 64 * H * V
         bg += H * K
         bh += H * K * V
-    if TRANS:
-        tl.store(S_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[None, :]) * SW + cols[:, None], S)
-    else:
-        tl.store(S_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * SW + cols[None, :], S)
+    tl.store(S_OUT + ((tl.cast(s, tl.int64) * H + h) * K + dk[:, None]) * SW + cols[None, :], S)
 
 
 @triton.jit
@@ -1791,12 +1768,13 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # end of j's row block) written by the cumsum kernel, so that the strip kernel loads 2 bytes per element instead of
 # 6 and takes 4 x BK exponentials per slice instead of 64 x BK: cumsum 4.8 -> 11.4 ms at 1M (255 registers), strip
 # 19.2 -> 23.3 (18.4 with maxnreg 80), o error 3.6e-3 -> 4.0e-3 against fla; forward 66.6 against 56.0 ms.
-# ftz (12th session, prepared, NOT yet timed on the GPU: no device time was left): the strip kernel's dense-path
-# exponentials as ex2.approx.ftz.f32 (_ex). An Nsight Compute profile (H=16, T=64K) shows that kernel instruction-bound
-# (IPC 2.3, DRAM 40%); its sm_90a SASS shrinks 1120 -> 1032 instructions with it. Time it with
-# benchmarks/kda.py --alt "INTRA5_CFG:ftz=True" before making it the default.
+# ftz: the strip kernel's dense-path exponentials as ex2.approx.ftz.f32 (_ex; results below 2^-126 flush to 0). An
+# Nsight Compute profile (H=16, T=64K) shows that kernel instruction-bound (IPC 2.3, DRAM 40%); its sm_90a SASS
+# shrinks 1120 -> 1032 instructions with it (12th session). Timed in the 13th (benchmarks/kda.py --alt
+# "INTRA5_CFG:ftz=True", H200, forward): H=16 64K 3.554 -> 3.516 ms, 1M 56.03 -> 55.53, H=96 64K 18.78 -> 18.62;
+# o error against the reference unchanged (3.6e-3 - 3.7e-3), so on by default.
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
-                  r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True, ftz=False)
+                  r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True, ftz=True)
 
 
 def _solve_prec(cfg):
@@ -1940,12 +1918,11 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
 # the split model, which the backward's passes were tuned with).  H200, 11th session, H=16, T=1M forward sweep:
 # 2 stages unsplit 65.1 ms, split (33 segments) 61.7; 3 stages unsplit 58.6, split into 8 59.5.
 H_CFG = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv="auto", stages_one_wave=3, w_one_wave=1.1,
-             one_wave_grad=False, transposed=False)
-# transposed (12th session, prepared, NOT yet timed on the GPU): the forward state pass with TRANS, the state
-# held as S^T [BV, K] so that each of the chain's two products takes the chain's value as its register operand (sm_90a
-# compile at BV 16: mma.sync instead of wgmma, 976 against 1064 SASS instructions, 70 against 106 KB of shared
-# memory). The state pass is the serial chunk-to-chunk chain (27% of the forward at H=16, 64K under ncu). Time it
-# with benchmarks/kda.py --alt "H_CFG:transposed=True" before making it the default.
+             one_wave_grad=False)
+# (A "transposed" state pass, the state held as S^T [BV, K] so that each of the chain's two products takes the
+# chain's value as its register operand (12th session; sm_90a at BV 16: mma.sync instead of wgmma, 976 against 1064
+# SASS instructions), was timed in the 13th session and removed: forward at H=16 3.55 -> 4.18 ms at 64K and
+# 56.0 -> 66.2 at 1M, H=96 64K 18.78 -> 18.96 (benchmarks/kda.py --alt, H200).)
 # bv: state columns per program of the serial passes (forward state pass and the backward's dS chain): 32, 64, or
 # "auto" = 64 when 32-column programs (sequences x heads x V / 32) would not fit one wave of slots unsplit.  At
 # H=96, K=V=128 on the H200: 384 programs on 264 slots, i.e. two waves of the whole serial chain (state pass 0.51 ms
@@ -2004,7 +1981,7 @@ def _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn):
     S_OUT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
     _fwd_h_kernel[(V // BV, H, NS)](WK, U, KD, GAM, VN, HB, S_IN, S_OUT, tab["seg_t0"], tab["seg_t1"],
                                     tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True,
-                                    STORE_VN=store_vn, TRANS=bool(H_CFG.get("transposed")),
+                                    STORE_VN=store_vn,
                                     num_warps=H_CFG["num_warps"], num_stages=_pass_stages(V // BV * H * NS, dev))
     return HB, (VN if store_vn else None), S_OUT
 
