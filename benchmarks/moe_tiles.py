@@ -70,6 +70,8 @@ _V3X = [("v3x 128x64 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=32)}),
         ("v3x 256x128 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BM=256, BN=128, KX=32)}),
         ("v3x 128x64 KX16", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=16)}),
         ("v3x 128x64 KX32 s4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=32, num_stages=4)}),
+        ("v3x 128x128 KX32 s2", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=128, KX=32, num_stages=2)}),
+        ("v3x 128x128 nw4 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=128, num_warps=4, KX=32)}),
         ("v3x 128x32 nw4 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=32, num_warps=4, KX=32)}),
         # O_TMA: the gradient tile leaves through shared memory and the copy engine
         ("v3x 128x128 KX32 TMA", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=128, KX=32, O_TMA=True)}),
