@@ -89,7 +89,13 @@ SWEEPS = {
     "glu_fwd": [("default", {}), ("s4", {"glu_fwd": dict(num_stages=4)}), ("BN64 s4", {"glu_fwd": dict(BN=64, num_stages=4)}),
                 ("BM64", {"glu_fwd": dict(BM=64)}), ("BM64 s4", {"glu_fwd": dict(BM=64, num_stages=4)}),
                 ("BM64 nw4 s4", {"glu_fwd": dict(BM=64, num_warps=4, num_stages=4)}),
-                ("HALF", {"glu_fwd": dict(HALF=True)})],
+                ("HALF", {"glu_fwd": dict(HALF=True)}),
+                # two programs per SM (smaller tiles or fewer stages), so that one's SiTU epilogue overlaps the other's
+                # K loop (13th session)
+                ("BN64 s3", {"glu_fwd": dict(BN=64)}), ("BN64 nw4 s3", {"glu_fwd": dict(BN=64, num_warps=4)}),
+                ("BN64 nw4 s2", {"glu_fwd": dict(BN=64, num_warps=4, num_stages=2)}),
+                ("BK32 s4", {"glu_fwd": dict(BK=32, num_stages=4)}), ("BK32 s6", {"glu_fwd": dict(BK=32, num_stages=6)}),
+                ("BN64 s3 nreg128", {"glu_fwd": dict(BN=64, maxnreg=128)})],
     "mm": [("default", {}), ("s4", {"mm": dict(num_stages=4)}),
            ("128x128 s4 nreg128", {"mm": dict(BN=128, num_stages=4, maxnreg=128)}),
            ("BM64", {"mm": dict(BM=64)}), ("BM64 s4", {"mm": dict(BM=64, num_stages=4)}),

@@ -540,7 +540,10 @@ consts = dict(PAIR=1, EPI=1, SAVE=True, ROW_SCALE=True, ACT=0, FAST=True, A_MODE
               PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64, HALF=True)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+cg = M.TILE_CONFIGS["cuda"]["glu_fwd"]  # the GPU's launch settings of GEMM 1 (these tiles: 128 x 128 x 64)
+assert (cg["BM"], cg["BN"], cg["BK"]) == (128, 128, 64), cg
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cg["num_warps"],
+                                                                   "num_stages": cg["num_stages"]})
 ptx = k.asm["ptx"]
 print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"),
       "tanh", ptx.count("tanh.approx.f32"), "smem_ok", int(k.metadata.shared <= 227 * 1024))

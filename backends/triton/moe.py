@@ -58,7 +58,9 @@ __all__ = [
 TILE_CONFIGS = {
     "cuda": {
         "router": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True),
+        # GEMM 1 + SiTU-GLU: 4 stages since the 13th session (moe_tiles.py, H200, ms with 3 / 4 stages: 8192 tokens
+        # 17.51 / 16.07, 17.49 / 16.94, 17.50 / 17.01, 17.09 / 15.61; 32768 tokens 45.85 / 44.03)
+        "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True, HALF=True),
         "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True),
         # dx = dA w1 + dB w3: PAIR 3 (the two products one after the other, so one operand pair per pipeline stage
         # and 128 x 256 tiles fit; PAIR 2 loads both pairs per stage, 128 x 128 tiles). 10th session, moe_tiles.py:
