@@ -551,6 +551,21 @@ def _wgrad_q_tile(q_ptr, qtok_ptr, k0, kk, rmask, ns, nmask, stride_qm, Q_GATHER
 
 
 @triton.jit
+def _wgrad_p_block(p_ptr, ptok_ptr, x0, kx, r1, ms, mmask, stride_pm, P_GATHER: tl.constexpr):
+    """(row mask, [BM, KX] tile P[x0 + kx, ms]^T) for the rows x0 + kx, those at or past r1 masked to 0."""
+    m = (x0 + kx) < r1
+    return m, _wgrad_p_tile(p_ptr, ptok_ptr, x0, kx, m, ms, mmask, stride_pm, P_GATHER)
+
+
+@triton.jit
+def _wgrad_block_dot(acc, pb, q_ptr, qtok_ptr, x0, kx, m, ns, nmask, stride_qm, Q_GATHER: tl.constexpr,
+                     PREC: tl.constexpr):
+    """acc + pb [BM, KX] @ Q[x0 + kx, ns] [KX, BN] (rows with m False read 0)."""
+    return tl.dot(pb, _wgrad_q_tile(q_ptr, qtok_ptr, x0, kx, m, ns, nmask, stride_qm, Q_GATHER), acc,
+                  input_precision=PREC)
+
+
+@triton.jit
 def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_ptr, MM, NN, m_tiles,
                      stride_pm, stride_qm, stride_oe, stride_om,
                      P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, PREC: tl.constexpr,
@@ -583,22 +598,19 @@ def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_pt
     ms = pid_m * BM + tl.arange(0, BM)
     mmask = ms < MM
     pt = _wgrad_p_tile(p_ptr, ptok_ptr, r0, kk, rmask, ms, mmask, stride_pm, P_GATHER)  # [BM, KP]
+    # the NX blocks of KX rows after the first KP (Triton has no list of tiles: one name per block)
     if NX >= 1:
         x1 = r0 + KP
-        m1 = (x1 + kx) < r1
-        p1 = _wgrad_p_tile(p_ptr, ptok_ptr, x1, kx, m1, ms, mmask, stride_pm, P_GATHER)  # [BM, KX]
+        m1, p1 = _wgrad_p_block(p_ptr, ptok_ptr, x1, kx, r1, ms, mmask, stride_pm, P_GATHER)  # [BM, KX]
     if NX >= 2:
         x2 = x1 + KX
-        m2 = (x2 + kx) < r1
-        p2 = _wgrad_p_tile(p_ptr, ptok_ptr, x2, kx, m2, ms, mmask, stride_pm, P_GATHER)
+        m2, p2 = _wgrad_p_block(p_ptr, ptok_ptr, x2, kx, r1, ms, mmask, stride_pm, P_GATHER)
     if NX >= 3:
         x3 = x2 + KX
-        m3 = (x3 + kx) < r1
-        p3 = _wgrad_p_tile(p_ptr, ptok_ptr, x3, kx, m3, ms, mmask, stride_pm, P_GATHER)
+        m3, p3 = _wgrad_p_block(p_ptr, ptok_ptr, x3, kx, r1, ms, mmask, stride_pm, P_GATHER)
     if NX >= 4:
         x4 = x3 + KX
-        m4 = (x4 + kx) < r1
-        p4 = _wgrad_p_tile(p_ptr, ptok_ptr, x4, kx, m4, ms, mmask, stride_pm, P_GATHER)
+        m4, p4 = _wgrad_p_block(p_ptr, ptok_ptr, x4, kx, r1, ms, mmask, stride_pm, P_GATHER)
     base = e.to(tl.int64) * stride_oe + (pid_m * BM).to(tl.int64) * stride_om
     o_rows = tl.arange(0, BM)[:, None] * stride_om  # 32-bit in-tile offsets (BM * stride_om < 2**31)
     for n0 in range(0, NN, BN):
@@ -607,17 +619,13 @@ def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_pt
         qv = _wgrad_q_tile(q_ptr, qtok_ptr, r0, kk, rmask, ns, nmask, stride_qm, Q_GATHER)  # [KP, BN]
         acc = tl.dot(pt, qv, input_precision=PREC, out_dtype=tl.float32)
         if NX >= 1:
-            acc = tl.dot(p1, _wgrad_q_tile(q_ptr, qtok_ptr, x1, kx, m1, ns, nmask, stride_qm, Q_GATHER), acc,
-                         input_precision=PREC)
+            acc = _wgrad_block_dot(acc, p1, q_ptr, qtok_ptr, x1, kx, m1, ns, nmask, stride_qm, Q_GATHER, PREC)
         if NX >= 2:
-            acc = tl.dot(p2, _wgrad_q_tile(q_ptr, qtok_ptr, x2, kx, m2, ns, nmask, stride_qm, Q_GATHER), acc,
-                         input_precision=PREC)
+            acc = _wgrad_block_dot(acc, p2, q_ptr, qtok_ptr, x2, kx, m2, ns, nmask, stride_qm, Q_GATHER, PREC)
         if NX >= 3:
-            acc = tl.dot(p3, _wgrad_q_tile(q_ptr, qtok_ptr, x3, kx, m3, ns, nmask, stride_qm, Q_GATHER), acc,
-                         input_precision=PREC)
+            acc = _wgrad_block_dot(acc, p3, q_ptr, qtok_ptr, x3, kx, m3, ns, nmask, stride_qm, Q_GATHER, PREC)
         if NX >= 4:
-            acc = tl.dot(p4, _wgrad_q_tile(q_ptr, qtok_ptr, x4, kx, m4, ns, nmask, stride_qm, Q_GATHER), acc,
-                         input_precision=PREC)
+            acc = _wgrad_block_dot(acc, p4, q_ptr, qtok_ptr, x4, kx, m4, ns, nmask, stride_qm, Q_GATHER, PREC)
         if O_DESC:
             _store_tile_desc(out_ptr, acc, e.to(tl.int32), pid_m * BM, n0, BM, BN)
         else:
