@@ -430,13 +430,18 @@ class CompiledModule(nn.Module):
                                      f"max_seq_len = {limit} (the context it is built for); running anyway"),
                           stacklevel=_caller_stacklevel())
 
-    def forward(self, input_ids: torch.Tensor, *, progress: Callable[[int, int], None] | None = None):
+    def forward(self, input_ids: torch.Tensor, *more: torch.Tensor,
+                progress: Callable[[int, int], None] | None = None):
         """The model on its single input (token ids [B, T] for the K3 specs); returns its output, or the tuple of
         its outputs when the graph returns several.
 
         ``progress(done, total)`` is called after every op (mtc run's per-op bar). A graph with several inputs
-        runs through :meth:`run` instead: ``m.run(name=tensor, ...)`` returns the list of outputs."""
+        runs through :meth:`run` instead: ``m.run(name=tensor, ...)`` returns the list of outputs (MtcError
+        naming them when several are passed here)."""
         ins = self.graph.inputs()
+        if len(ins) == 1 and more:
+            raise MtcError(f"this graph takes one input ({ins[0].attr('name')}); got {1 + len(more)} positional "
+                           f"tensors")
         if len(ins) != 1:
             names = ", ".join(f"{n.attr('name')}=..." for n in ins)
             raise MtcError(f"this graph takes {len(ins)} inputs ({', '.join(n.attr('name') for n in ins)}): call "

@@ -735,10 +735,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"also print the IR after these passes (comma-separated or repeated): "
                         f"{', '.join(PRINT_AFTER)}, or all")
     s.add_argument("--dump-ir", metavar="DIR",
-                   help="write the graph IR after every graph pass up to --stage to DIR, one file per pass "
-                        "(NN-<pass>.ir, NN in pipeline order); --stage lowered adds the lowered kernel listing "
-                        "as NN-lowered.txt (the lower pass's output is not graph IR)")
-    s.add_argument("--timing", action="store_true", help="print per-pass timing to stderr")
+                   help="write the graph IR after every graph pass to DIR, one file per pass (NN-<pass>.ir, NN in "
+                        "pipeline order); the whole graph pipeline runs for it whatever --stage (which only picks "
+                        "what is printed); --stage lowered adds the lowered kernel listing as NN-lowered.txt (the "
+                        "lower pass's output is not graph IR)")
+    s.add_argument("--timing", action="store_true",
+                   help="print per-pass timing to stderr (of the whole graph pipeline, whatever --stage)")
     s.add_argument("--no-loc", action="store_true", help="omit source locations")
     s.add_argument("--output", "-o", help="write to a file instead of stdout")
     s.set_defaults(fn=cmd_ir)

@@ -641,6 +641,8 @@ class SpecBuilder:
         x = args[0]
         b = self.b
         d = b.type(x).shape[-1]
+        if residual == "attn_res":  # the memory planner's checkpoint unit (plan_memory checkpointing="block")
+            b.meta["attn_res_block_size"] = block_size
         bank, partial = [x], None
         from .ops import OPS
         from .ops import LAYER_OPS_ATTN, LAYER_OPS_FFN

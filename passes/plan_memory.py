@@ -364,8 +364,8 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
             layer's head count); must divide gpus and the head counts).
         num_slots: physical expert slots per MoE layer (default E; replicas when larger; must be a
             multiple of ep_size and >= E).
-        block_size: layers per checkpoint block for checkpointing="block" (default: the config value
-            ``block_size`` of Block AttnRes).
+        block_size: layers per checkpoint block for checkpointing="block" (default: the block_size= of the
+            model's Block AttnRes stack, else the config value ``block_size``).
         canonical: the canonicalized graph, if already at hand (computed otherwise).
         two_phase_attn_res: size the activations of the two-phase Block AttnRes form that the default pipeline
             runs (reference and Triton targets; the batch_attn_residual pass): each block's phase-1 output
@@ -434,11 +434,12 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
     act_b = DTYPES.get(compute_dtype, 2)
     eb = float(dtype_bytes) if dtype_bytes is not None else float(act_b)
     if checkpointing == "block":
-        block_size = block_size if block_size is not None else config.get("block_size")
+        if block_size is None:  # the Block AttnRes stack's block_size= (a spec may write a literal there)
+            block_size = graph.meta_get("attn_res_block_size", config.get("block_size"))
         if block_size is None:
             raise ValueError("plan_memory: checkpointing='block' needs a block size (the model has no Block AttnRes "
-                             "'block_size' config value); use checkpointing='layer' (mtc: --checkpointing layer), "
-                             "or pass block_size= from Python")
+                             "stack and no 'block_size' config value); use checkpointing='layer' (mtc: "
+                             "--checkpointing layer), or pass block_size= from Python")
         block_size = _pos_int("block_size", block_size)
 
     if canonical is None:

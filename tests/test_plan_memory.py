@@ -277,3 +277,33 @@ def test_default_tensor_parallel_group_divides_the_heads():
     assert plan_memory(g, seq_len=4096, gpus=3).tp_size == 1
     with pytest.raises(ValueError, match="tp_size = 4 does not divide the 2 heads"):
         plan_memory(g, seq_len=4096, gpus=32, tp_size=4)
+
+
+_STACK_SPEC = """model m {
+  config { block_size: int = 12 }
+  block kda = kda_layer(heads=2, head_dim=16)
+  block dense = glu_ffn(inter=64)
+  forward(ids: i64[B, T]) {
+    x = embedding(ids, vocab=64, dim=32)
+    x = stack(x, layers=6, residual="attn_res", block_size=BS) {
+      attn = kda
+      ffn = dense
+    }
+    return lm_head(rmsnorm(x), vocab=64)
+  }
+}
+"""
+
+
+def test_block_checkpointing_takes_the_stacks_block_size():
+    # the checkpoint unit is the block_size= the stack was built with: a literal 3 plans like block_size 3 passed
+    # explicitly, not like the unrelated config value 12 (once the planner read only the config value)
+    lit = dsl.parse(_STACK_SPEC.replace("BS", "3"))
+    via_config = dsl.parse(_STACK_SPEC.replace("BS", "block_size"), block_size=3)
+    kw = dict(seq_len=256, gpus=1, checkpointing="block")
+    a, b = plan_memory(lit, **kw), plan_memory(via_config, **kw)
+    c = plan_memory(lit, **kw, block_size=3)
+    wrong = plan_memory(lit, **kw, block_size=12)
+    assert a.activation_kept_bytes == b.activation_kept_bytes == c.activation_kept_bytes
+    assert a.activation_recompute_bytes == b.activation_recompute_bytes == c.activation_recompute_bytes
+    assert a.activation_kept_bytes != wrong.activation_kept_bytes

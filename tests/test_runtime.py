@@ -347,8 +347,12 @@ def test_multi_input_graph_runs_through_run_and_forward_says_so():
         m(a)
     s, p = m.run(a=a, b=b)
     assert torch.equal(s, a + b) and torch.equal(p, a * b)
-    with pytest.raises(TypeError):
-        m(a, b)                                    # progress is keyword-only: a second tensor is refused
+    with pytest.raises(dsl.MtcError, match=r"takes 2 inputs \(a, b\): call m.run\(a=..., b=...\)"):
+        m(a, b)                                    # positional tensors: the same pointer to m.run
+    one = dsl.compile(dsl.parse("model one {\n  forward(x: f32[B, 8]) {\n    return silu(x)\n  }\n}\n"))
+    with pytest.raises(dsl.MtcError, match=r"takes one input \(x\); got 2 positional tensors"):
+        one(a[0], a[0])
+    assert torch.allclose(one(a[0]), torch.nn.functional.silu(a[0]))
 
 
 def test_run_refuses_unknown_inputs_and_compile_refuses_a_path(tiny):
