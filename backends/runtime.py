@@ -240,7 +240,7 @@ class CompiledModule(nn.Module):
             recomputation (inside the backward) routes with the bias of the original forward and updates
             nothing. balance_defer: keep each train-mode forward's router scores instead of updating;
             apply_balance() then updates once from all of them (gradient accumulation). fixed_step: the fixed
-            rule's step. stats_hooks: callables fn(layer, load [E] int64), called for every router (in
+            rule's step (a finite number > 0; ValueError at the forward otherwise). stats_hooks: callables fn(layer, load [E] int64), called for every router (in
             graph order) once the forward has run, so that a hook that raises leaves no half-updated forward.
             dp_group: torch.distributed group over which QB averages its step.
     """
@@ -745,6 +745,11 @@ class CompiledModule(nn.Module):
                              f"bias estimate), got {ema!r}")
         if not isinstance(self.balance_defer, bool):
             raise ValueError(f"CompiledModule.balance_defer must be True or False, got {self.balance_defer!r}")
+        u = self.fixed_step
+        if self.balance == "fixed" and (isinstance(u, bool) or not isinstance(u, numbers.Real)
+                                        or not math.isfinite(u) or u <= 0):
+            raise ValueError(f"CompiledModule.fixed_step must be a finite number > 0 (the bias step of the fixed-step "
+                             f"rule, DeepSeek-V3's u = 1e-3), got {u!r}")
 
     def _after_route(self, n: Node, out, fkey: tuple) -> None:
         from backends.reference import expert_load, fixed_step_update

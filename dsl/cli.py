@@ -828,6 +828,10 @@ class _GuardedStdout:
         return getattr(self._f, name)
 
 
+#: the largest --seq-len / --batch the CLI takes (a trillion tokens: past any context, and exact in float64 sums)
+MAX_TOKENS_ARG = 1 << 40
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -839,6 +843,11 @@ def main(argv=None) -> int:
         v = getattr(args, k, None)
         if v is not None and v < 1:
             print(f"mtc: error: --{k.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)
+            return 2
+        if k in ("seq_len", "batch") and v is not None and v > MAX_TOKENS_ARG:
+            # past this the plans' float arithmetic no longer holds the integer (1e20 printed as 100,000,...,000)
+            print(f"mtc: error: --{k.replace('_', '-')} must be at most 2**40 ({MAX_TOKENS_ARG:,}), got {v:,}",
+                  file=sys.stderr)
             return 2
     import warnings
     from .errors import MtcWarning

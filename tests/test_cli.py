@@ -48,6 +48,10 @@ def _clean_error(r, needle):
     (["ir", "models/kimi_k3.mtc", "-v", "tiny", "-o", "/nonexistent-dir/x"], "cannot write --output"),
     (["compile", "models/kimi_k3.mtc", "-v", "tiny", "--emit", ""], "--emit needs a directory name"),
     (["stats", "models/kimi_k3.mtc", "-v", "tiny", "--set", "experts=0"], "latent_moe: experts = 0 must be >= 1"),
+    # past 2**40 the plans' float sums no longer hold the integer (1e20 tokens printed as 100,000,...,000)
+    (["ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "lowered", "--seq-len", "99999999999999999999"],
+     "--seq-len must be at most 2**40 (1,099,511,627,776), got 99,999,999,999,999,999,999"),
+    (["stats", "models/kimi_k3.mtc", "--batch", str(2 ** 40 + 1)], "--batch must be at most 2**40"),
 ])
 def test_bad_input_is_one_clean_error(args, needle):
     _clean_error(mtc(*args), needle)

@@ -207,10 +207,15 @@ def test_deferred_balancing_warns_when_apply_balance_is_never_called(fresh, monk
 
 @pytest.mark.parametrize("attr,bad,needle", [("balance_ema", 2.0, "balance_ema must be a number in \\[0, 1\\)"),
                                              ("balance_ema", -0.1, "balance_ema must be a number in \\[0, 1\\)"),
-                                             ("balance_defer", "yes", "balance_defer must be True or False")])
+                                             ("balance_defer", "yes", "balance_defer must be True or False"),
+                                             ("fixed_step", float("inf"), "fixed_step must be a finite number > 0"),
+                                             ("fixed_step", float("nan"), "fixed_step must be a finite number > 0"),
+                                             ("fixed_step", -1e-3, "fixed_step must be a finite number > 0")])
 def test_balance_settings_are_checked_at_the_first_train_forward(fresh, attr, bad, needle):
     m = copy.deepcopy(fresh)
     setattr(m, attr, bad)
+    if attr == "fixed_step":
+        m.balance = "fixed"
     with pytest.raises(ValueError, match=needle):
         m(torch.randint(0, VOCAB, (1, 17)))
 
