@@ -727,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(more than the experts: replicas of the hottest; default: the fewest such)")
     s.add_argument("--checkpointing", default=None, choices=["none", "layer", "block", "inference"],
                    help="(lowered) activation checkpointing for the memory plan (default layer)")
-    s.add_argument("--target", default=None, choices=["triton", "tvm"],
+    s.add_argument("--target", default=None, choices=["triton", "tvm"], type=str.lower,
                    help="(lowered, --print-after lower) the target to lower for (default triton)")
     s.add_argument("--tvm-schedule", default=None, choices=["llvm", "cuda"],
                    help="(tvm) print the TVMScript after the llvm or cuda schedule")
@@ -751,14 +751,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(s, spec_optional=True)
     s.add_argument("--input", "-i", help=f"a text file, or - for standard input (default: "
                                          f"{DEFAULT_TEXT.relative_to(ROOT)}); only --max-tokens bytes are read")
-    s.add_argument("--target", default="reference",
+    s.add_argument("--target", default="reference", type=str.lower,
                    help="reference | triton | tvm (on CPU: Triton interpreter; default reference)")
     s.add_argument("--seq-len", "-T", type=int, default=256,
                    help="tokens per sequence (default 256; beyond the spec's max_seq_len: a warning)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default 4)")
     s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
     s.add_argument("--dtype", default=None, help=f"{_DTYPE_HELP} (default float32)")
-    s.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    s.add_argument("--device", default="cpu", type=str.lower, help="cpu | cuda (default cpu)")
     s.add_argument("--seed", type=seed, default=0, help="parameter initialisation seed (0 .. 2^63-1; default 0)")
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON (- for standard output): the "
                                                  "settings of the run, loss, bits/byte, perplexity, expert load")
