@@ -240,8 +240,9 @@ class CompiledModule(nn.Module):
             recomputation (inside the backward) routes with the bias of the original forward and updates
             nothing. balance_defer: keep each train-mode forward's router scores instead of updating;
             apply_balance() then updates once from all of them (gradient accumulation). fixed_step: the fixed
-            rule's step (a finite number > 0; ValueError at the forward otherwise). stats_hooks: callables fn(layer, load [E] int64), called for every router (in
-            graph order) once the forward has run, so that a hook that raises leaves no half-updated forward.
+            rule's step (a finite number > 0; ValueError at the forward otherwise). stats_hooks: callables
+            fn(layer, load [E] int64), called for every router (in graph order) once the forward has run, so
+            that a hook that raises leaves no half-updated forward.
             dp_group: torch.distributed group over which QB averages its step.
     """
 

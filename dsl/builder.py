@@ -158,10 +158,11 @@ class GraphBuilder:
         free = sorted({str(x) for d in shape for x in d.free_symbols})
         if free:
             shown = "[" + ", ".join(str(d).replace(" ", "") for d in shape) + "]"
+            what = "is a symbolic dimension" if len(free) == 1 else "are symbolic dimensions"
             raise self.error(f"parameter '{name}' would have the shape {shown}: a parameter's size is fixed when the "
-                             f"model is built, but {', '.join(free)} {'is a symbolic dimension' if len(free) == 1 else 'are symbolic dimensions'} "
-                             f"of an input (the op sized its weight from its input's axis); declare that axis with a "
-                             f"number (e.g. f32[B, T, 64]) or a config value", loc)
+                             f"model is built, but {', '.join(free)} {what} of an input (the op sized its weight "
+                             f"from its input's axis); declare that axis with a number (e.g. f32[B, T, 64]) or a "
+                             f"config value", loc)
         try:
             check_param_shape(shape)
         except ShapeError as e:
