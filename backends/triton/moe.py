@@ -505,7 +505,7 @@ class _Dispatch:
         pos[perm] = torch.arange(self.nk, device=dev)
         self.pos = pos  # flat (token, slot) -> row
         self._sched = {}
-        self._counts = self._counts_ready = None
+        self._counts = self._counts_ready = self._host_list = None
 
     def prefetch_counts(self):
         """Start copying the rows per expert to pinned host memory behind the work queued so far (CUDA), so that
@@ -518,11 +518,15 @@ class _Dispatch:
             self._counts_ready.record()
 
     def host_counts(self):
-        """Rows per expert as a Python list (after prefetch_counts: waits for that copy; else one device sync)."""
-        if self._counts_ready is not None:
-            self._counts_ready.synchronize()
-            return self._counts.tolist()
-        return (self.offs[1:] - self.offs[:-1]).tolist()
+        """Rows per expert as a Python list, read once (after prefetch_counts: waits for that copy; else one device
+        sync) and kept for the dispatch's other launches."""
+        if self._host_list is None:
+            if self._counts_ready is not None:
+                self._counts_ready.synchronize()
+                self._host_list = self._counts.tolist()
+            else:
+                self._host_list = (self.offs[1:] - self.offs[:-1]).tolist()
+        return self._host_list
 
     def schedule(self, bm):
         """(tile_expert [max_tiles] int64, tile_start [E] int64, max_tiles) for tile height bm."""
@@ -678,13 +682,9 @@ def _wgrad_v3_stages(cfg, kp, es):
 
 
 def _counts_of(d):
-    """Rows per expert of dispatch d as a Python list, read once and kept on d for its other launches (d may be any
-    object with e and offs, as the tests' stand-ins)."""
-    counts = getattr(d, "_host_list", None)
-    if counts is None:
-        counts = (d.host_counts() if hasattr(d, "host_counts") else (d.offs[1:] - d.offs[:-1]).tolist()) if d.e else []
-        d._host_list = counts
-    return counts
+    """Rows per expert of dispatch d as a Python list (_Dispatch.host_counts; d may also be an object with just
+    offs, as the tests' stand-ins)."""
+    return d.host_counts() if hasattr(d, "host_counts") else (d.offs[1:] - d.offs[:-1]).tolist()
 
 
 def _wgrad_v3_groups(counts, cfg):
