@@ -95,18 +95,33 @@ SWEEPS = {
                 ("BN64 s3", {"glu_fwd": dict(BN=64)}), ("BN64 nw4 s3", {"glu_fwd": dict(BN=64, num_warps=4)}),
                 ("BN64 nw4 s2", {"glu_fwd": dict(BN=64, num_warps=4, num_stages=2)}),
                 ("BK32 s4", {"glu_fwd": dict(BK=32, num_stages=4)}), ("BK32 s6", {"glu_fwd": dict(BK=32, num_stages=6)}),
-                ("BN64 s3 nreg128", {"glu_fwd": dict(BN=64, maxnreg=128)})],
+                ("BN64 s3 nreg128", {"glu_fwd": dict(BN=64, maxnreg=128)}),
+                # TAIL: 128 + TAIL-row tiles, the tail swapped onto the weight tile (14th session)
+                ("TAIL32", {"glu_fwd": dict(TAIL=32)}), ("TAIL32 s3", {"glu_fwd": dict(TAIL=32, TAIL_STAGES=3)}),
+                ("TAIL16", {"glu_fwd": dict(TAIL=16)}), ("TAIL64 s3", {"glu_fwd": dict(TAIL=64, TAIL_STAGES=3)}),
+                # the tails at any rows per expert (HALF_TILE_MAX_ROWS raised; 32768 tokens: 585 = 3 x 160 + 105)
+                *[(f"all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "glu_fwd": dict(
+                    TAIL=t, HALF=h, TAIL_STAGES=3 if t == 64 else None)}) for t in (32, 64) for h in (False, True)]],
     "mm": [("default", {}), ("s4", {"mm": dict(num_stages=4)}),
            ("128x128 s4 nreg128", {"mm": dict(BN=128, num_stages=4, maxnreg=128)}),
            ("BM64", {"mm": dict(BM=64)}), ("BM64 s4", {"mm": dict(BM=64, num_stages=4)}),
-           ("BM64 nw4 s4", {"mm": dict(BM=64, num_warps=4, num_stages=4)}), ("HALF", {"mm": dict(HALF=True)})],
+           ("BM64 nw4 s4", {"mm": dict(BM=64, num_warps=4, num_stages=4)}), ("HALF", {"mm": dict(HALF=True)}),
+           ("TAIL32", {"mm": dict(TAIL=32)}), ("TAIL16", {"mm": dict(TAIL=16)}),
+           ("TAIL32 s4", {"mm": dict(TAIL=32, TAIL_STAGES=4)}), ("TAIL64", {"mm": dict(TAIL=64)}),
+           ("TAIL32 128x128 s4", {"mm": dict(BN=128, TAIL=32, num_stages=4)}),
+           *[(f"all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "mm": dict(TAIL=t, HALF=h)})
+             for t in (32, 64) for h in (False, True)]],
     "glu_bwd": [("fused 128x64 s3", {"glu_bwd": {}}), ("fused s4", {"glu_bwd": dict(num_stages=4)}),
                 ("fused s6", {"glu_bwd": dict(num_stages=6)}), ("fused nreg128", {"glu_bwd": dict(maxnreg=128)}),
                 ("fused 128x128 s4", {"glu_bwd": dict(BN=128, num_stages=4)}),
                 ("fused 64x128 s4", {"glu_bwd": dict(BM=64, BN=128, num_stages=4)}),
                 ("split 128x256 s3", {"glu_bwd_mm": {}}), ("split s4", {"glu_bwd_mm": dict(num_stages=4)}),
                 ("split BM64", {"glu_bwd_mm": dict(BM=64)}), ("split BM64 s4", {"glu_bwd_mm": dict(BM=64, num_stages=4)}),
-                ("split HALF", {"glu_bwd_mm": dict(HALF=True)})],
+                ("split HALF", {"glu_bwd_mm": dict(HALF=True)}),
+                ("split TAIL32", {"glu_bwd_mm": dict(TAIL=32)}), ("split TAIL16", {"glu_bwd_mm": dict(TAIL=16)}),
+                ("split TAIL32 s4", {"glu_bwd_mm": dict(TAIL=32, TAIL_STAGES=4)}),
+                *[(f"split all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "glu_bwd_mm": dict(
+                    TAIL=t, HALF=h)}) for t in (32, 64) for h in (False, True)]],
     # the split GLU backward's row pass alone (G given): dA, dB over the saved pre-activations, d topk_weight
     "glu_rows": [("4 x 1024 nw8", {}), ("8 x 1024 nw8", {"glu_bwd_rows": dict(BLOCK_R=8)}),
                  ("2 x 1024 nw4", {"glu_bwd_rows": dict(BLOCK_R=2, num_warps=4)}),
@@ -116,7 +131,11 @@ SWEEPS = {
            ("pair2 128x128 (9th-session default)", {"dx": dict(BN=128, PAIR=2)}),
            ("pair2 128x64 s4 nreg128", {"dx": dict(BN=64, PAIR=2, num_stages=4, maxnreg=128)}),
            ("pair3 BM64", {"dx": dict(BM=64)}), ("pair3 BM64 s4", {"dx": dict(BM=64, num_stages=4)}),
-           ("pair3 BM64 nw4 s4", {"dx": dict(BM=64, num_warps=4, num_stages=4)}), ("pair3 HALF", {"dx": dict(HALF=True)})],
+           ("pair3 BM64 nw4 s4", {"dx": dict(BM=64, num_warps=4, num_stages=4)}), ("pair3 HALF", {"dx": dict(HALF=True)}),
+           ("pair3 TAIL32", {"dx": dict(TAIL=32)}), ("pair3 TAIL16", {"dx": dict(TAIL=16)}),
+           ("pair3 TAIL32 s4", {"dx": dict(TAIL=32, TAIL_STAGES=4)}), ("pair3 TAIL64", {"dx": dict(TAIL=64)}),
+           *[(f"pair3 all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "dx": dict(TAIL=t, HALF=h)})
+             for t in (32, 64) for h in (False, True)]],
     "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}), *_V3X, *_V2_FEW,
                 ("v1 2x 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}),
                 ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),
@@ -145,6 +164,10 @@ def main(argv=None):
     ap.add_argument("--match", action="append", default=None, metavar="TEXT",
                     help="time only the settings whose label contains TEXT (repeatable; the first setting of each "
                          "kernel always runs: the others' err column is against it)")
+    ap.add_argument("--routing", choices=("random", "balanced"), default="random",
+                    help="random: each token's top-k of random scores (rows per expert ~ binomial: 146 +- 12 at 8192 "
+                         "tokens); balanced: token t goes to experts (t*k + j) mod E, j < k, so every expert gets "
+                         "tokens*k/E rows, +-1 (7168 tokens: exactly 128, no tail tile)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes (E 6, top-2, 48 x 40) under Triton's interpreter on the CPU, float32, no timing: "
                          "checks the script and that every setting writes the same result (on the CPU the tile sizes "
@@ -178,7 +201,7 @@ def main(argv=None):
     # WGRAD_FEW_ROWS rows per expert: 128 x 128 nw4 s2 nreg168 here)
     tm.WGRAD_FEW_ROWS = 0
     base = {k: dict(v) for k, v in tm.TILE_CONFIGS[cfg_key].items()}
-    base_impl = (tm.GLU_BWD_IMPL, tm.WGRAD_IMPL)
+    base_impl = (tm.GLU_BWD_IMPL, tm.WGRAD_IMPL, tm.HALF_TILE_MAX_ROWS)
     need_w = any(k in ("glu_fwd", "mm", "glu_bwd", "dx") for k in kernels)
     need_g = any(k.startswith("wgrad") for k in kernels)
     w1 = torch.randn(E, I, L, device=dev, dtype=bf) * 0.02 if need_w else None
@@ -191,7 +214,10 @@ def main(argv=None):
           f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU smoke run'}\n\n| tokens | kernel | setting | ms | TFLOP/s | write TB/s | err |\n"
           "|---|---|---|---|---|---|---|", flush=True)
     for T in args.tokens:
-        idx = torch.randn(T, E, device=dev).topk(K, dim=1).indices
+        if args.routing == "balanced":
+            idx = (torch.arange(T, device=dev)[:, None] * K + torch.arange(K, device=dev)[None, :]) % E
+        else:
+            idx = torch.randn(T, E, device=dev).topk(K, dim=1).indices
         d = tm._Dispatch(idx, E)
         nk = T * K
         xs = torch.randn(nk, L, device=dev, dtype=bf)   # x[tok] in dispatch order
@@ -203,7 +229,7 @@ def main(argv=None):
         hw, y = torch.randn(nk, I, device=dev, dtype=bf), torch.randn(nk, L, device=dev, dtype=bf)
         wr = torch.rand(nk, device=dev)
         da, db = torch.randn_like(a), torch.randn_like(b)
-        sch = lambda name: d.schedule(tm._cfg(name, xs)["BM"])  # noqa: E731
+        sch = lambda name: tm._sched(d, name, xs)  # noqa: E731
 
         def glu_bwd():  # the backward's own helper, on separate dA / dB buffers so that a and b stay inputs
             tm._glu_backward(d, None, dus, w2, a, b, wr, L, I, 0, 4.0, 25.0, da=da, db=db)
@@ -233,7 +259,10 @@ def main(argv=None):
             "wgrad13": (4 * nk * L * I, wgrad13, dw3, 2 * E * L * I * 2),
             "wgrad2": (2 * nk * L * I, lambda: tm._wgrad(dus, hw, d, L, I, dw2), dw2, E * L * I * 2),
         }
-        rows_max = int((d.offs[1:] - d.offs[:-1]).max())
+        counts = d.offs[1:] - d.offs[:-1]
+        rows_max = int(counts.max())
+        print(f"  (T={T}, {args.routing} routing: rows per expert min {int(counts.min())}, mean "
+              f"{T * K / E:.1f}, max {rows_max})", file=sys.stderr, flush=True)
         for name in kernels:
             flops, fn, out, wbytes = calls[name]
             ref = None
@@ -243,7 +272,7 @@ def main(argv=None):
                 if ch.get("WGRAD_IMPL") == "v3" and rows_max > tm.WGRAD_V3_MAX_ROWS:
                     label += f" (= v1: an expert has {rows_max} > {tm.WGRAD_V3_MAX_ROWS} rows)"
                 for kk, v in ch.items():
-                    if kk in ("GLU_BWD_IMPL", "WGRAD_IMPL"):
+                    if kk in ("GLU_BWD_IMPL", "WGRAD_IMPL", "HALF_TILE_MAX_ROWS"):
                         setattr(tm, kk, v)
                     else:
                         tm.TILE_CONFIGS[cfg_key][kk] = dict(base[kk], **{
@@ -268,7 +297,7 @@ def main(argv=None):
                           flush=True)
                 finally:
                     tm.TILE_CONFIGS[cfg_key].update({kk: dict(v) for kk, v in base.items()})
-                    tm.GLU_BWD_IMPL, tm.WGRAD_IMPL = base_impl
+                    tm.GLU_BWD_IMPL, tm.WGRAD_IMPL, tm.HALF_TILE_MAX_ROWS = base_impl
                     print(f"  ({label}: {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         xs = dus = a = b = hw = y = da = db = g = None  # free them (the closures above read these names)
         if dev == "cuda":

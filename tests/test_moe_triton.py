@@ -354,6 +354,40 @@ def test_moe_experts_half_height_tail_tiles(tma, glu_bwd, monkeypatch):
     _check_experts(51, 40, 4, 24, 2, idx=idx, wt=wt)
 
 
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("glu_bwd", ["split", "fused"])
+@pytest.mark.parametrize("pair", [2, 3])
+def test_moe_experts_swapped_tail_rows(tma, glu_bwd, pair, monkeypatch):
+    # TAIL: m-tiles of BM + TAIL rows (32 + 16 here); a tile with more than BM rows runs its last TAIL rows swapped on
+    # the same weight tiles (weight tile as the MMA's A operand), one with at most BM rows without them, and (HALF)
+    # one with at most BM / 2 rows at half height. Experts of 8 rows (half), 50 (a 48-row swapped tile + a 2-row
+    # half tile), none, 44 (32 + a 12-row swapped tail), 30 (one plain tile) and 63 (48 swapped + 15 half); every
+    # token-side GEMM, A through TMA or pointers, both GLU backward forms, dx as PAIR 2 and 3
+    cfgs = {k_: dict(v) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
+    for name in ("glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm"):
+        cfgs[name].update(BM=32, HALF=True, TAIL=16, A_TMA=tma)
+    cfgs["dx"]["PAIR"] = pair
+    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
+    monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)
+    counts = [8, 50, 0, 44, 30, 63]
+    slots = torch.cat([torch.full((c,), j, device=DEV) for j, c in enumerate(counts)])
+    n = slots.numel() // 3
+    idx = slots.view(3, n).t()                                  # three distinct experts per token
+    assert all(len(set(r)) == 3 for r in idx.tolist())
+    idx = idx[torch.randperm(n, device=DEV)]
+    assert torch.bincount(idx.flatten(), minlength=6).tolist() == counts
+    wt = torch.rand(n, 3, device=DEV)
+    _check_experts(n, 40, 6, 24, 3, idx=idx, wt=wt)
+
+
+def test_moe_experts_tail_rows_must_be_a_power_of_two(monkeypatch):
+    cfgs = {k_: dict(v) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
+    cfgs["glu_fwd"].update(BM=32, TAIL=24)
+    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
+    with pytest.raises(ValueError, match="TAIL must be a power of two"):
+        _check_experts(20, 32, 4, 16, 2)
+
+
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_experts_glu_backward_fused_and_split(act, monkeypatch):
     # GLU_BWD_IMPL: the GLU backward in the epilogue of the G = du w2 GEMM ("fused"), or a plain GEMM then a
@@ -532,25 +566,29 @@ bf = "*bf16"
 types = {n: "i32" for n in fn.arg_names}
 types.update(a_src="tensordesc<bf16[128,64]>", a2_src="tensordesc<bf16[128,64]>",
              a_h_src="tensordesc<bf16[64,64]>", a2_h_src="tensordesc<bf16[64,64]>",
+             a_t_src="tensordesc<bf16[32,64]>", a2_t_src="tensordesc<bf16[32,64]>",
              w_src="tensordesc<bf16[1,128,64]>", w2_src="tensordesc<bf16[1,128,64]>",
              tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf,
              wrow_ptr="*fp32", dwrow_ptr="*fp32", tile_expert_ptr="*i64",
              tile_start_ptr="*i64", offs_ptr="*i64", beta_gate="fp32", beta_up="fp32")
 consts = dict(PAIR=1, EPI=1, SAVE=True, ROW_SCALE=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True, W_KN=False,
-              PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64, HALF=True)
+              PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64, HALF=True, TAIL=32)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-cg = M.TILE_CONFIGS["cuda"]["glu_fwd"]  # the GPU's launch settings of GEMM 1 (these tiles: 128 x 128 x 64)
-assert (cg["BM"], cg["BN"], cg["BK"]) == (128, 128, 64), cg
+cg = M.TILE_CONFIGS["cuda"]["glu_fwd"]  # the GPU's launch settings of GEMM 1 (these tiles: 128 x 128 x 64, tail 32)
+assert (cg["BM"], cg["BN"], cg["BK"], cg["TAIL"]) == (128, 128, 64, 32), cg
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cg["num_warps"],
                                                                    "num_stages": cg["num_stages"]})
 ptx = k.asm["ptx"]
+# the swapped 32-row tail: weight tile (128 rows) x tail^T, a 64 x 32 wgmma shape the 128-row tile does not use
+print("tailmma", ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"))
 print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"),
       "tanh", ptx.count("tanh.approx.f32"), "smem_ok", int(k.metadata.shared <= 227 * 1024))
 # the same kernel without half-height tiles (HALF False: the router, GEMMs above HALF_TILE_MAX_ROWS rows per expert):
 # the half-height branch must drop out at compile time (its [BM / 2] tile does not match the full-height blocks)
-types.update(a_h_src="tensordesc<bf16[128,64]>", a2_h_src="tensordesc<bf16[128,64]>")
-consts.update(HALF=False)
+types.update(a_h_src="tensordesc<bf16[128,64]>", a2_h_src="tensordesc<bf16[128,64]>",
+             a_t_src="tensordesc<bf16[128,64]>", a2_t_src="tensordesc<bf16[128,64]>")
+consts.update(HALF=False, TAIL=0)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
@@ -570,15 +608,17 @@ BM, BN, BK = c["BM"], c["BN"], c["BK"]
 types = {n: "i32" for n in fn.arg_names}
 types.update(a_src=f"tensordesc<bf16[{BM},{BK}]>", a2_src=f"tensordesc<bf16[{BM},{BK}]>",
              a_h_src=f"tensordesc<bf16[{BM // 2},{BK}]>", a2_h_src=f"tensordesc<bf16[{BM // 2},{BK}]>",
+             a_t_src=f"tensordesc<bf16[{c['TAIL']},{BK}]>", a2_t_src=f"tensordesc<bf16[{c['TAIL']},{BK}]>",
              w_src=f"tensordesc<bf16[1,{BK},{BN}]>", w2_src=f"tensordesc<bf16[1,{BK},{BN}]>",
              tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf, wrow_ptr="*fp32",
              dwrow_ptr="*fp32", tile_expert_ptr="*i64", tile_start_ptr="*i64", offs_ptr="*i64",
              beta_gate="fp32", beta_up="fp32")
 consts = dict(PAIR=0, EPI=0, SAVE=False, ROW_SCALE=False, W_KN=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True,
-              PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK, HALF=bool(c.get("HALF")))
+              PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK, HALF=bool(c.get("HALF")), TAIL=c["TAIL"])
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"],
+                                                              "num_stages": c.get("TAIL_STAGES", c["num_stages"])})
 ok = "wgmma.mma_async" in k.asm["ptx"] and k.metadata.shared <= 227 * 1024
 fn = K._glu_bwd_rows_kernel
 c = M.TILE_CONFIGS["cuda"]["glu_bwd_rows"]
@@ -610,11 +650,80 @@ def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
     counts = dict(zip(*[iter(out.stdout.split())] * 2))
     assert int(counts["wgmma"]) > 0  # Hopper tensor-core MMA
     assert int(counts["nohalf_wgmma"]) > 0  # and without half-height tiles
+    assert int(counts["tailmma"]) > 0  # the swapped tail rows on the tensor cores too
     assert int(counts["tma"]) > 0  # TMA loads of the token tile and both weight tiles
     assert int(counts["tanh"]) > 0  # SiTU in the epilogue
     assert counts["route"] == "1"   # the router's top-k kernel compiles too
     assert counts["smem_ok"] == "1"  # with the half-height tail path (HALF) inside the sm_90 shared-memory limit
     assert counts["split"] == "2"   # the split GLU backward: a wgmma GEMM within 227 KB, the row kernel with SiTU
+
+
+_COMPILE_PIPELINE = r"""
+import os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from backends.triton import moe_kernels as K
+from backends.triton import moe as M
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+fn = K._grouped_gemm_kernel
+bf = "*bf16"
+for name in ("glu_fwd", "mm", "glu_bwd_mm", "dx"):
+    c = M.TILE_CONFIGS["cuda"][name]
+    BM, BN, BK = c["BM"], c["BN"], c["BK"]
+    w_kn = name in ("glu_bwd_mm", "dx")
+    wb = f"[1,{BK},{BN}]" if w_kn else f"[1,{BN},{BK}]"
+    for tail in sorted({0, c.get("TAIL", 0)}):
+        tb = tail or BM
+        types = {n: "i32" for n in fn.arg_names}
+        types.update(a_src=f"tensordesc<bf16[{BM},{BK}]>", a2_src=f"tensordesc<bf16[{BM},{BK}]>",
+                     a_h_src=f"tensordesc<bf16[{BM // 2},{BK}]>", a2_h_src=f"tensordesc<bf16[{BM // 2},{BK}]>",
+                     a_t_src=f"tensordesc<bf16[{tb},{BK}]>", a2_t_src=f"tensordesc<bf16[{tb},{BK}]>",
+                     w_src=f"tensordesc<bf16{wb}>", w2_src=f"tensordesc<bf16{wb}>", tok_ptr="*i64", c_ptr=bf,
+                     c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf, wrow_ptr="*fp32", dwrow_ptr="*fp32",
+                     tile_expert_ptr="*i64", tile_start_ptr="*i64", offs_ptr="*i64", beta_gate="fp32", beta_up="fp32")
+        glu = name == "glu_fwd"
+        consts = dict(PAIR=1 if glu else c.get("PAIR", 0), EPI=int(glu), SAVE=glu, ROW_SCALE=glu, ACT=0, FAST=True,
+                      A_MODE=2, W_DESC=True, W_KN=w_kn, PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK,
+                      HALF=bool(c.get("HALF")), TAIL=tail)
+        sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+        # as the launcher specializes them on the GPU: pointers, K, N and strides divisible by 16
+        div = [n for n in fn.arg_names if n not in consts and (types[n].startswith("*") or n in (
+            "K", "NN", "stride_am", "stride_we", "stride_wn", "stride_wk", "stride_cm"))]
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+        st = c.get("TAIL_STAGES", c["num_stages"]) if tail else c["num_stages"]
+        k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"], "num_stages": st})
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            open(src, "w").write(k.asm["ptx"])
+            log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                                 capture_output=True, text=True).stderr
+        spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+        print(f"{name}/{tail}", "serialized" if "C7515" in log or "serialized" in log else "pipelined",
+              spill, int(k.metadata.shared <= 227 * 1024))
+"""
+
+
+def test_grouped_gemm_wgmma_pipeline_not_serialized_by_ptxas():
+    """Each token-side grouped GEMM at its GPU launch settings, with and without the swapped tail (TAIL), compiles for
+    sm_90a without ptxas serializing the wgmma pipeline (warning C7515: one MMA waits for the previous one; GEMM 2
+    lost 14% at 32768 tokens that way in the 14th session), without register spills and within 227 KB of shared
+    memory. CPU only (subprocess without the interpreter; ptxas bundled with triton)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_PIPELINE], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert len(rows) == 8, out.stdout  # four GEMMs, each without and with its tail
+    for kernel, pipe, spill, smem_ok in rows:
+        assert (pipe, spill, smem_ok) == ("pipelined", "0", "1"), (kernel, pipe, spill, smem_ok)
 
 
 _COMPILE_WGRAD_V2 = r"""
@@ -642,6 +751,8 @@ r = subprocess.run([ptxas, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o",
                    capture_output=True, text=True)
 spill = sum(int(w) for line in r.stderr.splitlines() if "spill" in line
             for w, nxt in zip(line.split(), line.split()[1:]) if nxt == "bytes" and w.isdigit())
+# the swapped 32-row tail: weight tile (128 rows) x tail^T, a 64 x 32 wgmma shape the 128-row tile does not use
+print("tailmma", ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"))
 print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"), "spill", spill,
       "rc", r.returncode)
 # v3 (few rows per expert) at its deepest class, 128 + 4 x KX = 256 rows, with the stage count the launcher picks:
@@ -719,7 +830,8 @@ def test_gpu_qb_route_and_update_k3_router():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,l,e,i,k", [(1000, 1024, 64, 768, 8), (4097, 512, 896, 256, 16)])
+@pytest.mark.parametrize("n,l,e,i,k", [(1000, 1024, 64, 768, 8), (4097, 512, 896, 256, 16),
+                                       (8191, 512, 896, 256, 16)])  # ~146 rows per expert: the swapped tails (TAIL)
 @pytest.mark.parametrize("glu_bwd", ["split", "fused"])
 def test_gpu_moe_experts_bf16(n, l, e, i, k, glu_bwd, monkeypatch):
     monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)

@@ -60,14 +60,23 @@ TILE_CONFIGS = {
         "router": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
         # GEMM 1 + SiTU-GLU: 4 stages since the 13th session (moe_tiles.py, H200, ms with 3 / 4 stages: 8192 tokens
         # 17.51 / 16.07, 17.49 / 16.94, 17.50 / 17.01, 17.09 / 15.61; 32768 tokens 45.85 / 44.03)
-        "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True, HALF=True),
-        "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True),
+        # TAIL 32 (14th session): 160-row m-tiles, rows 129..160 swapped onto the weight tile in the same program
+        # (see HALF_TILE_MAX_ROWS). H200, 8192 tokens, ms without / with, the 13th session's kernel against this one in
+        # one process (best of 3): GEMM 1 + GLU 15.65 / 14.10, GEMM 2 7.53 / 6.36, dx 15.08 / 12.92, G 7.34 / 6.29
+        # (TAIL_STAGES 4); moe_tiles.py: TAIL 16 no gain (146 rows = 128 + 18), TAIL 64 between; at 32768 tokens the
+        # tails are off (HALF_TILE_MAX_ROWS; moe_tiles.py with them on: 2-10% slower)
+        "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True, HALF=True,
+                        TAIL=32),
+        "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True, TAIL=32,
+                   TAIL_STAGES=4),
         # dx = dA w1 + dB w3: PAIR 3 (the two products one after the other, so one operand pair per pipeline stage
         # and 128 x 256 tiles fit; PAIR 2 loads both pairs per stage, 128 x 128 tiles). 10th session, moe_tiles.py:
         # 39.8 ms (580 TFLOP/s) at 32768 tokens against PAIR 2's 46.5, 16.8 against 19.2 at 8192
-        "dx": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, PAIR=3, HALF=True),
+        "dx": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, PAIR=3, HALF=True,
+                   TAIL=32, TAIL_STAGES=4),
         "glu_bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "glu_bwd_mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True),
+        "glu_bwd_mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True,
+                           TAIL=32, TAIL_STAGES=4),
         "glu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=8, num_stages=1),
         # v1 weight gradients: two launches of the single-output kernel on 128 x 256 tiles ("wgrad_dual" DUAL False);
         # H200, K3 layer (9th session, benchmarks/moe_tiles.py, ms at 8192 / 32768 tokens): dW1|dW3 23.9 / 49.0 against the
@@ -141,6 +150,9 @@ WGRAD_FEW_ROWS = 256
 # ms without / with HALF: at 8192 tokens (146 rows per expert: 128 + 18) GEMM 1 + GLU 18.41 / 16.91, GEMM 2 8.21 /
 # 7.43, dx 16.31 / 14.88, G = du w2 (split GLU backward) 8.88 / 8.05; at 32768 tokens (585 rows: 4 x 128 + 73) the
 # two-path kernel is slower (GEMM 1 45.0 / 48.7, dx 39.3 / 42.2, GEMM 2 20.3 / 20.2), hence the threshold.
+# The same threshold gates TAIL (entries with TAIL T: m-tiles of BM + T rows whose last T rows run swapped, the weight
+# tile as the MMA's A operand, in the same program as the first BM; 8192 tokens: 146 rows = one 160-row tile, one
+# weight pass, where HALF runs 128 + 64 rows in two programs that each stream the weights).
 HALF_TILE_MAX_ROWS = 256
 SHARED_BYTES = 232448  # an sm_90 block's shared-memory limit (227 KB)
 
@@ -194,9 +206,12 @@ def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _launch_cfg(cfg, t=None):
-    """num_warps / num_stages of a TILE_CONFIGS entry, and its register cap "maxnreg" (on the GPU) when set."""
+def _launch_cfg(cfg, t=None, tail=0):
+    """num_warps / num_stages of a TILE_CONFIGS entry ("TAIL_STAGES" instead when a grouped GEMM runs swapped tails:
+    each stage then holds the tail's rows too), and its register cap "maxnreg" (on the GPU) when set."""
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if tail and cfg.get("TAIL_STAGES"):
+        launch["num_stages"] = cfg["TAIL_STAGES"]
     if cfg.get("maxnreg") and t is not None and t.is_cuda:
         launch["maxnreg"] = cfg["maxnreg"]
     return launch
@@ -230,7 +245,7 @@ def _router_logits(x, weight):
     offs = device_table([0, n], torch.int64, x.device)
     m_tiles = cdiv(n, cfg["BM"])
     sched = (torch.zeros(m_tiles, dtype=torch.int64, device=x.device),
-             torch.zeros(1, dtype=torch.int64, device=x.device), m_tiles)
+             torch.zeros(1, dtype=torch.int64, device=x.device), m_tiles, cfg["BM"])
     _gg("router", x, weight.unsqueeze(0), sched, offs, 1, d, e, logits, gather=False, w_kn=False)
     return logits
 
@@ -529,14 +544,14 @@ class _Dispatch:
         return self._host_list
 
     def schedule(self, bm):
-        """(tile_expert [max_tiles] int64, tile_start [E] int64, max_tiles) for tile height bm."""
+        """(tile_expert [max_tiles] int64, tile_start [E] int64, max_tiles, bm) for tile height bm (rows)."""
         if bm not in self._sched:
             counts = self.offs[1:] - self.offs[:-1]
             mt = (counts + bm - 1) // bm
             ends = torch.cumsum(mt, 0)
             max_tiles = max(1, cdiv(self.nk, bm) + min(self.e, self.nk))
             tile_expert = torch.searchsorted(ends, torch.arange(max_tiles, device=ends.device), right=True)
-            self._sched[bm] = (tile_expert, (ends - mt).contiguous(), max_tiles)
+            self._sched[bm] = (tile_expert, (ends - mt).contiguous(), max_tiles, bm)
         return self._sched[bm]
 
 
@@ -562,10 +577,15 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
         w2=None, a2=None, epi=0, save=False, c2=None, c3=None, pa=None, pb=None, wrow=None,
         dwrow=None, act=0, bg=4.0, bu=25.0, row_scale=False):
     """Launch the grouped GEMM kernel (see its docstring). a: [rows, kk] (gathered through tok
-    when `gather`); w: [E, nn, kk] (w_kn False) or [E, kk, nn] (w_kn True)."""
+    when `gather`); w: [E, nn, kk] (w_kn False) or [E, kk, nn] (w_kn True). sched: (tile_expert, tile_start,
+    max_tiles, tile height) from _sched (height BM + TAIL with a swapped tail, else BM)."""
     cfg = _cfg(name, a)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    te, ts, mt = sched
+    te, ts, mt, height = sched
+    tail = height - bm
+    if tail and (tail < 16 or tail > bm or tail & (tail - 1)):
+        raise ValueError(f"moe_experts: {name}: a tile of {height} rows on {bm}-row tiles leaves a tail of {tail} "
+                         f"rows; TAIL must be a power of two from 16 to BM (TILE_CONFIGS)")
     _check_tile_rows("output", c.stride(0), bm)
     n_tiles = cdiv(nn, bn)
     if gather:
@@ -591,6 +611,10 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     if half and a_mode == 2:
         a_h_src = TensorDescriptor.from_tensor(a, [bm // 2, bk])
         a2_h_src = TensorDescriptor.from_tensor(a2, [bm // 2, bk]) if a2 is not None else a_h_src
+    a_t_src, a2_t_src = a_src, a2_src
+    if tail and a_mode == 2:
+        a_t_src = TensorDescriptor.from_tensor(a, [tail, bk])
+        a2_t_src = TensorDescriptor.from_tensor(a2, [tail, bk]) if a2 is not None else a_t_src
     dummy = c
     _k._grouped_gemm_kernel[(mt * n_tiles,)](
         a_src, tok if tok is not None else offs, w_src, a2_src, w2_src,
@@ -601,8 +625,19 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
         a.stride(0), w.stride(0), swn, swk, c.stride(0), float(bg), float(bu),
         PAIR=pair, EPI=epi, SAVE=save, ROW_SCALE=row_scale, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=w_desc,
         W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk, HALF=half,
-        a_h_src=a_h_src, a2_h_src=a2_h_src, **_launch_cfg(cfg, a))
+        a_h_src=a_h_src, a2_h_src=a2_h_src, TAIL=tail, a_t_src=a_t_src, a2_t_src=a2_t_src,
+        **_launch_cfg(cfg, a, tail=tail))
     return c
+
+
+def _sched(d, name, a):
+    """The m-tile schedule of dispatch d for the grouped GEMM `name`: tiles BM + TAIL rows tall when the config
+    has a TAIL and the experts average fewer than HALF_TILE_MAX_ROWS rows (as HALF), else BM."""
+    cfg = _cfg(name, a)
+    tail = int(cfg.get("TAIL") or 0)
+    if not (tail and d.nk < HALF_TILE_MAX_ROWS * max(d.e, 1)):
+        tail = 0
+    return d.schedule(cfg["BM"] + tail)
 
 
 def _pregather(name, t, d):
@@ -796,7 +831,7 @@ def _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu, da=None, db=N
     gb = _glu_bwd_gemm()
     split = gb == "glu_bwd_mm"
     src = dus if dus is not None else du
-    sched = d.schedule(_cfg(gb, a)["BM"])
+    sched = _sched(d, gb, a)
     if split:
         da = a if da is None else da
         db = b if db is None else db
@@ -853,13 +888,13 @@ class _ExpertsFn(torch.autograd.Function):
         hw = torch.empty(d.nk, i, dtype=x.dtype, device=x.device)
         a = torch.empty_like(hw) if need_grad else None
         b = torch.empty_like(hw) if need_grad else None
-        _gg(g1, xs if xs is not None else x, w1, d.schedule(cfg["BM"]), d.offs, e, l, i, hw,
+        _gg(g1, xs if xs is not None else x, w1, _sched(d, g1, x), d.offs, e, l, i, hw,
             gather=xs is None, tok=d.tok, w_kn=False, pair=1, w2=w3, epi=1, save=need_grad, c2=a,
             c3=b, wrow=w_rows, row_scale=True, act=act, bg=bg, bu=bu)
         _mark("fwd: dispatch + GEMM 1 + GLU")
         # GEMM 2: y = hw w2^T   (N = l, K = I); then u[t] = sum_j y[pos[t, j]]
         y = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
-        _gg(g2, hw, w2, d.schedule(_cfg(g2, x)["BM"]), d.offs, e, i, l, y, gather=False,
+        _gg(g2, hw, w2, _sched(d, g2, x), d.offs, e, i, l, y, gather=False,
             w_kn=False)
         _mark("fwd: GEMM 2")
         u = _combine(y, d, None, x.dtype)
@@ -914,7 +949,7 @@ class _ExpertsFn(torch.autograd.Function):
         if need_x:
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
             dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
-            _gg("dx", da, w1, d.schedule(_cfg("dx", x)["BM"]), d.offs, e, i, l, dxg, gather=False,
+            _gg("dx", da, w1, _sched(d, "dx", x), d.offs, e, i, l, dxg, gather=False,
                 w_kn=True, pair=_cfg("dx", x).get("PAIR", 2), a2=db, w2=w3)
             dx = _combine(dxg, d, None, x.dtype)
             del dxg

@@ -230,17 +230,25 @@ def _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr, offs_ptr, E, BM: t
 
 
 @triton.jit
-def _gg_k_loop(acc, acc2, a_src, a_ptrs, a2_src, a2_ptrs, w_src, b_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, cmask,
-               ks, stride_wk, PAIR: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
-               PREC: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """The K loop of _grouped_gemm_kernel (PAIR 0, 1 or 2 as there); returns (acc, acc2)."""
+def _gg_k_loop(acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, at_ptrs, a2t_src, a2t_ptrs,
+               w_src, b_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
+               PAIR: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
+               PREC: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+               TAIL: tl.constexpr):
+    """The K loop of _grouped_gemm_kernel (PAIR 0, 1 or 2 as there); returns (acc, acc2, acct, acct2).
+    TAIL > 0: the tile's TAIL rows after its BM rows ride along on the same weight tiles, swapped (acct [BN, TAIL]
+    = W^T A_tail^T), so that the weight tile is loaded once for BM + TAIL rows and the MMA has BN rows."""
     for k0 in range(0, K, BK):
         kmask = (k0 + ks) < K
-        # ---- A tile(s) [BM, BK]
+        # ---- A tile(s) [BM, BK] (and the tail's [TAIL, BK])
         if A_MODE == 2:
             a = a_src.load([m32, k0])
             if PAIR == 2:
                 a2 = a2_src.load([m32, k0])
+            if TAIL > 0:
+                at = at_src.load([m32 + BM, k0])
+                if PAIR == 2:
+                    a2t = a2t_src.load([m32 + BM, k0])
         else:
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
@@ -253,6 +261,18 @@ def _gg_k_loop(acc, acc2, a_src, a_ptrs, a2_src, a2_ptrs, w_src, b_ptrs, w2_src,
                 else:
                     a2 = tl.load(a2_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
                 a2_ptrs += BK
+            if TAIL > 0:
+                if EVEN_K:
+                    at = tl.load(at_ptrs, mask=tmask[:, None], other=0.0)
+                else:
+                    at = tl.load(at_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
+                at_ptrs += BK
+                if PAIR == 2:
+                    if EVEN_K:
+                        a2t = tl.load(a2t_ptrs, mask=tmask[:, None], other=0.0)
+                    else:
+                        a2t = tl.load(a2t_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
+                    a2t_ptrs += BK
         # ---- W tile(s) [BK, BN]
         if W_DESC:
             if W_KN:
@@ -280,7 +300,15 @@ def _gg_k_loop(acc, acc2, a_src, a_ptrs, a2_src, a2_ptrs, w_src, b_ptrs, w2_src,
             acc2 = tl.dot(a, b2, acc2, input_precision=PREC)
         elif PAIR == 2:
             acc = tl.dot(a2, b2, acc, input_precision=PREC)
-    return acc, acc2
+        if TAIL > 0:
+            # swap-AB: the weight tile is the MMA's A operand ([BN, BK]), the tail rows its B ([BK, TAIL]); the
+            # MMA is BN rows tall, where TAIL token rows alone would be padded to the tensor core's 64
+            acct = tl.dot(tl.trans(b), tl.trans(at), acct, input_precision=PREC)
+            if PAIR == 1:
+                acct2 = tl.dot(tl.trans(b2), tl.trans(at), acct2, input_precision=PREC)
+            elif PAIR == 2:
+                acct = tl.dot(tl.trans(b2), tl.trans(a2t), acct, input_precision=PREC)
+    return acc, acc2, acct, acct2
 
 
 @triton.jit
@@ -295,7 +323,7 @@ def _grouped_gemm_kernel(
         ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
         PREC: tl.constexpr, EVEN_K: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr = False,
-        a_h_src=None, a2_h_src=None):
+        a_h_src=None, a2_h_src=None, TAIL: tl.constexpr = 0, a_t_src=None, a2_t_src=None):
     """One grouped GEMM over the experts; for the rows r of m-tile's expert e and n-tile cols:
 
         acc  = A[r] . W[e]          (K-deep dot; W[e] is [NN, K] (k fastest) or [K, NN] (W_KN))
@@ -313,20 +341,33 @@ def _grouped_gemm_kernel(
     HALF: an m-tile with at most BM / 2 rows (an expert's last tile) runs at BM / 2 rows, so its products cost
     half (at 8192 tokens of the K3 layer an expert has ~146 rows: 128 + 18, padded to 192 rows of MMA instead
     of 256); with A_MODE 2 its A rows come through a_h_src / a2_h_src, descriptors with [BM / 2, BK] blocks.
+    TAIL > 0: m-tiles are BM + TAIL rows tall (the schedule's tile height); a tile with more than BM rows runs its
+    last TAIL rows on the same weight tiles as its first BM, swapped (the weight tile as the MMA's A operand, see
+    _gg_k_loop), so that 146 rows cost one weight pass and 128 + 32 rows of MMA (HALF: 128 + 64 in two programs,
+    each streaming the weights); with A_MODE 2 the tail rows come through a_t_src / a2_t_src ([TAIL, BK] blocks).
+    A tile of at most BM rows runs without the tail (and at BM / 2 under HALF when it has at most BM / 2).
     """
     pid = tl.program_id(0)
     e, e_ok, pid_n, m_begin, m_end = _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr,
-                                                offs_ptr, E, BM)
+                                                offs_ptr, E, BM + TAIL)
     if e >= E:
         return
     half: tl.constexpr = False              # a constexpr unless HALF: then the tile's height decides at run time
     if HALF:
         half = m_end - m_begin <= BM // 2
+    tail: tl.constexpr = False              # likewise with TAIL
+    if TAIL > 0:
+        tail = m_end - m_begin > BM
     if half:
         _gg_tile(a_h_src, tok_ptr, w_src, a2_h_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
                  dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
                  stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
                  PREC, EVEN_K, BM // 2, BN, BK)
+    elif tail:
+        _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
+                 dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
+                 stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
+                 PREC, EVEN_K, BM, BN, BK, TAIL, a_t_src, a2_t_src)
     else:
         _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
                  dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
@@ -335,61 +376,19 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
-             e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-             beta_gate, beta_up, PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr,
-             ROW_SCALE: tl.constexpr, ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr,
-             W_DESC: tl.constexpr, W_KN: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One BM x BN output tile of _grouped_gemm_kernel (rows m_begin .. m_end - 1 of expert e): K loop and
-    epilogue, as documented there."""
-    rows = m_begin + tl.arange(0, BM)
-    rmask = rows < m_end
-    n0 = pid_n * BN
-    cols = n0 + tl.arange(0, BN)
-    cmask = cols < NN
-    ks = tl.arange(0, BK)
-    e32 = e.to(tl.int32)
-    m32 = m_begin.to(tl.int32)
-    # (pointer operands that a mode does not use are never loaded: the K loop selects on the same constexprs)
-    a_ptrs = tok_ptr
-    a2_ptrs = tok_ptr
-    b_ptrs = tok_ptr
-    b2_ptrs = tok_ptr
-    if A_MODE == 0:
-        arow = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        a_ptrs = a_src + arow[:, None] * stride_am + ks[None, :]
-    elif A_MODE == 1:
-        a_ptrs = a_src + rows[:, None] * stride_am + ks[None, :]
-    if PAIR >= 2:
-        if A_MODE != 2:
-            a2_ptrs = a2_src + rows[:, None] * stride_am + ks[None, :]
-    if not W_DESC:
-        b_ptrs = (w_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
-                  + ks[:, None] * stride_wk)
-        if PAIR != 0:
-            b2_ptrs = (w2_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
-                       + ks[:, None] * stride_wk)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc2 = acc
-    if PAIR == 1:
-        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    if PAIR == 3:
-        # sequential pair: the K loop over (A, W), then a second one over (A2, W2) into the same accumulator;
-        # each loop a plain one-operand pipeline (fewer shared-memory bytes per stage than PAIR 2: wider tiles fit)
-        acc, acc2 = _gg_k_loop(acc, acc2, a_src, a_ptrs, a_src, a_ptrs, w_src, b_ptrs, w_src, b_ptrs, e32, m32, n0,
-                               K, rmask, cmask, ks, stride_wk, 0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BK, BN)
-        acc, acc2 = _gg_k_loop(acc, acc2, a2_src, a2_ptrs, a2_src, a2_ptrs, w2_src, b2_ptrs, w2_src, b2_ptrs, e32,
-                               m32, n0, K, rmask, cmask, ks, stride_wk, 0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BK, BN)
-    else:
-        acc, acc2 = _gg_k_loop(acc, acc2, a_src, a_ptrs, a2_src, a2_ptrs, w_src, b_ptrs, w2_src, b2_ptrs, e32, m32,
-                               n0, K, rmask, cmask, ks, stride_wk, PAIR, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BK, BN)
-    # epilogue offsets: int32 within the tile (BM * stride_cm < 2**31) from int64 tile bases. ptxas sm_90a spills
+def _gg_epilogue(acc, acc2, rows, rmask, cmask, row0, n0, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
+                 stride_cm, beta_gate, beta_up, EPI: tl.constexpr, SAVE: tl.constexpr, ROW_SCALE: tl.constexpr,
+                 ACT: tl.constexpr, FAST: tl.constexpr, R: tl.constexpr, BN: tl.constexpr):
+    """The epilogue of _grouped_gemm_kernel (EPI 0, 1, 2 as there) for the [R, BN] products acc (acc2) of the R rows
+    `rows` = row0 + arange(R) (those in rmask are stored) and columns n0 .. n0 + BN - 1 (those in cmask). The caller
+    forms rows and the masks before its K loop: formed after it, behind the last MMA, they made ptxas serialize the
+    wgmma pipeline of the 128 x 256 GEMM 2 (C7515)."""
+    # epilogue offsets: int32 within the tile (R * stride_cm < 2**31) from int64 tile bases. ptxas sm_90a spills
     # (bytes, int64 [BM, BN] offsets -> these): GLU backward 128 x 64 264 -> 0, dx 440 -> 16, GEMM 1 1204 -> 848,
     # GEMM 2 128 x 256 256 -> 464 (9th session; the GEMM 2 forward phase timed within run-to-run noise)
-    lr = tl.arange(0, BM)
+    lr = tl.arange(0, R)
     o = lr[:, None] * stride_cm + tl.arange(0, BN)[None, :]
-    tile0 = m_begin * stride_cm + n0
+    tile0 = row0 * stride_cm + n0
     c_ptr += tile0
     c2_ptr += tile0
     c3_ptr += tile0
@@ -424,6 +423,95 @@ def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_pt
         tl.atomic_add(dwrow_ptr + rows, part, mask=rmask)
         tl.store(c_ptr + o, da.to(c_ptr.dtype.element_ty), mask=om)
         tl.store(c2_ptr + o, db.to(c2_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
+             e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+             beta_gate, beta_up, PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr,
+             ROW_SCALE: tl.constexpr, ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr,
+             W_DESC: tl.constexpr, W_KN: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr = 0, at_src=None,
+             a2t_src=None):
+    """One (BM + TAIL) x BN output tile of _grouped_gemm_kernel (rows m_begin .. m_end - 1 of expert e): K loop
+    and epilogue, as documented there."""
+    rows = m_begin + tl.arange(0, BM)
+    rmask = rows < m_end
+    n0 = pid_n * BN
+    cols = n0 + tl.arange(0, BN)
+    cmask = cols < NN
+    ks = tl.arange(0, BK)
+    e32 = e.to(tl.int32)
+    m32 = m_begin.to(tl.int32)
+    # (pointer operands that a mode does not use are never loaded: the K loop selects on the same constexprs)
+    a_ptrs = tok_ptr
+    a2_ptrs = tok_ptr
+    b_ptrs = tok_ptr
+    b2_ptrs = tok_ptr
+    at_ptrs = tok_ptr
+    a2t_ptrs = tok_ptr
+    tmask = rmask
+    if TAIL > 0:
+        trows = m_begin + BM + tl.arange(0, TAIL)
+        tmask = trows < m_end
+    if A_MODE == 0:
+        arow = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        a_ptrs = a_src + arow[:, None] * stride_am + ks[None, :]
+        if TAIL > 0:
+            trow = tl.load(tok_ptr + trows, mask=tmask, other=0).to(tl.int64)
+            at_ptrs = a_src + trow[:, None] * stride_am + ks[None, :]
+    elif A_MODE == 1:
+        a_ptrs = a_src + rows[:, None] * stride_am + ks[None, :]
+        if TAIL > 0:
+            at_ptrs = a_src + trows[:, None] * stride_am + ks[None, :]
+    if PAIR >= 2:
+        if A_MODE != 2:
+            a2_ptrs = a2_src + rows[:, None] * stride_am + ks[None, :]
+            if TAIL > 0:
+                a2t_ptrs = a2_src + trows[:, None] * stride_am + ks[None, :]
+    if not W_DESC:
+        b_ptrs = (w_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                  + ks[:, None] * stride_wk)
+        if PAIR != 0:
+            b2_ptrs = (w2_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                       + ks[:, None] * stride_wk)
+    # the accumulators a mode does not use are a [1, 1] stand-in, never the zeros of a used one: a loop-carried
+    # alias of an MMA accumulator's initial value makes ptxas serialize the wgmma pipeline (C7515; the 128 x 256
+    # GEMM 2 took 23.2 ms against 20.3 at 32768 tokens that way)
+    unused = tl.zeros([1, 1], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = unused
+    if PAIR == 1:
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    acct = unused
+    acct2 = unused
+    if TAIL > 0:
+        acct = tl.zeros([BN, TAIL], dtype=tl.float32)
+        if PAIR == 1:
+            acct2 = tl.zeros([BN, TAIL], dtype=tl.float32)
+    if PAIR == 3:
+        # sequential pair: the K loop over (A, W), then a second one over (A2, W2) into the same accumulator;
+        # each loop a plain one-operand pipeline (fewer shared-memory bytes per stage than PAIR 2: wider tiles fit)
+        acc, acc2, acct, acct2 = _gg_k_loop(
+            acc, acc2, acct, acct2, a_src, a_ptrs, a_src, a_ptrs, at_src, at_ptrs, at_src, at_ptrs,
+            w_src, b_ptrs, w_src, b_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
+            0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL)
+        acc, acc2, acct, acct2 = _gg_k_loop(
+            acc, acc2, acct, acct2, a2_src, a2_ptrs, a2_src, a2_ptrs, a2t_src, a2t_ptrs, a2t_src, a2t_ptrs,
+            w2_src, b2_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
+            0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL)
+    else:
+        acc, acc2, acct, acct2 = _gg_k_loop(
+            acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, at_ptrs, a2t_src, a2t_ptrs,
+            w_src, b_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
+            PAIR, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL)
+    if TAIL > 0:
+        # the tail's products first (fewer registers live across the larger epilogue), transposed back to rows
+        _gg_epilogue(tl.trans(acct), tl.trans(acct2), trows, tmask, cmask, m_begin + BM, n0, c_ptr, c2_ptr, c3_ptr,
+                     pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr, stride_cm, beta_gate, beta_up, EPI, SAVE, ROW_SCALE, ACT,
+                     FAST, TAIL, BN)
+    _gg_epilogue(acc, acc2, rows, rmask, cmask, m_begin, n0, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
+                 dwrow_ptr, stride_cm, beta_gate, beta_up, EPI, SAVE, ROW_SCALE, ACT, FAST, BM, BN)
 
 
 @triton.jit
