@@ -89,6 +89,37 @@ def set_trial(tm, change, base=None):
             tm.TILE_CONFIGS["cuda"][kk].update(v)
 
 
+def profile_steps(step, label, steps=2, top=20):
+    """Print the `top` CUDA kernels of `steps` calls of step() by GPU time (torch.profiler), per step."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(ev.device_time_total / steps / 1e3, ev.count // steps, ev.key) for ev in prof.key_averages()
+            if ev.device_time_total > 0]
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"  profile {label}: {total:.2f} ms of kernels per step", flush=True)
+    for ms, cnt, key in rows[:top]:
+        print(f"    {ms:8.2f} ms  x{cnt:<4d} {key[:110]}", flush=True)
+    # the GPU's idle gaps between consecutive kernels (host launches, synchronisations), largest first
+    kern = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                   if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start), key=lambda t: t[0])
+    gaps, end, prev = [], None, None
+    for a, b, name in kern:
+        if end is not None and a > end:
+            gaps.append(((a - end) / 1e3, prev, name))
+        if end is None or b > end:
+            end, prev = b, name
+    gaps.sort(reverse=True)
+    print(f"  idle between kernels: {sum(g[0] for g in gaps) / steps:.2f} ms per step; largest:", flush=True)
+    for ms, a, b in gaps[:8]:
+        print(f"    {ms:7.2f} ms after {a[:60]} before {b[:60]}", flush=True)
+
+
 def experts_phases(tm, fwd, inputs, grad_out, reps=5):
     """Median time (ms) of each phase of moe_experts' forward and backward (backends.triton.moe.PROFILE events),
     as 'name a.bc, ...', and the caching allocator's retries over the reps (a retry frees cached blocks and
@@ -176,6 +207,9 @@ def main():
     ap.add_argument("--phases", action="store_true",
                     help="time each phase of the Triton experts' forward and backward (CUDA events)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what remains after this many seconds")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each layer fwd+bwd timing: torch.profiler over two steps, the 20 kernels with the "
+                         "most GPU time (where the layer's time goes; triton against gmm)")
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, no timing")
     ap.add_argument("--seed", type=int, default=None,
@@ -504,6 +538,8 @@ def main():
 
             torch.cuda.empty_cache() if dev == "cuda" else None
             record(impl, T, "layer fwd+bwd", step, 3 * (f_exp + f_dense), bbytes, reps * 2)
+            if args.profile and dev == "cuda":
+                profile_steps(step, f"{impl} layer fwd+bwd T={T}")
         leaves = xg = inputs = gy = None  # (not del: the timed closures read these names)
         if dev == "cuda":
             torch.cuda.empty_cache()

@@ -47,6 +47,14 @@ _V1_TILES = [("128x128 s2 nreg128", dict(BN=128, num_stages=2, maxnreg=128)),
              ("64x128 nw4 s3 TMA", dict(BM=64, BN=128, num_warps=4, num_stages=3, O_TMA=True)),
              ("128x128 nw8 s2 TMA", dict(BN=128, num_warps=8, num_stages=2, O_TMA=True))]
 
+# v1 on 128 x 256 tiles with shallower K blocks / deeper rings (14th session; at 585 rows per expert a 64-row block
+# leaves 55 rows of padding in the last K step, a 32-row block 23)
+_V1_WIDE = [("v1w 128x256 BK32 s4", {"WGRAD_IMPL": "v1", "wgrad": dict(BK=32, num_stages=4)}),
+            ("v1w 128x256 BK32 s5", {"WGRAD_IMPL": "v1", "wgrad": dict(BK=32, num_stages=5)}),
+            ("v1w 128x256 BK32 s6", {"WGRAD_IMPL": "v1", "wgrad": dict(BK=32, num_stages=6)}),
+            ("v1w 128x256 s4", {"WGRAD_IMPL": "v1", "wgrad": dict(num_stages=4)}),
+            ("v1w 256x128 BK32 s4", {"WGRAD_IMPL": "v1", "wgrad": dict(BM=256, BN=128, BK=32, num_stages=4)})]
+
 # v2 (persistent) on v1's few-row tiles: 4 warps, 32-row K blocks, 3 programs per SM, TMA stores (12th session)
 _V2_FEW = [("v2 p3 128x128 nw4 BK32 s3 nreg168 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(
                BK=32, num_warps=4, num_stages=3, PROGS_PER_SM=3, maxnreg=168, O_TMA=True)}),
@@ -136,7 +144,7 @@ SWEEPS = {
            ("pair3 TAIL32 s4", {"dx": dict(TAIL=32, TAIL_STAGES=4)}), ("pair3 TAIL64", {"dx": dict(TAIL=64)}),
            *[(f"pair3 all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "dx": dict(TAIL=t, HALF=h)})
              for t in (32, 64) for h in (False, True)]],
-    "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}), *_V3X, *_V2_FEW,
+    "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}), *_V3X, *_V2_FEW, *_V1_WIDE,
                 ("v1 2x 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}),
                 ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),
                 ("v2 dual", {"WGRAD_IMPL": "v2", "wgrad_dual": dict(DUAL=True)}),
@@ -146,6 +154,7 @@ SWEEPS = {
                 *[("v1 2x " + lab, {"WGRAD_IMPL": "v1", "wgrad": t}) for lab, t in _V1_TILES],
                 ("v3 128x64 nw4", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, num_warps=4)})],
     "wgrad2": [("v1 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}), ("v1 128x256", {"WGRAD_IMPL": "v1"}),
+               *_V1_WIDE,
                *_V3X, *[(lab, ch) for lab, ch in _V2_FEW],
                ("v1 128x256 s2", {"WGRAD_IMPL": "v1", "wgrad": dict(num_stages=2)}), ("v2", {"WGRAD_IMPL": "v2"}),
                ("v2 O_TMA", {"WGRAD_IMPL": "v2", "wgrad2": dict(O_TMA=True)}), ("v3", {"WGRAD_IMPL": "v3"}),

@@ -582,6 +582,27 @@ def test_gpu_two_phase_bf16(acc_dtype, mix, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_phase1_logits_of_a_bf16_bank_keep_float32_precision():
+    # the phase-1 logits of a bf16 bank (tf32x3 MMAs on the float32 tile): the max logit m and the softmax sum s
+    # match float64 to float32 accuracy (H200: 4.1e-7). 14th session, not kept: qw split into bf16 parts for
+    # bf16 MMAs on the tile as loaded read the bank 2.6x faster, but gave 8.4e-6 (hi, mid, lo side by side in one
+    # MMA) and 2.7e-5 (three chained MMAs) here, and the two-phase read's error against the float32 reference
+    # rose from 4e-5 to 2e-4 (two parts) and up to 8e-3 (three)
+    n, d, Q, B = 1000 + 3, 7168, 24, 4
+    bank = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * (1 + i) for i in range(B)]
+    queries = torch.randn(Q, d, device="cuda") * 0.05
+    ws = 1 + 0.3 * torch.randn(Q, d, device="cuda")
+    acc, m, s = T.attn_residual_phase1(queries, bank, ws)
+    errs = []
+    for k in range(Q):
+        lg = torch.stack([(x.double() * (queries[k] * ws[k]).double()).sum(-1)
+                          / torch.sqrt((x.double() ** 2).mean(-1) + EPS) for x in bank])
+        errs.append(max(_rel(m[k], lg.max(0).values), _rel(s[k], torch.exp(lg - lg.max(0).values).sum(0))))
+    print(f"max relative error of m, s over {Q} queries: {max(errs):.1e}")
+    assert max(errs) < 5e-6, max(errs)
+
+
+@pytest.mark.gpu
 def test_gpu_forward_does_not_synchronise():
     # the source-offset table reaches the GPU through pinned memory (guard.device_table): no stream
     # synchronisation per call, so the CPU can queue the following kernels while this one runs
