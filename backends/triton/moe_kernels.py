@@ -475,9 +475,8 @@ def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_pt
         if PAIR != 0:
             b2_ptrs = (w2_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
                        + ks[:, None] * stride_wk)
-    # the accumulators a mode does not use are a [1, 1] stand-in, never the zeros of a used one: a loop-carried
-    # alias of an MMA accumulator's initial value makes ptxas serialize the wgmma pipeline (C7515; the 128 x 256
-    # GEMM 2 took 23.2 ms against 20.3 at 32768 tokens that way)
+    # the accumulators a mode does not use are a [1, 1] stand-in that the K loop carries through untouched (not a
+    # second name for a used accumulator's zeros)
     unused = tl.zeros([1, 1], dtype=tl.float32)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc2 = unused
