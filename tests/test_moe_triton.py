@@ -633,10 +633,9 @@ print("split", ok)
 """
 
 
-def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
-    """The fused GEMM1 + SiTU kernel compiles for sm_90 (no GPU needed) to wgmma tensor-core MMAs
-    fed by TMA copies, with the SiTU in the epilogue. Runs in a subprocess without the
-    interpreter (the interpreter's kernels cannot be compiled)."""
+def _compile_for_hopper(script, timeout):
+    """Run a compile script in a subprocess without the interpreter (its kernels cannot be compiled), from the
+    repository root; the finished process (CompletedProcess, stdout text), after checking that it succeeded."""
     import os
     import subprocess
     import sys
@@ -644,9 +643,17 @@ def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_grouped_glu_gemm_compiles_to_wgmma_and_tma_for_hopper():
+    """The fused GEMM1 + SiTU kernel compiles for sm_90 (no GPU needed) to wgmma tensor-core MMAs
+    fed by TMA copies, with the SiTU in the epilogue. Runs in a subprocess without the
+    interpreter (the interpreter's kernels cannot be compiled)."""
+    out = _compile_for_hopper(_COMPILE_SCRIPT, timeout=300)
     counts = dict(zip(*[iter(out.stdout.split())] * 2))
     assert int(counts["wgmma"]) > 0  # Hopper tensor-core MMA
     assert int(counts["nohalf_wgmma"]) > 0  # and without half-height tiles
@@ -710,16 +717,7 @@ def test_grouped_gemm_wgmma_pipeline_not_serialized_by_ptxas():
     sm_90a without ptxas serializing the wgmma pipeline (warning C7515: one MMA waits for the previous one; GEMM 2
     lost 14% at 32768 tokens that way in the 14th session), without register spills and within 227 KB of shared
     memory. CPU only (subprocess without the interpreter; ptxas bundled with triton)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _COMPILE_PIPELINE], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _compile_for_hopper(_COMPILE_PIPELINE, timeout=600)
     rows = [line.split() for line in out.stdout.splitlines()]
     assert len(rows) == 8, out.stdout  # four GEMMs, each without and with its tail
     for kernel, pipe, spill, smem_ok in rows:
@@ -785,16 +783,7 @@ def test_wgrad_v2_v3_compile_without_spills_for_hopper():
     """The v2 dual weight-gradient kernel (dW1|dW3 shape, the default GPU tile config) compiles
     for sm_90 to wgmma MMAs fed by TMA loads, and ptxas -v reports no spilled bytes; v3 at 256 rows
     per expert compiles with its Q loads pipelined (cp.async) within the shared memory, no spills."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _COMPILE_WGRAD_V2], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _compile_for_hopper(_COMPILE_WGRAD_V2, timeout=300)
     counts = dict(zip(*[iter(out.stdout.split())] * 2))
     assert int(counts["rc"]) == 0
     assert int(counts["wgmma"]) > 0
