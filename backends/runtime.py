@@ -16,6 +16,7 @@ import numbers
 import os
 import sys
 import warnings
+import weakref
 from typing import Callable
 
 import sympy
@@ -196,6 +197,21 @@ DEFER_WARN_FORWARDS = 64
 BIAS_KEEP_FORWARDS = 64
 
 
+class _KeptBias:
+    """A router bias kept for the activation-checkpoint recomputation of one train-mode forward: the bias, weak
+    references to the forward's input tensors, whether a backward has recomputed the forward, and whether another
+    forward over the same inputs routed with another bias before that (then the recomputation cannot tell which
+    bias is its own)."""
+    __slots__ = ("bias", "refs", "recomputed", "ambiguous")
+
+    def __init__(self, bias: torch.Tensor, refs: tuple):
+        self.bias, self.refs, self.recomputed, self.ambiguous = bias, refs, False, False
+
+    def pending(self) -> bool:
+        """Its forward may still be recomputed: not yet by a backward, and its input tensors are alive."""
+        return not self.recomputed and all(r() is not None for r in self.refs)
+
+
 def _forward_key(inputs: dict) -> tuple:
     """Which forward a (re)computation is: its input tensors by storage, shape and version (a checkpoint's
     recomputation gets the same tensors back; tensors alive at the same time never share a storage address)."""
@@ -339,7 +355,7 @@ class CompiledModule(nn.Module):
             self.register_load_state_dict_post_hook(_sync_updates_hook)
         # router -> {forward key: the bias that train-mode forward routed with} (the last BIAS_KEEP_FORWARDS), for
         # activation-checkpoint recomputation
-        self._bias_used: dict[str, dict[tuple, torch.Tensor]] = {}
+        self._bias_used: dict[str, dict[tuple, _KeptBias]] = {}
 
     def __getstate__(self):
         if self.dp_group is not None:
@@ -358,6 +374,7 @@ class CompiledModule(nn.Module):
         state["_gen"] = None                   # generated kernels (imported module): regenerated on load
         state["_shape_cache"] = {}
         state["_hook_calls"] = []
+        state["_bias_used"] = {}               # for recomputations inside a backward in flight: none in a saved module
         return state
 
     def __setstate__(self, state):
@@ -480,9 +497,13 @@ class CompiledModule(nn.Module):
                 raise MtcError(f"missing graph input '{name}'")
             x = inputs[name]
             t = n.type
-            if not isinstance(x, torch.Tensor) or x.dim() != t.rank:
-                raise MtcError(f"input '{name}' must be a tensor of rank {t.rank} ({t}), got "
-                               f"{getattr(x, 'shape', type(x))}")
+            if not isinstance(x, torch.Tensor):
+                raise MtcError(f"input '{name}' must be a torch.Tensor of rank {t.rank} ({t}), got a "
+                               f"{type(x).__module__}.{type(x).__qualname__}"
+                               + (" (torch.from_numpy(x) makes one)" if type(x).__module__ == "numpy" else ""))
+            if x.dim() != t.rank:
+                raise MtcError(f"input '{name}' must be a tensor of rank {t.rank} ({t}), got shape "
+                               f"{tuple(x.shape)}")
             if p0 is not None and x.device != p0.device:
                 raise MtcError(f"input '{name}' is on {x.device} but the model's weights are on {p0.device}: move "
                                f"it there (x.to({str(p0.device)!r})) or the model (m.to(...))")
@@ -557,13 +578,23 @@ class CompiledModule(nn.Module):
                 # several forwards may precede one backward), and neither update the bias nor count nor call the
                 # hooks a second time
                 recompute = _in_backward()
-                used = self._bias_used.get(n.name, {}).get(fkey) if recompute else None
-                if used is not None:
-                    args = [args[0], args[1], used]
+                kept = self._bias_used.get(n.name, {}).get(fkey) if recompute else None
+                if kept is not None:
+                    if kept.ambiguous:
+                        raise MtcError(
+                            f"{self.graph.name}: activation checkpointing: the same input tensor went through two "
+                            f"train-mode forwards that routed with different router biases "
+                            f"({self._router_layers[n.name][0]}; the bias moves "
+                            f"after each forward unless balance_defer is set) before this backward, so the "
+                            f"recomputation cannot tell which bias was its own and would give wrong gradients. Pass "
+                            f"each forward its own tensor (e.g. ids.clone()), or set m.balance_defer = True and call "
+                            f"m.apply_balance() once per step")
+                    kept.recomputed = True
+                    args = [args[0], args[1], kept.bias]
             out = self._exec(n, args, bind)
             env[n.name] = out
             if n.op == "qb_route" and not recompute:
-                self._after_route(n, out, fkey)
+                self._after_route(n, out, fkey, inputs)
         outs = [self._value(env, r) for r in g.outputs]
         self._call_stats_hooks()
         return outs
@@ -752,7 +783,7 @@ class CompiledModule(nn.Module):
             raise ValueError(f"CompiledModule.fixed_step must be a finite number > 0 (the bias step of the fixed-step "
                              f"rule, DeepSeek-V3's u = 1e-3), got {u!r}")
 
-    def _after_route(self, n: Node, out, fkey: tuple) -> None:
+    def _after_route(self, n: Node, out, fkey: tuple, inputs: dict) -> None:
         from backends.reference import expert_load, fixed_step_update
         idx, _w, scores = out
         layer, bias_key = self._router_layers[n.name]
@@ -764,8 +795,15 @@ class CompiledModule(nn.Module):
             balancing = self.training and self.balance is not None
             if balancing:
                 kept_bias = self._bias_used.setdefault(n.name, {})
-                kept_bias.pop(fkey, None)
-                kept_bias[fkey] = bias.detach().clone()       # what this forward routed with
+                prev = kept_bias.pop(fkey, None)
+                entry = _KeptBias(bias.detach().clone(),       # what this forward routed with
+                                  tuple(weakref.ref(v) for v in inputs.values() if isinstance(v, torch.Tensor)))
+                # an earlier forward over the same input tensors, not yet recomputed, routed with another bias:
+                # a recomputation of either could not tell its bias (micro-batches summed into one loss that pass
+                # the same tensor twice)
+                entry.ambiguous = prev is not None and prev.pending() and (
+                    prev.ambiguous or not torch.equal(prev.bias, entry.bias))
+                kept_bias[fkey] = entry
                 while len(kept_bias) > BIAS_KEEP_FORWARDS:
                     kept_bias.pop(next(iter(kept_bias)))       # the oldest
             if balancing and not self.balance_defer and self._deferred.get(n.name):

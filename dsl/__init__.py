@@ -36,7 +36,10 @@ def parse(text: str, variant: str | None = None, *, file: str = "<spec>", **over
 
 
 def load(path: str | Path, variant: str | None = None, **overrides) -> Graph:
-    """Read and parse a .mtc file (see :func:`parse`)."""
+    """Read and parse a .mtc file (see :func:`parse`). Raises TypeError when path is not a str or os.PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"dsl.load takes the path of a .mtc file (str or os.PathLike), got {type(path).__name__}"
+                        + (" (a spec's text: dsl.parse(text))" if isinstance(path, bytes) else ""))
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

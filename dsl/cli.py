@@ -375,9 +375,9 @@ def _segments(ids, T: int):
     return [ids[s: s + T + 1] for s in range(0, len(ids) - 1, T)]
 
 
-def _check_fits(g, dtype_bytes: int, device: str, spec=None) -> None:
+def _check_fits(g, dtype_bytes: int, device: str, spec=None, variant=None) -> None:
     """Refuse, before allocating, a model whose weights cannot fit in this machine's memory (``spec``: its file,
-    whose variants the message names)."""
+    whose other variants than ``variant`` the message names)."""
     import torch
     n = sum(int(p.type.numel()) for p in g.params())
     need = n * dtype_bytes
@@ -391,10 +391,10 @@ def _check_fits(g, dtype_bytes: int, device: str, spec=None) -> None:
             return
     if need > 0.8 * have:
         from .stats import human_bytes
-        variants = _spec_variants(spec) if spec is not None else []
+        variants = [v for v in (_spec_variants(spec) if spec is not None else []) if v != variant]
         raise MtcError(f"model '{g.name}' has {n:,} parameters: {human_bytes(need)} of weights, more than this "
                        f"{'GPU' if device != 'cpu' else 'machine'} holds ({human_bytes(have)} free); "
-                       + (f"run a smaller variant (--variant {' or '.join(variants)}), or " if variants else "")
+                       + (f"try another variant (--variant {' or '.join(variants)}), or " if variants else "")
                        + "count it with `mtc stats` / `mtc ir --stage lowered`")
 
 
@@ -488,7 +488,7 @@ def cmd_run(args) -> int:
     vocab = int(g.type_of(g.outputs[0]).shape[-1])
     if vocab < 256:
         raise MtcError(f"model '{g.name}' has a vocabulary of {vocab}; the byte-level tokenizer needs >= 256")
-    _check_fits(g, 4 if dtype == "f32" else 2, args.device, spec)
+    _check_fits(g, 4 if dtype == "f32" else 2, args.device, spec, variant)
     t0 = time.perf_counter()
     m = mtc_compile(g, target=args.target, dtype=dtype, device=args.device, seed=args.seed)
     m.eval()
@@ -882,6 +882,19 @@ def main(argv=None) -> int:
         # errors of argparse and the range checks above ("mtc: error: ...")
         print(e.render() if e.loc else f"mtc: {e.render()}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:
+        # torch's out-of-memory errors (torch.OutOfMemoryError is a RuntimeError; on the CPU a RuntimeError from
+        # its allocator): one line instead of a traceback (user trial: `mtc run --seq-len 65536` on the CPU, where
+        # the reference MLA forms [T, T] scores)
+        msg = str(e).strip()
+        low = msg.lower()
+        if not (isinstance(e, MemoryError) or any(k in low for k in (
+                "out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory"))):
+            raise
+        first = msg.splitlines()[0] if msg else type(e).__name__
+        print(f"mtc: error: out of memory while running: {first[:300]}; try a shorter --seq-len, a smaller "
+              f"--batch-size or --variant", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

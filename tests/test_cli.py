@@ -462,3 +462,46 @@ def test_memory_plan_prints_an_uneven_token_split_and_no_dangling_colon():
     assert r.returncode in (0, None), r.stderr
     assert "(0.008 tokens per GPU)" in r.stdout and "x 0.008 tokens" in r.stdout
     assert not any(ln.rstrip().endswith("launches:") for ln in r.stdout.splitlines())
+
+
+def test_out_of_memory_while_running_is_one_line(monkeypatch):
+    # torch's out-of-memory errors (user trial: `mtc run --seq-len 65536` on a CPU, where the reference MLA forms
+    # [T, T] scores) end in one `mtc: error:` line, exit 1; another RuntimeError is not hidden
+    import torch
+    import dsl.cli as cli
+
+    def oom(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+    monkeypatch.setattr(cli, "cmd_run", oom)
+    r = in_process("run")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "mtc: error: out of memory while running: CUDA out of memory. Tried to allocate 32.00 GiB" in r.stderr
+
+    def cpu_oom(args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 34359738368 bytes.")
+    monkeypatch.setattr(cli, "cmd_run", cpu_oom)
+    r = in_process("run")
+    assert r.returncode == 1 and "out of memory while running" in r.stderr and "--seq-len" in r.stderr
+
+    def other(args):
+        raise RuntimeError("some other failure")
+    monkeypatch.setattr(cli, "cmd_run", other)
+    with pytest.raises(RuntimeError, match="some other failure"):
+        in_process("run")
+
+
+def test_weights_that_do_not_fit_name_the_other_variants(monkeypatch):
+    # the advice lists the spec's other variants, not the one that was asked for (user trial: `--variant small`
+    # was told to run "--variant tiny or small")
+    import os
+    import dsl
+    import dsl.cli as cli
+    from dsl.errors import MtcError
+    spec = ROOT / "models" / "kimi_k3.mtc"
+    g = dsl.load(spec, "tiny")
+    monkeypatch.setattr(os, "sysconf", lambda name: 1)            # a machine with (almost) no free memory
+    with pytest.raises(MtcError, match="try another variant") as e:
+        cli._check_fits(g, 4, "cpu", spec, "tiny")
+    listed = str(e.value).split("--variant ")[1].split(")")[0].split(" or ")
+    assert "tiny" not in listed and listed and set(listed) <= set(cli._spec_variants(spec))

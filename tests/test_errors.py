@@ -648,3 +648,20 @@ def test_unclosed_bracket_is_named_where_it_opened(edit, opened):
     e = _err(edit(STACK))
     assert e.msg.startswith("syntax error") and e.hint is not None, e.render()
     assert f"the '(' opened at line {opened[0]}, column {opened[1]} is not closed" == e.hint, e.render()
+
+
+def test_load_takes_a_path_and_the_module_a_tensor():
+    # user trial: dsl.load(123) raised pathlib's TypeError, and m(ids.numpy()) said "must be a tensor of rank 2,
+    # got (2, 30)" (a shape of rank 2)
+    import numpy as np
+    import torch
+    with pytest.raises(TypeError, match="dsl.load takes the path of a .mtc file"):
+        dsl.load(123)
+    with pytest.raises(TypeError, match=r"dsl.parse\(text\)"):
+        dsl.load(b"model m {}")
+    m = dsl.compile(dsl.load(Path(__file__).resolve().parent.parent / "models" / "kimi_k3.mtc", "tiny"), seed=0)
+    ids = np.zeros((2, 30), dtype=np.int64)
+    with pytest.raises(MtcError, match=r"must be a torch.Tensor of rank 2 .*got a numpy.ndarray \(torch.from_numpy"):
+        m(ids)
+    with pytest.raises(MtcError, match=r"must be a tensor of rank 2 .*got shape \(30,\)"):
+        m(torch.zeros(30, dtype=torch.long))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import dsl
-from dsl.errors import MtcWarning
+from dsl.errors import MtcError, MtcWarning
 
 K3 = Path(__file__).resolve().parent.parent / "models" / "kimi_k3.mtc"
 VOCAB = 256
@@ -78,6 +78,39 @@ def test_checkpointed_micro_batches_summed_into_one_backward(fresh):
     _grads_equal(a, b)
     ba, bb = biases(a), biases(b)
     assert all(torch.equal(ba[k], bb[k]) for k in ba) and int(b.balance_updates.min()) == 3
+
+
+def test_checkpointing_the_same_input_tensor_twice_before_one_backward(fresh):
+    # two forwards over the same tensor before one backward, the bias moving in between: a recomputation cannot
+    # tell which bias was its own, so the backward refuses (clearly) instead of giving wrong gradients (new-user
+    # trial, 14th session: 9% off at T = 1, a torch CheckpointError at T >= 2); a clone per forward is exact, and
+    # so is the same tensor when the bias does not move (balance_defer) or each backward follows its forward
+    ids = torch.randint(0, VOCAB, (1, 9))
+    b = copy.deepcopy(fresh)
+    lb = loss_of(checkpoint(b, ids, use_reentrant=False), ids) + loss_of(checkpoint(b, ids, use_reentrant=False), ids)
+    with pytest.raises(MtcError, match="same input tensor went through two train-mode forwards"):
+        lb.backward()
+    for same_bias in (False, True):
+        a, b = copy.deepcopy(fresh), copy.deepcopy(fresh)
+        a.balance_defer = b.balance_defer = same_bias
+        la = loss_of(a(ids), ids) + loss_of(a(ids), ids)
+        la.backward()
+        second = ids if same_bias else ids.clone()
+        lb = loss_of(checkpoint(b, ids, use_reentrant=False), ids) + loss_of(
+            checkpoint(b, second, use_reentrant=False), ids)
+        lb.backward()
+        assert torch.equal(la.detach(), lb.detach())
+        _grads_equal(a, b)
+    # one tensor, one backward after each forward (a loop over the same batch): exact
+    a, b = copy.deepcopy(fresh), copy.deepcopy(fresh)
+    for _ in range(2):
+        loss_of(a(ids), ids).backward()
+        loss_of(checkpoint(b, ids, use_reentrant=False), ids).backward()
+    _grads_equal(a, b)
+    # a whole-module save after such forwards: the kept biases (for recomputations in flight) are not saved
+    buf = io.BytesIO()
+    torch.save(b, buf)
+    assert torch.load(io.BytesIO(buf.getvalue()), weights_only=False)._bias_used == {}
 
 
 def test_checkpointing_with_apply_balance_before_the_backward(fresh):
@@ -192,7 +225,7 @@ def test_gradient_accumulation_with_deferred_balancing_equals_one_big_batch(fres
 
 def test_deferred_balancing_warns_when_apply_balance_is_never_called(fresh, monkeypatch):
     from backends import runtime
-    from dsl.errors import MtcWarning
+    from dsl.errors import MtcError, MtcWarning
     monkeypatch.setattr(runtime, "DEFER_WARN_FORWARDS", 3)
     m = copy.deepcopy(fresh)
     m.balance_defer = True

@@ -216,6 +216,14 @@ def test_short_conv(B_, T_, C):
     assert rel_rms(y, R.short_conv(x, wt)[0]) < TOL[torch.float32]
 
 
+def test_short_conv_wide_window():
+    # a window of 400 taps: the taps are summed as a balanced tree (a chain of 400 additions hit Python's recursion
+    # limit in TVMScript; user trial, 14th session)
+    x, w = torch.randn(2, 37, 24), torch.randn(24, 1, 400)
+    y, _ = V.short_conv(x, w)
+    assert rel_rms(y, R.short_conv(x, w)[0]) < TOL[torch.float32]
+
+
 def test_short_conv_state():
     x, wt = torch.randn(2, 37, 100), torch.randn(100, 1, 4)
     st = torch.randn(2, 100, 3)

@@ -873,6 +873,16 @@ def ensure_sum_reducer(n: int) -> None:
 # short_conv: causal depthwise convolution over time
 # ----------------------------------------------------------------------------------------------------
 
+def _tree_sum(terms: list) -> str:
+    """The sum of the expressions `terms` as a balanced tree of additions: its depth grows as log2(len(terms)),
+    where a chain a + b + c + ... nests len(terms) deep, past what TVMScript's recursive parser and printer take
+    (a short_conv of width 400 hit Python's recursion limit; user trial, 14th session)."""
+    if len(terms) == 1:
+        return terms[0]
+    h = len(terms) // 2
+    return f"({_tree_sum(terms[:h])} + {_tree_sum(terms[h:])})"
+
+
 def short_conv_source(C: int, W: int, x_dtype: str, w_dtype: str, out_dtype: str, *, vec: int = 2,
                       threads: int = 256, tile_t: int = 8) -> Kernel:
     """y[b, t, c] = sum_{j<W} w[c, j] * x[b, t - W + 1 + j, c], x taken as 0 before t = 0 (causal
@@ -901,7 +911,7 @@ def short_conv_source(C: int, W: int, x_dtype: str, w_dtype: str, out_dtype: str
     src += (f"    for ib, it, ic in T.grid(b, t, {C}):\n"
             '        with T.sblock("conv"):\n'
             '            vb, vt, vc = T.axis.remap("SSS", [ib, it, ic])\n'
-            f"            Y[vb, vt, vc] = {_store(' + '.join(terms), out_dtype)}\n")
+            f"            Y[vb, vt, vc] = {_store(_tree_sum(terms), out_dtype)}\n")
     return Kernel("short_conv", "short_conv", src, {"C": C, "W": W},
                   sched=(("vec", vec), ("threads", threads), ("tile_t", tile_t)))
 
