@@ -558,7 +558,8 @@ def cmd_run(args) -> int:
     dt = time.perf_counter() - t1
     nll = total_loss / total_tok
     c.print(f"loss {nll:.4f} nats/token ({nll / 0.6931471805599453:.3f} bits/byte), perplexity "
-            f"{torch.tensor(nll).exp():.2f}, over {total_tok:,} predicted tokens in {dt:.2f} s "
+            f"{torch.tensor(nll).exp():.2f}, over {total_tok:,} predicted token{'s' if total_tok != 1 else ''} in "
+            f"{dt:.2f} s "
             f"({total_tok / dt:,.0f} tokens/s)")
     if loads:
         t = Table(title="expert load per MoE layer (tokens routed per expert; layers numbered from 0 as in "
