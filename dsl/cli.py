@@ -255,6 +255,8 @@ def _print_after(values) -> set[str]:
     from .errors import did_you_mean
     valid = PIPELINES["default"] + ["lower"]          # == PRINT_AFTER (the --help text); a test checks
     names = {v.strip() for text in values or () for v in text.split(",") if v.strip()}
+    if values and not names:             # `--print-after ""` (or ","): it would print nothing, silently
+        raise MtcError(f"--print-after needs a pass name: one of {', '.join(valid)}, or all")
     for n in sorted(names):
         if n not in valid and n != "all":
             raise MtcError(f"--print-after: unknown pass '{n}'{did_you_mean(n, valid + ['all'])}; the passes are "

@@ -58,7 +58,14 @@ class MtcError(Exception):
                 line = src_lines[self.loc.line - 1]
                 # tabs expanded (to 4) in the excerpt, and the caret moved with them
                 before = line[: max(self.loc.col - 1, 0)].expandtabs(4)
-                lines.append(f"  {num} | {line.expandtabs(4)}")
+                shown = line.expandtabs(4)
+                if len(shown) > EXCERPT_WIDTH:
+                    # a very long line (user trial: 40,000 characters echoed whole): a window around the column
+                    lo = max(0, min(len(before) - EXCERPT_WIDTH // 2, len(shown) - EXCERPT_WIDTH))
+                    hi = lo + EXCERPT_WIDTH
+                    shown = ("..." if lo else "") + shown[lo:hi] + ("..." if hi < len(shown) else "")
+                    before = ("..." if lo else "") + before[lo:]
+                lines.append(f"  {num} | {shown}")
                 lines.append(f"  {' ' * len(num)} | {' ' * len(before)}^")
         if self.hint:
             lines.append(f"  hint: {self.hint}")
@@ -66,6 +73,10 @@ class MtcError(Exception):
 
     def __str__(self) -> str:
         return self.render()
+
+
+#: the widest source excerpt an error shows (characters; a longer line is cut to a window around the column)
+EXCERPT_WIDTH = 160
 
 
 def did_you_mean(name: str, choices) -> str:

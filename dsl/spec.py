@@ -213,7 +213,13 @@ class SpecModel:
         if name == "max_seq_len" and typ == "int" and val < 1:
             raise self.err(f"config field 'max_seq_len' (the context the model is declared for, in tokens) must be "
                            f">= 1, got {val}", loc)
-        if typ == "dtype" or (name == "dtype" and typ == "str"):
+        if name == "dtype" and typ in ("dtype", "str"):
+            try:
+                val = canon_dtype(val, loc)
+            except MtcError:      # not a dtype at all: the field's own choices, not every dtype of the IR
+                raise self.err(f"config field 'dtype' (the parameter and activation dtype) must be a floating "
+                               f"type ({', '.join(FLOAT_DTYPES)}), got \"{val}\"", loc) from None
+        elif typ == "dtype":
             val = canon_dtype(val, loc)
         if name == "dtype" and val not in FLOAT_DTYPES:
             hint = ("integer dtypes are for token ids: write them on the forward's inputs (ids: i64[B, T])"

@@ -45,6 +45,10 @@ def _clean_error(r, needle):
     (["run", "models/kimi_k3.mtc"], "of weights, more than this"),
     (["stats", "models/kimi_k3.mtc", "--set", "max_seq_len=0"], "must be >= 1"),
     (["stats", "models/kimi_k3.mtc", "--set", "expert_dtype=int3"], "int3"),
+    # the model dtype's own choices, not every dtype of the IR (user trial: the list offered f64, then refused it)
+    (["ir", "models/kimi_k3.mtc", "-v", "tiny", "--print-after", ""], "--print-after needs a pass name"),
+    (["stats", "models/kimi_k3.mtc", "-v", "tiny", "--set", "dtype=int8"],
+     "config field 'dtype' (the parameter and activation dtype) must be a floating type (f32, bf16, f16), got \"int8\""),
     (["ir", "models/kimi_k3.mtc", "-v", "tiny", "-o", "/nonexistent-dir/x"], "cannot write --output"),
     (["compile", "models/kimi_k3.mtc", "-v", "tiny", "--emit", ""], "--emit needs a directory name"),
     (["stats", "models/kimi_k3.mtc", "-v", "tiny", "--set", "experts=0"], "latent_moe: experts = 0 must be >= 1"),

@@ -665,3 +665,16 @@ def test_load_takes_a_path_and_the_module_a_tensor():
         m(ids)
     with pytest.raises(MtcError, match=r"must be a tensor of rank 2 .*got shape \(30,\)"):
         m(torch.zeros(30, dtype=torch.long))
+
+
+@pytest.mark.parametrize("col", [3, 20001, 40000])
+def test_a_very_long_source_line_is_shown_as_a_window_around_the_column(col):
+    # user trial: an error on a 40,000-character spec line echoed the whole line; now at most EXCERPT_WIDTH
+    # characters around the column (with "..." where cut), the caret still under the offending character
+    from dsl.errors import EXCERPT_WIDTH, Loc
+    line = "a" * 40000
+    line = line[: col - 1] + "@" + line[col:]
+    out = MtcError("bad character", Loc("f.mtc", 1, col), line).render().splitlines()
+    shown, caret = out[1], out[2]
+    assert len(shown) <= EXCERPT_WIDTH + 20
+    assert shown.index("@") == caret.index("^")
