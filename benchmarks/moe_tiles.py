@@ -90,6 +90,16 @@ _V3X = [("v3x 128x64 KX32", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=32)}),
                                                                            O_TMA=True)}),
         ("v3x 128x64 KX32 TMA", {"WGRAD_IMPL": "v3", "wgrad3": dict(BN=64, KX=32, O_TMA=True)})]
 
+
+def _all_rows_tails(entry, prefix="", stages64=None):
+    """Sweep rows with the swapped tails (TAIL 32 / 64, HALF off / on) at any rows per expert: HALF_TILE_MAX_ROWS
+    raised past the 32768-token layer's 585 rows (= 3 x 160 + 105); stages64: TAIL_STAGES at TAIL 64."""
+    return [(f"{prefix}all-rows TAIL{t}{' HALF' if h else ''}",
+             {"HALF_TILE_MAX_ROWS": 1 << 30,
+              entry: dict(TAIL=t, HALF=h, **({"TAIL_STAGES": stages64} if stages64 and t == 64 else {}))})
+            for t in (32, 64) for h in (False, True)]
+
+
 # kernel -> [(label, {TILE_CONFIGS entry or "GLU_BWD_IMPL"/"WGRAD_IMPL": change})]
 SWEEPS = {
     # BM64 rows: 64-row tiles (146 rows per expert at 8192 tokens pad to 192 instead of 256); HALF: 128-row tiles, an
@@ -107,9 +117,7 @@ SWEEPS = {
                 # TAIL: 128 + TAIL-row tiles, the tail swapped onto the weight tile (14th session)
                 ("TAIL32", {"glu_fwd": dict(TAIL=32)}), ("TAIL32 s3", {"glu_fwd": dict(TAIL=32, TAIL_STAGES=3)}),
                 ("TAIL16", {"glu_fwd": dict(TAIL=16)}), ("TAIL64 s3", {"glu_fwd": dict(TAIL=64, TAIL_STAGES=3)}),
-                # the tails at any rows per expert (HALF_TILE_MAX_ROWS raised; 32768 tokens: 585 = 3 x 160 + 105)
-                *[(f"all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "glu_fwd": dict(
-                    TAIL=t, HALF=h, TAIL_STAGES=3 if t == 64 else None)}) for t in (32, 64) for h in (False, True)]],
+                *_all_rows_tails("glu_fwd", stages64=3)],
     "mm": [("default", {}), ("s4", {"mm": dict(num_stages=4)}),
            ("128x128 s4 nreg128", {"mm": dict(BN=128, num_stages=4, maxnreg=128)}),
            ("BM64", {"mm": dict(BM=64)}), ("BM64 s4", {"mm": dict(BM=64, num_stages=4)}),
@@ -117,8 +125,7 @@ SWEEPS = {
            ("TAIL32", {"mm": dict(TAIL=32)}), ("TAIL16", {"mm": dict(TAIL=16)}),
            ("TAIL32 s4", {"mm": dict(TAIL=32, TAIL_STAGES=4)}), ("TAIL64", {"mm": dict(TAIL=64)}),
            ("TAIL32 128x128 s4", {"mm": dict(BN=128, TAIL=32, num_stages=4)}),
-           *[(f"all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "mm": dict(TAIL=t, HALF=h)})
-             for t in (32, 64) for h in (False, True)]],
+           *_all_rows_tails("mm")],
     "glu_bwd": [("fused 128x64 s3", {"glu_bwd": {}}), ("fused s4", {"glu_bwd": dict(num_stages=4)}),
                 ("fused s6", {"glu_bwd": dict(num_stages=6)}), ("fused nreg128", {"glu_bwd": dict(maxnreg=128)}),
                 ("fused 128x128 s4", {"glu_bwd": dict(BN=128, num_stages=4)}),
@@ -128,8 +135,7 @@ SWEEPS = {
                 ("split HALF", {"glu_bwd_mm": dict(HALF=True)}),
                 ("split TAIL32", {"glu_bwd_mm": dict(TAIL=32)}), ("split TAIL16", {"glu_bwd_mm": dict(TAIL=16)}),
                 ("split TAIL32 s4", {"glu_bwd_mm": dict(TAIL=32, TAIL_STAGES=4)}),
-                *[(f"split all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "glu_bwd_mm": dict(
-                    TAIL=t, HALF=h)}) for t in (32, 64) for h in (False, True)]],
+                *_all_rows_tails("glu_bwd_mm", "split ")],
     # the split GLU backward's row pass alone (G given): dA, dB over the saved pre-activations, d topk_weight
     "glu_rows": [("4 x 1024 nw8", {}), ("8 x 1024 nw8", {"glu_bwd_rows": dict(BLOCK_R=8)}),
                  ("2 x 1024 nw4", {"glu_bwd_rows": dict(BLOCK_R=2, num_warps=4)}),
@@ -142,8 +148,7 @@ SWEEPS = {
            ("pair3 BM64 nw4 s4", {"dx": dict(BM=64, num_warps=4, num_stages=4)}), ("pair3 HALF", {"dx": dict(HALF=True)}),
            ("pair3 TAIL32", {"dx": dict(TAIL=32)}), ("pair3 TAIL16", {"dx": dict(TAIL=16)}),
            ("pair3 TAIL32 s4", {"dx": dict(TAIL=32, TAIL_STAGES=4)}), ("pair3 TAIL64", {"dx": dict(TAIL=64)}),
-           *[(f"pair3 all-rows TAIL{t}{' HALF' if h else ''}", {"HALF_TILE_MAX_ROWS": 1 << 30, "dx": dict(TAIL=t, HALF=h)})
-             for t in (32, 64) for h in (False, True)]],
+           *_all_rows_tails("dx", "pair3 ")],
     "wgrad13": [("v1 dual", {"WGRAD_IMPL": "v1", "wgrad_dual": dict(DUAL=True)}), *_V3X, *_V2_FEW, *_V1_WIDE,
                 ("v1 2x 128x128", {"WGRAD_IMPL": "v1", "wgrad": dict(BN=128)}),
                 ("v1 2x 128x256", {"WGRAD_IMPL": "v1"}),

@@ -225,7 +225,7 @@ def test_gradient_accumulation_with_deferred_balancing_equals_one_big_batch(fres
 
 def test_deferred_balancing_warns_when_apply_balance_is_never_called(fresh, monkeypatch):
     from backends import runtime
-    from dsl.errors import MtcError, MtcWarning
+    from dsl.errors import MtcWarning
     monkeypatch.setattr(runtime, "DEFER_WARN_FORWARDS", 3)
     m = copy.deepcopy(fresh)
     m.balance_defer = True

@@ -606,15 +606,17 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
         w_src, w2_src = w, (w2 if w2 is not None else w)
     swk, swn = (w.stride(1), w.stride(2)) if w_kn else (w.stride(2), w.stride(1))
     rows = tok.numel() if gather and tok is not None else a.shape[0]
-    half = bool(cfg.get("HALF")) and bm >= 32 and rows < HALF_TILE_MAX_ROWS * max(num_experts, 1)
-    a_h_src, a2_h_src = a_src, a2_src
-    if half and a_mode == 2:
-        a_h_src = TensorDescriptor.from_tensor(a, [bm // 2, bk])
-        a2_h_src = TensorDescriptor.from_tensor(a2, [bm // 2, bk]) if a2 is not None else a_h_src
-    a_t_src, a2_t_src = a_src, a2_src
-    if tail and a_mode == 2:
-        a_t_src = TensorDescriptor.from_tensor(a, [tail, bk])
-        a2_t_src = TensorDescriptor.from_tensor(a2, [tail, bk]) if a2 is not None else a_t_src
+    half = bool(cfg.get("HALF")) and bm >= 32 and _few_rows(rows, num_experts)
+
+    def row_srcs(on, height):
+        """The A (and A2) sources of the tiles `height` rows tall: descriptors with [height, BK] blocks (A_MODE 2)
+        when `on`, else the BM-row ones."""
+        if not (on and a_mode == 2):
+            return a_src, a2_src
+        d1 = TensorDescriptor.from_tensor(a, [height, bk])
+        return d1, (TensorDescriptor.from_tensor(a2, [height, bk]) if a2 is not None else d1)
+    a_h_src, a2_h_src = row_srcs(half, bm // 2)
+    a_t_src, a2_t_src = row_srcs(tail, tail)
     dummy = c
     _k._grouped_gemm_kernel[(mt * n_tiles,)](
         a_src, tok if tok is not None else offs, w_src, a2_src, w2_src,
@@ -635,9 +637,14 @@ def _sched(d, name, a):
     has a TAIL and the experts average fewer than HALF_TILE_MAX_ROWS rows (as HALF), else BM."""
     cfg = _cfg(name, a)
     tail = int(cfg.get("TAIL") or 0)
-    if not (tail and d.nk < HALF_TILE_MAX_ROWS * max(d.e, 1)):
+    if not (tail and _few_rows(d.nk, d.e)):
         tail = 0
     return d.schedule(cfg["BM"] + tail)
+
+
+def _few_rows(rows, num_experts):
+    """Whether the experts average fewer than HALF_TILE_MAX_ROWS rows: the gate of HALF and TAIL."""
+    return rows < HALF_TILE_MAX_ROWS * max(num_experts, 1)
 
 
 def _pregather(name, t, d):

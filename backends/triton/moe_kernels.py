@@ -230,6 +230,17 @@ def _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr, offs_ptr, E, BM: t
 
 
 @triton.jit
+def _load_rows(ptrs, rmask, kmask, EVEN_K: tl.constexpr):
+    """One [rows, BK] A tile through pointers: rows outside rmask, and (unless EVEN_K) columns outside kmask,
+    read as 0."""
+    if EVEN_K:
+        x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def _gg_k_loop(acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, at_ptrs, a2t_src, a2t_ptrs,
                w_src, b_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
                PAIR: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
@@ -250,28 +261,16 @@ def _gg_k_loop(acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, a
                 if PAIR == 2:
                     a2t = a2t_src.load([m32 + BM, k0])
         else:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            a = _load_rows(a_ptrs, rmask, kmask, EVEN_K)
             a_ptrs += BK
             if PAIR == 2:
-                if EVEN_K:
-                    a2 = tl.load(a2_ptrs, mask=rmask[:, None], other=0.0)
-                else:
-                    a2 = tl.load(a2_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                a2 = _load_rows(a2_ptrs, rmask, kmask, EVEN_K)
                 a2_ptrs += BK
             if TAIL > 0:
-                if EVEN_K:
-                    at = tl.load(at_ptrs, mask=tmask[:, None], other=0.0)
-                else:
-                    at = tl.load(at_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
+                at = _load_rows(at_ptrs, tmask, kmask, EVEN_K)
                 at_ptrs += BK
                 if PAIR == 2:
-                    if EVEN_K:
-                        a2t = tl.load(a2t_ptrs, mask=tmask[:, None], other=0.0)
-                    else:
-                        a2t = tl.load(a2t_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
+                    a2t = _load_rows(a2t_ptrs, tmask, kmask, EVEN_K)
                     a2t_ptrs += BK
         # ---- W tile(s) [BK, BN]
         if W_DESC:
