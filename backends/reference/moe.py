@@ -136,7 +136,7 @@ def check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, wh
         )
     k = topk_idx.shape[1]
     if n > 0 and k > 0:
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one device read-back, not two
         if lo < 0 or hi >= e:
             raise ValueError(f"{where}: topk_idx values must be in [0, E={e}), got range [{lo}, {hi}]")
     if activation not in _ACTIVATIONS:

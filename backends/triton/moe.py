@@ -39,6 +39,7 @@ from backends.reference import moe as _ref
 from backends.reference.ops import check_eps
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
+from .norm import rms_norm
 from .guard import (cdiv, check_interpreter_dot_dtype, check_kernel_device, device_table, mark_phase,
                     next_power_of_2, no_create_graph, sm_count)
 
@@ -1006,7 +1007,8 @@ def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w
 
     y = shared(x) + W_up RMSNorm(u),  u = moe_experts(W_down x, qb_route(x)), the router on the
     full-width x. Dense projections (W_down, W_up, the shared experts' GEMMs) run through
-    torch.matmul (cuBLAS); the shared experts' activation is the Triton SiTU-GLU. Arguments,
+    torch.matmul (cuBLAS); the shared experts' activation is the Triton SiTU-GLU, the norm on u the Triton
+    ``rms_norm``. Arguments,
     shapes, the w_down=None (plain MoE) form and errors exactly as the reference ``latent_moe``.
     Returns (y [N, d] in x's dtype, topk_idx [N, k] int64). Differentiable in x and every weight
     (not in router_bias, a buffer).
@@ -1038,9 +1040,7 @@ def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w
     if w_down is None:
         y = u
     else:
-        uf = u.float()
-        un = uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-        y = un.to(x.dtype) @ w_up.to(x.dtype).t()
+        y = rms_norm(u, norm_weight, eps).to(x.dtype) @ w_up.to(x.dtype).t()
     if not (shared_w1 is None and shared_w3 is None and shared_w2 is None):
         for name, t in (("shared_w1", shared_w1), ("shared_w3", shared_w3), ("shared_w2", shared_w2)):
             _ref._check_tensor(name, t, 2, where)
