@@ -79,3 +79,20 @@ def test_rms_norm_empty_and_bad_input():
 def test_gpu_rms_norm_bf16_latent_width(n):
     # the latent MoE's norm on u: d 3584, bf16 in and out, float32 weight
     _check((n, 3584), torch.bfloat16, 5e-3, 1e-2, scale=3.0)
+
+
+def test_rms_norm_wide_rows_take_the_reference(monkeypatch):
+    # past MAX_D the row does not fit one program: the reference's torch ops, same values and gradients
+    import backends.triton.norm as N
+    monkeypatch.setattr(N, "MAX_D", 32)
+    x = torch.randn(7, 40, device=DEV, requires_grad=True)
+    w = (torch.rand(40, device=DEV) + 0.5).requires_grad_()
+    y = N.rms_norm(x, w)
+    assert y.grad_fn is not None and "RMSNormFn" not in type(y.grad_fn).__name__
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    g = torch.randn(7, 40, device=DEV)
+    got = torch.autograd.grad(y, (x, w), g)
+    want = torch.autograd.grad(R.rmsnorm(xr, wr), (xr, wr), g.double())
+    assert rel_rms(y, R.rmsnorm(xr, wr)) < 1e-6
+    for a_, b_ in zip(got, want):
+        assert rel_rms(a_, b_) < 1e-5

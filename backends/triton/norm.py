@@ -15,9 +15,14 @@ import triton
 import triton.language as tl
 
 from backends.reference.ops import check_eps
+from backends.reference.ops import rmsnorm as rmsnorm_reference
 from .guard import cdiv, check_kernel_device, next_power_of_2, no_create_graph, sm_count
 
 __all__ = ["rms_norm"]
+
+# The widest row the kernels take (a whole row is one program's registers); wider rows go through the reference's
+# torch ops
+MAX_D = 65536
 
 
 @triton.jit
@@ -121,6 +126,7 @@ def rms_norm(x, weight, eps=1e-6):
 
     Args:
         x: [..., D] float32 / bfloat16 / float16 (any leading shape; the last dimension contiguous is fastest).
+            D up to MAX_D (65536) runs the Triton kernels, wider rows the reference's torch ops.
         weight: [D], any float dtype (used in float32).
         eps: > 0, added to the mean square.
     Returns:
@@ -138,4 +144,6 @@ def rms_norm(x, weight, eps=1e-6):
                          f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
     check_eps(eps, "rms_norm")
     check_kernel_device("triton.rms_norm", x=x, weight=weight)
+    if x.shape[-1] > MAX_D:  # one row per program in registers: wider rows take torch's ops (same math)
+        return rmsnorm_reference(x, weight, eps=eps)
     return _RMSNormFn.apply(x, weight.contiguous(), float(eps))
