@@ -40,6 +40,8 @@ def load(path: str | Path, variant: str | None = None, **overrides) -> Graph:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"dsl.load takes the path of a .mtc file (str or os.PathLike), got {type(path).__name__}"
                         + (" (a spec's text: dsl.parse(text))" if isinstance(path, bytes) else ""))
+    if not os.fspath(path):
+        raise MtcError("cannot read spec '': the path is empty")
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

@@ -463,7 +463,9 @@ def cmd_run(args) -> int:
     # standard output is the JSON alone
     c = Console(stderr=args.json == "-", soft_wrap=True)
     spec = args.spec or str(DEFAULT_SPEC)
-    variant = args.variant if (args.variant or args.spec) else "tiny"
+    variant = args.variant if (args.variant is not None or args.spec) else "tiny"
+    if args.input == "":
+        raise MtcError("--input is empty: give a text file, or - for standard input")
     stdin = args.input == "-"
     text_path = Path(args.input) if args.input and not stdin else DEFAULT_TEXT
     if args.json is not None and args.json != "-":
@@ -646,14 +648,14 @@ def cmd_ops(args) -> int:
     from .ops import OPS
     from .spec_forms import SPEC_FORMS, STACK
     names = sorted(list(OPS) + ["stack"])
-    if args.op and args.op not in names:
-        related = [n for n in names if n.startswith(args.op) or args.op in n.split("_")]
+    if args.op is not None and args.op not in names:
+        related = [n for n in names if args.op and (n.startswith(args.op) or args.op in n.split("_"))]
         hint = (f" (ops named {args.op}...: {', '.join(related)})" if related and not did_you_mean(args.op, names)
                 else did_you_mean(args.op, names))
         raise MtcError(f"unknown op '{args.op}'{hint}; `mtc ops` lists them all")
     out = []
     for name in names:
-        if args.op and name != args.op:
+        if args.op is not None and name != args.op:
             continue
         if name == "stack":
             out.append(f"stack  [spec statement: a stack of layers]\n    in a spec:  {STACK.form}\n"

@@ -91,6 +91,7 @@ class SpecModel:
 
     def __init__(self, tree: lark.Tree, file: str, text: str):
         self.file, self.text = file, text
+        self._tree, self._bound = tree, None
         model = tree.children[0]
         self.name = str(model.children[0])
         self.config: list[tuple[str, str, Any, Loc]] = []      # (name, type, expr tree, loc)
@@ -248,6 +249,18 @@ _CMPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.
          ">=": operator.ge}
 
 
+def _bound_names(tree) -> set:
+    """Every name the spec binds anywhere (config fields, variant settings, blocks, forward inputs and lets, stack
+    results and sublayer slots, the stack's layer index i, shape symbols): what a name in an expression may be."""
+    names = {"i"}
+    for st in tree.iter_subtrees():
+        if st.data in ("field", "assign", "block_def", "param", "let", "stack") and st.children:
+            names.add(str(st.children[0]))
+        elif st.data == "dim_sym":
+            names.add(str(st.children[0]))
+    return names
+
+
 class Evaluator:
     """Evaluates spec expressions. Values: numbers, strings, bools, Refs (tensors), Blocks."""
 
@@ -359,7 +372,23 @@ class Evaluator:
         cond = self.eval(c)
         if not isinstance(cond, bool):
             raise self.err(f"the condition of 'if' must be true or false, got {describe(cond)}", c)
+        self._check_untaken(b if cond else a)
         return self.eval(a) if cond else self.eval(b)
+
+    def _check_untaken(self, t):
+        """A name in the branch not taken that the spec binds nowhere is a typo: an error now, not only once a
+        config change takes that branch."""
+        if not isinstance(t, lark.Tree):
+            return
+        if self.spec._bound is None:
+            self.spec._bound = _bound_names(self.spec._tree)
+        syms = self.b.dim_syms if self.b is not None else {}
+        for st in t.iter_subtrees_topdown():
+            if st.data == "var":
+                name = str(st.children[0])
+                if name not in self.env and name not in syms and name not in self.spec._bound:
+                    raise self.err(f"unknown name '{name}' (in the branch of 'if' not taken here)"
+                                   f"{did_you_mean(name, list(self.env) + list(syms))}", st)
 
     def e_call(self, t):
         fname = str(t.children[0])

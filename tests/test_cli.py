@@ -56,6 +56,11 @@ def _clean_error(r, needle):
     (["ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "lowered", "--seq-len", "99999999999999999999"],
      "--seq-len must be at most 2**40 (1,099,511,627,776), got 99,999,999,999,999,999,999"),
     (["stats", "models/kimi_k3.mtc", "--batch", str(2 ** 40 + 1)], "--batch must be at most 2**40"),
+    # empty strings are errors, not the defaults or the current directory (user trial, 15th session)
+    (["run", "--input", ""], "--input is empty"),
+    (["run", "--variant", ""], "has no variant ''"),
+    (["ir", ""], "cannot read spec '': the path is empty"),
+    (["ops", ""], "unknown op ''; `mtc ops` lists them all"),
 ])
 def test_bad_input_is_one_clean_error(args, needle):
     _clean_error(mtc(*args), needle)

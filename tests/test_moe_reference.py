@@ -355,3 +355,19 @@ def test_latent_moe_matches_naive(n):
     assert torch.equal(idx, eidx)
     assert y.shape == (n, d) and y.dtype == torch.float32
     assert rel_rms(y, ey) < 1e-5
+
+
+@pytest.mark.parametrize("n,k", [(0, 2), (5, 0)])
+def test_moe_experts_no_rows_backward_gives_zero_gradients(n, k):
+    # no (token, slot) row: u is zeros and still differentiable, every gradient an exact zero of its shape
+    e, i, l = 4, 6, 8
+    x = torch.randn(n, l, requires_grad=True)
+    idx = torch.zeros(n, k, dtype=torch.long)
+    wt = torch.rand(n, k, requires_grad=True)
+    ws = [torch.randn(e, i, l).requires_grad_(), torch.randn(e, i, l).requires_grad_(),
+          torch.randn(e, l, i).requires_grad_()]
+    u = ref.moe_experts(x, idx, wt, *ws)
+    assert u.shape == (n, l) and torch.equal(u, torch.zeros(n, l))
+    grads = torch.autograd.grad(u.sum(), [x, wt] + ws)
+    for t, g in zip([x, wt] + ws, grads):
+        assert g.shape == t.shape and torch.equal(g, torch.zeros_like(t))

@@ -471,6 +471,20 @@ def test_latent_moe_matches_reference_with_grads():
         assert rel_rms(a_, b_) < 1e-4, j
 
 
+
+def test_latent_moe_integer_norm_weight_as_the_reference():
+    # the reference takes an integer norm weight (used in float32); the Triton layer does the same
+    n, d, lat, e, i, k = 29, 40, 24, 6, 16, 2
+    f = lambda *s: torch.randn(*s, device=DEV)  # noqa: E731
+    x = f(n, d)
+    rb = torch.zeros(e, device=DEV)
+    nw = torch.tensor([1, 2, 3] * 8, device=DEV)
+    args = (x, f(e, d) / 7, rb, f(lat, d) / 7, f(e, i, lat) / 3, f(e, i, lat) / 3, f(e, lat, i) / 4, nw, f(d, lat) / 6,
+            None, None, None)
+    y, idx = tm.latent_moe(*args, top_k=k)
+    ry, ridx = ref.latent_moe(*args, top_k=k)
+    assert torch.equal(idx, ridx) and rel_rms(y, ry) < 1e-5
+
 def _naive_wgrad(p, q, offs, ptok=None, qtok=None):
     """out[e] = sum over rows r of expert e of P[r]^T Q[r], a float64 loop over the experts."""
     pp = p.double() if ptok is None else p.double()[ptok]

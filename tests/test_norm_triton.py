@@ -96,3 +96,16 @@ def test_rms_norm_wide_rows_take_the_reference(monkeypatch):
     assert rel_rms(y, R.rmsnorm(xr, wr)) < 1e-6
     for a_, b_ in zip(got, want):
         assert rel_rms(a_, b_) < 1e-5
+
+
+def test_rms_norm_zero_width_and_numpy_eps():
+    import numpy as np
+    x = torch.randn(3, 0, device=DEV, requires_grad=True)
+    w = torch.randn(0, device=DEV, requires_grad=True)
+    y = rms_norm(x, w)
+    assert y.shape == (3, 0)
+    dx, dw = torch.autograd.grad(y.sum(), (x, w), allow_unused=True)
+    assert dx is None or dx.shape == (3, 0)
+    x = torch.randn(20, 24, device=DEV)
+    w = torch.rand(24, device=DEV) + 0.5
+    assert rel_rms(rms_norm(x, w, np.float32(1e-3)), R.rmsnorm(x.double(), w.double(), eps=1e-3)) < 1e-6

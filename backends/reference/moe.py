@@ -405,6 +405,8 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
         h = _glu(xe @ w1[ex].float().t(), xe @ w3[ex].float().t(), activation, beta_gate, beta_up)
         ye = h @ w2[ex].float().t()
         u = u.index_add(0, tok, ye * topk_weight[tok, slot].float()[:, None])
+    if n * k == 0:  # no row: still a graph, so that backward gives zero gradients (sums of empty slices are 0)
+        u = u + sum(t[:0].float().sum() for t in (xf, topk_weight, w1, w3, w2))
     return u.to(x_lat.dtype)
 
 

@@ -3,6 +3,8 @@ computed in float32, written for clarity. Each returns its result in the input's
 Semantics: ../shared/spec/OPS.md ("Other graph ops", "gated MLA attention core")."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +39,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def check_eps(eps, where: str) -> None:
     """A norm's epsilon: a finite number > 0 (ValueError otherwise; eps <= 0 gives NaN for a zero row)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < float("inf"):
         raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
 
 

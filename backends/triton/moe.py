@@ -1040,7 +1040,8 @@ def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w
     if w_down is None:
         y = u
     else:
-        y = rms_norm(u, norm_weight, eps).to(x.dtype) @ w_up.to(x.dtype).t()
+        nw = norm_weight if norm_weight.is_floating_point() else norm_weight.float()  # (the reference takes ints)
+        y = rms_norm(u, nw, eps).to(x.dtype) @ w_up.to(x.dtype).t()
     if not (shared_w1 is None and shared_w3 is None and shared_w2 is None):
         for name, t in (("shared_w1", shared_w1), ("shared_w3", shared_w3), ("shared_w2", shared_w2)):
             _ref._check_tensor(name, t, 2, where)

@@ -125,8 +125,9 @@ def rms_norm(x, weight, eps=1e-6):
     """RMSNorm over the last dimension (Zhang & Sennrich 2019, eq. 4): ``x * rsqrt(mean(x^2) + eps) * weight``.
 
     Args:
-        x: [..., D] float32 / bfloat16 / float16 (any leading shape; the last dimension contiguous is fastest).
-            D up to MAX_D (65536) runs the Triton kernels, wider rows the reference's torch ops.
+        x: [..., D] float32 / bfloat16 / float16 (float64 is taken too, computed in float32 as the reference
+            does); any leading shape; the last dimension contiguous is fastest. 1 <= D <= MAX_D (65536) runs the
+            Triton kernels, wider rows (and D = 0) the reference's torch ops.
         weight: [D], any float dtype (used in float32).
         eps: > 0, added to the mean square.
     Returns:
@@ -144,6 +145,7 @@ def rms_norm(x, weight, eps=1e-6):
                          f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
     check_eps(eps, "rms_norm")
     check_kernel_device("triton.rms_norm", x=x, weight=weight)
-    if x.shape[-1] > MAX_D:  # one row per program in registers: wider rows take torch's ops (same math)
+    if x.shape[-1] > MAX_D or x.shape[-1] == 0:
+        # one row per program in registers: wider rows take torch's ops (same math); so do empty rows
         return rmsnorm_reference(x, weight, eps=eps)
     return _RMSNormFn.apply(x, weight.contiguous(), float(eps))
