@@ -237,6 +237,32 @@ def _sync_updates_hook(module, _keys):
     module._sync_updates()
 
 
+#: the CompiledModule attributes that set the router-bias balancing (see its docstring)
+_BALANCE_FIELDS = ("balance", "balance_warmup", "balance_ema", "balance_defer", "fixed_step")
+
+
+def _check_balance_field(name, value, balance) -> None:
+    """ValueError naming the CompiledModule attribute `name` when value is out of its domain."""
+    if name == "balance" and value not in ("qb", "fixed", None):
+        raise ValueError(f"CompiledModule.balance must be 'qb', 'fixed' or None, got {value!r}")
+    if name == "balance_warmup" and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+        raise ValueError(f"CompiledModule.balance_warmup must be an integer >= 0 (the QB updates of each router "
+                         f"made with ema 0 before balance_ema applies), got {value!r}")
+    if name == "balance_ema" and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                  or not 0.0 <= value < 1.0):
+        raise ValueError(f"CompiledModule.balance_ema must be a number in [0, 1) (QB's moving average of the "
+                         f"bias estimate), got {value!r}")
+    if name == "balance_defer" and not isinstance(value, bool):
+        raise ValueError(f"CompiledModule.balance_defer must be True or False, got {value!r}")
+    if name == "fixed_step" and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                 or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"CompiledModule.fixed_step must be a finite number > 0 (the bias step of the fixed-step "
+                         f"rule, DeepSeek-V3's u = 1e-3), got {value!r}")
+    if name == "dp_group" and isinstance(value, (numbers.Number, str, bytes)):  # (bool is a Number)
+        raise ValueError(f"CompiledModule.dp_group must be a torch.distributed process group or None, "
+                         f"got {value!r}")
+
+
 class CompiledModule(nn.Module):
     """A compiled graph. ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]``.
 
@@ -764,24 +790,16 @@ class CompiledModule(nn.Module):
         self.balance_updates[self._router_order.index(layer)] += 1
 
     def _check_balance_settings(self) -> None:
-        """ValueError for a balance setting out of its domain (checked at every forward of a model with routers)."""
-        if self.balance not in ("qb", "fixed", None):
-            raise ValueError(f"CompiledModule.balance must be 'qb', 'fixed' or None, got {self.balance!r}")
-        w = self.balance_warmup
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0:
-            raise ValueError(f"CompiledModule.balance_warmup must be an integer >= 0 (the QB updates of each router "
-                             f"made with ema 0 before balance_ema applies), got {w!r}")
-        ema = self.balance_ema
-        if isinstance(ema, bool) or not isinstance(ema, numbers.Real) or not 0.0 <= ema < 1.0:
-            raise ValueError(f"CompiledModule.balance_ema must be a number in [0, 1) (QB's moving average of the "
-                             f"bias estimate), got {ema!r}")
-        if not isinstance(self.balance_defer, bool):
-            raise ValueError(f"CompiledModule.balance_defer must be True or False, got {self.balance_defer!r}")
-        u = self.fixed_step
-        if self.balance == "fixed" and (isinstance(u, bool) or not isinstance(u, numbers.Real)
-                                        or not math.isfinite(u) or u <= 0):
-            raise ValueError(f"CompiledModule.fixed_step must be a finite number > 0 (the bias step of the fixed-step "
-                             f"rule, DeepSeek-V3's u = 1e-3), got {u!r}")
+        """ValueError for a balance setting out of its domain (checked when set, and at every forward of a model
+        with routers)."""
+        for name in _BALANCE_FIELDS:
+            _check_balance_field(name, getattr(self, name), self.balance)
+
+    def __setattr__(self, name, value):
+        if name in _BALANCE_FIELDS or name == "dp_group":
+            if "dp_group" in self.__dict__:  # set after __init__: checked now, at the user's line
+                _check_balance_field(name, value, value if name == "balance" else self.balance)
+        super().__setattr__(name, value)
 
     def _after_route(self, n: Node, out, fkey: tuple, inputs: dict) -> None:
         from backends.reference import expert_load, fixed_step_update

@@ -466,9 +466,17 @@ def test_nan_or_inf_in_a_float_input_is_named():
 @pytest.mark.parametrize("bad", [-3, 2.5, True, "3"])
 def test_balance_warmup_must_be_a_count(bad):
     m = dsl.compile(dsl.load(K3, "tiny"), target="reference").train()
-    m.balance_warmup = bad
     with pytest.raises(ValueError, match=r"balance_warmup must be an integer >= 0 .* got " + re.escape(repr(bad))):
-        m(torch.randint(0, 256, (1, 16)))
+        m.balance_warmup = bad
+    assert m.balance_warmup == 3
+
+
+@pytest.mark.parametrize("bad", [5, "world", 0.5, True])
+def test_dp_group_that_is_a_plain_value_is_refused_when_set(bad):
+    m = dsl.compile(dsl.load(K3, "tiny"), target="reference")
+    with pytest.raises(ValueError, match="dp_group must be a torch.distributed process group or None"):
+        m.dp_group = bad
+    assert m.dp_group is None
 
 
 def test_whole_module_pickles_and_resumes_training(tmp_path):

@@ -174,8 +174,12 @@ def test_a_state_dict_without_the_update_counts_still_loads(fresh):
 
 
 def test_unknown_balance_mode_is_an_error(fresh):
+    # refused where it is set (user trial: it used to surface only at the next forward)
     m = copy.deepcopy(fresh)
-    m.balance = "QB"
+    with pytest.raises(ValueError, match=r"balance must be 'qb', 'fixed' or None, got 'QB'"):
+        m.balance = "QB"
+    assert m.balance == "qb"
+    m.__dict__["balance"] = "QB"  # past the setter (a subclass, say): still refused at the forward
     with pytest.raises(ValueError, match=r"balance must be 'qb', 'fixed' or None, got 'QB'"):
         with torch.no_grad():
             m(torch.randint(0, VOCAB, (1, 20)))
@@ -201,7 +205,12 @@ def test_gradient_accumulation_with_deferred_balancing_equals_one_big_batch(fres
     # so gradients and the new biases equal those of the batch of both rows in one forward
     big, acc = copy.deepcopy(fresh), copy.deepcopy(fresh)
     acc.balance_defer = True
-    ids = torch.randint(0, VOCAB, (2, 49))
+    # rows whose top-k choices clear float32 rounding: the batched and the per-row forwards round the router
+    # scores differently, and a near-tie could pick another expert in one of them (about 1 draw in 30 did)
+    for _ in range(20):
+        ids = torch.randint(0, VOCAB, (2, 49))
+        if min(min(fresh.route_margins(ids[i:i + 1]).values()) for i in range(2)) > 1e-5:
+            break
     loss_of(big(ids), ids).backward()
     for i in range(2):
         (loss_of(acc(ids[i:i + 1]), ids[i:i + 1]) / 2).backward()
@@ -244,9 +253,13 @@ def test_deferred_balancing_warns_when_apply_balance_is_never_called(fresh, monk
                                              ("fixed_step", float("inf"), "fixed_step must be a finite number > 0"),
                                              ("fixed_step", float("nan"), "fixed_step must be a finite number > 0"),
                                              ("fixed_step", -1e-3, "fixed_step must be a finite number > 0")])
-def test_balance_settings_are_checked_at_the_first_train_forward(fresh, attr, bad, needle):
+def test_balance_settings_are_checked_when_set_and_at_the_forward(fresh, attr, bad, needle):
     m = copy.deepcopy(fresh)
-    setattr(m, attr, bad)
+    before = getattr(m, attr)
+    with pytest.raises(ValueError, match=needle):  # at the user's line (user trial: it used to wait for a forward)
+        setattr(m, attr, bad)
+    assert getattr(m, attr) == before
+    m.__dict__[attr] = bad  # past the setter: the forward still refuses it
     if attr == "fixed_step":
         m.balance = "fixed"
     with pytest.raises(ValueError, match=needle):
