@@ -17,7 +17,7 @@ from typing import Any
 import lark
 import sympy
 
-from .builder import GraphBuilder
+from .builder import GraphBuilder, ShapeError
 from .errors import Loc, MtcError, did_you_mean
 from .ir import Ref, canon_dtype, sym
 from .ops import EXPERT_DTYPES
@@ -84,6 +84,13 @@ def _attr_value(v):
     if isinstance(v, list):
         return [_attr_value(x) for x in v]
     return v
+
+
+def _has_symbol(v) -> bool:
+    """A keyword value holding a shape-symbol expression (known only when the block is applied)."""
+    if isinstance(v, list):
+        return any(_has_symbol(x) for x in v)
+    return isinstance(v, sympy.Basic) and not v.is_number
 
 
 class SpecModel:
@@ -455,6 +462,13 @@ class SpecBuilder:
                 if k not in od.attrs and k not in od.param_attrs:
                     raise self.spec.err(f"op '{fname}' has no attribute '{k}'"
                                         f"{did_you_mean(k, list(od.attrs))}; it takes: {', '.join(od.attrs)}", loc)
+            # the attribute values too, where the block is defined (not first where it is used); values with
+            # shape symbols are left to the call, where they resolve
+            plain = {k: v for k, v in kwargs.items() if k != "name" and not _has_symbol(v)}
+            try:
+                od.check_attrs(plain)
+            except ShapeError as e:
+                raise self.spec.err(f"{fname}: {e}", loc) from None
             return Block(fname, tuple(sorted(kwargs.items())), loc)
         if od.params is not None and len(args) != od.n_data_inputs:
             # in a spec an op creates its own parameters (the Python builder also takes them given)

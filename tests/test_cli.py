@@ -41,7 +41,7 @@ def _clean_error(r, needle):
     (["run", "--device", "tpu"], "--device must be cpu or cuda"),
     (["run", "--dtype", "i64"], "--dtype must be one of"),
     (["run", "--json", "/nonexistent-dir/x.json"], "does not exist"),
-    (["run", "--set", "norm_eps=0"], "'eps' must be a positive number"),
+    (["run", "--set", "norm_eps=0"], "kda_layer: attribute 'norm_eps' must be a positive number"),  # at the block
     (["run", "models/kimi_k3.mtc"], "of weights, more than this"),
     (["stats", "models/kimi_k3.mtc", "--set", "max_seq_len=0"], "must be >= 1"),
     (["stats", "models/kimi_k3.mtc", "--set", "expert_dtype=int3"], "int3"),
@@ -51,7 +51,9 @@ def _clean_error(r, needle):
      "config field 'dtype' (the parameter and activation dtype) must be a floating type (f32, bf16, f16), got \"int8\""),
     (["ir", "models/kimi_k3.mtc", "-v", "tiny", "-o", "/nonexistent-dir/x"], "cannot write --output"),
     (["compile", "models/kimi_k3.mtc", "-v", "tiny", "--emit", ""], "--emit needs a directory name"),
-    (["stats", "models/kimi_k3.mtc", "-v", "tiny", "--set", "experts=0"], "latent_moe: experts = 0 must be >= 1"),
+    # at the block's definition (line 89), where the bad value is written
+    (["stats", "models/kimi_k3.mtc", "-v", "tiny", "--set", "experts=0"],
+     "kimi_k3.mtc:89:15: error: latent_moe: attribute 'experts' must be an integer >= 1, got 0"),
     # past 2**40 the plans' float sums no longer hold the integer (1e20 tokens printed as 100,000,...,000)
     (["ir", "models/kimi_k3.mtc", "-v", "tiny", "--stage", "lowered", "--seq-len", "99999999999999999999"],
      "--seq-len must be at most 2**40 (1,099,511,627,776), got 99,999,999,999,999,999,999"),

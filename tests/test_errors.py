@@ -688,3 +688,13 @@ def test_unknown_name_in_the_untaken_branch_of_if():
     e = _err(GOOD.replace("y = kda_layer(x,", "y = kda_layer(x if d < 64 else xx,"))
     assert _loc(e) == (8, 36) and "unknown name 'xx'" in e.msg
     dsl.parse(GOOD.replace("y = kda_layer(x,", "y = kda_layer(x if d < 64 else y,"))  # y: bound by this let
+
+
+def test_bad_block_attribute_is_reported_where_the_block_is_defined():
+    # user trial: the error pointed at the block's use (f(x)), not at the definition that holds the bad value
+    spec = GOOD.replace('    y = kda_layer(x, heads=heads, head_dim=16, name="model.layers.0.self_attn")',
+                        '    f = glu_ffn(inter=64, act="gelu")\n    y = f(x)')
+    e = _err(spec)
+    assert _loc(e) == (8, 9) and e.msg == "glu_ffn: attribute 'act' must be one of 'situ', 'silu', got 'gelu'"
+    e = _err(GOOD.replace("model m {\n", 'model m {\n  block b = latent_moe(top_k=2, experts=0)\n', 1))
+    assert _loc(e) == (2, 13) and "latent_moe: attribute 'experts' must be an integer >= 1, got 0" in e.msg
