@@ -464,7 +464,7 @@ class SpecBuilder:
                                         f"{did_you_mean(k, list(od.attrs))}; it takes: {', '.join(od.attrs)}", loc)
             # the attribute values too, where the block is defined (not first where it is used); values with
             # shape symbols are left to the call, where they resolve
-            plain = {k: v for k, v in kwargs.items() if k != "name" and not _has_symbol(v)}
+            plain = {k: _attr_value(v) for k, v in kwargs.items() if k != "name" and not _has_symbol(v)}
             try:
                 od.check_attrs(plain)
             except ShapeError as e:
