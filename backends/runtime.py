@@ -241,7 +241,7 @@ def _sync_updates_hook(module, _keys):
 _BALANCE_FIELDS = ("balance", "balance_warmup", "balance_ema", "balance_defer", "fixed_step")
 
 
-def _check_balance_field(name, value, balance) -> None:
+def _check_balance_field(name, value) -> None:
     """ValueError naming the CompiledModule attribute `name` when value is out of its domain."""
     if name == "balance" and value not in ("qb", "fixed", None):
         raise ValueError(f"CompiledModule.balance must be 'qb', 'fixed' or None, got {value!r}")
@@ -793,12 +793,12 @@ class CompiledModule(nn.Module):
         """ValueError for a balance setting out of its domain (checked when set, and at every forward of a model
         with routers)."""
         for name in _BALANCE_FIELDS:
-            _check_balance_field(name, getattr(self, name), self.balance)
+            _check_balance_field(name, getattr(self, name))
 
     def __setattr__(self, name, value):
         if name in _BALANCE_FIELDS or name == "dp_group":
             if "dp_group" in self.__dict__:  # set after __init__: checked now, at the user's line
-                _check_balance_field(name, value, value if name == "balance" else self.balance)
+                _check_balance_field(name, value)
         super().__setattr__(name, value)
 
     def _after_route(self, n: Node, out, fkey: tuple, inputs: dict) -> None:

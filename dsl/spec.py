@@ -10,7 +10,7 @@ import numbers
 import operator
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ class SpecModel:
 
     def __init__(self, tree: lark.Tree, file: str, text: str):
         self.file, self.text = file, text
-        self._tree, self._bound = tree, None
+        self._tree = tree
         model = tree.children[0]
         self.name = str(model.children[0])
         self.config: list[tuple[str, str, Any, Loc]] = []      # (name, type, expr tree, loc)
@@ -148,6 +148,17 @@ class SpecModel:
                 raise self.err(f"block '{bname}' has the name of a config field; give the block another name", bloc)
         if self.forward is None:
             raise MtcError(f"model '{self.name}' has no forward(...) {{ ... }} section", Loc(file, 1, 1), text)
+
+    @cached_property
+    def bound_names(self) -> set:
+        """Every name the spec binds anywhere (config fields, variant settings, blocks, forward inputs and lets,
+        stack results and sublayer slots, the stack's layer index i, shape symbols): what a name in an expression
+        may be."""
+        names = {"i"}
+        for st in self._tree.iter_subtrees():
+            if st.data in ("field", "assign", "block_def", "param", "let", "stack", "dim_sym") and st.children:
+                names.add(str(st.children[0]))
+        return names
 
     def loc(self, t) -> Loc:
         if isinstance(t, lark.Token):
@@ -256,18 +267,6 @@ _CMPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.
          ">=": operator.ge}
 
 
-def _bound_names(tree) -> set:
-    """Every name the spec binds anywhere (config fields, variant settings, blocks, forward inputs and lets, stack
-    results and sublayer slots, the stack's layer index i, shape symbols): what a name in an expression may be."""
-    names = {"i"}
-    for st in tree.iter_subtrees():
-        if st.data in ("field", "assign", "block_def", "param", "let", "stack") and st.children:
-            names.add(str(st.children[0]))
-        elif st.data == "dim_sym":
-            names.add(str(st.children[0]))
-    return names
-
-
 class Evaluator:
     """Evaluates spec expressions. Values: numbers, strings, bools, Refs (tensors), Blocks."""
 
@@ -323,7 +322,7 @@ class Evaluator:
             elif self._lists and syms:
                 hint = (f"the shape symbols are {', '.join(syms)} (from the forward's inputs); "
                         f"a shape lists those, integers and config values")
-            raise self.err(f"unknown name '{name}'{did_you_mean(name, list(self.env) + list(syms))}", t, hint)
+            raise self._unknown_name(name, t, syms, "", hint)
         if self.b is not None:
             self.b.used.add(name)
             self.b._read_since.add(name)
@@ -374,6 +373,10 @@ class Evaluator:
     def e_not_(self, t):
         return not self.eval(t.children[0])
 
+    def _unknown_name(self, name, t, syms, where, hint=None):
+        """The MtcError for a name bound neither in the environment nor as a shape symbol (where: after the name)."""
+        return self.err(f"unknown name '{name}'{where}{did_you_mean(name, list(self.env) + list(syms))}", t, hint)
+
     def e_cond(self, t):
         a, c, b = t.children
         cond = self.eval(c)
@@ -387,15 +390,12 @@ class Evaluator:
         config change takes that branch."""
         if not isinstance(t, lark.Tree):
             return
-        if self.spec._bound is None:
-            self.spec._bound = _bound_names(self.spec._tree)
         syms = self.b.dim_syms if self.b is not None else {}
         for st in t.iter_subtrees_topdown():
             if st.data == "var":
                 name = str(st.children[0])
-                if name not in self.env and name not in syms and name not in self.spec._bound:
-                    raise self.err(f"unknown name '{name}' (in the branch of 'if' not taken here)"
-                                   f"{did_you_mean(name, list(self.env) + list(syms))}", st)
+                if name not in self.env and name not in syms and name not in self.spec.bound_names:
+                    raise self._unknown_name(name, st, syms, " (in the branch of 'if' not taken here)")
 
     def e_call(self, t):
         fname = str(t.children[0])

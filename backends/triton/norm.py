@@ -70,9 +70,11 @@ def _rms_bwd_kernel(x_ptr, w_ptr, r_ptr, g_ptr, dx_ptr, dwp_ptr, N, D, stride_x,
         tl.store(dwp_ptr + pid.to(tl.int64) * D + cols, dw, mask=cm)
 
 
-def _rows_per_program(block_d):
-    """Rows per program so that one program's tile is about 8K elements (a short row: several rows)."""
-    return max(1, min(64, 8192 // block_d))
+def _tiling(d):
+    """(BLOCK_D, ROWS, num_warps) for rows of d: the row padded to a power of two, and rows per block so that one
+    block is about 8K elements (a short row: several rows)."""
+    block_d = next_power_of_2(d)
+    return block_d, max(1, min(64, 8192 // block_d)), 8 if block_d >= 2048 else 4
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -86,11 +88,10 @@ class _RMSNormFn(torch.autograd.Function):
         n = x2.shape[0]
         y = torch.empty((n, d), dtype=x.dtype, device=x.device)
         r = torch.empty(n, dtype=torch.float32, device=x.device)
-        block_d = next_power_of_2(d)
-        rows = _rows_per_program(block_d)
+        block_d, rows, warps = _tiling(d)
         if n:
             _rms_fwd_kernel[(cdiv(n, rows),)](x2, weight, y, r, n, d, x2.stride(0), y.stride(0), float(eps),
-                                              BLOCK_D=block_d, ROWS=rows, num_warps=8 if block_d >= 2048 else 4)
+                                              BLOCK_D=block_d, ROWS=rows, num_warps=warps)
         ctx.save_for_backward(x2, weight, r)
         ctx.shape = shape
         return y.view(shape)
@@ -105,19 +106,17 @@ class _RMSNormFn(torch.autograd.Function):
         if g2.stride(-1) != 1:
             g2 = g2.contiguous()
         dx = torch.empty((n, d), dtype=x2.dtype, device=x2.device)
-        block_d = next_power_of_2(d)
-        rows = _rows_per_program(block_d)
-        progs = max(1, min(cdiv(n, rows), 4 * sm_count(x2.device) if x2.is_cuda else 3))
-        per = cdiv(cdiv(n, progs), rows) * rows if n else rows
-        progs = cdiv(n, per) if n else 0
-        dwp = torch.empty((max(progs, 1), d), dtype=torch.float32, device=x2.device)
-        if n:
-            _rms_bwd_kernel[(progs,)](x2, weight, r, g2, dx, dwp, n, d, x2.stride(0), g2.stride(0), dx.stride(0),
-                                      per, BLOCK_D=block_d, ROWS=rows, NEED_DW=need_w,
-                                      num_warps=8 if block_d >= 2048 else 4)
-        dw = None
-        if need_w:
-            dw = (dwp[:progs].sum(0) if n else torch.zeros(d, dtype=torch.float32, device=x2.device)).to(weight.dtype)
+        if n == 0:
+            dw = torch.zeros(d, dtype=weight.dtype, device=x2.device) if need_w else None
+            return (dx.view(ctx.shape) if need_x else None), dw, None
+        block_d, rows, warps = _tiling(d)
+        progs = min(cdiv(n, rows), 4 * sm_count(x2.device) if x2.is_cuda else 3)
+        per = cdiv(cdiv(n, progs), rows) * rows  # rows per program, whole blocks
+        progs = cdiv(n, per)
+        dwp = torch.empty((progs, d), dtype=torch.float32, device=x2.device)
+        _rms_bwd_kernel[(progs,)](x2, weight, r, g2, dx, dwp, n, d, x2.stride(0), g2.stride(0), dx.stride(0),
+                                  per, BLOCK_D=block_d, ROWS=rows, NEED_DW=need_w, num_warps=warps)
+        dw = dwp.sum(0).to(weight.dtype) if need_w else None
         return (dx.view(ctx.shape) if need_x else None), dw, None
 
 
