@@ -259,3 +259,20 @@ def test_kda_chunk_names_a_tensor_on_another_device():
     for backend in (R, X):
         with pytest.raises(ValueError, match=r"v is on meta but q is on"):
             backend.kda_chunk(q, k, v.to("meta"), g, b)
+
+
+def test_norm_eps_one_rule_across_ops():
+    """Every op with a norm eps takes the reference's rule (a finite real > 0, numpy scalars included): results
+    equal to the float eps, and the same ValueError for a bad one (16th session: two ops refused numpy floats)."""
+    src = [torch.randn(37, 24) for _ in range(3)]
+    qv, wv = torch.randn(24), torch.rand(24) + 0.5
+    ref = R.attn_residual(qv, src, wv, eps=1e-3)
+    assert rel_rms(R.attn_residual(qv, src, wv, eps=np.float32(1e-3)), ref) < 1e-6
+    x, cw = torch.randn(2, 19, 16), torch.randn(16, 4)
+    y_ref = X.conv_silu_norm(x, cw, head_dim=8, eps=1e-3)
+    assert rel_rms(X.conv_silu_norm(x, cw, head_dim=8, eps=np.float64(1e-3)), y_ref) < 1e-6
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True, "1e-6"):
+        with pytest.raises(ValueError, match=r"attn_residual: eps must be a finite number > 0"):
+            R.attn_residual(qv, src, wv, eps=bad)
+        with pytest.raises(ValueError, match=r"conv_silu_norm: eps must be a finite number > 0"):
+            X.conv_silu_norm(x, cw, head_dim=8, eps=bad)

@@ -61,6 +61,17 @@ def test_l2norm(n):
     assert rel_rms(y, R.l2norm(x, eps=1e-6)) < TOL[torch.float32]
 
 
+def test_rownorm_numpy_eps():
+    """A numpy scalar eps is a number here as in the reference (it used to be refused); a bad one the same error."""
+    import numpy as np
+    x, w = torch.randn(23, 100), torch.randn(100)
+    assert rel_rms(V.rmsnorm(x, w, eps=np.float32(1e-3)), R.rmsnorm(x, w, eps=1e-3)) < TOL[torch.float32]
+    assert rel_rms(V.l2norm(x, eps=np.float64(1e-3)), R.l2norm(x, eps=1e-3)) < TOL[torch.float32]
+    for bad in (float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match=r"tvm rmsnorm: eps must be a finite number > 0"):
+            V.rmsnorm(x, w, eps=bad)
+
+
 def test_rownorm_bf16():
     x, w = torch.randn(37, 448).bfloat16(), torch.randn(448)
     y = V.rmsnorm(x, w, eps=1e-6)
@@ -610,8 +621,8 @@ def test_attn_residual_misaligned_views():
 @pytest.mark.parametrize("op,attrs,msg", [
     ("attn_residual", dict(L=2), "needs the attribute d"),
     ("rmsnorm", dict(), "needs the attribute d"),
-    ("attn_residual", dict(d=64, L=2, eps=-1.0), "eps must be a positive number"),
-    ("l2norm", dict(d=64, eps=0), "eps must be a positive number"),
+    ("attn_residual", dict(d=64, L=2, eps=-1.0), "eps must be a finite number > 0"),
+    ("l2norm", dict(d=64, eps=0), "eps must be a finite number > 0"),
     ("attn_residual", dict(d=7168, L=2, impl="pipelined", stages=0), "stages must be >= 1"),
     ("attn_residual", dict(d=7168, L=2, stages=2.5), "stages must be an integer"),
     ("attn_residual", dict(d=7168, L=2, impl="onepass", threads=0), "threads must be >= 1"),

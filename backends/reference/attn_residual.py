@@ -31,6 +31,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .ops import check_eps
+
 __all__ = [
     "attn_residual",
     "attn_residual_phase1",
@@ -91,9 +93,9 @@ def _check_sources(name: str, sources, where: str):
 
 
 def _check_eps(eps, where: str) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0) or eps != eps \
-            or eps == float("inf"):
-        raise ValueError(f"{where}: eps must be a finite positive number, got {eps!r}")
+    """The norms' eps, by the reference ops' rule (ops.check_eps: a finite real number > 0, numpy scalars
+    included, not a bool); ValueError otherwise."""
+    check_eps(eps, where)
 
 
 def check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .guard import cdiv, check_forward_only, check_kernel_device, next_power_of_2
+from backends.reference.ops import check_eps
 
 __all__ = ["conv_silu_norm"]
 
@@ -76,8 +77,7 @@ def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, 
         raise ValueError(f"conv_silu_norm: weight has {w.shape[0]} channels, x has {C}")
     if head_dim is not None and (head_dim < 1 or C % head_dim):
         raise ValueError(f"conv_silu_norm: head_dim {head_dim} does not divide C = {C}")
-    if not eps > 0:
-        raise ValueError(f"conv_silu_norm: eps must be > 0, got {eps}")
+    check_eps(eps, "conv_silu_norm")
     x = x.contiguous()
     w = w.contiguous()
     y = torch.empty_like(x)

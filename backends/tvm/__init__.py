@@ -168,8 +168,10 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_eps(eps, where):
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"{where}: eps must be a positive number, got {eps!r}")
+    """A norm's eps: the reference's rule (backends.reference.ops.check_eps: a finite real number > 0, numpy
+    scalars included, not a bool); ValueError otherwise."""
+    from backends.reference.ops import check_eps
+    check_eps(eps, where)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -213,8 +215,6 @@ def _shape_attr(op: str, a: dict, name: str, default=None) -> int:
 def _eps_attr(op: str, a: dict) -> float:
     """kernel_for's eps (default 1e-6), checked by _check_eps (and not a bool)."""
     eps, where = a.pop("eps", 1e-6), f"tvm backend: {op} attribute"
-    if isinstance(eps, bool):
-        raise ValueError(f"{where}: eps must be a positive number, got {eps!r}")
     _check_eps(eps, where)
     return float(eps)
 
