@@ -173,7 +173,10 @@ class MemoryPlan:
         ]
         w = max(len(r[0]) for r in rows) + 2
         out = [f"memory plan: {self.model}, T = {self.seq_len:,} x B = {self.batch} on {self.gpus} GPU(s) "
-               f"({_tokens(self.tokens_per_gpu)} tokens per GPU)",
+               f"({_tokens(self.tokens_per_gpu)} tokens per GPU"
+               + ("" if float(self.tokens_per_gpu).is_integer() else      # an uneven split: what GPUs hold
+                  f" on average, {math.floor(self.tokens_per_gpu):,} or {math.ceil(self.tokens_per_gpu):,} each")
+               + ")",
                f"  {'per GPU':<{w}}{'bytes':>12}"]
         out += [f"  {name:<{w}}{hb(v):>12}" for name, v in rows]
         out.append(f"  {'total':<{w}}{hb(self.total_bytes):>12}")
@@ -483,6 +486,13 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
 
     # -- expert-parallel all-to-all -----------------------------------------------------------
     tokens_gpu = batch * seq_len / gpus
+    if tokens_gpu < 1:
+        import warnings
+        from dsl.errors import MtcWarning
+        warnings.warn(MtcWarning(f"plan_memory: {batch * seq_len:,} tokens on {gpus:,} GPUs: "
+                                 f"{gpus - batch * seq_len:,} GPUs hold no token; the per-GPU activation, KV-cache "
+                                 f"and all-to-all figures are averages over all GPUs (use fewer GPUs or more "
+                                 f"tokens)"), stacklevel=2)
     comm = []
     for n in graph.nodes:
         if n.op not in ("latent_moe", "moe"):

@@ -255,6 +255,23 @@ def test_more_gpus_than_experts_dispatch_once_per_gpu(tiny, gpus):
         assert cm.dispatch_bytes == pytest.approx(4096 / gpus * 4 * 32 * 4 * (gpus - 1) / gpus, rel=1e-12)
 
 
+def test_uneven_token_split_says_what_gpus_hold(tiny):
+    """1000 tokens on 96 GPUs: the summary gives the average and the two whole counts; more GPUs than tokens
+    warns that some GPUs hold none (16th session: a plan for 100,000 GPUs printed 10.486 tokens per GPU only)."""
+    import warnings
+    from dsl.errors import MtcWarning
+    g, c, _ = tiny
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MtcWarning)
+        mp = plan_memory(g, seq_len=1000, gpus=96, canonical=c)
+    assert mp.tokens_per_gpu == pytest.approx(1000 / 96)
+    assert "(10.417 tokens per GPU on average, 10 or 11 each)" in mp.summary()
+    assert "(1,000 tokens per GPU)" in plan_memory(g, seq_len=1000, gpus=1, canonical=c).summary()
+    with pytest.warns(MtcWarning, match=r"1,000 tokens on 1,024 GPUs: 24 GPUs hold no token"):
+        mp = plan_memory(g, seq_len=1000, gpus=1024, canonical=c)
+    assert "0 or 1 each" in mp.summary()
+
+
 def test_primitive_op_spec_plans_with_a_warning_and_canonical_graphs_are_refused():
     """A spec written with mla_attention itself (no layer blocks) is planned, saying what it cannot count;
     the canonical graph of a parsed model (what compile produces) is still refused."""
