@@ -109,3 +109,11 @@ def test_rms_norm_zero_width_and_numpy_eps():
     x = torch.randn(20, 24, device=DEV)
     w = torch.rand(24, device=DEV) + 0.5
     assert rel_rms(rms_norm(x, w, np.float32(1e-3)), R.rmsnorm(x.double(), w.double(), eps=1e-3)) < 1e-6
+
+
+def test_rms_norm_refuses_meta_tensors():
+    """Meta tensors (shapes only) get a ValueError naming them, not torch's "Cannot copy out of meta tensor"."""
+    x, w = torch.randn(4, 16, device="meta"), torch.ones(16, device="meta")
+    with pytest.raises(ValueError, match=r"triton.rms_norm: meta tensors hold no data .*: x, weight"):
+        rms_norm(x, w, 1e-6)
+    assert R.rmsnorm(x, w).shape == (4, 16)            # the reference op sizes them
