@@ -192,9 +192,11 @@ def _container(root: nn.Module, path: list[str]) -> nn.Module:
 
 #: balance_defer: warn when this many train-mode forwards kept router scores without apply_balance()
 DEFER_WARN_FORWARDS = 64
-#: activation checkpointing: the router biases of this many recent train-mode forwards are kept for their recomputation
-#: (micro-batches summed into one backward; apply_balance() before the backward)
-BIAS_KEEP_FORWARDS = 64
+#: activation checkpointing: the router biases of up to this many train-mode forwards that a backward may still
+#: recompute are kept (micro-batches summed into one backward; apply_balance() before the backward). Forwards already
+#: recomputed, or whose input tensors are gone, are dropped first; past the limit the oldest is dropped, and its
+#: recomputation raises an MtcError instead of routing with another bias.
+BIAS_KEEP_FORWARDS = 1024
 
 
 class _KeptBias:
@@ -379,9 +381,10 @@ class CompiledModule(nn.Module):
                                                                 device=device))
             self.register_load_state_dict_pre_hook(_fill_balance_updates)
             self.register_load_state_dict_post_hook(_sync_updates_hook)
-        # router -> {forward key: the bias that train-mode forward routed with} (the last BIAS_KEEP_FORWARDS), for
-        # activation-checkpoint recomputation
+        # router -> {forward key: the bias that train-mode forward routed with} (up to BIAS_KEEP_FORWARDS pending),
+        # for activation-checkpoint recomputation; router -> {forward key: None}: pending forwards dropped past it
         self._bias_used: dict[str, dict[tuple, _KeptBias]] = {}
+        self._bias_dropped: dict[str, dict[tuple, None]] = {}
 
     def __getstate__(self):
         if self.dp_group is not None:
@@ -401,10 +404,12 @@ class CompiledModule(nn.Module):
         state["_shape_cache"] = {}
         state["_hook_calls"] = []
         state["_bias_used"] = {}               # for recomputations inside a backward in flight: none in a saved module
+        state["_bias_dropped"] = {}
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("_bias_dropped", {})     # (a module pickled before it existed)
         self._table = TARGETS[self.target]()
         self._gen = {}
         if self.target == "triton" and self.program is not None and "fused" in self.stages:
@@ -617,6 +622,14 @@ class CompiledModule(nn.Module):
                             f"m.apply_balance() once per step")
                     kept.recomputed = True
                     args = [args[0], args[1], kept.bias]
+                elif recompute and fkey in self._bias_dropped.get(n.name, ()):
+                    raise MtcError(
+                        f"{self.graph.name}: activation checkpointing: this backward recomputes a train-mode forward "
+                        f"whose router bias ({self._router_layers[n.name][0]}) is no longer kept: more than "
+                        f"{BIAS_KEEP_FORWARDS} train-mode forwards that a backward had not yet recomputed came after "
+                        f"it (backends.runtime.BIAS_KEEP_FORWARDS). Routing with today's bias would give wrong "
+                        f"gradients. Call backward at least every {BIAS_KEEP_FORWARDS} micro-batches, or raise "
+                        f"backends.runtime.BIAS_KEEP_FORWARDS")
             out = self._exec(n, args, bind)
             env[n.name] = out
             if n.op == "qb_route" and not recompute:
@@ -779,6 +792,7 @@ class CompiledModule(nn.Module):
         self._updates = {layer: int(c) for layer, c in zip(self._router_order, counts) if c}
         self._deferred = {}
         self._bias_used = {}
+        self._bias_dropped = {}
 
     def _qb_step(self, layer: str, bias: torch.Tensor, scores: torch.Tensor, top_k: int) -> None:
         """One QB update of a router's bias in place (ema 0 during the warm-up), counted."""
@@ -822,8 +836,17 @@ class CompiledModule(nn.Module):
                 entry.ambiguous = prev is not None and prev.pending() and (
                     prev.ambiguous or not torch.equal(prev.bias, entry.bias))
                 kept_bias[fkey] = entry
-                while len(kept_bias) > BIAS_KEEP_FORWARDS:
-                    kept_bias.pop(next(iter(kept_bias)))       # the oldest
+                if len(kept_bias) > BIAS_KEEP_FORWARDS:
+                    for key in [key for key, e in kept_bias.items() if not e.pending()]:
+                        del kept_bias[key]                     # recomputed already, or its inputs are gone
+                    dropped = self._bias_dropped.setdefault(n.name, {})
+                    while len(kept_bias) > BIAS_KEEP_FORWARDS:
+                        oldest = next(iter(kept_bias))                  # the oldest pending one
+                        del kept_bias[oldest]
+                        dropped[oldest] = None
+                    dropped.pop(fkey, None)
+                    while len(dropped) > 4 * BIAS_KEEP_FORWARDS:
+                        dropped.pop(next(iter(dropped)))
             if balancing and not self.balance_defer and self._deferred.get(n.name):
                 warnings.warn(MtcWarning(
                     f"balance_defer is off but {len(self._deferred[n.name])} earlier forward(s) kept their router "
