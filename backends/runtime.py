@@ -558,7 +558,8 @@ class CompiledModule(nn.Module):
                     if bind.setdefault(d, s) != s:
                         raise MtcError(f"input '{name}': dimension {d} is {s} here but {bind[d]} elsewhere")
                 elif d.is_number and int(d) != s:
-                    raise MtcError(f"input '{name}' has size {s} where {t} needs {d}")
+                    raise MtcError(f"input '{name}' has size {s} where {t} needs {d} (a fixed size: the spec "
+                                   f"writes an integer, or a config field, there)")
             env[n.name] = x
         self._warn_past_max_seq_len(inputs)
         fkey = None

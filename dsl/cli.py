@@ -415,7 +415,8 @@ def _check_run_input(g) -> None:
     if any(d.is_number for d in t.shape):
         raise MtcError(f"`mtc run` feeds windows of --batch-size x --seq-len tokens (the last one shorter); "
                        f"model '{g.name}' takes {decl}, a fixed shape: declare it "
-                       f"{ins[0].attr('name')}: {t.dtype}[B, T], or run it from Python")
+                       f"{ins[0].attr('name')}: {t.dtype}[B, T] with B and T not config fields (a config field "
+                       f"used as a dimension is its value), or run it from Python")
     # ... and scores next-token prediction: one output, the logits [batch, seq-len, vocab] of an lm_head
     nodes = g.node_map()
     outs = ", ".join(f"{g.type_of(o, nodes)} ({nodes[o.node].op})" for o in g.outputs)

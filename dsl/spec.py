@@ -544,7 +544,8 @@ class SpecBuilder:
                                         f"another name", ploc)
                 inputs[pname] = ploc
                 self.env[pname] = self.b.input(pname, canon_dtype(dt, ploc),
-                                               [self._input_dim(pname, d) for d in ch.children[2:]], ploc)
+                                               [self._input_dim(pname, d, i) for i, d in enumerate(ch.children[2:])],
+                                               ploc)
                 continue
             if ret_loc is not None and ch.data in ("let", "stack"):
                 raise self.spec.err(f"statement after the return (line {ret_loc.line}): it would never run; "
@@ -589,9 +590,11 @@ class SpecBuilder:
         self._assigned[name] = loc
         self._read_since.discard(name)
 
-    def _input_dim(self, pname: str, d) -> int | str:
-        """One dim of a forward input's shape: an integer, a config int (replaced by its value, as in a reshape
-        shape) or a shape symbol (B, T: bound when the model runs). Raises MtcError at the dim otherwise."""
+    def _input_dim(self, pname: str, d, pos: int = 2) -> int | str:
+        """One dim (at position pos) of a forward input's shape: an integer, a config int (replaced by its value, as
+        in a reshape shape) or a shape symbol (B, T: bound when the model runs). Raises MtcError at the dim
+        otherwise; a config int as one of the first two dims (batch, sequence) is a MtcWarning there: it fixes that
+        size, which a field named like a shape symbol (config { T: int = 64 }) does without the writer meaning to."""
         tok = d.children[0]
         text, loc = str(tok), self.spec.loc(tok)
         if text.isdigit():
@@ -604,6 +607,14 @@ class SpecBuilder:
                 raise self.spec.err(f"input '{pname}': dimension '{text}' names a config field whose value is "
                                     f"{describe(v)}; a dimension is an integer from 1 to {MAX_DIM} or a shape symbol", loc)
             self.used.add(text)
+            if pos < 2:
+                import warnings
+                from .errors import MtcWarning
+                warnings.warn(MtcWarning(
+                    f"input '{pname}': dimension {pos} is '{text}', the config field {text} = {v}, so the model takes "
+                    f"exactly {v} there (a config value in a shape is a constant); to keep it a free "
+                    f"{'batch size' if pos == 0 else 'length'}, give the config field another name (e.g. "
+                    f"max_{text})", loc), stacklevel=4)
             return v
         if text in self.blocks:
             raise self.spec.err(f"input '{pname}': dimension '{text}' names a block; a dimension is an integer, "

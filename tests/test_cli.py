@@ -318,6 +318,30 @@ def test_run_refuses_a_spec_it_cannot_feed_before_compiling(tmp_path):
     _clean_error(in_process("run", str(p)), "takes input_ids: i64[2, 16], a fixed shape")
 
 
+def test_config_field_named_like_a_shape_symbol(tmp_path):
+    """config { T: int = 64 } makes T in input_ids: i64[B, T] the constant 64 (a config value in a shape is a
+    constant): a warning at that dim when the spec loads, and `mtc run`'s error says why the shape is fixed (new-user
+    trial, 16th session: it advised declaring i64[B, T], which the spec already did). A config width elsewhere (the
+    third dim of x: f32[B, T, d]) stays silent."""
+    import warnings
+    import dsl
+    from dsl.errors import MtcWarning
+    p = tmp_path / "tclash.mtc"
+    p.write_text("model m {\n  config { T: int = 64\n           d: int = 32 }\n  forward(input_ids: i64[B, T]) {\n"
+                 "    x = embedding(input_ids, vocab=256, dim=d)\n    return lm_head(rmsnorm(x), vocab=256)\n  }\n}\n")
+    with pytest.warns(MtcWarning, match=r"tclash.mtc:4:29: .*dimension 1 is 'T', the config field T = 64, so the "
+                                        r"model takes exactly 64 there"):
+        g = dsl.load(p)
+    assert str(g.inputs()[0].types[0]) == "i64[B, 64]"
+    r = in_process("run", str(p))
+    _clean_error(r, "a fixed shape: declare it input_ids: i64[B, T] with B and T not config fields")
+    q = tmp_path / "width.mtc"
+    q.write_text("model w {\n  config { d: int = 8 }\n  forward(x: f32[B, T, d]) {\n    return rmsnorm(x)\n  }\n}\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MtcWarning)
+        assert str(dsl.load(q).inputs()[0].types[0]) == "f32[B, T, 8]"
+
+
 def test_stats_of_a_fixed_input_shape(tmp_path):
     """A spec with input i64[2, 16] is counted at B = 2, T = 16: the same numbers as the symbolic spec
     at --batch 2 --seq-len 16 (MLA FLOPs grow with T, so a wrong T shows)."""
