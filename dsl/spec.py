@@ -499,8 +499,8 @@ class SpecBuilder:
                 if not isinstance(v, str) or not _NAME_RE.fullmatch(v):
                     raise self.spec.err(f"{fname}: name must be a string of dot-separated identifiers "
                                         f"(model.layers.0.mlp), got {describe(v)}", loc,
-                                        "each part is a letter or '_' then letters, digits or '_', or a layer "
-                                        "index (digits); no empty parts, spaces or leading/trailing dots")
+                                        "each part is an ASCII letter or '_' then ASCII letters, digits or '_', or "
+                                        "a layer index (digits); no empty parts, spaces or leading/trailing dots")
             if k == "expert_dtype" and v not in EXPERT_DTYPES:
                 raise self.spec.err(f"{fname}: expert_dtype must be one of "
                                     f"{', '.join(describe(x) for x in EXPERT_DTYPES)}, got {describe(v)}", loc,
