@@ -900,6 +900,21 @@ def _check_kernel_constraints(g: Graph, target: str) -> None:
                                    f"{d}; change the spec or use target='reference'", n.loc)
 
 
+def weights_fit(graph: Graph, element_bytes: int, device: torch.device) -> tuple[int, int, int | None]:
+    """(parameters, bytes their weights take at element_bytes each, bytes free on device or None if unknown):
+    the whole GPU's memory for 'cuda', the available physical memory (os.sysconf) for 'cpu'."""
+    n = sum(int(p.type.numel()) for p in graph.params())
+    have = None
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    elif device.type == "cpu":
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            have = None
+    return n, n * element_bytes, have
+
+
 def _check_interpreter_dtype(target: str, dtype: torch.dtype) -> None:
     """MtcError for bfloat16 on the Triton interpreter: triton 3.6's interpreter computes bf16 tl.dot wrongly
     (silent garbage in kda_chunk, qb_route, moe_experts), so a model would run but print nonsense."""
@@ -957,7 +972,7 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise MtcError(f"unknown device {device!r}: use 'cpu', 'cuda', 'cuda:N' or 'meta' ({e})") from None
+        raise MtcError(f"unknown device {device!r}: use 'cpu', 'cuda', 'cuda:N' or 'meta'") from None
     if dev.type not in ("cpu", "cuda", "meta"):
         raise MtcError(f"device {device!r}: mtc runs on 'cpu', 'cuda' (or 'cuda:N') and 'meta' (no weights)")
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -967,6 +982,14 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
                        f"TRITON_INTERPRET=1 before triton is imported (mtc run does this itself)")
     if dev.type != "meta":
         _check_interpreter_dtype(target, dtype)
+        n, need, have = weights_fit(graph, torch.empty((), dtype=dtype).element_size(), dev)
+        if have is not None and need > 0.8 * have:
+            from dsl.stats import human_bytes
+            raise MtcError(f"dsl.compile: model '{graph.name}' has {n:,} parameters: {human_bytes(need)} of weights "
+                           f"in {str(dtype).removeprefix('torch.')}, more than this "
+                           f"{'GPU' if dev.type == 'cuda' else 'machine'} holds ({human_bytes(have)} free); "
+                           f"device='meta' builds it without weights (its IR, shapes and kernels), or compile a "
+                           f"smaller variant")
     if target == "tvm":
         from backends.tvm import available
         if not available():

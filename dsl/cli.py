@@ -381,17 +381,11 @@ def _check_fits(g, dtype_bytes: int, device: str, spec=None, variant=None) -> No
     """Refuse, before allocating, a model whose weights cannot fit in this machine's memory (``spec``: its file,
     whose other variants than ``variant`` the message names)."""
     import torch
-    n = sum(int(p.type.numel()) for p in g.params())
-    need = n * dtype_bytes
+    from backends.runtime import weights_fit
     if device.startswith("cuda"):
         _check_device(device)
-        have = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    else:
-        try:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return
-    if need > 0.8 * have:
+    n, need, have = weights_fit(g, dtype_bytes, torch.device(device))
+    if have is not None and need > 0.8 * have:
         from .stats import human_bytes
         variants = [v for v in (_spec_variants(spec) if spec is not None else []) if v != variant]
         raise MtcError(f"model '{g.name}' has {n:,} parameters: {human_bytes(need)} of weights, more than this "

@@ -223,6 +223,18 @@ def test_bad_devices_are_clear_errors():
     if not torch.cuda.is_available():
         with pytest.raises(dsl.MtcError, match="no CUDA device"):
             dsl.compile(g, device="cuda")
+    with pytest.raises(dsl.MtcError) as e:                 # without torch's list of every device type it knows
+        dsl.compile(g, device="xyz")
+    assert str(e.value).endswith("unknown device 'xyz': use 'cpu', 'cuda', 'cuda:N' or 'meta'")
+
+
+def test_a_model_too_big_for_the_machine_is_refused_before_allocating():
+    """The full K3 (2.78 T parameters) on the CPU: an MtcError pointing at device='meta' before any weight is
+    allocated (new-user trial, 16th session: ~40 GB allocated over 33 s, then a raw allocator error)."""
+    g = dsl.load(K3)
+    with pytest.raises(dsl.MtcError, match=r"model 'kimi_k3' has 2,779,484,393,568 parameters: .* of weights in "
+                                           r"float32, more than this machine holds .*device='meta' builds it"):
+        dsl.compile(g)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is the CPU path")
