@@ -194,6 +194,7 @@ def _check(g: Graph, where: dict, text: str, file: str) -> None:
         raise MtcError(f"the graph's signature declares the shape symbol '{dup}' twice", Loc(file, line, 1),
                        text)
     seen: dict[str, Node] = {}
+    named: dict[tuple[str, str], Node] = {}     # ("input" | "state", name attribute) -> the node that has it
     for n in g.nodes:
         loc = where.get(id(n))
         seen[n.name] = n
@@ -223,6 +224,14 @@ def _check(g: Graph, where: dict, text: str, file: str) -> None:
                 check_source(n.op, n.attr_dict, n.types, ANNOTATIONS)
             except ShapeError as e:
                 raise err(f"{n.op}: {e}") from None
+            key = ("input" if n.op == "input" else "state", n.attr("name"))
+            if key[1] is not None and key in named:
+                first = named[key]
+                raise err(f"{n.op} name {key[1]!r} is already the name of %{first.name}"
+                          + (f" (line {where[id(first)].line})" if where.get(id(first)) else "")
+                          + ("; a forward's inputs are fed by name, so each needs its own" if key[0] == "input"
+                             else "; parameters and buffers are state-dict keys, so each needs its own"))
+            named[key] = n
             types[n.name] = n.types
             continue
         od = OPS.get(n.op)
