@@ -76,3 +76,19 @@ def test_embedding_rejects_out_of_range_ids():
     w = torch.randn(10, 4)
     with pytest.raises(IndexError, match="token id 12"):
         R.embedding(torch.tensor([[1, 12]]), w)
+
+
+def test_short_conv_width_one_final_state_is_empty():
+    """Width 1 keeps no past inputs: the final state is an empty float32 [B, C, 0] tensor (it was None, which a
+    decoding loop reading state.shape tripped on; new-user trial, 16th session), and it feeds the next call."""
+    import backends.reference as R
+    x, w = torch.randn(2, 7, 5), torch.randn(5, 1, 1)
+    y, st = R.short_conv(x, w, output_final_state=True)
+    assert st is not None and st.shape == (2, 5, 0) and st.dtype == torch.float32
+    assert torch.allclose(y, x * w.view(1, 1, 5), rtol=1e-6, atol=1e-6)
+    y2, st2 = R.short_conv(x[:, :3], w, initial_state=st, output_final_state=True)
+    assert st2.shape == (2, 5, 0) and torch.allclose(y2, y[:, :3], rtol=1e-6, atol=1e-6)
+    _, st0 = R.short_conv(x[:, :0], w, output_final_state=True)          # T = 0
+    assert st0.shape == (2, 5, 0)
+    _, st4 = R.short_conv(x, torch.randn(5, 1, 4), output_final_state=True)
+    assert torch.equal(st4, x[:, -3:].transpose(1, 2))                  # width 4: the last 3 inputs

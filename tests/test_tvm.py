@@ -241,6 +241,8 @@ def test_short_conv_state():
     y, fin = V.short_conv(x, wt, initial_state=st, output_final_state=True)
     ry, rfin = R.short_conv(x, wt, initial_state=st, output_final_state=True)
     assert rel_rms(y, ry) < TOL[torch.float32] and torch.equal(fin, rfin)
+    y1, fin1 = V.short_conv(x, wt[..., :1], output_final_state=True)     # width 1: an empty state, as the reference
+    assert fin1.shape == (2, 100, 0) and rel_rms(y1, x * wt[:, 0, 0]) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("n", TOKENS)

@@ -88,14 +88,15 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
                          f"{list(initial_state.shape)}")
     if x.shape[1] == 0:
         final = (_f32(initial_state).clone() if initial_state is not None else
-                 torch.zeros(x.shape[0], C, W - 1, device=x.device)) if output_final_state and W > 1 else None
+                 torch.zeros(x.shape[0], C, W - 1, device=x.device)) if output_final_state else None
         return x.clone(), final
     xt = _f32(x).transpose(1, 2)                                  # [B, C, T]
     prev = (torch.zeros(x.shape[0], C, W - 1, dtype=torch.float32, device=x.device) if initial_state is None
             else _f32(initial_state))
     xp = torch.cat([prev, xt], dim=-1)                             # [B, C, W-1+T]
     y = F.conv1d(xp, w.unsqueeze(1), groups=C)                     # [B, C, T]
-    final = xp[..., -(W - 1):].clone() if output_final_state and W > 1 else None
+    # (width 1: an empty [B, C, 0] state, so that a decoding loop can read its shape)
+    final = xp[..., xp.shape[-1] - (W - 1):].clone() if output_final_state else None
     return y.transpose(1, 2).to(x.dtype), final
 
 

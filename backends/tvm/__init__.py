@@ -497,10 +497,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
         _call(kernel_for("short_conv", C=C, W=W, dtype=xdt, w_dtype=wdt), kind, xin.contiguous(), w, y)
     y = y[:, skip:] if skip else y
     final = None
-    if output_final_state and W > 1:
+    if output_final_state:                 # (width 1: an empty [B, C, 0] state)
         prev = (torch.zeros(B, C, W - 1, dtype=torch.float32, device=x.device) if initial_state is None
                 else initial_state.float())
-        final = torch.cat([prev, x.float().transpose(1, 2)], dim=-1)[..., -(W - 1):].contiguous()
+        full = torch.cat([prev, x.float().transpose(1, 2)], dim=-1)
+        final = full[..., full.shape[-1] - (W - 1):].contiguous()
     return y, final
 
 
