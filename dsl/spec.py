@@ -412,6 +412,9 @@ class Evaluator:
                                        f"(numbers, strings, lists): tensors go first, without a key", a.children[1])
                     kwargs[k] = _attr_value(v)
                 else:
+                    if kwargs:
+                        raise self.err(f"'{fname}': a positional argument after keywords; tensors go first, then "
+                                       f"keywords ({fname}(x, ..., key=value))", a)
                     args.append(self.eval(a))
                     arg_locs.append(self.spec.loc(a))
         loc = self.spec.loc(t)
@@ -655,8 +658,13 @@ class SpecBuilder:
         args, kw = [], {}
         for a in arglist.children:
             if isinstance(a, lark.Tree) and a.data == "kwarg":
+                if str(a.children[0]) in kw:
+                    raise self.spec.err(f"stack(...): keyword '{a.children[0]}' given twice", self.spec.loc(a))
                 kw[str(a.children[0])] = ev.eval(a.children[1])
             else:
+                if kw:
+                    raise self.spec.err("stack(...): a positional argument after keywords; the tensor goes first, "
+                                        "then keywords (stack(x, layers=N, ...))", self.spec.loc(a))
                 args.append(ev.eval(a))
         if len(args) != 1 or not isinstance(args[0], Ref):
             raise self.spec.err("stack(...) takes one tensor (the residual stream) and keywords", loc)

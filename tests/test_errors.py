@@ -70,6 +70,24 @@ def test_unknown_attribute():
     assert _loc(e) == (8, 9) and "head_dim" in e.msg
 
 
+def test_positional_argument_after_keywords():
+    """linear(out=4, x) used to be accepted (x taken as the tensor); Python's rule now: positional arguments
+    first. Also in stack(...), where a keyword given twice is an error too (new-user trial, 16th session)."""
+    e = _err(GOOD.replace("embedding(input_ids, vocab=256, dim=d)", "embedding(vocab=256, input_ids, dim=d)"))
+    assert _loc(e) == (7, 30) and "'embedding': a positional argument after keywords" in e.msg
+    stack = ("x = stack(x, layers=1, residual=\"add\") {\n      attn = kda\n      ffn = f\n    }\n"
+             "    return lm_head(rmsnorm(x), vocab=256)")
+    good = GOOD.replace("  forward(", "  block kda = kda_layer(heads=heads, head_dim=16)\n  block f = glu_ffn(inter=8)\n"
+                                      "  forward(").replace(
+        "y = kda_layer(x, heads=heads, head_dim=16, name=\"model.layers.0.self_attn\")\n"
+        "    return lm_head(rmsnorm(x), vocab=256)", stack)
+    dsl.parse(good)
+    e = _err(good.replace("stack(x, layers=1,", "stack(layers=1, x,"))
+    assert _loc(e) == (10, 25) and "stack(...): a positional argument after keywords" in e.msg
+    e = _err(good.replace("layers=1,", "layers=1, layers=2,"))
+    assert _loc(e) == (10, 28) and "stack(...): keyword 'layers' given twice" in e.msg
+
+
 def test_shape_mismatch_is_reported_at_the_users_line():
     bad = GOOD.replace("return lm_head(rmsnorm(x), vocab=256)",
                        "z = linear(x, out=48, name=\"proj\")\n    w = add(x, z)\n    return lm_head(rmsnorm(w), vocab=256)")
