@@ -177,7 +177,8 @@ def human(n: float, unit: str = "") -> str:
 
 
 def human_bytes(n: float) -> str:
-    for div, suf in ((2 ** 40, "TiB"), (2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+    for div, suf in ((2 ** 70, "ZiB"), (2 ** 60, "EiB"), (2 ** 50, "PiB"), (2 ** 40, "TiB"), (2 ** 30, "GiB"),
+                     (2 ** 20, "MiB"), (2 ** 10, "KiB")):
         if n >= div:
             return f"{_sig3(n / div)} {suf}"
     return f"{n:.0f} B"

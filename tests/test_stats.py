@@ -128,6 +128,7 @@ def test_human_formats_have_no_exponent_and_json_counts_are_ints():
     from dsl.stats import human, human_bytes
     assert human_bytes(1008 * 1024) == "1008 KiB"          # .3g printed 1.01e+03 KiB
     assert human_bytes(2.5 * 2 ** 30) == "2.5 GiB" and human_bytes(5) == "5 B"
+    assert human_bytes(3 * 2 ** 50) == "3 PiB" and human_bytes(2 ** 61) == "2 EiB"   # (was 3072 TiB, 2097152 TiB)
     assert human(2.78e12, "FLOP") == "2.78 TFLOP" and human(999.6) == "1000"
     d = compute_stats(dsl.load(ROOT / "models" / "kimi_k3.mtc")).to_dict()
     assert isinstance(d["weights_bytes"], int) and isinstance(d["flops_per_token"], int)
