@@ -243,6 +243,18 @@ def _sync_updates_hook(module, _keys):
 _BALANCE_FIELDS = ("balance", "balance_warmup", "balance_ema", "balance_defer", "fixed_step")
 
 
+def _check_stats_hooks(hooks) -> None:
+    """CompiledModule.stats_hooks: a list of callables fn(layer: str, load: Tensor); TypeError naming the entry
+    (checked when assigned, and before each forward of a model with routers: list.append is not checked)."""
+    if not isinstance(hooks, list):
+        raise TypeError(f"CompiledModule.stats_hooks must be a list of callables fn(layer, load) (append to it, or "
+                        f"clear() it), got {type(hooks).__name__}")
+    for i, h in enumerate(hooks):
+        if not callable(h):
+            raise TypeError(f"CompiledModule.stats_hooks[{i}] is {type(h).__name__} {h!r:.60}, not a callable "
+                            f"fn(layer, load)")
+
+
 def _check_balance_field(name, value) -> None:
     """ValueError naming the CompiledModule attribute `name` when value is out of its domain."""
     if name == "balance" and value not in ("qb", "fixed", None):
@@ -566,6 +578,7 @@ class CompiledModule(nn.Module):
         self._hook_calls = []
         if self._router_layers:
             self._check_balance_settings()
+            _check_stats_hooks(self.stats_hooks)        # before the forward moves any bias
             fkey = _forward_key(inputs)         # which forward this is, for a checkpoint's recomputation
         ops = [n for n in g.nodes if n.op not in SOURCE_OPS]
         epi_done: set[str] = set()
@@ -814,6 +827,8 @@ class CompiledModule(nn.Module):
         if name in _BALANCE_FIELDS or name == "dp_group":
             if "dp_group" in self.__dict__:  # set after __init__: checked now, at the user's line
                 _check_balance_field(name, value)
+        elif name == "stats_hooks":
+            _check_stats_hooks(value)
         super().__setattr__(name, value)
 
     def _after_route(self, n: Node, out, fkey: tuple, inputs: dict) -> None:

@@ -306,3 +306,23 @@ def test_kept_router_scores_are_dropped_when_no_longer_applicable(fresh):
     m(torch.randint(0, VOCAB, (1, 17)))
     m.load_state_dict(copy.deepcopy(fresh).state_dict())
     assert m.apply_balance() == 0
+
+
+def test_stats_hooks_are_checked_when_set_and_before_the_forward(fresh):
+    """m.stats_hooks = None (or a tuple) is a TypeError at the assignment; a non-callable appended to the list is
+    one before the forward runs, so no router bias moves (new-user trial, 16th session: a raw TypeError after the
+    whole forward had updated every bias)."""
+    m = copy.deepcopy(fresh)
+    for bad in (None, (print,)):
+        with pytest.raises(TypeError, match="stats_hooks must be a list of callables"):
+            m.stats_hooks = bad
+    m.stats_hooks.append(5)
+    before = biases(m)
+    ids = torch.randint(0, VOCAB, (1, 17))
+    with pytest.raises(TypeError, match=r"stats_hooks\[0\] is int 5, not a callable"):
+        m(ids)
+    after = biases(m)
+    assert all(torch.equal(before[k], after[k]) for k in before) and int(m.balance_updates.sum()) == 0
+    m.stats_hooks.clear()
+    m(ids)
+    assert not all(torch.equal(before[k], v) for k, v in biases(m).items())
