@@ -262,7 +262,7 @@ def _need_float(t: TensorType, what: str):
 
 def _need_rank(t: TensorType, r: int, what: str):
     if t.rank != r:
-        raise ShapeError(f"{what} must have rank {r}, got {t} ")
+        raise ShapeError(f"{what} must have rank {r}, got {t}")
 
 
 def numel(t: TensorType) -> Dim:
@@ -633,12 +633,16 @@ register("attn_residual", _attn_residual, n_data_inputs=3, variadic=True,
 
 # ---------------------------------------------------------------------------------------------
 # layer-level building blocks
-def _x_only(what):
+def _x_only(what, sequence: bool = False):
+    """Type rule of a layer op that keeps its input's type: x float [..., d]; sequence: exactly [B, T, d] (the
+    sequence mixers, KDA and MLA, run along dim 1)."""
     def infer(ts, a):
         x = ts[0]
         _need_float(x, "x")
+        if sequence and x.rank != 3:
+            raise ShapeError(f"input must be [B, T, d] (batch, sequence, width), got {x}")
         if x.rank < 2:
-            raise ShapeError(f"{what} input must be [..., d], got {x}")
+            raise ShapeError(f"input must be [..., d], got {x}")
         return [x]
     return infer
 
@@ -724,7 +728,7 @@ def _kda_expand(b: GraphBuilder, inputs: list[Ref], a: dict, loc):
     return [_lin(b, o, P["o_proj"], loc)]
 
 
-register("kda_layer", _x_only("kda_layer"), params=_kda_params, expand=_kda_expand, is_layer=True,
+register("kda_layer", _x_only("kda_layer", sequence=True), params=_kda_params, expand=_kda_expand, is_layer=True,
          default_name="self_attn", inputs=("x",),
          attrs={"heads": REQUIRED, "head_dim": REQUIRED, "v_head_dim": 0, "conv_size": 4, "lower_bound": -5.0,
                 "gate": "sigmoid", "forget_rank": 0, "gate_rank": 0, "norm_eps": 1e-6},
@@ -790,7 +794,7 @@ def _mla_expand(b: GraphBuilder, inputs, a, loc):
     return [_lin(b, o, P["o_proj"], loc)]
 
 
-register("mla_layer", _x_only("mla_layer"), params=_mla_params, expand=_mla_expand, is_layer=True,
+register("mla_layer", _x_only("mla_layer", sequence=True), params=_mla_params, expand=_mla_expand, is_layer=True,
          default_name="self_attn", inputs=("x",),
          attrs={"heads": REQUIRED, "q_lora_rank": 0, "kv_lora_rank": REQUIRED, "qk_nope_dim": 128,
                 "qk_rope_dim": 64, "v_dim": 128, "gated": True, "norm_eps": 1e-6},

@@ -716,3 +716,17 @@ def test_bad_block_attribute_is_reported_where_the_block_is_defined():
     assert _loc(e) == (8, 9) and e.msg == "glu_ffn: attribute 'act' must be one of 'situ', 'silu', got 'gelu'"
     e = _err(GOOD.replace("model m {\n", 'model m {\n  block b = latent_moe(top_k=2, experts=0)\n', 1))
     assert _loc(e) == (2, 13) and "latent_moe: attribute 'experts' must be an integer >= 1, got 0" in e.msg
+
+
+def test_sequence_layers_need_batch_sequence_width():
+    """kda_layer / mla_layer run along dim 1: a rank-4 input is an error at the call, in the layer's own words
+    (new-user trial, 16th session: it passed typing and failed in canonicalize as "short_conv: short_conv input ...
+    must have rank 3", at the block's line); per-token layers (glu_ffn) still take [..., d]."""
+    for blk in ("kda_layer(heads=2, head_dim=16)", "mla_layer(heads=2, kv_lora_rank=16, q_lora_rank=0, "
+                                                   "qk_nope_dim=8, qk_rope_dim=0, v_dim=8)"):
+        text = (f"model r {{\n  block a = {blk}\n  forward(x: f32[B, T, 4, 32]) {{\n    return a(x)\n  }}\n}}\n")
+        e = _err(text)
+        op = blk.split("(")[0]
+        assert _loc(e) == (4, 12) and e.msg == (f"{op}: input must be [B, T, d] (batch, sequence, width), got "
+                                               f"f32[B, T, 4, 32]"), e.msg
+    dsl.parse("model f {\n  block a = glu_ffn(inter=8)\n  forward(x: f32[B, T, 4, 32]) {\n    return a(x)\n  }\n}\n")
