@@ -508,6 +508,18 @@ class SpecBuilder:
                 raise self.spec.err(f"{fname}: expert_dtype must be one of "
                                     f"{', '.join(describe(x) for x in EXPERT_DTYPES)}, got {describe(v)}", loc,
                                     "\"\" keeps the model dtype; integer dtypes cannot hold weights")
+        # keywords given but without effect with the others as given: a MtcWarning at the call
+        op, eff = od.name, {**defaults, **kwargs}
+        unused = []
+        if op == "kda_layer" and eff.get("gate") == "softplus" and "lower_bound" in kwargs:
+            unused.append(("lower_bound", "the softplus gate is unbounded (lower_bound applies to gate=\"sigmoid\")"))
+        if op in ("moe", "latent_moe") and eff.get("shared") == 0 and kwargs.get("shared_inter"):
+            unused.append(("shared_inter", "shared=0: there is no shared expert"))
+        if unused:
+            import warnings
+            from .errors import MtcWarning
+            for k, why in unused:
+                warnings.warn(MtcWarning(f"{fname}: {k}= has no effect here: {why}", loc), stacklevel=4)
 
     def _apply_block(self, blk: Block, args, name, loc):
         if len(args) != 1 or not isinstance(args[0], Ref):

@@ -730,3 +730,24 @@ def test_sequence_layers_need_batch_sequence_width():
         assert _loc(e) == (4, 12) and e.msg == (f"{op}: input must be [B, T, d] (batch, sequence, width), got "
                                                f"f32[B, T, 4, 32]"), e.msg
     dsl.parse("model f {\n  block a = glu_ffn(inter=8)\n  forward(x: f32[B, T, 4, 32]) {\n    return a(x)\n  }\n}\n")
+
+
+def test_keywords_without_effect_warn_at_the_call():
+    """kda_layer(gate="softplus", lower_bound=...) and moe(shared=0, shared_inter=...) name settings that do
+    nothing: a warning at the block (new-user trial, 16th session: accepted silently); with the setting that uses
+    them, no warning."""
+    import warnings
+    from dsl.errors import MtcWarning
+
+    def spec(blk):
+        return f"model r {{\n  block a = {blk}\n  forward(x: f32[B, T, 32]) {{\n    return a(x)\n  }}\n}}\n"
+    for blk, msg in (('kda_layer(heads=2, head_dim=16, gate="softplus", lower_bound=-3.0)',
+                      r"spec.mtc:2:13: .*kda_layer: lower_bound= has no effect here: the softplus gate is unbounded"),
+                     ("moe(experts=4, top_k=2, inter=8, shared=0, shared_inter=8)",
+                      r"spec.mtc:2:13: .*moe: shared_inter= has no effect here: shared=0")):
+        with pytest.warns(MtcWarning, match=msg):
+            dsl.parse(spec(blk), file="spec.mtc")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MtcWarning)
+        dsl.parse(spec("kda_layer(heads=2, head_dim=16, lower_bound=-3.0)"))
+        dsl.parse(spec("moe(experts=4, top_k=2, inter=8, shared=1, shared_inter=8)"))
