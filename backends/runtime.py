@@ -736,10 +736,12 @@ class CompiledModule(nn.Module):
             raise MtcError(f"%{n.name} = {n.op}(...): {e} (raised inside the model; for NaN / inf: check the weights "
                            f"and the ops before it)", n.loc) from e
 
-    def route_margins(self, input_ids: torch.Tensor) -> dict[str, float]:
+    def route_margins(self, input_ids: torch.Tensor | None = None, **inputs: torch.Tensor) -> dict[str, float]:
         """How close each MoE layer's top-k choice is to a tie, for one input (a probe forward).
 
-        Runs ``input_ids`` [B, T] through the model without autograd and without QB bias updates (the
+        ``m.route_margins(ids)``, or for a model with several inputs ``m.route_margins(a=..., b=...)`` (named as
+        for :meth:`run`). Runs the input (``input_ids`` [B, T]) through the model without autograd and without QB
+        bias updates (the
         module's mode is restored) and returns {MoE layer prefix: the smallest, over tokens, gap between
         the k-th and the (k+1)-th biased router score (sigmoid units)}.  Two targets (or dtypes) whose
         scores differ by more than a layer's margin may pick different experts for some token: a discrete
@@ -747,6 +749,13 @@ class CompiledModule(nn.Module):
         (float32: ~1e-7; bf16: ~1e-2).  A layer whose top-k takes every expert (top_k == experts) has no
         (k+1)-th score and no choice to flip: its margin is inf.
         """
+        ins = self.graph.inputs()
+        if (input_ids is None) == (not inputs) or (input_ids is not None and len(ins) != 1):
+            named = f"m.route_margins({', '.join(n.attr('name') + '=...' for n in ins)})"
+            raise MtcError(f"{self.graph.name}: " + (f"route_margins takes the input tensor, m.route_margins(ids), or "
+                                                      f"it by name, {named}" if len(ins) == 1 else
+                                                      f"this graph takes {len(ins)} inputs: pass them by name, "
+                                                      f"{named}"))
         route = self._table["qb_route"]
         margins: dict[str, float] = {}
 
@@ -769,7 +778,10 @@ class CompiledModule(nn.Module):
         self.eval()
         try:
             with torch.no_grad():
-                self(input_ids)
+                if input_ids is not None:
+                    self(input_ids)
+                else:
+                    self.run(**inputs)
         finally:
             self._table["qb_route"] = route
             self.train(training)

@@ -314,6 +314,29 @@ def test_route_margins_with_every_expert_chosen_is_inf():
     assert margins and all(v == float("inf") for v in margins.values())
 
 
+def test_route_margins_of_a_model_with_two_inputs():
+    """Inputs by name, as for m.run (new-user trial, 16th session: only m.route_margins(ids) existed, and its error
+    advised m.run); the margin equals the one of a one-input model fed the same router input."""
+    g = dsl.parse("model two {\n  block m = moe(experts=4, top_k=2, inter=8)\n  forward(a: i64[B, T], "
+                  "y: f32[B, T, 32]) {\n    x = add(embedding(a, vocab=256, dim=32), y)\n"
+                  "    return lm_head(rmsnorm(m(x)), vocab=256)\n  }\n}\n")
+    m = dsl.compile(g, seed=3)
+    a, y = torch.randint(0, 256, (2, 9)), torch.randn(2, 9, 32)
+    with pytest.raises(dsl.MtcError, match=r"this graph takes 2 inputs: pass them by name, m.route_margins\(a=..., "
+                                           r"y=...\)"):
+        m.route_margins(a)
+    margins = m.route_margins(a=a, y=y)
+    assert set(margins) == {"block_sparse_moe"} and 0 <= margins["block_sparse_moe"] < math.inf
+    one = dsl.compile(dsl.parse("model one {\n  block m = moe(experts=4, top_k=2, inter=8)\n  forward(a: i64[B, T]) {"
+                                "\n    x = embedding(a, vocab=256, dim=32)\n    return lm_head(rmsnorm(m(x)), "
+                                "vocab=256)\n  }\n}\n"), seed=3)
+    one.load_state_dict(m.state_dict())
+    # feed y = 0 to the two-input model: the same router input as the one-input model's
+    assert m.route_margins(a=a, y=torch.zeros_like(y)) == pytest.approx(one.route_margins(a), rel=1e-6)
+    with pytest.raises(dsl.MtcError, match="route_margins takes the input tensor"):
+        one.route_margins(a, a=a)
+
+
 def test_route_margins_probe_is_exact_and_changes_nothing():
     m = dsl.compile(dsl.load(K3, "tiny"), target="reference")         # train mode: a forward moves QB biases
     ids = torch.randint(0, 256, (2, 41))
