@@ -293,6 +293,14 @@ def _lower(args, pm):
     if args.target == "tvm":             # what compile(target="tvm") runs: the direct AttnRes form
         from passes import PassManager
         fused = PassManager(["fuse_tiles"]).run(pm.stages["canonical"])
+    # shapes the kernel templates cannot take: compile(target=...) refuses them, so the listing says so first
+    from backends.runtime import _check_kernel_constraints
+    try:
+        _check_kernel_constraints(fused, args.target)
+    except MtcError as e:
+        where = f"{e.loc.file}:{e.loc.line}:{e.loc.col}: " if getattr(e, "loc", None) is not None else ""
+        _warn(f"{where}dsl.compile(target='{args.target}') refuses this model, so the listing below cannot run as "
+              f"is: {e.msg}")
     return lower(fused, target=args.target)
 
 

@@ -342,6 +342,22 @@ def test_config_field_named_like_a_shape_symbol(tmp_path):
         assert str(dsl.load(q).inputs()[0].types[0]) == "f32[B, T, 8]"
 
 
+def test_lowered_listing_says_when_compile_would_refuse_the_model(tmp_path):
+    """head_dim 300 (the Triton kda_chunk takes K <= 256): `mtc ir --stage lowered` still lists the kernels, with
+    a warning at the spec line that dsl.compile(target='triton') refuses the model (new-user trial, 16th session:
+    the listing showed a kernel that cannot run, silently)."""
+    p = tmp_path / "k300.mtc"
+    p.write_text("model r {\n  block a = kda_layer(heads=1, head_dim=300, v_head_dim=8)\n  forward(x: f32[B, T, 300]) "
+                 "{\n    return a(x)\n  }\n}\n")
+    r = in_process("ir", str(p), "--stage", "lowered")
+    assert r.returncode in (0, None), r.stderr
+    assert (f"mtc: warning: {p}:4:12: dsl.compile(target='triton') refuses this model, so the listing below cannot "
+            f"run as is: target 'triton': the Triton kda_chunk kernel takes head_dim (K) up to 256, got 300") in r.stderr
+    assert "triton.kda_chunk" in r.stdout
+    r = in_process("ir", str(ROOT / "models" / "kimi_k3.mtc"), "--variant", "tiny", "--stage", "lowered")
+    assert "refuses this model" not in r.stderr
+
+
 def test_stats_of_a_fixed_input_shape(tmp_path):
     """A spec with input i64[2, 16] is counted at B = 2, T = 16: the same numbers as the symbolic spec
     at --batch 2 --seq-len 16 (MLA FLOPs grow with T, so a wrong T shows)."""
