@@ -644,6 +644,9 @@ class CompiledModule(nn.Module):
                         f"it (backends.runtime.BIAS_KEEP_FORWARDS). Routing with today's bias would give wrong "
                         f"gradients. Call backward at least every {BIAS_KEEP_FORWARDS} micro-batches, or raise "
                         f"backends.runtime.BIAS_KEEP_FORWARDS")
+                elif not recompute and self._bias_dropped.get(n.name):
+                    # a new forward with the key of a dropped one (a freed input's storage reused): not that one
+                    self._bias_dropped[n.name].pop(fkey, None)
             out = self._exec(n, args, bind)
             env[n.name] = out
             if n.op == "qb_route" and not recompute:

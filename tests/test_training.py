@@ -92,6 +92,14 @@ def test_checkpointed_micro_batches_past_the_kept_biases(fresh, monkeypatch):
     lb = sum(loss_of(checkpoint(b, ids, use_reentrant=False), ids) for ids in micro)
     with pytest.raises(MtcError, match=r"router bias .* is no longer kept: more than 3 train-mode forwards"):
         lb.backward()
+    del lb
+    b.balance = None                                    # (no bias kept for the forwards below)
+    a = copy.deepcopy(b)                                # a new forward over the dropped one's tensor is not it
+    la = loss_of(a(micro[0]), micro[0])
+    la.backward()
+    lb = loss_of(checkpoint(b, micro[0], use_reentrant=False), micro[0])
+    lb.backward()
+    _grads_equal(a, b)
     a, b = copy.deepcopy(fresh), copy.deepcopy(fresh)
     for ids in micro:                                   # 5 forward+backward pairs: never more than 1 pending
         loss_of(a(ids), ids).backward()
