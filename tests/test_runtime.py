@@ -592,3 +592,19 @@ def test_nan_arising_inside_the_model_names_the_spec_line():
 def test_input_on_another_device_than_the_weights_is_named(tiny):
     with pytest.raises(dsl.MtcError, match=r"input 'input_ids' is on meta but the model's weights are on cpu"):
         tiny(torch.zeros(1, 4, dtype=torch.long, device="meta"))
+
+
+def test_kernel_cache_root_ignores_an_empty_mtc_cache_dir(monkeypatch, tmp_path):
+    """MTC_CACHE_DIR="" means the default ~/.cache/mtc, for the generated Triton kernels and the TVM modules alike
+    (new-user trial, 16th session: an empty value wrote the cache into the current directory)."""
+    from pathlib import Path
+    from backends import cache_root
+    from backends.triton.codegen import cache_dir as triton_cache
+    home = Path.home() / ".cache" / "mtc"
+    for v in ("", "  "):
+        monkeypatch.setenv("MTC_CACHE_DIR", v)
+        assert cache_root() == home and triton_cache() == home
+    monkeypatch.delenv("MTC_CACHE_DIR")
+    assert cache_root() == home
+    monkeypatch.setenv("MTC_CACHE_DIR", str(tmp_path))
+    assert cache_root() == tmp_path and triton_cache() == tmp_path

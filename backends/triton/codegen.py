@@ -39,7 +39,9 @@ class GeneratedKernel:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MTC_CACHE_DIR", Path.home() / ".cache" / "mtc"))
+    """Root of the generated-kernel cache: ``$MTC_CACHE_DIR`` (unset or empty: ``~/.cache/mtc``)."""
+    from backends import cache_root
+    return cache_root()
 
 
 def _numel(t):

@@ -30,8 +30,9 @@ _LOADED: dict[str, object] = {}          # cache key -> loaded runtime function 
 
 
 def cache_dir() -> Path:
-    """Root of the TVM kernel cache: ``$MTC_CACHE_DIR/tvm`` (default ``~/.cache/mtc/tvm``)."""
-    return Path(os.environ.get("MTC_CACHE_DIR", Path.home() / ".cache" / "mtc")) / "tvm"
+    """Root of the TVM kernel cache: ``$MTC_CACHE_DIR/tvm`` (unset or empty: ``~/.cache/mtc/tvm``)."""
+    from backends import cache_root
+    return cache_root() / "tvm"
 
 
 def target_spec(kind: str) -> dict:
