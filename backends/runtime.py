@@ -732,7 +732,11 @@ class CompiledModule(nn.Module):
             return args[0].expand(self._shape(n.attr("shape"), bind))
         fn = self._table.get(n.op)
         if fn is None:
-            raise MtcError(f"target '{self.target}' has no kernel for op '{n.op}'", n.loc)
+            from dsl.ops import OPS
+            od = OPS.get(n.op)
+            hint = (" (a layer block: the pass pipeline lacks 'canonicalize', which expands layer blocks into "
+                    "primitive ops; passes='default' has it)" if od is not None and od.is_layer else "")
+            raise MtcError(f"target '{self.target}' has no kernel for op '{n.op}'{hint}", n.loc)
         try:
             return fn(n, *args)
         except ValueError as e:                 # the ops' bad-value errors (NaN / inf operands, ...): at the spec line

@@ -4,7 +4,7 @@ verifier between passes.
     from passes import PassManager
     pm = PassManager(["verify", "infer_shapes", "canonicalize"], print_after={"canonicalize"})
     g2 = pm.run(g)
-    pm.stages["canonical"]      # printed IR after that pass
+    pm.stages["canonical"]      # the Graph after the pass that produces that stage (str() prints it)
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ STAGES = ["graph", "typed", "canonical", "fused"]
 
 
 class PassManager:
-    """Runs passes in order. ``stages`` maps stage name -> printed IR (filled when ``keep_stages``)."""
+    """Runs passes in order. ``stages`` maps stage name -> the Graph after the pass producing it ("graph": the
+    input), filled on every run; ``keep_stages`` is accepted for compatibility and has no effect."""
 
     def __init__(self, passes: Iterable[str] | str = "default", *, print_after: Iterable[str] = (),
                  dump_dir: str | Path | None = None, verify_each: bool = True, keep_stages: bool = False,
