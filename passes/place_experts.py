@@ -447,6 +447,7 @@ def load_from_routing_stats(stats: Mapping[str, torch.Tensor | Sequence[float]])
     Raises:
         ValueError: empty dict, a row that is not 1-D, rows of different lengths, negative or non-finite
             counts.
+        TypeError: not a dict, or a row that is not numbers.
     """
     if not isinstance(stats, Mapping):
         raise TypeError(f"load_from_routing_stats: expected a dict {{layer: [E] loads}}, got {type(stats).__name__}")
@@ -456,7 +457,12 @@ def load_from_routing_stats(stats: Mapping[str, torch.Tensor | Sequence[float]])
     names = routing_layers(stats)
     for k in names:
         v = stats[k]
-        t = v.detach().to("cpu", torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+        try:
+            t = (v.detach().to("cpu", torch.float64) if isinstance(v, torch.Tensor)
+                 else torch.tensor(v, dtype=torch.float64))
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"load_from_routing_stats: layer '{k}' is {type(v).__name__} {v!r:.60}, not [E] "
+                            f"token counts (a tensor or a list of numbers)") from None
         if t.dim() != 1 or t.numel() == 0:
             raise ValueError(f"load_from_routing_stats: layer '{k}' has shape {tuple(t.shape)}, expected [E]")
         if rows and t.numel() != rows[0].numel():

@@ -225,6 +225,9 @@ def test_load_from_routing_stats_orders_layers_and_feeds_plan():
         load_from_routing_stats({"model.layers.1.x": torch.ones(4), "model.layers.2.x": torch.ones(5)})
     with pytest.raises(ValueError, match="negative"):
         load_from_routing_stats({"model.layers.1.x": torch.tensor([1.0, -2.0])})
+    for bad in ("xy", [1, "x"], None):                  # (was torch's "new(): invalid data type 'str'")
+        with pytest.raises(TypeError, match=r"layer 'model.layers.1.x' is .*, not \[E\] token counts"):
+            load_from_routing_stats({"model.layers.1.x": bad})
 
 
 def test_routing_stats_of_a_real_forward():
