@@ -108,7 +108,9 @@ def main(argv=None):
                             passes=["verify", "infer_shapes", "canonicalize"]).eval()
         ref32.load_state_dict({k_: v_.float() if v_.is_floating_point() else v_
                                for k_, v_ in mtc.state_dict().items()})
-    models = {"mtc triton": mtc, "eager + fla": eager}
+    # (--cpu-smoke: the eager model runs reference ops, not fla's kernels: named so in the table)
+    eager_name = "eager (reference ops, cpu-smoke)" if args.cpu_smoke else "eager + fla"
+    models = {"mtc triton": mtc, eager_name: eager}
     if not args.no_compile:
         from torch import _dynamo
         # one graph break per router layer (the QB statistics hook): let every layer compile

@@ -126,7 +126,8 @@ def main():
                 + ", ".join(f"{m} {v:.3f} ({v / floor:.3f}x floor)" for m, v in mean_tail.items()),
                 "- first step from which the mean of the remaining steps is within 5% of the floor: "
                 + ", ".join(f"{m} {settled[m] if settled[m] is not None else 'never'}" for m in methods),
-                f"- QB over steps 1-10: max {max(qb10):.3f} = {max(qb10) / floor:.3f}x floor", ""]
+                f"- QB over steps 1-{min(10, len(rows) - 1)}: max {max(qb10):.3f} = {max(qb10) / floor:.3f}x floor",
+                ""]
         for m in ("QB", "QB ema=0.5", "QB warm-up 3, ema=0.5"):
             ok = settled[m] is not None and settled[m] <= 10
             when = f"from step {settled[m]} on" if settled[m] is not None else "at no step"
