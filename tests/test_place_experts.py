@@ -283,3 +283,18 @@ def test_loads_past_float64_range_are_a_clear_error():
     small = rng.random(64) + 0.1
     a, b = plan(small, 8, 72), plan(small * 1e300, 8, 72)
     assert a.physical_to_logical.tolist() == b.physical_to_logical.tolist()
+
+
+@pytest.mark.parametrize("E,G,S,bound", [(16, 3, 18, 1.0), (16, 6, 24, 1.0625)])
+def test_replica_moves_find_what_greedy_replication_misses(E, G, S, bound):
+    """16 equal experts, 18 slots on 3 GPUs: greedy replication gives two experts 2 replicas (GPU loads 5.5, 5.5,
+    5: max/mean 1.031); 3 replicas of one expert balance exactly (5 1/3 each). The replica-move search finds
+    it (new-user trial, 16th session). Checked against the independent arithmetic of GPU loads from the slots."""
+    p = plan(torch.ones(E), G, num_slots=S)
+    check_consistent(p, torch.ones(E, dtype=torch.float64), G, S)
+    rc = p.replica_count.double()
+    per_slot = 1.0 / rc[p.physical_to_logical]               # each replica carries 1 / count of its expert
+    gpu = torch.zeros(G, dtype=torch.float64).index_add_(0, p.gpu_of_slot(), per_slot)
+    assert torch.allclose(gpu, p.gpu_load.double())
+    assert float(gpu.max() / gpu.mean()) <= bound + 1e-9
+    assert no_duplicates(p)
