@@ -559,8 +559,8 @@ class SpecBuilder:
                                         f"another name", ploc)
                 inputs[pname] = ploc
                 self.env[pname] = self.b.input(pname, canon_dtype(dt, ploc),
-                                               [self._input_dim(pname, d, i) for i, d in enumerate(ch.children[2:])],
-                                               ploc)
+                                               [self._input_dim(pname, d, i, len(ch.children) - 2, dt)
+                                                for i, d in enumerate(ch.children[2:])], ploc)
                 continue
             if ret_loc is not None and ch.data in ("let", "stack"):
                 raise self.spec.err(f"statement after the return (line {ret_loc.line}): it would never run; "
@@ -605,11 +605,12 @@ class SpecBuilder:
         self._assigned[name] = loc
         self._read_since.discard(name)
 
-    def _input_dim(self, pname: str, d, pos: int = 2) -> int | str:
-        """One dim (at position pos) of a forward input's shape: an integer, a config int (replaced by its value, as
-        in a reshape shape) or a shape symbol (B, T: bound when the model runs). Raises MtcError at the dim
-        otherwise; a config int as one of the first two dims (batch, sequence) is a MtcWarning there: it fixes that
-        size, which a field named like a shape symbol (config { T: int = 64 }) does without the writer meaning to."""
+    def _input_dim(self, pname: str, d, pos: int = 2, rank: int = 0, dtype: str = "f32") -> int | str:
+        """One dim (at position pos of a rank-`rank` input of `dtype`) of a forward input's shape: an integer, a
+        config int (replaced by its value, as in a reshape shape) or a shape symbol (B, T: bound when the model
+        runs). Raises MtcError at the dim otherwise. A config int as the batch or sequence dim (dim 0; dim 1 of
+        token ids [B, T] or of a [B, T, ...] input) is a MtcWarning there: it fixes that size, which a field named
+        like a shape symbol (config { T: int = 64 }) does without the writer meaning to."""
         tok = d.children[0]
         text, loc = str(tok), self.spec.loc(tok)
         if text.isdigit():
@@ -622,7 +623,7 @@ class SpecBuilder:
                 raise self.spec.err(f"input '{pname}': dimension '{text}' names a config field whose value is "
                                     f"{describe(v)}; a dimension is an integer from 1 to {MAX_DIM} or a shape symbol", loc)
             self.used.add(text)
-            if pos < 2:
+            if pos == 0 or (pos == 1 and (rank >= 3 or dtype.startswith(("i", "u")))):
                 import warnings
                 from .errors import MtcWarning
                 warnings.warn(MtcWarning(

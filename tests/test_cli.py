@@ -340,6 +340,8 @@ def test_config_field_named_like_a_shape_symbol(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", MtcWarning)
         assert str(dsl.load(q).inputs()[0].types[0]) == "f32[B, T, 8]"
+        q.write_text(q.read_text().replace("f32[B, T, d]", "f32[B, d]"))        # [B, d]: dim 1 is a width
+        assert str(dsl.load(q).inputs()[0].types[0]) == "f32[B, 8]"
 
 
 def test_lowered_listing_says_when_compile_would_refuse_the_model(tmp_path):
