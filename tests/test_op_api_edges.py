@@ -276,3 +276,40 @@ def test_norm_eps_one_rule_across_ops():
             R.attn_residual(qv, src, wv, eps=bad)
         with pytest.raises(ValueError, match=r"conv_silu_norm: eps must be a finite number > 0"):
             X.conv_silu_norm(x, cw, head_dim=8, eps=bad)
+
+
+@pytest.mark.parametrize("backend", [R, X])
+def test_nan_inputs_are_refused_by_every_public_op(backend):
+    """NaN or inf in a CPU input is a ValueError naming it, for the ops that used to pass it through to NaN outputs
+    (kda_gate, attn_residual and its phase 1, moe_experts, short_conv / conv_silu_norm; new-user trial, 16th
+    session); the same finite inputs still run."""
+    nan = float("nan")
+    src = [torch.randn(5, 16) for _ in range(3)]
+    qv, wv = torch.randn(16), torch.rand(16) + 0.5
+    backend.attn_residual(qv, src, wv)
+    bad = [s.clone() for s in src]
+    bad[1][2, 3] = nan
+    with pytest.raises(ValueError, match=r"attn_residual: sources\[1\] holds NaN or inf"):
+        backend.attn_residual(qv, bad, wv)
+    with pytest.raises(ValueError, match=r"attn_residual: query holds NaN or inf"):
+        backend.attn_residual(torch.full((16,), float("inf")), src, wv)
+    with pytest.raises(ValueError, match=r"attn_residual_phase1: bank\[1\] holds NaN or inf"):
+        backend.attn_residual_phase1(torch.randn(2, 16), bad[:2], torch.rand(2, 16) + 0.5)
+    x, idx, wt, ws = _experts()
+    backend.moe_experts(x, idx, wt, *ws)
+    x[3, 0] = nan
+    with pytest.raises(ValueError, match=r"moe_experts: row 3 of x_lat holds NaN or inf"):
+        backend.moe_experts(x, idx, wt, *ws)
+    xg, A, dt = torch.randn(1, 7, 2, 4), torch.zeros(2), torch.zeros(8)
+    backend.kda_gate(xg, A, dt)
+    xg[0, 1, 0, 0] = nan
+    with pytest.raises(ValueError, match=r"kda_gate: x holds NaN or inf"):
+        backend.kda_gate(xg, A, dt)
+    with pytest.raises(ValueError, match=r"kda_gate: the softplus gate .* overflows float32"):
+        backend.kda_gate(torch.randn(1, 7, 2, 4), torch.full((2,), 100.0), dt, gate="softplus")
+    xc, wc = torch.randn(2, 9, 8), torch.randn(8, 4)
+    conv = (lambda a, b: R.short_conv(a, b)[0]) if backend is R else (lambda a, b: X.conv_silu_norm(a, b))
+    conv(xc, wc)
+    xc[1, 4, 2] = nan
+    with pytest.raises(ValueError, match=r"(short_conv|conv_silu_norm): x holds NaN or inf"):
+        conv(xc, wc)

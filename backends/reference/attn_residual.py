@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .ops import check_eps
+from .ops import check_eps, check_finite_cpu
 
 __all__ = [
     "attn_residual",
@@ -109,6 +109,8 @@ def check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight,
     if output_rms_weight is not None:
         _check_vector("output_rms_weight", output_rms_weight, d, where, dev)
     _check_eps(eps, where)
+    check_finite_cpu(where, query=query, rms_weight=rms_weight, output_rms_weight=output_rms_weight,
+                      **{f"sources[{i}]": s for i, s in enumerate(sources)})
     return shape, dtype, d
 
 
@@ -128,6 +130,7 @@ def check_phase1_args(queries, bank, rms_weights, eps, where: str = "attn_residu
         raise ValueError(f"{where}: queries {list(queries.shape)} and rms_weights "
                          f"{list(rms_weights.shape)} must have the same shape [Q, d]")
     _check_eps(eps, where)
+    check_finite_cpu(where, queries=queries, rms_weights=rms_weights, **{f"bank[{i}]": s for i, s in enumerate(bank)})
     return shape, dtype, queries.shape[0], d
 
 
@@ -198,7 +201,8 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
         out: [..., d] in the sources' dtype (computed in float32).
 
     Raises:
-        ValueError: empty ``sources``, mismatched shapes/devices, a query/weight not of shape [d], bad eps.
+        ValueError: empty ``sources``, mismatched shapes/devices, a query/weight not of shape [d], bad eps,
+            NaN or inf in a CPU input (GPU inputs are not scanned: it would synchronise every call).
         TypeError: a non-tensor or non-float argument, sources of different dtypes.
     """
     shape, dtype, d = check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight)
@@ -232,7 +236,8 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
         s [Q, ...] float32 (sum of exp(logit - m), >= 1).
 
     Raises:
-        ValueError / TypeError as ``attn_residual`` (empty bank, shape/dtype mismatch, bad eps).
+        ValueError / TypeError as ``attn_residual`` (empty bank, shape/dtype mismatch, bad eps, NaN/inf in a CPU
+        input).
     """
     shape, dtype, Q, d = check_phase1_args(queries, bank, rms_weights, eps)
     x = torch.stack([b.float() for b in bank], dim=0)                      # [L, ..., d]

@@ -77,7 +77,8 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
 
     Raises:
         TypeError: non-tensor or non-float inputs.
-        ValueError: wrong shapes, unknown gate, lower_bound not a finite negative number.
+        ValueError: wrong shapes, unknown gate, lower_bound not a finite negative number, NaN/inf in a CPU input,
+            a softplus gate that overflows float32 (A_log past ~88).
     """
     where = "kda_gate"
     for name, t in (("x", x), ("A_log", A_log), ("dt_bias", dt_bias)):
@@ -92,6 +93,10 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
                          f"{tuple(dt_bias.shape)}")
     if gate not in ("sigmoid", "softplus"):
         raise ValueError(f"{where}: gate must be 'sigmoid' or 'softplus', got {gate!r}")
+    if x.device.type == "cpu":                     # (a GPU scan would synchronise every call)
+        for name, t in (("x", x), ("A_log", A_log), ("dt_bias", dt_bias)):
+            if t.numel() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{where}: {name} holds NaN or inf")
     z = x.float() + dt_bias.float().reshape(H, K)
     a = A_log.float().exp().view(H, 1)
     if gate == "sigmoid":
@@ -99,7 +104,17 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
         if not (lb < 0.0 and lb > float("-inf")):
             raise ValueError(f"{where}: lower_bound must be a finite negative number, got {lower_bound!r}")
         return lb * torch.sigmoid(a * z)
-    return -a * F.softplus(z)
+    g = -a * F.softplus(z)
+    check_gate_finite(g, A_log, where)
+    return g
+
+
+def check_gate_finite(g: torch.Tensor, A_log: torch.Tensor, where: str) -> None:
+    """The softplus gate of finite inputs is non-finite only by overflow: ValueError saying so (CPU tensors; on a
+    GPU the scan would synchronise every call)."""
+    if g.device.type == "cpu" and g.numel() and not bool(torch.isfinite(g).all()):
+        raise ValueError(f"{where}: the softplus gate -exp(A_log) * softplus(x + dt_bias) overflows float32 (A_log "
+                         f"max {float(A_log.float().max()):.4g}; exp(A_log) ends at A_log ~ 88)")
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int, where: str) -> list[tuple[int, int]]:

@@ -141,6 +141,9 @@ def check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, wh
             raise ValueError(f"{where}: topk_idx values must be in [0, E={e}), got range [{lo}, {hi}]")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{where}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if x_lat.device.type == "cpu" and n > 0:        # (a GPU scan would synchronise every call)
+        check_finite_rows("x_lat", x_lat, where)
+        check_finite_rows("topk_weight", topk_weight, where)
     return n, l, e, i, k
 
 
@@ -391,8 +394,8 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
         u: [N, l] in x_lat's dtype. Experts with no token and all tokens on one expert are legal.
         Differentiable in x_lat, topk_weight, w1, w3, w2.
     Raises:
-        TypeError / ValueError on wrong shapes/dtypes, out-of-range indices or an unknown
-        activation.
+        TypeError / ValueError on wrong shapes/dtypes, out-of-range indices, an unknown
+        activation, or NaN/inf in a row of x_lat or topk_weight (CPU inputs; a GPU scan would synchronise).
     """
     n, l, e, i, k = check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation,
                                         beta_gate=beta_gate, beta_up=beta_up)

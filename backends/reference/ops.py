@@ -43,6 +43,14 @@ def check_eps(eps, where: str) -> None:
         raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
 
 
+def check_finite_cpu(where: str, **tensors) -> None:
+    """ValueError naming the first CPU tensor that holds NaN or inf (NaN in gives NaN out; GPU tensors are not
+    scanned: the scan would synchronise every call; None entries are skipped)."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type == "cpu" and t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: {name} holds NaN or inf")
+
+
 def _check_float_input(x, where: str) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"{where}: x must be a floating-point tensor, got "
@@ -76,8 +84,9 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     """Causal depthwise convolution over time: y[b,t,c] = sum_j w[c, j] * x[b, t - W + 1 + j, c].
 
     x [B, T, C]; weight [C, 1, W] or [C, W]; initial_state [B, C, W-1] (the last W-1 inputs before t=0,
-    zeros if None). Returns (y [B, T, C] in x's dtype, final_state [B, C, W-1] float32 or None).
-    Raises TypeError for a non-float x, ValueError for mismatched shapes."""
+    zeros if None). Returns (y [B, T, C] in x's dtype, final_state [B, C, W-1] float32 when
+    output_final_state (width 1: [B, C, 0]), else None).
+    Raises TypeError for a non-float x, ValueError for mismatched shapes or NaN/inf in a CPU input."""
     _check_float_input(x, "short_conv")
     w = _f32(weight).reshape(weight.shape[0], -1)
     C, W = w.shape
@@ -86,6 +95,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     if initial_state is not None and tuple(initial_state.shape) != (x.shape[0], C, W - 1):
         raise ValueError(f"short_conv: initial_state must be [B, C, W-1] = {[x.shape[0], C, W - 1]}, got "
                          f"{list(initial_state.shape)}")
+    check_finite_cpu("short_conv", x=x, weight=weight, initial_state=initial_state)
     if x.shape[1] == 0:
         final = (_f32(initial_state).clone() if initial_state is not None else
                  torch.zeros(x.shape[0], C, W - 1, device=x.device)) if output_final_state else None

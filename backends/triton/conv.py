@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .guard import cdiv, check_forward_only, check_kernel_device, next_power_of_2
-from backends.reference.ops import check_eps
+from backends.reference.ops import check_eps, check_finite_cpu
 
 __all__ = ["conv_silu_norm"]
 
@@ -78,6 +78,7 @@ def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, 
     if head_dim is not None and (head_dim < 1 or C % head_dim):
         raise ValueError(f"conv_silu_norm: head_dim {head_dim} does not divide C = {C}")
     check_eps(eps, "conv_silu_norm")
+    check_finite_cpu("conv_silu_norm", x=x, weight=weight)
     x = x.contiguous()
     w = w.contiguous()
     y = torch.empty_like(x)

@@ -2239,6 +2239,8 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
     _ref.kda_gate(x[:0] if x.dim() == 4 else x, A_log, dt_bias, lower_bound=lower_bound, gate=gate)  # checks
     check_forward_only("triton.kda_gate", x, A_log, dt_bias)
     check_kernel_device("triton.kda_gate", x=x)
+    from backends.reference.ops import check_finite_cpu
+    check_finite_cpu("kda_gate", x=x)           # (A_log, dt_bias: scanned by the reference check above)
     B, T, H, K = x.shape
     if K == 0:
         raise ValueError(f"triton.kda_gate: the key dimension K of x {list(x.shape)} must be >= 1")
@@ -2250,6 +2252,8 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
         _gate_kernel[(cdiv(n, BR),)](xc, A_log.contiguous(), dt_bias.contiguous(), g, n, H,
                                             float(lower_bound), K=K, BR=BR, SOFTPLUS=(gate == "softplus"),
                                             KP=next_power_of_2(K))
+    if gate == "softplus":
+        _ref.check_gate_finite(g, A_log, "kda_gate")
     return g
 
 

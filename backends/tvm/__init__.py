@@ -486,6 +486,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     if x.dim() != 3 or x.shape[-1] != C:
         raise ValueError(f"{where}: x must be [B, T, {C}], got {list(x.shape)}")
     B = x.shape[0]
+    from backends.reference.ops import check_finite_cpu
+    check_finite_cpu(where, x=x, weight=weight, initial_state=initial_state)
     kind = _kind(x, w, where=where)
     xin, skip = x, 0
     if initial_state is not None:
