@@ -92,12 +92,6 @@ def _check_sources(name: str, sources, where: str):
     return tuple(first.shape), first.dtype
 
 
-def _check_eps(eps, where: str) -> None:
-    """The norms' eps, by the reference ops' rule (ops.check_eps: a finite real number > 0, numpy scalars
-    included, not a bool); ValueError otherwise."""
-    check_eps(eps, where)
-
-
 def check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight,
                              where: str = "attn_residual"):
     """Validates the arguments of ``attn_residual``; returns (source shape, source dtype, d)."""
@@ -108,7 +102,7 @@ def check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight,
     _check_vector("rms_weight", rms_weight, d, where, dev)
     if output_rms_weight is not None:
         _check_vector("output_rms_weight", output_rms_weight, d, where, dev)
-    _check_eps(eps, where)
+    check_eps(eps, where)
     check_finite_cpu(where, query=query, rms_weight=rms_weight, output_rms_weight=output_rms_weight,
                       **{f"sources[{i}]": s for i, s in enumerate(sources)})
     return shape, dtype, d
@@ -129,7 +123,7 @@ def check_phase1_args(queries, bank, rms_weights, eps, where: str = "attn_residu
     if queries.shape != rms_weights.shape:
         raise ValueError(f"{where}: queries {list(queries.shape)} and rms_weights "
                          f"{list(rms_weights.shape)} must have the same shape [Q, d]")
-    _check_eps(eps, where)
+    check_eps(eps, where)
     check_finite_cpu(where, queries=queries, rms_weights=rms_weights, **{f"bank[{i}]": s for i, s in enumerate(bank)})
     return shape, dtype, queries.shape[0], d
 
@@ -163,7 +157,7 @@ def check_merge_args(acc, m, s, partial, query, rms_weight, eps, output_rms_weig
     _check_vector("rms_weight", rms_weight, d, where)
     if output_rms_weight is not None:
         _check_vector("output_rms_weight", output_rms_weight, d, where)
-    _check_eps(eps, where)
+    check_eps(eps, where)
     return tok, d
 
 

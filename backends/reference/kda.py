@@ -31,6 +31,8 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from .ops import check_finite_cpu
+
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "CHUNK"]
 
 CHUNK = 64
@@ -93,10 +95,7 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
                          f"{tuple(dt_bias.shape)}")
     if gate not in ("sigmoid", "softplus"):
         raise ValueError(f"{where}: gate must be 'sigmoid' or 'softplus', got {gate!r}")
-    if x.device.type == "cpu":                     # (a GPU scan would synchronise every call)
-        for name, t in (("x", x), ("A_log", A_log), ("dt_bias", dt_bias)):
-            if t.numel() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{where}: {name} holds NaN or inf")
+    check_finite_cpu(where, x=x, A_log=A_log, dt_bias=dt_bias)
     z = x.float() + dt_bias.float().reshape(H, K)
     a = A_log.float().exp().view(H, 1)
     if gate == "sigmoid":

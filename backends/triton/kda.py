@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from backends.reference import kda as _ref
+from backends.reference.ops import check_finite_cpu
 from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, check_kernel_device,
                     device_table, mark_phase, next_power_of_2, no_create_graph, scan_values, sm_count)
 
@@ -2239,7 +2240,6 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
     _ref.kda_gate(x[:0] if x.dim() == 4 else x, A_log, dt_bias, lower_bound=lower_bound, gate=gate)  # checks
     check_forward_only("triton.kda_gate", x, A_log, dt_bias)
     check_kernel_device("triton.kda_gate", x=x)
-    from backends.reference.ops import check_finite_cpu
     check_finite_cpu("kda_gate", x=x)           # (A_log, dt_bias: scanned by the reference check above)
     B, T, H, K = x.shape
     if K == 0:

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from backends.reference.ops import check_eps, check_finite_cpu
 from . import kernels as _K
 from . import build as _B
 from .build import cache_dir, cache_key, export, load, library_path  # noqa: F401
@@ -167,13 +168,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 32 == 0 else t.clone()
 
 
-def _check_eps(eps, where):
-    """A norm's eps: the reference's rule (backends.reference.ops.check_eps: a finite real number > 0, numpy
-    scalars included, not a bool); ValueError otherwise."""
-    from backends.reference.ops import check_eps
-    check_eps(eps, where)
-
-
 # ----------------------------------------------------------------------------------------------------
 # kernel selection (pure Python: also what tvmscript() prints)
 # ----------------------------------------------------------------------------------------------------
@@ -213,9 +207,9 @@ def _shape_attr(op: str, a: dict, name: str, default=None) -> int:
 
 
 def _eps_attr(op: str, a: dict) -> float:
-    """kernel_for's eps (default 1e-6), checked by _check_eps (and not a bool)."""
+    """kernel_for's eps (default 1e-6), checked by the reference ops' check_eps (a finite real > 0, not a bool)."""
     eps, where = a.pop("eps", 1e-6), f"tvm backend: {op} attribute"
-    _check_eps(eps, where)
+    check_eps(eps, where)
     return float(eps)
 
 def kernel_for(op: str, **a) -> _K.Kernel:
@@ -326,7 +320,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torc
     Raises ValueError on a shape mismatch or eps <= 0, TypeError on an unsupported dtype."""
     where = "tvm rmsnorm"
     dt, wdt = _dt(x, "x", where), _dt(weight, "weight", where)
-    _check_eps(eps, where)
+    check_eps(eps, where)
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"{where}: x [..., d] and weight [d] disagree: {list(x.shape)} vs {list(weight.shape)}")
     d = x.shape[-1]
@@ -344,7 +338,7 @@ def l2norm(x: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     x [..., d] -> [..., d] in x's dtype. Raises ValueError (eps <= 0 / 0-dim x), TypeError (dtype)."""
     where = "tvm l2norm"
     dt = _dt(x, "x", where)
-    _check_eps(eps, where)
+    check_eps(eps, where)
     if x.dim() < 1:
         raise ValueError(f"{where}: x must have at least one dimension")
     d = x.shape[-1]
@@ -486,7 +480,6 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     if x.dim() != 3 or x.shape[-1] != C:
         raise ValueError(f"{where}: x must be [B, T, {C}], got {list(x.shape)}")
     B = x.shape[0]
-    from backends.reference.ops import check_finite_cpu
     check_finite_cpu(where, x=x, weight=weight, initial_state=initial_state)
     kind = _kind(x, w, where=where)
     xin, skip = x, 0
