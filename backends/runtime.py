@@ -934,10 +934,13 @@ def _check_kernel_constraints(g: Graph, target: str) -> None:
                                    f"{d}; change the spec or use target='reference'", n.loc)
 
 
-def weights_fit(graph: Graph, element_bytes: int, device: torch.device) -> tuple[int, int, int | None]:
-    """(parameters, bytes their weights take at element_bytes each, bytes free on device or None if unknown):
-    the whole GPU's memory for 'cuda', the available physical memory (os.sysconf) for 'cpu'."""
-    n = sum(int(p.type.numel()) for p in graph.params())
+def check_weights_fit(graph: Graph, element_bytes: int, device: torch.device, advice: str | Callable[[], str],
+                      where: str = "", dtype_name: str | None = None) -> None:
+    """MtcError, before anything is allocated, when the graph's weights at element_bytes each take more than 80%
+    of the device's memory: the whole GPU's for 'cuda', the available physical memory (os.sysconf) for 'cpu'
+    (nothing is checked where that is unknown, or on 'meta'). The message names the parameter count and sizes,
+    then `advice` (what to do instead; a callable is only called for the message); `where` prefixes it,
+    `dtype_name` (if given) follows the weight size."""
     have = None
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
@@ -946,7 +949,16 @@ def weights_fit(graph: Graph, element_bytes: int, device: torch.device) -> tuple
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             have = None
-    return n, n * element_bytes, have
+    if have is None:
+        return
+    n = sum(int(p.type.numel()) for p in graph.params())
+    need = n * element_bytes
+    if need > 0.8 * have:
+        from dsl.stats import human_bytes
+        raise MtcError(f"{where}model '{graph.name}' has {n:,} parameters: {human_bytes(need)} of weights"
+                       + (f" in {dtype_name}" if dtype_name else "")
+                       + f", more than this {'GPU' if device.type == 'cuda' else 'machine'} holds "
+                         f"({human_bytes(have)} free); {advice() if callable(advice) else advice}")
 
 
 def _check_interpreter_dtype(target: str, dtype: torch.dtype) -> None:
@@ -1016,14 +1028,9 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
                        f"TRITON_INTERPRET=1 before triton is imported (mtc run does this itself)")
     if dev.type != "meta":
         _check_interpreter_dtype(target, dtype)
-        n, need, have = weights_fit(graph, torch.empty((), dtype=dtype).element_size(), dev)
-        if have is not None and need > 0.8 * have:
-            from dsl.stats import human_bytes
-            raise MtcError(f"dsl.compile: model '{graph.name}' has {n:,} parameters: {human_bytes(need)} of weights "
-                           f"in {str(dtype).removeprefix('torch.')}, more than this "
-                           f"{'GPU' if dev.type == 'cuda' else 'machine'} holds ({human_bytes(have)} free); "
-                           f"device='meta' builds it without weights (its IR, shapes and kernels), or compile a "
-                           f"smaller variant")
+        check_weights_fit(graph, torch.empty((), dtype=dtype).element_size(), dev,
+                          "device='meta' builds it without weights (its IR, shapes and kernels), or compile a "
+                          "smaller variant", where="dsl.compile: ", dtype_name=str(dtype).removeprefix("torch."))
     if target == "tvm":
         from backends.tvm import available
         if not available():

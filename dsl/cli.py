@@ -389,17 +389,15 @@ def _check_fits(g, dtype_bytes: int, device: str, spec=None, variant=None) -> No
     """Refuse, before allocating, a model whose weights cannot fit in this machine's memory (``spec``: its file,
     whose other variants than ``variant`` the message names)."""
     import torch
-    from backends.runtime import weights_fit
+    from backends.runtime import check_weights_fit
     if device.startswith("cuda"):
         _check_device(device)
-    n, need, have = weights_fit(g, dtype_bytes, torch.device(device))
-    if have is not None and need > 0.8 * have:
-        from .stats import human_bytes
+
+    def advice() -> str:
         variants = [v for v in (_spec_variants(spec) if spec is not None else []) if v != variant]
-        raise MtcError(f"model '{g.name}' has {n:,} parameters: {human_bytes(need)} of weights, more than this "
-                       f"{'GPU' if device != 'cpu' else 'machine'} holds ({human_bytes(have)} free); "
-                       + (f"try another variant (--variant {' or '.join(variants)}), or " if variants else "")
-                       + "count it with `mtc stats` / `mtc ir --stage lowered`")
+        return ((f"try another variant (--variant {' or '.join(variants)}), or " if variants else "")
+                + "count it with `mtc stats` / `mtc ir --stage lowered`")
+    check_weights_fit(g, dtype_bytes, torch.device(device), advice)
 
 
 def _check_run_input(g) -> None:
