@@ -397,26 +397,38 @@ class Evaluator:
                 if name not in self.env and name not in syms and name not in self.spec.bound_names:
                     raise self._unknown_name(name, st, syms, " (in the branch of 'if' not taken here)")
 
+    def split_args(self, arglist, what: str, usage: str, dup_prefix: str = ""):
+        """The arguments of a call's arglist tree, unevaluated: (positional trees, [(key, value tree, kwarg tree)]).
+        MtcError at the argument for a positional one after keywords ("{what}: ...; {usage}") and for a keyword
+        given twice ("{dup_prefix}keyword 'k' given twice")."""
+        pos, kws = [], []
+        for a in arglist.children:
+            if isinstance(a, lark.Tree) and a.data == "kwarg":
+                k = str(a.children[0])
+                if any(k == k2 for k2, _v, _a in kws):
+                    raise self.err(f"{dup_prefix}keyword '{k}' given twice", a)
+                kws.append((k, a.children[1], a))
+            else:
+                if kws:
+                    raise self.err(f"{what}: a positional argument after keywords; {usage}", a)
+                pos.append(a)
+        return pos, kws
+
     def e_call(self, t):
         fname = str(t.children[0])
         args, kwargs, arg_locs = [], {}, []
         if len(t.children) > 1:
-            for a in t.children[1].children:
-                if isinstance(a, lark.Tree) and a.data == "kwarg":
-                    k = str(a.children[0])
-                    if k in kwargs:
-                        raise self.err(f"keyword '{k}' given twice", a)
-                    v = self.eval(a.children[1])
-                    if isinstance(v, (Ref, Block)):
-                        raise self.err(f"keyword '{k}' of '{fname}' is {describe(v)}; keywords are attributes "
-                                       f"(numbers, strings, lists): tensors go first, without a key", a.children[1])
-                    kwargs[k] = _attr_value(v)
-                else:
-                    if kwargs:
-                        raise self.err(f"'{fname}': a positional argument after keywords; tensors go first, then "
-                                       f"keywords ({fname}(x, ..., key=value))", a)
-                    args.append(self.eval(a))
-                    arg_locs.append(self.spec.loc(a))
+            pos, kws = self.split_args(t.children[1], f"'{fname}'",
+                                       f"tensors go first, then keywords ({fname}(x, ..., key=value))")
+            for a in pos:
+                args.append(self.eval(a))
+                arg_locs.append(self.spec.loc(a))
+            for k, vt, _a in kws:
+                v = self.eval(vt)
+                if isinstance(v, (Ref, Block)):
+                    raise self.err(f"keyword '{k}' of '{fname}' is {describe(v)}; keywords are attributes "
+                                   f"(numbers, strings, lists): tensors go first, without a key", vt)
+                kwargs[k] = _attr_value(v)
         loc = self.spec.loc(t)
         if fname in ("min", "max") and args and not kwargs and all(isinstance(a, (int, float)) for a in args):
             return (min if fname == "min" else max)(*args)
@@ -668,17 +680,10 @@ class SpecBuilder:
     def _stack(self, node, ev: Evaluator) -> Ref:
         loc = self.spec.loc(node)
         arglist = node.children[1]
-        args, kw = [], {}
-        for a in arglist.children:
-            if isinstance(a, lark.Tree) and a.data == "kwarg":
-                if str(a.children[0]) in kw:
-                    raise self.spec.err(f"stack(...): keyword '{a.children[0]}' given twice", self.spec.loc(a))
-                kw[str(a.children[0])] = ev.eval(a.children[1])
-            else:
-                if kw:
-                    raise self.spec.err("stack(...): a positional argument after keywords; the tensor goes first, "
-                                        "then keywords (stack(x, layers=N, ...))", self.spec.loc(a))
-                args.append(ev.eval(a))
+        usage = "the tensor goes first, then keywords (stack(x, layers=N, ...))"
+        pos, kws = ev.split_args(arglist, "stack(...)", usage, dup_prefix="stack(...): ")
+        args = [ev.eval(a) for a in pos]
+        kw = {k: ev.eval(vt) for k, vt, _a in kws}
         if len(args) != 1 or not isinstance(args[0], Ref):
             raise self.spec.err("stack(...) takes one tensor (the residual stream) and keywords", loc)
         known = {"layers", "residual", "block_size", "prefix", "norm_eps"}
