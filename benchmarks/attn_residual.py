@@ -3,7 +3,7 @@
 Sections (one process, random bf16 data, d = 7168):
   1. the device-copy ceiling (torch copy of 4 GiB: bytes read + written over the median time);
   2. (--sweep) a sweep of our forward's launch settings (kernel v1 and v2 variants, N = --sweep-n) and of
-     phase 1's (mix v1/v2, acc float32 and bf16); the best of each is used below and printed as
+     phase 1's (mix v1/v2, logits split, acc float32 and bf16; --p1-bank); the best of each is used below and printed as
      "SWEEP RESULT" (what to write into FWD_DEFAULT / P1_DEFAULT);
   3. the main table: N in {16384, 65536} tokens x L in {2, 8, 16, 25} sources: median time
      (triton.testing.do_bench), effective TB/s (bytes = every source read once + the output written
@@ -115,13 +115,31 @@ def copy_bandwidth() -> float:
     return bw
 
 
-def prune_fla(fla_fused_mod, keep_all: bool) -> str:
+#: fla's forward autotuner (set by main), re-tuned for every shape by fla_retune
+FLA_TUNER: list = []
+
+
+def prune_fla(fla_fused_mod, pruned: bool) -> str:
+    """Set up fla's forward autotuner: no on-disk autotune cache (fla_retune clears the in-memory one) and,
+    with pruned, only its 8 configs of 8/16 warps and 2 stages (the setting of the sixth-16th sessions)."""
     k = fla_fused_mod.attnres_fwd_kernel
-    if keep_all or not hasattr(k, "configs"):
-        return "all of fla's forward autotune configs"
+    if not hasattr(k, "configs"):
+        return "fla's autotuner not found: fla's own tuning as shipped"
+    k.cache_results = False
+    FLA_TUNER.append(k)
+    if not pruned:
+        return (f"fla autotuned over all {len(k.configs)} of its forward configs, afresh for every row (its "
+                f"autotune key is L rounded up to a power of two >= 8, so otherwise the first L <= 8 tuned would "
+                f"decide the config of every L <= 8)")
     k.configs = [c for c in k.configs if c.num_warps in (8, 16) and c.num_stages == 2]
-    return (f"fla autotuned over {len(k.configs)} of its 24 forward configs (num_warps 8/16, num_stages 2; "
-            f"4 warps and 3 stages dropped to fit the device budget)")
+    return (f"fla autotuned over {len(k.configs)} of its 24 forward configs (num_warps 8/16, num_stages 2), afresh "
+            f"for every row")
+
+
+def fla_retune() -> None:
+    """Forget fla's tuned configs, so that its next call tunes for its own shape."""
+    for k in FLA_TUNER:
+        k.cache.clear()
 
 
 #: settings for few sources (the flat loop has only L steps per row there, so fewer bytes are in flight per
@@ -137,6 +155,55 @@ SMALL_L_CANDS = [
     {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 3, "maxnreg": 168},
     {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
 ]
+
+
+#: changes to the forward's default launch settings with the fused output norm (--sweep-onorm)
+ONORM_CANDS = [{}, {"qw_reg": False}, {"num_warps": 8, "progs_per_sm": 1}, {"num_warps": 8, "qw_reg": False},
+               {"num_warps": 8, "progs_per_sm": 1, "qw_reg": False}, {"num_warps": 16, "progs_per_sm": 1},
+               {"ns": 4, "qw_reg": False}, {"ns": 2}, {"num_warps": 8, "progs_per_sm": 1, "ns": 4},
+               {"bt": 2, "num_warps": 8, "progs_per_sm": 1}, {"bl": 1}, {"bl": 2}, {"bl": 1, "ow_reg": False},
+               {"ow_reg": False}, {"bl": 1, "ns": 4}, {"bl": 1, "ow_reg": False, "ns": 4},
+               {"bl": 1, "progs_per_sm": 3, "maxnreg": 168}]
+
+
+def sweep_onorm(n, Ls, copy_bw):
+    """The forward with the fused output norm: each of ONORM_CANDS applied over the default settings (as
+    T.FWD_DEFAULT_ONORM), GPU time from CUDA-graph replays; the best (geometric mean over Ls) is kept."""
+    emit(f"\n## Sweep of the forward's launch settings with the output norm (changes to the default; N = {n}, "
+         f"d = {D}, bf16, CUDA-graph replays)\n")
+    emit("| change | " + " | ".join(f"L={L} TB/s" for L in Ls) + f" | err (L={Ls[-1]}, 4096 rows) |")
+    emit("|---|" + "---|" * (len(Ls) + 1))
+    data = {L: make(L, n) for L in Ls}
+    ow = (1 + 0.3 * torch.randn(D, device="cuda")).to(torch.bfloat16)
+    qc, sc, wc = data[Ls[-1]]
+    rows = torch.cat([torch.arange(min(n, 2048), device="cuda"), torch.randint(0, n, (2048,), device="cuda")])
+    ref = chunked_reference(qc, sc, wc, ow, rows=rows)
+    best, best_score = {}, -1.0
+    T.FWD_CONFIG.clear()
+    for cfg in ONORM_CANDS:
+        T.FWD_DEFAULT_ONORM.clear()
+        T.FWD_DEFAULT_ONORM.update(cfg)
+        tbs = []
+        try:
+            err = rel(T.attn_residual(qc, sc, wc, output_rms_weight=ow)[rows], ref)
+            for L in Ls:
+                q, s, w = data[L]
+                t = bench_graph(lambda: T.attn_residual(q, s, w, output_rms_weight=ow))
+                tbs.append((L + 1) * n * D * 2 / t)
+        except Exception as e:  # a setting that does not compile/launch is skipped, and said so
+            emit(f"| {cfg or 'default'} | failed: {type(e).__name__}: {str(e)[:80]} |")
+            continue
+        score = math.exp(sum(math.log(x) for x in tbs) / len(tbs))
+        emit(f"| {cfg or 'default'} | " + " | ".join(f"{x / 1e12:.2f} ({x / copy_bw:.0%})" for x in tbs)
+             + f" | {err:.1e}" + (" WRONG, not eligible" if not err < 1e-2 else "") + " |")
+        if err < 1e-2 and score > best_score:
+            best, best_score = dict(cfg), score
+    T.FWD_DEFAULT_ONORM.clear()
+    T.FWD_DEFAULT_ONORM.update(best)
+    emit(f"\nbest change with the output norm: {best or 'none'} (geometric mean {best_score / 1e12:.2f} TB/s)")
+    data = qc = sc = wc = ref = None  # free
+    torch.cuda.empty_cache()
+    return best
 
 
 def sweep(n, Ls, copy_bw, small=False):
@@ -213,7 +280,18 @@ def sweep_phase1(n, B, copy_bw):
              {"mix_impl": "v2"}, {"mix_impl": "v2", "mix_bc": 1024},
              {"mix_impl": "v2", "mix_bc": 1024, "mix_nw": 8}, {"mix_impl": "v2", "mix_bc": 2048, "mix_qb": 4, "mix_nw": 8},
              {"mix_impl": "v2", "mix_bc": 512, "mix_qb": 32, "mix_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 1024, "mix_qb": 16, "mix_nw": 8, "mix_ns": 4}]
+             {"mix_impl": "v2", "mix_bc": 1024, "mix_qb": 16, "mix_nw": 8, "mix_ns": 4},
+             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True},
+             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
+             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True, "p1_bk": 128, "p1_ns": 3},
+             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True, "p1_ns": 3},
+             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True, "p1_nw": 8},
+             {"mix_impl": "v2", "mix_bc": 2048, "mix_qb": 4, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
+             {"mix_impl": "v2", "mix_bc": 1024, "mix_qb": 4, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
+             {"mix_impl": "v2", "mix_bc": 512, "mix_qb": 8, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
+             {"mix_impl": "v2", "mix_bc": 1024, "mix_ns": 2, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
+             {"mix_impl": "v2", "mix_bc": 2048, "mix_qb": 8, "mix_nw": 8, "p1_split": True, "p1_bt": 128,
+              "p1_nw": 8}]
     best, best_t = {}, float("inf")
     T.P1_CONFIG.clear()
     want = T.attn_residual_phase1(qs, bank, ws)
@@ -246,6 +324,18 @@ def sweep_phase1(n, B, copy_bw):
     t_lg = bench(lambda: T._phase1_launch(qs, xs, ws, 1e-6, torch.float32, logits_only=True))
     emit(f"of which the logits kernel (tensor-core [tokens, d] x [d, Q], one read of the bank): {t_lg * 1e3:.2f} ms "
          f"= {B * n * D * 2 / t_lg / 1e12:.2f} TB/s of bank read")
+    for split in (False, True):
+        T.P1_CONFIG["p1_split"] = split
+        t_lg = bench(lambda: T._phase1_launch(qs, xs, ws, 1e-6, torch.float32, logits_only=True))
+        emit(f"logits kernel with p1_split={split} (best setting otherwise): {t_lg * 1e3:.2f} ms = "
+             f"{B * n * D * 2 / t_lg / 1e12:.2f} TB/s of bank read")
+    T.P1_CONFIG.clear()
+    T.P1_CONFIG.update(best)
+    out = torch.empty(Q * n * D, dtype=torch.bfloat16, device="cuda")
+    t_w = bench(lambda: out.fill_(1.0))
+    emit(f"write-only ceiling for the acc bf16 bytes (torch fill_ of {out.numel() * 2 / 1e9:.1f} GB): "
+         f"{t_w * 1e3:.2f} ms = {out.numel() * 2 / t_w / 1e12:.2f} TB/s")
+    out = None
     # the 24 merges of a block (acc bf16, the partial for reads 1..23, output norm), per merge setting
     acc, m, s = T.attn_residual_phase1(qs, bank, ws, acc_dtype=torch.bfloat16)
     part = torch.randn(n, D, device="cuda").to(torch.bfloat16)
@@ -261,7 +351,8 @@ def sweep_phase1(n, B, copy_bw):
     emit("| setting | 24 merges ms | TB/s | err vs default |")
     emit("|---|---|---|---|")
     mbest, mbest_t = {}, float("inf")
-    for cfg in ({}, {"num_warps": 16}, {"num_warps": 4}, {"bt": 2, "num_warps": 16}):
+    for cfg in ({}, {"num_warps": 16}, {"num_warps": 4}, {"bt": 2, "num_warps": 16}, {"bt": 2, "num_warps": 8},
+                {"num_warps": 8}):
         T.MERGE_CONFIG.clear()
         T.MERGE_CONFIG.update(cfg)
         try:
@@ -306,6 +397,7 @@ def main_table(Ns, Ls, copy_bw, fla_fused, onorm=False):
             row = (f"| {n} | {L} | {nbytes / 1e9:.2f} | {flops / 1e9:.1f} | {t * 1e3:.3f} | {nbytes / t / 1e12:.2f} | "
                    f"{nbytes / t / copy_bw:.1%} | {nbytes / t / COPY_NOMINAL:.1%} | {flops / t / 1e12:.2f} | {err:.1e} |")
             if fla_fused is not None:
+                fla_retune()
                 fo = fla_fused(q, s, w, output_rms_weight=ow)
                 ferr = rel(fo, ref)
                 tf = bench(lambda: fla_fused(q, s, w, output_rms_weight=ow))
@@ -393,9 +485,13 @@ def block(n, Bs, fla_fused, copy_bw):
     emit(f"\n## One K3 block: 24 AttnRes reads (12 layers), N = {n}, d = {D}, bf16, each read with its output "
          f"norm\n")
     emit("reads: r = 0 mixes the bank only; r >= 1 mixes bank + the in-block partial sum.\n")
+    emit("floor: the bytes of the two-phase form with acc bf16 (B + 95 U; 72 U at B = 1, where acc is x_0 itself) at "
+         "the 4 GiB copy rate, over fla's time: no implementation of that data flow can go below it.\n")
     emit("| bank B | fla 24 calls ms | ours 24 direct ms | ours two-phase (acc f32) ms | phase-1 ms (f32) | "
-         "ours two-phase (acc bf16) ms | two-phase f32 / fla | two-phase bf16 / fla | err f32 | err bf16 |")
-    emit("|---|---|---|---|---|---|---|---|---|---|")
+         "ours two-phase (acc bf16) ms | two-phase f32 / fla | two-phase bf16 / fla | floor / fla | err f32 | "
+         "err bf16 |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
+    tot = [0.0, 0.0, 0.0]
     for B in Bs:
         bank = [(torch.randn(n, D, device="cuda") * (1 + i)).to(torch.bfloat16) for i in range(B)]
         parts = [torch.randn(n, D, device="cuda").to(torch.bfloat16) for _ in range(2)]
@@ -429,33 +525,50 @@ def block(n, Bs, fla_fused, copy_bw):
             e = max(rel(outs[r][rows], chunked_reference(qs[r], srcs(r), ws[r], ows[r], rows=rows)) for r in (0, 1, 23))
             errs.append(e)
             del outs
+        if fla_fused is not None:
+            fla_retune()
+            fla_block()          # fla tunes on its first call (r = 0, B sources); r >= 1 shares its key below B = 8
         t_fla = bench(fla_block) if fla_fused is not None else float("nan")
         t_dir = bench(direct_block)
         t_f32 = bench(lambda: two_phase(torch.float32))
         t_p1 = bench(lambda: T.attn_residual_phase1(qs, bank, ws))
         t_bf = bench(lambda: two_phase(torch.bfloat16))
         t_p1b = bench(lambda: T.attn_residual_phase1(qs, bank, ws, acc_dtype=torch.bfloat16))
+        u_bf = 72 if B == 1 else B + 95
+        t_floor = u_bf * n * D * 2 / copy_bw
+        tot[0] += t_fla
+        tot[1] += t_bf
+        tot[2] += t_floor
         emit(f"| {B} | {t_fla * 1e3:.2f} | {t_dir * 1e3:.2f} | {t_f32 * 1e3:.2f} | {t_p1 * 1e3:.2f} | "
-             f"{t_bf * 1e3:.2f} | {t_f32 / t_fla:.2f} | {t_bf / t_fla:.2f} | {errs[0]:.1e} | {errs[1]:.1e} |")
+             f"{t_bf * 1e3:.2f} | {t_f32 / t_fla:.2f} | {t_bf / t_fla:.2f} | {t_floor / t_fla:.2f} | {errs[0]:.1e} | "
+             f"{errs[1]:.1e} |")
         p1_bytes = B * n * D * 2 + Q * n * D * 4
-        emit(f"|  | phase 1 alone (f32 acc): {p1_bytes / 1e9:.1f} GB in {t_p1 * 1e3:.2f} ms = "
-             f"{p1_bytes / t_p1 / 1e12:.2f} TB/s ({p1_bytes / t_p1 / copy_bw:.0%} of copy); with acc bf16: "
-             f"{(p1_bytes - Q * n * D * 2) / 1e9:.1f} GB in {t_p1b * 1e3:.2f} ms = "
-             f"{(p1_bytes - Q * n * D * 2) / t_p1b / 1e12:.2f} TB/s | | | | | | | | |")
+        if B > 1:
+            emit(f"|  | phase 1 alone (f32 acc): {p1_bytes / 1e9:.1f} GB in {t_p1 * 1e3:.2f} ms = "
+                 f"{p1_bytes / t_p1 / 1e12:.2f} TB/s ({p1_bytes / t_p1 / copy_bw:.0%} of copy); with acc bf16: "
+                 f"{(p1_bytes - Q * n * D * 2) / 1e9:.1f} GB in {t_p1b * 1e3:.2f} ms = "
+                 f"{(p1_bytes - Q * n * D * 2) / t_p1b / 1e12:.2f} TB/s | | | | | | | | | |")
+        else:
+            emit(f"|  | phase 1 alone: the logits only ({n * D * 2 / 1e9:.2f} GB read, acc is x_0): f32 acc "
+                 f"{t_p1 * 1e3:.2f} ms (one conversion of x_0 to float32), bf16 {t_p1b * 1e3:.2f} ms | | | | | | | | | |")
         # bytes moved, in units of one [N, d] bf16 tensor U: 24 direct reads (= fla) read 24B + 23 sources
         # and write 24 outputs; two-phase: bank B + acc written and read back 24 + 24 (x2 in float32) +
         # 23 partials + 24 outputs. Their ratio is the time ratio at equal bandwidth (the floor).
-        u_dir, u_f32, u_bf = 24 * B + 47, B + 143, B + 95
+        u_dir, u_f32 = 24 * B + 47, (B + 143 if B > 1 else 3 + 72)
         emit(f"|  | bytes (U = {n * D * 2 / 1e9:.3f} GB): 24 direct / fla {u_dir} U, two-phase f32 {u_f32} U "
              f"({u_f32 / u_dir:.2f} of fla's), bf16 {u_bf} U ({u_bf / u_dir:.2f}); effective TB/s: fla "
              f"{u_dir * n * D * 2 / t_fla / 1e12:.2f}, direct {u_dir * n * D * 2 / t_dir / 1e12:.2f}, two-phase f32 "
-             f"{u_f32 * n * D * 2 / t_f32 / 1e12:.2f}, bf16 {u_bf * n * D * 2 / t_bf / 1e12:.2f} | | | | | | | | |")
+             f"{u_f32 * n * D * 2 / t_f32 / 1e12:.2f}, bf16 {u_bf * n * D * 2 / t_bf / 1e12:.2f} | | | | | | | | | |")
         bank = parts = None  # free
         torch.cuda.empty_cache()
+    if len(Bs) > 1:
+        emit(f"\nall {len(Bs)} banks above together (K3 runs banks 1 to 8; its last block has 9 layers, 18 reads): "
+             f"fla {tot[0] * 1e3:.2f} ms, ours (two-phase, acc bf16) {tot[1] * 1e3:.2f} ms = {tot[1] / tot[0]:.2f} of "
+             f"fla's time (floor {tot[2] / tot[0]:.2f})")
 
 
 #: the sections --skip can leave out
-SECTIONS = ("table", "onorm", "2e32", "block", "p1sweep")
+SECTIONS = ("table", "onorm", "2e32", "block", "p1sweep", "fsweep")
 
 
 def main(argv=None):
@@ -466,10 +579,17 @@ def main(argv=None):
     ap.add_argument("--sweep-l", default="2,8,25",
                     help="comma list of source counts of the forward sweep (default 2,8,25); with only counts "
                          "below the wide threshold (FWD_WIDE_L) the small-L settings are swept")
+    ap.add_argument("--sweep-onorm", action="store_true",
+                    help="sweep the forward's launch settings with the fused output norm first (N = 16384, L in "
+                         "--sweep-l), use the best (FWD_DEFAULT_ONORM)")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla baseline")
-    ap.add_argument("--fla-all-configs", action="store_true", help="let fla autotune over all 24 of its configs")
+    ap.add_argument("--fla-pruned", action="store_true", help="let fla autotune over 8 of its 24 configs (8/16 warps, "
+                                                             "2 stages) instead of all")
     ap.add_argument("--skip", default="", help=f"comma list of sections to skip: {','.join(SECTIONS)} (p1sweep: the "
-                                               f"phase-1 / merge part of --sweep)")
+                                               f"phase-1 / merge part of --sweep; fsweep: its forward part)")
+    ap.add_argument("--banks", default="2,4,8", help="comma list of bank sizes B of the K3-block section (default "
+                                                      "2,4,8; K3's blocks run 1 to 8)")
+    ap.add_argument("--p1-bank", type=int, default=8, help="bank size B of the phase-1 sweep (default 8)")
     ap.add_argument("--out", default="benchmarks/results/attn_residual.md", help="where to write the table")
     a = ap.parse_args(argv)
     try:
@@ -484,6 +604,14 @@ def main(argv=None):
     unknown = skip - set(SECTIONS)
     if unknown:
         ap.error(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; sections: {','.join(SECTIONS)}")
+    try:
+        banks = [int(x) for x in a.banks.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--banks: expected a comma list of integers, got {a.banks!r}")
+    if not banks or min(banks) < 1:
+        ap.error(f"--banks: expected bank sizes >= 1, got {a.banks!r}")
+    if a.p1_bank < 2:
+        ap.error(f"--p1-bank: expected a bank of >= 2 sources (one source needs no mix), got {a.p1_bank}")
     if not torch.cuda.is_available():
         sys.exit("attn_residual benchmark: needs a CUDA GPU")
     if a.out:
@@ -493,7 +621,7 @@ def main(argv=None):
     if not a.no_fla:
         import fla.ops.attnres.fused as fla_fused_mod
         from fla.ops.attnres import fused_attnres as fla_fused, naive_attnres as fla_naive
-        note = prune_fla(fla_fused_mod, a.fla_all_configs)
+        note = prune_fla(fla_fused_mod, a.fla_pruned)
     t0 = time.time()
     copy_bw = copy_bandwidth()
     emit(f"# attn_residual benchmark ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -502,12 +630,15 @@ def main(argv=None):
          f"{note}.")
     Ns = [16384] if a.quick else [16384, 65536]
     Ls = [2, 25] if a.quick else [2, 8, 16, 25]
+    if a.sweep_onorm:
+        obest = sweep_onorm(16384, sLs, copy_bw)
+        emit(f"\nSWEEP RESULT: FWD_DEFAULT_ONORM <- {obest}")
     if a.sweep:
-        fbest = sweep(a.sweep_n, sLs, copy_bw, small=max(sLs) < T.FWD_WIDE_L)
-        pbest, mbest = sweep_phase1(16384, 8, copy_bw) if "p1sweep" not in skip else ({}, {})
+        fbest = sweep(a.sweep_n, sLs, copy_bw, small=max(sLs) < T.FWD_WIDE_L) if "fsweep" not in skip else {}
+        pbest, mbest = sweep_phase1(16384, a.p1_bank, copy_bw) if "p1sweep" not in skip else ({}, {})
         emit(f"\nSWEEP RESULT: forward FWD_DEFAULT <- {fbest}; phase 1 P1_DEFAULT updated with "
              f"{pbest or '{} (default)'}; MERGE_DEFAULT <- {mbest or '{} (default)'}")
-    emit(f"\nour forward launch settings: {T.FWD_CONFIG or f'{T.FWD_DEFAULT} below L = {T.FWD_WIDE_L}, {T.FWD_DEFAULT_WIDE} from there'}; phase 1: {T.P1_CONFIG or T.P1_DEFAULT}; "
+    emit(f"\nour forward launch settings: {T.FWD_CONFIG or f'{T.FWD_DEFAULT} below L = {T.FWD_WIDE_L}, {T.FWD_DEFAULT_WIDE} from there'}; with the output norm changed by {T.FWD_DEFAULT_ONORM or 'nothing'}; phase 1: {T.P1_CONFIG or T.P1_DEFAULT}; "
          f"merge: {T.MERGE_CONFIG or 'default'}")
     ratios = []
     if "table" not in skip:
@@ -517,7 +648,7 @@ def main(argv=None):
     if "2e32" not in skip and not a.quick:
         past_2_32(fla_fused, fla_naive)
     if "block" not in skip:
-        block(16384, [2, 4, 8] if not a.quick else [8], fla_fused, copy_bw)
+        block(16384, banks if not a.quick else [8], fla_fused, copy_bw)
     emit(f"\n(total benchmark wall time {time.time() - t0:.0f} s)")
     if ratios:
         g = math.exp(sum(math.log(r) for r in ratios) / len(ratios))

@@ -324,7 +324,8 @@ def test_triton_backward_aliased_source():
 
 @pytest.mark.parametrize("mix", ["v1", "v2"])
 @pytest.mark.parametrize("Q,B,n,dtype", [(1, 1, 20, torch.float32), (5, 3, 100, torch.float32),
-                                         (24, 8, 37, torch.float32), (3, 25, 17, torch.float16)])
+                                         (24, 8, 37, torch.float32), (3, 25, 17, torch.float16),
+                                         (24, 1, 33, torch.float16)])
 def test_triton_phase1_matches_naive(Q, B, n, dtype, mix, monkeypatch):
     monkeypatch.setattr(T, "P1_CONFIG", {"mix_impl": mix})
     d = 48
@@ -341,6 +342,23 @@ def test_triton_phase1_matches_naive(Q, B, n, dtype, mix, monkeypatch):
                           / torch.sqrt((x.double() ** 2).mean(-1) + EPS) for x in bank])
         assert _rel(m[k], lg.max(0).values) < 2e-5
         assert _rel(s[k], torch.exp(lg - lg.max(0).values).sum(0)) < 2e-5
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float16])
+def test_triton_phase1_of_one_source_writes_no_acc(acc_dtype):
+    # one source: softmax over one logit, so s = 1 and acc_q = x_0 exactly for every query; acc is x_0 broadcast
+    # over the queries (stride 0), or its one converted copy, instead of Q written tensors
+    Q, n, d = 5, 37, 48
+    x = torch.randn(n, d).to(torch.float16)
+    queries, ws = torch.randn(Q, d), 1 + 0.3 * torch.randn(Q, d)
+    acc, m, s = T.attn_residual_phase1(queries, [x], ws, acc_dtype=acc_dtype)
+    assert acc.shape == (Q, n, d) and acc.dtype == acc_dtype and acc.stride(0) == 0
+    assert torch.equal(acc[Q - 1], x.to(acc_dtype)) and torch.equal(s, torch.ones(Q, n))
+    if acc_dtype == torch.float16:
+        assert acc.data_ptr() == x.data_ptr()
+    lg = torch.stack([(x.double() * (queries[k] * ws[k]).double()).sum(-1)
+                      / torch.sqrt((x.double() ** 2).mean(-1) + EPS) for k in range(Q)])
+    assert _rel(m, lg) < 2e-5
 
 
 @pytest.mark.parametrize("B", [1, 2, 16])
@@ -367,9 +385,11 @@ def test_triton_two_phase_equals_direct(B, with_partial, onorm, acc_dtype):
                                                                        else _tol(dtype))
 
 
-def test_triton_two_phase_gradients():
-    # phase 1 + merge are differentiable (through the reference): check against the naive direct form
-    Q, B, n, d = 2, 3, 20, 32
+@pytest.mark.parametrize("B", [1, 3])
+def test_triton_two_phase_gradients(B):
+    # phase 1 + merge are differentiable (through the reference): check against the naive direct form (B = 1:
+    # acc is the source broadcast over the queries, a view, and the gradient must still reach the source)
+    Q, n, d = 2, 20, 32
     bank = [torch.randn(n, d, dtype=torch.float64).float().requires_grad_() for _ in range(B)]
     part = torch.randn(n, d).requires_grad_()
     queries = torch.randn(Q, d).requires_grad_()
@@ -408,10 +428,11 @@ assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "forward: no 16-
 ptx = compile_(T._fwd_kernel, fsig, {"D": 7168, "BT": 1, "BD": 8192, "VEC": 8, "HAS_ONORM": True, "SAVE": False,
                                      "PF": 0, "NS": 3, "QW_REG": False}, 16)
 assert "cp.async" in ptx, "forward with NS=3: the source loads are not staged through shared memory"
-ptx = compile_(T._phase1_logits_kernel, {"base": "*bf16", "offs": "*i64", "qwT": "*fp32", "logit_buf": "*fp32",
-                                         "N": "i32"},
-               {"D": 7168, "BT": 64, "BK": 64, "QP": 32, "VEC": 8, "eps": 1e-6, "NS": 4}, 4)
-assert "wgmma" in ptx, "phase 1 logits: no wgmma"
+for split, qt, kind in ((False, "*fp32", "tf32"), (True, "*bf16", "bf16")):
+    ptx = compile_(T._phase1_logits_kernel, {"base": "*bf16", "offs": "*i64", "qwT": qt, "logit_buf": "*fp32",
+                                             "N": "i32"},
+                   {"D": 7168, "BT": 64, "BK": 64, "QP": 32, "VEC": 8, "eps": 1e-6, "NS": 4, "SPLIT": split}, 4)
+    assert "wgmma" in ptx and kind in ptx, ("phase 1 logits: no wgmma of the expected kind", split)
 f2sig = dict(fsig, NB="i32")
 f2sig = {k: f2sig[k] for k in ("base", "offs", "q_buf", "w_buf", "ow", "out", "logit_buf", "lse_buf", "N", "L", "NB", "eps",
                                "TPP")}
@@ -563,11 +584,12 @@ def test_gpu_backward_bf16(onorm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mix", ["v1", "v2"])
+@pytest.mark.parametrize("cfg,B", [({"mix_impl": "v1"}, 8), ({"mix_impl": "v2"}, 8), ({"p1_split": True}, 3),
+                                   ({"p1_split": False}, 3), ({}, 1)])
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_two_phase_bf16(acc_dtype, mix, monkeypatch):
-    monkeypatch.setattr(T, "P1_CONFIG", {"mix_impl": mix})
-    n, d, Q, B = 4096 + 5, 7168, 24, 8
+def test_gpu_two_phase_bf16(acc_dtype, cfg, B, monkeypatch):
+    monkeypatch.setattr(T, "P1_CONFIG", cfg)
+    n, d, Q = 4096 + 5, 7168, 24
     bank = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * (1 + i) for i in range(B)]
     partial = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
     queries = torch.randn(Q, d, device="cuda") * 0.05
@@ -582,12 +604,16 @@ def test_gpu_two_phase_bf16(acc_dtype, mix, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_phase1_logits_of_a_bf16_bank_keep_float32_precision():
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_phase1_logits_of_a_bf16_bank_keep_float32_precision(split, monkeypatch):
     # the phase-1 logits of a bf16 bank (tf32x3 MMAs on the float32 tile): the max logit m and the softmax sum s
     # match float64 to float32 accuracy (H200: 4.1e-7). 14th session, not kept: qw split into bf16 parts for
     # bf16 MMAs on the tile as loaded read the bank 2.6x faster, but gave 8.4e-6 (hi, mid, lo side by side in one
     # MMA) and 2.7e-5 (three chained MMAs) here, and the two-phase read's error against the float32 reference
     # rose from 4e-5 to 2e-4 (two parts) and up to 8e-3 (three)
+    # split: bf16 MMAs of the tile against queries * rms_weights in three bf16 parts, each step promoted to a
+    # float32 sum, which must keep the same precision
+    monkeypatch.setattr(T, "P1_CONFIG", {"p1_split": split})
     n, d, Q, B = 1000 + 3, 7168, 24, 4
     bank = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * (1 + i) for i in range(B)]
     queries = torch.randn(Q, d, device="cuda") * 0.05

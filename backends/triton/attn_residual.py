@@ -31,6 +31,7 @@ Kernels (all accumulate in float32, all index with int64, so tensors past 2^31/2
   acc_q = sum_i exp(logit_qi - m_q) x_i are then formed per (token, d-chunk) tile.
   With ``mix_impl: "v2"``, ``_phase1_stats_kernel`` turns the logits into m, s and exp(logit - m) once per
   (token, query), and ``_phase1_mix2_kernel`` is then a single pipelined loop of independent loads.
+  A bank of one source needs no mix: acc_q = x_0 exactly (s = 1), returned as a view.
 * ``_merge_kernel``: the online-softmax merge of one query's bank result with the in-block partial source
   (plus the fused output RMSNorm).
 
@@ -309,9 +310,14 @@ def _phase1_logits_kernel(
     logit_buf,                    # [L, N, QP] f32 out
     N,
     D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, VEC: tl.constexpr, eps,
-    NS: tl.constexpr,
+    NS: tl.constexpr, SPLIT: tl.constexpr = False,
 ):
-    # program (token tile, bank source i): logits of all queries for BT tokens of source i, one read
+    # program (token tile, bank source i): logits of all queries for BT tokens of source i, one read.
+    # SPLIT (bf16 banks): qwT is bf16 [D, 3 QP], queries * rms_weights split into three bf16 parts (hi, mid,
+    # lo: 24 significant bits, float32's) in column blocks [0, QP), [QP, 2 QP), [2 QP, 3 QP); the bf16 tile
+    # as loaded times each part is exact, and each step's three MMAs go into a fresh accumulator that is
+    # added to the running sum in IEEE float32 (the tensor cores' own accumulation over the 7168-long
+    # reduction loses ~3e-5 relative: measured on the H200 with the sum carried through the MMAs)
     pid = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     rows = pid * BT + tl.arange(0, BT).to(tl.int64)
@@ -322,13 +328,22 @@ def _phase1_logits_kernel(
     ptr = base + off + rows[:, None] * D
     dots = tl.zeros([BT, QP], tl.float32)
     ss = tl.zeros([BT], tl.float32)
+    QW: tl.constexpr = 3 * QP if SPLIT else QP
     for k0 in tl.range(0, D, BK, num_stages=NS):
         cols = k0 + kk
         cm = cols < D
-        x = tl.load(ptr + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        b = tl.load(qwT + cols[:, None] * QP + qq[None, :], mask=cm[:, None], other=0.0)
-        ss += tl.sum(x * x, axis=1)
-        dots = tl.dot(x, b, dots, input_precision="tf32x3")
+        x = tl.load(ptr + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        if SPLIT:
+            bp = qwT + cols[:, None] * QW + qq[None, :]
+            part = tl.dot(x, tl.load(bp + 2 * QP, mask=cm[:, None], other=0.0))
+            part = tl.dot(x, tl.load(bp + QP, mask=cm[:, None], other=0.0), part)
+            part = tl.dot(x, tl.load(bp, mask=cm[:, None], other=0.0), part)
+            dots += part
+        else:
+            b = tl.load(qwT + cols[:, None] * QW + qq[None, :], mask=cm[:, None], other=0.0)
+            dots = tl.dot(xf, b, dots, input_precision="tf32x3")
     lg = dots * tl.rsqrt(ss / D + eps)[:, None]                     # [BT, QP]
     dst = logit_buf + (i.to(tl.int64) * N + rows[:, None]) * QP + qq[None, :]
     tl.store(dst, lg, mask=rmask[:, None])
@@ -485,7 +500,8 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 #: "progs_per_sm": persistent programs per SM (v2: 0 = one program per tile, no persistent loop),
 #: "maxnreg": register cap per thread; v1 only: "pf": 0|1|2 register prefetch depth, "ns": shared-memory
 #: pipeline stages (pf 0 only), "qw_reg": keep q*w in registers; v2 only: "bl": sources loaded and reduced
-#: per step, "ns": pipeline stages of its flat (tile, source block) loop}.
+#: per step, "ns": pipeline stages of its flat (tile, source block) loop, "ow_reg": keep the output-norm weight
+#: in registers (default: as qw_reg)}.
 #: (H200, 2026-11-29, N = 65536: v2 with 4 warps, 3 stages, 2 programs per SM reached 3.58 / 3.81 / 3.78 TB/s
 #: at L = 2 / 8 / 25, 84-89% of the 4.28 TB/s copy; the v1 setting before it 2.61 / 2.92 / 3.12)
 FWD_DEFAULT: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2}
@@ -494,6 +510,12 @@ FWD_DEFAULT: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "p
 #: L = 8 / 25 against 3.78 / 3.81 for FWD_DEFAULT, but 2.19 against 2.31 at L = 2
 FWD_DEFAULT_WIDE: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2}
 FWD_WIDE_L = 6
+#: Changes to the above with the fused output norm (benchmarks/attn_residual.py --sweep-onorm). The norm's
+#: weight held in registers and two sources per step take ptxas to its 255-register cap (with 260 B of spill
+#: stores at two sources per step, sm_90a). H200, 17th session, N = 16384, L = 2 / 8 / 25, CUDA-graph time:
+#: 87% / 71% / 83% of copy without a change, 87% / 82% / 81% with one source per step, 89% / 90% / 90% with
+#: that and the weight re-read from cache at each row's end (fla fused_attnres, tuned for the shape: 82% at L = 8)
+FWD_DEFAULT_ONORM: dict = {"bl": 1, "ow_reg": False}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 FWD_CONFIG: dict = {}
 
@@ -556,6 +578,8 @@ def _fwd(query, xs, w, ow, eps, save):
     bt, bd, nw = _row_tile(d, n)
     big = bd * bt >= 2048 and not _INTERPRET
     cfg = dict((FWD_DEFAULT_WIDE if L >= FWD_WIDE_L else FWD_DEFAULT) if big else {})
+    if big and ow is not None:
+        cfg.update(FWD_DEFAULT_ONORM)
     cfg.update(FWD_CONFIG)
     bt = cfg.get("bt", bt)
     nw = cfg.get("num_warps", nw)
@@ -584,7 +608,7 @@ def _fwd(query, xs, w, ow, eps, save):
         _fwd2_kernel[(grid,)](
             base, offs, query, w, ow if ow is not None else w, out, logit, lse,
             n, L, cdiv(L, bl), float(eps), tpp, D=d, BT=bt, BD=bd, BL=bl, VEC=vec,
-            HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg, OW_REG=qw_reg and not cfg.get("maxnreg"),
+            HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg, OW_REG=cfg.get("ow_reg", qw_reg) and not cfg.get("maxnreg"),
             num_warps=nw,
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     elif n > 0:
@@ -687,14 +711,26 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
 #: "mix_impl": "v1" (_phase1_mix_kernel: each mix program finds the max over the bank itself, a serial loop
 #: of logit loads, then exps) or "v2" (_phase1_stats_kernel computes m, s and exp(logit - m) once per
 #: token and query, in place of the logits; _phase1_mix2_kernel is then one loop of independent loads).
-#: (H200 sweep, 2026-11-29: mix v2 with 1024 columns, 7.19 / 5.75 ms with f32 / bf16 acc against 7.35 / 6.55)
-P1_DEFAULT: dict = {"p1_bt": 64, "p1_bk": 64, "p1_ns": 4, "p1_nw": 4, "mix_bc": 1024, "mix_qb": 8, "mix_ns": 3,
-                    "mix_nw": 4, "mix_impl": "v2"}
+#: "p1_split": for bf16 banks, the logits as bf16 MMAs of the tile as loaded against queries * rms_weights
+#: split into three bf16 parts, each step's sum promoted to an IEEE float32 accumulator (_phase1_logits_kernel;
+#: other banks keep 3xTF32).
+#: (H200 sweep, 2026-11-29: mix v2 with 1024 columns, 7.19 / 5.75 ms with f32 / bf16 acc against 7.35 / 6.55.)
+#: (H200, 17th session, N = 16384, B = 4, three runs: p1_split with 128-token tiles and 8 warps, logits kernel
+#: 1.15 -> 0.34 ms (0.81 -> 2.78 TB/s of bank read), phase 1 with acc bf16 3.58 -> 2.78 ms, error of m and s
+#: against float64 unchanged (GPU test < 5e-6); the same three bf16 parts with the sum carried through the
+#: MMAs, as tried in the 14th session, lost precision (~3e-5). Tried and removed: streaming (.cs) stores of acc
+#: (2.78 ms either way); a "v3" mix (each token's bank tile read once, all queries' sums as 3xTF32 MMAs), 4.11-5.54 ms
+#: against v2's 3.60 with acc bf16; logits as two TF32 products against a tf32 head and remainder of
+#: queries * rms_weights, 1.31 against 1.14 ms and 3.6e-5 error.)
+P1_DEFAULT: dict = {"p1_bt": 128, "p1_bk": 64, "p1_ns": 4, "p1_nw": 8, "mix_bc": 1024, "mix_qb": 8, "mix_ns": 3,
+                    "mix_nw": 4, "mix_impl": "v2", "p1_split": True}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 P1_CONFIG: dict = {}
-#: Merge-kernel launch settings for wide rows ({"bt": rows per program, "num_warps"}); empty = _row_tile's
-#: choice (1 row of 7168, 8 warps), the measured one.
-MERGE_DEFAULT: dict = {}
+#: Merge-kernel launch settings for wide rows ({"bt": rows per program, "num_warps"});
+#: empty = _row_tile's choice (1 row of 7168, 8 warps). H200, 17th session, three runs, 24 merges of a block at
+#: N = 16384: 4 warps 5.02-5.05 ms against 8 warps 5.65-5.67 (the 6th session had measured 5.11 against 4.96);
+#: streaming (.cs) stores, tried, within noise (4.99).
+MERGE_DEFAULT: dict = {"num_warps": 4}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 MERGE_CONFIG: dict = {}
 
@@ -707,29 +743,50 @@ def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype, logits_only=False):
     dev = xs[0].device
     base, offs, vec = _offset_table(xs, "attn_residual_phase1")
     QP = max(16, next_power_of_2(Q))
-    qwT = torch.zeros((d, QP), dtype=torch.float32, device=dev)
-    qwT[:, :Q] = (queries.float() * rms_weights.float()).t()
-    logit = torch.empty((L, n, QP), dtype=torch.float32, device=dev)
-    m = torch.empty((Q, n), dtype=torch.float32, device=dev)
-    s = torch.empty((Q, n), dtype=torch.float32, device=dev)
-    acc = torch.empty((Q, n, d), dtype=acc_dtype, device=dev)
-    if n == 0:
-        return acc, m, s
     if _INTERPRET:
         cfg = {"p1_bt": 16, "p1_bk": min(64, next_power_of_2(d)), "p1_ns": 1, "p1_nw": 4,
                "mix_bc": min(64, next_power_of_2(d)), "mix_qb": min(8, next_power_of_2(Q)),
-               "mix_ns": 1, "mix_nw": 4,
-               "mix_impl": P1_CONFIG.get("mix_impl", P1_DEFAULT.get("mix_impl", "v1"))}
+               "mix_ns": 1, "mix_nw": 4}
+        cfg["mix_impl"] = P1_CONFIG.get("mix_impl", P1_DEFAULT.get("mix_impl"))
     else:
         cfg = dict(P1_DEFAULT)
         cfg.update(P1_CONFIG)
         cfg["mix_bc"] = min(cfg["mix_bc"], next_power_of_2(d))
         cfg["p1_bk"] = min(cfg["p1_bk"], next_power_of_2(d))
         cfg["mix_qb"] = min(cfg["mix_qb"], next_power_of_2(Q))
+    qw = (queries.float() * rms_weights.float()).t()                 # [d, Q]
+    # (not under the interpreter: its bf16 dot is unreliable; the GPU tests cover this path)
+    split = bool(cfg.get("p1_split")) and xs[0].dtype == torch.bfloat16 and not _INTERPRET
+    if split:
+        qwT = torch.zeros((d, 3 * QP), dtype=torch.bfloat16, device=dev)
+        rest = qw
+        for j in range(3):                                           # hi, mid, lo: 8 significant bits each
+            qwT[:, j * QP:j * QP + Q] = rest
+            rest = rest - qwT[:, j * QP:j * QP + Q].float()
+    else:
+        qwT = torch.zeros((d, QP), dtype=torch.float32, device=dev)
+        qwT[:, :Q] = qw
+    logit = torch.empty((L, n, QP), dtype=torch.float32, device=dev)
+    m = torch.empty((Q, n), dtype=torch.float32, device=dev)
+    s = torch.empty((Q, n), dtype=torch.float32, device=dev)
+    one = L == 1 and not logits_only
+    if one:
+        # one source: logit = m, exp(logit - m) = 1, so s = 1 and acc_q = x_0 for every query, exactly. acc
+        # is x_0 broadcast over the queries (a view; a converted copy when acc_dtype is not x_0's dtype)
+        x0 = xs[0] if xs[0].dtype == acc_dtype else xs[0].to(acc_dtype)
+        acc = x0.unsqueeze(0).expand(Q, n, d)
+        s.fill_(1.0)
+    else:
+        acc = torch.empty((Q, n, d), dtype=acc_dtype, device=dev)
+    if n == 0:
+        return acc, m, s
     bt = cfg["p1_bt"]
     _phase1_logits_kernel[(cdiv(n, bt), L)](
         base, offs, qwT, logit, n, D=d, BT=bt, BK=cfg["p1_bk"], QP=QP, VEC=vec, eps=float(eps),
-        NS=cfg["p1_ns"], num_warps=cfg["p1_nw"])
+        NS=cfg["p1_ns"], SPLIT=split, num_warps=cfg["p1_nw"])
+    if one:
+        m.copy_(logit[0, :, :Q].t())
+        return acc, m, s
     if logits_only:
         return acc, m, s
     qb = cfg["mix_qb"]
@@ -797,6 +854,8 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
 
     Returns:
         (acc [Q, ..., d] acc_dtype, m [Q, ...] float32, s [Q, ...] float32), as the reference.
+        For a bank of one source, acc is that source broadcast over the Q queries (a read-only expanded
+        view, or of its copy in acc_dtype): the same values, Q - 1 fewer [..., d] tensors written.
         Differentiable (the backward recomputes through the float32 reference: correct but not fast).
 
     Raises:
