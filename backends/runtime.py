@@ -86,8 +86,9 @@ def _phase1(fn, n, args, **kw):
 
 def _phase1_acc_dtype(bank_dtype):
     """Accumulator dtype of the Triton phase 1: the bank's dtype for bf16/fp16 banks (halves the bytes of the
-    acc write and the merges' reads: one K3 block at 0.47 of 24 fla calls against 0.61 with float32, relative
-    error 2.8e-3, H200, benchmarks/results/attn_residual.md), float32 otherwise.  m and s stay float32."""
+    acc write and the merges' reads: one K3 block at bank 8 in 0.49 of the time of 24 fla calls against 0.63
+    with float32, relative error 2.7e-3, H200, benchmarks/results/attn_residual.md), float32 otherwise.  m and
+    s stay float32."""
     return bank_dtype if bank_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
