@@ -13,8 +13,12 @@ Sections (one process, random bf16 data, d = 7168):
      the chunked float32 reference, and which stage of the naive one goes wrong;
   5. one K3 block: 12 layers = 24 AttnRes reads of bank (B completed blocks) + the growing partial, each
      with its fused output norm: 24 separate fla calls vs our two-phase form (one phase 1 for all 24
-     queries, then 24 merges), acc in float32 and in bf16.
+     queries, then 24 merges), acc in float32 and in bf16, for every bank size in --banks; the floor column
+     is the two-phase form's bytes at the copy rate over fla's time, and a last line sums the banks.
 The last line is the geometric-mean speed ratio of ours over fla in the main table.
+fla tunes over all 24 of its forward configs afresh for every row (--fla-pruned: 8 of them): its autotune key
+holds L only as max(8, next power of two), so without the reset the first L <= 8 tuned in the process would
+decide its config for every other L <= 8.
 
 Run on the GPU machine:  source .device/prelude.sh; python benchmarks/attn_residual.py [--quick] [--sweep]
 The one-run decision of the launch settings (forward sweep at N = 65536, phase 1, merges; ~2 min):
@@ -550,7 +554,8 @@ def block(n, Bs, fla_fused, copy_bw):
                  f"{(p1_bytes - Q * n * D * 2) / t_p1b / 1e12:.2f} TB/s | | | | | | | | | |")
         else:
             emit(f"|  | phase 1 alone: the logits only ({n * D * 2 / 1e9:.2f} GB read, acc is x_0): f32 acc "
-                 f"{t_p1 * 1e3:.2f} ms (one conversion of x_0 to float32), bf16 {t_p1b * 1e3:.2f} ms | | | | | | | | | |")
+                 f"{t_p1 * 1e3:.2f} ms (one conversion of x_0 to float32), bf16 {t_p1b * 1e3:.2f} ms"
+                 " | | | | | | | | | |")
         # bytes moved, in units of one [N, d] bf16 tensor U: 24 direct reads (= fla) read 24B + 23 sources
         # and write 24 outputs; two-phase: bank B + acc written and read back 24 + 24 (x2 in float32) +
         # 23 partials + 24 outputs. Their ratio is the time ratio at equal bandwidth (the floor).
@@ -638,7 +643,9 @@ def main(argv=None):
         pbest, mbest = sweep_phase1(16384, a.p1_bank, copy_bw) if "p1sweep" not in skip else ({}, {})
         emit(f"\nSWEEP RESULT: forward FWD_DEFAULT <- {fbest}; phase 1 P1_DEFAULT updated with "
              f"{pbest or '{} (default)'}; MERGE_DEFAULT <- {mbest or '{} (default)'}")
-    emit(f"\nour forward launch settings: {T.FWD_CONFIG or f'{T.FWD_DEFAULT} below L = {T.FWD_WIDE_L}, {T.FWD_DEFAULT_WIDE} from there'}; with the output norm changed by {T.FWD_DEFAULT_ONORM or 'nothing'}; phase 1: {T.P1_CONFIG or T.P1_DEFAULT}; "
+    fwd_set = T.FWD_CONFIG or f"{T.FWD_DEFAULT} below L = {T.FWD_WIDE_L}, {T.FWD_DEFAULT_WIDE} from there"
+    emit(f"\nour forward launch settings: {fwd_set}; with the output norm changed by "
+         f"{T.FWD_DEFAULT_ONORM or 'nothing'}; phase 1: {T.P1_CONFIG or T.P1_DEFAULT}; "
          f"merge: {T.MERGE_CONFIG or 'default'}")
     ratios = []
     if "table" not in skip:

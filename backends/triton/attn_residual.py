@@ -608,8 +608,8 @@ def _fwd(query, xs, w, ow, eps, save):
         _fwd2_kernel[(grid,)](
             base, offs, query, w, ow if ow is not None else w, out, logit, lse,
             n, L, cdiv(L, bl), float(eps), tpp, D=d, BT=bt, BD=bd, BL=bl, VEC=vec,
-            HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg, OW_REG=cfg.get("ow_reg", qw_reg) and not cfg.get("maxnreg"),
-            num_warps=nw,
+            HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg,
+            OW_REG=cfg.get("ow_reg", qw_reg) and not cfg.get("maxnreg"), num_warps=nw,
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     elif n > 0:
         n_tiles = cdiv(n, bt)
