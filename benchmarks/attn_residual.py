@@ -597,24 +597,25 @@ def main(argv=None):
     ap.add_argument("--p1-bank", type=int, default=8, help="bank size B of the phase-1 sweep (default 8)")
     ap.add_argument("--out", default="benchmarks/results/attn_residual.md", help="where to write the table")
     a = ap.parse_args(argv)
-    try:
-        sLs = [int(x) for x in a.sweep_l.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--sweep-l: expected a comma list of integers, got {a.sweep_l!r}")
-    if not sLs or min(sLs) < 1:
-        ap.error(f"--sweep-l: expected source counts >= 1, got {a.sweep_l!r}")
+
+    def counts(flag, text, what):
+        """A comma list of integers >= 1 from the command line, or a clear argparse error."""
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"{flag}: expected a comma list of integers, got {text!r}")
+        if not vals or min(vals) < 1:
+            ap.error(f"{flag}: expected {what} >= 1, got {text!r}")
+        return vals
+
+    sLs = counts("--sweep-l", a.sweep_l, "source counts")
     if a.sweep_n < 1:
         ap.error(f"--sweep-n: expected a positive token count, got {a.sweep_n}")
     skip = set(a.skip.split(",")) if a.skip else set()
     unknown = skip - set(SECTIONS)
     if unknown:
         ap.error(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; sections: {','.join(SECTIONS)}")
-    try:
-        banks = [int(x) for x in a.banks.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--banks: expected a comma list of integers, got {a.banks!r}")
-    if not banks or min(banks) < 1:
-        ap.error(f"--banks: expected bank sizes >= 1, got {a.banks!r}")
+    banks = counts("--banks", a.banks, "bank sizes")
     if a.p1_bank < 2:
         ap.error(f"--p1-bank: expected a bank of >= 2 sources (one source needs no mix), got {a.p1_bank}")
     if not torch.cuda.is_available():
