@@ -749,9 +749,8 @@ class CompiledModule(nn.Module):
 
         ``m.route_margins(ids)``, or for a model with several inputs ``m.route_margins(a=..., b=...)`` (named as
         for :meth:`run`). Runs the input (``input_ids`` [B, T]) through the model without autograd and without QB
-        bias updates (the
-        module's mode is restored) and returns {MoE layer prefix: the smallest, over tokens, gap between
-        the k-th and the (k+1)-th biased router score (sigmoid units)}.  Two targets (or dtypes) whose
+        bias updates (the module's mode is restored) and returns {MoE layer prefix: the smallest, over tokens,
+        gap between the k-th and the (k+1)-th biased router score (sigmoid units)}.  Two targets (or dtypes) whose
         scores differ by more than a layer's margin may pick different experts for some token: a discrete
         switch, not an error; compare logits across targets on inputs whose margins exceed that rounding
         (float32: ~1e-7; bf16: ~1e-2).  A layer whose top-k takes every expert (top_k == experts) has no

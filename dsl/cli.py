@@ -298,7 +298,7 @@ def _lower(args, pm):
     try:
         _check_kernel_constraints(fused, args.target)
     except MtcError as e:
-        where = f"{e.loc.file}:{e.loc.line}:{e.loc.col}: " if getattr(e, "loc", None) is not None else ""
+        where = f"{e.loc}: " if e.loc is not None else ""
         _warn(f"{where}dsl.compile(target='{args.target}') refuses this model, so the listing below cannot run as "
               f"is: {e.msg}")
     return lower(fused, target=args.target)

@@ -9,6 +9,7 @@ import math
 import numbers
 import operator
 import re
+import warnings
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -18,7 +19,7 @@ import lark
 import sympy
 
 from .builder import GraphBuilder, ShapeError
-from .errors import Loc, MtcError, did_you_mean
+from .errors import Loc, MtcError, MtcWarning, did_you_mean
 from .ir import Ref, canon_dtype, sym
 from .ops import EXPERT_DTYPES
 
@@ -528,8 +529,6 @@ class SpecBuilder:
         if op in ("moe", "latent_moe") and eff.get("shared") == 0 and kwargs.get("shared_inter"):
             unused.append(("shared_inter", "shared=0: there is no shared expert"))
         if unused:
-            import warnings
-            from .errors import MtcWarning
             for k, why in unused:
                 warnings.warn(MtcWarning(f"{fname}: {k}= has no effect here: {why}", loc), stacklevel=4)
 
@@ -607,8 +606,6 @@ class SpecBuilder:
 
     def _assign(self, name: str, loc: Loc) -> None:
         """Record a forward assignment; warn when it replaces a value assigned before and never read."""
-        import warnings
-        from .errors import MtcWarning
         first = self._assigned.get(name)
         if first is not None and name not in self._read_since:
             self._dead_said.add((first.line, first.col))
@@ -636,8 +633,6 @@ class SpecBuilder:
                                     f"{describe(v)}; a dimension is an integer from 1 to {MAX_DIM} or a shape symbol", loc)
             self.used.add(text)
             if pos == 0 or (pos == 1 and (rank >= 3 or dtype.startswith(("i", "u")))):
-                import warnings
-                from .errors import MtcWarning
                 warnings.warn(MtcWarning(
                     f"input '{pname}': dimension {pos} is '{text}', the config field {text} = {v}, so the model takes "
                     f"exactly {v} there (a config value in a shape is a constant); to keep it a free "
@@ -657,8 +652,6 @@ class SpecBuilder:
         """MtcWarning for blocks never applied, forward inputs the outputs do not depend on, and assigned values
         the outputs do not depend on (dropped from the graph with their parameters by canonicalize), whether
         or not their name is read again (x = f(ids); x = g(x); return ids drops both)."""
-        import warnings
-        from .errors import MtcWarning
         from passes.canonicalize import live_nodes
         live = live_nodes(g)
         for bname, _expr, loc in self.spec.blocks:

@@ -54,10 +54,12 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import sympy
 
+from dsl.errors import MtcWarning
 from dsl.ir import DTYPES, SOURCE_OPS, Graph, TensorType, sym
 
 __all__ = ["MemoryPlan", "MoEComm", "plan_memory", "CHECKPOINTING"]
@@ -426,8 +428,6 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         raise ValueError("plan_memory: this graph is already canonicalized (no layer blocks, so no KV cache or "
                          "KDA state to read); pass the graph as parsed (dsl.load) and, optionally, canonical=")
     if not ops & set(_LAYER_OPS) and ops & {"kda_chunk", "mla_attention", "moe_experts"}:
-        import warnings
-        from dsl.errors import MtcWarning
         warnings.warn(MtcWarning(f"plan_memory: {graph.name} writes kda_chunk / mla_attention / moe_experts as "
                                  f"primitive ops: the KV cache, KDA state and expert-parallel figures are read from "
                                  f"the layer blocks (kda_layer, mla_layer, moe, latent_moe) and are not counted here"),
@@ -487,8 +487,6 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
     # -- expert-parallel all-to-all -----------------------------------------------------------
     tokens_gpu = batch * seq_len / gpus
     if tokens_gpu < 1:
-        import warnings
-        from dsl.errors import MtcWarning
         warnings.warn(MtcWarning(f"plan_memory: {batch * seq_len:,} tokens on {gpus:,} GPUs: "
                                  f"{gpus - batch * seq_len:,} GPUs hold no token; the per-GPU activation, KV-cache "
                                  f"and all-to-all figures are averages over all GPUs (use fewer GPUs or more "

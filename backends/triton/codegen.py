@@ -17,7 +17,6 @@ the printed kernel IR, the target and the tool versions), so sizes of symbolic d
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
