@@ -170,23 +170,22 @@ ONORM_CANDS = [{}, {"qw_reg": False}, {"num_warps": 8, "progs_per_sm": 1}, {"num
                {"bl": 1, "progs_per_sm": 3, "maxnreg": 168}]
 
 
-def sweep_onorm(n, Ls, copy_bw):
-    """The forward with the fused output norm: each of ONORM_CANDS applied over the default settings (as
-    T.FWD_DEFAULT_ONORM), GPU time from CUDA-graph replays; the best (geometric mean over Ls) is kept."""
-    emit(f"\n## Sweep of the forward's launch settings with the output norm (changes to the default; N = {n}, "
-         f"d = {D}, bf16, CUDA-graph replays)\n")
-    emit("| change | " + " | ".join(f"L={L} TB/s" for L in Ls) + f" | err (L={Ls[-1]}, 4096 rows) |")
+def _sweep_forward(n, Ls, copy_bw, cands, setting: dict, onorm: bool):
+    """Time the forward at N = n for every L in Ls with each candidate written into `setting` (a launch-setting
+    dict of the backend, cleared first), GPU time from CUDA-graph replays; a table row per candidate (a failing
+    one says so). Returns the best right one (geometric mean of TB/s over Ls) and its score: (None, -1) if none
+    was right. `setting` is left cleared, the test data freed."""
+    emit("| setting | " + " | ".join(f"L={L} TB/s" for L in Ls) + f" | err (L={Ls[-1]}, 4096 rows) |")
     emit("|---|" + "---|" * (len(Ls) + 1))
     data = {L: make(L, n) for L in Ls}
-    ow = (1 + 0.3 * torch.randn(D, device="cuda")).to(torch.bfloat16)
+    ow = (1 + 0.3 * torch.randn(D, device="cuda")).to(torch.bfloat16) if onorm else None
     qc, sc, wc = data[Ls[-1]]
     rows = torch.cat([torch.arange(min(n, 2048), device="cuda"), torch.randint(0, n, (2048,), device="cuda")])
     ref = chunked_reference(qc, sc, wc, ow, rows=rows)
-    best, best_score = {}, -1.0
-    T.FWD_CONFIG.clear()
-    for cfg in ONORM_CANDS:
-        T.FWD_DEFAULT_ONORM.clear()
-        T.FWD_DEFAULT_ONORM.update(cfg)
+    best, best_score = None, -1.0
+    for cfg in cands:
+        setting.clear()
+        setting.update(cfg)
         tbs = []
         try:
             err = rel(T.attn_residual(qc, sc, wc, output_rms_weight=ow)[rows], ref)
@@ -202,22 +201,27 @@ def sweep_onorm(n, Ls, copy_bw):
              + f" | {err:.1e}" + (" WRONG, not eligible" if not err < 1e-2 else "") + " |")
         if err < 1e-2 and score > best_score:
             best, best_score = dict(cfg), score
-    T.FWD_DEFAULT_ONORM.clear()
-    T.FWD_DEFAULT_ONORM.update(best)
-    emit(f"\nbest change with the output norm: {best or 'none'} (geometric mean {best_score / 1e12:.2f} TB/s)")
+    setting.clear()
     data = qc = sc = wc = ref = None  # free
     torch.cuda.empty_cache()
+    return best, best_score
+
+
+def sweep_onorm(n, Ls, copy_bw):
+    """The forward with the fused output norm: each of ONORM_CANDS applied over the default settings (as
+    T.FWD_DEFAULT_ONORM); the best (geometric mean over Ls) is kept."""
+    emit(f"\n## Sweep of the forward's launch settings with the output norm (changes to the default; N = {n}, "
+         f"d = {D}, bf16, CUDA-graph replays)\n")
+    T.FWD_CONFIG.clear()
+    best, best_score = _sweep_forward(n, Ls, copy_bw, ONORM_CANDS, T.FWD_DEFAULT_ONORM, onorm=True)
+    best = best or {}
+    T.FWD_DEFAULT_ONORM.update(best)
+    emit(f"\nbest change with the output norm: {best or 'none'} (geometric mean {best_score / 1e12:.2f} TB/s)")
     return best
 
 
 def sweep(n, Ls, copy_bw, small=False):
     emit(f"\n## Sweep of our forward's launch settings (N = {n}, d = {D}, bf16; GPU time from CUDA-graph replays)\n")
-    emit("| setting | " + " | ".join(f"L={L} TB/s" for L in Ls) + f" | err (L={Ls[-1]}, 4096 rows) |")
-    emit("|---|" + "---|" * (len(Ls) + 1))
-    data = {L: make(L, n) for L in Ls}
-    qc, sc, wc = data[Ls[-1]]
-    rows = torch.cat([torch.arange(min(n, 2048), device="cuda"), torch.randint(0, n, (2048,), device="cuda")])
-    ref = chunked_reference(qc, sc, wc, rows=rows)
     # the settings measured in the 2nd-4th sessions are in git history (benchmarks/results/attn_residual.md
     # holds their table); the 4th session's winner (the default) is first, then the settings around it that
     # were never run, then (5th session) what the TVM backend's pipelined kernel found on the H200: ~100 KB
@@ -240,29 +244,7 @@ def sweep(n, Ls, copy_bw, small=False):
     ]
     if small:
         cands = SMALL_L_CANDS
-    best, best_score = None, -1.0
-    for cfg in cands:
-        T.FWD_CONFIG.clear()
-        T.FWD_CONFIG.update(cfg)
-        tbs = []
-        try:
-            err = rel(T.attn_residual(qc, sc, wc)[rows], ref)
-            for L in Ls:
-                q, s, w = data[L]
-                t = bench_graph(lambda: T.attn_residual(q, s, w))
-                tbs.append((L + 1) * n * D * 2 / t)
-        except Exception as e:  # a setting that does not compile/launch is skipped, and said so
-            emit(f"| {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
-            continue
-        score = math.exp(sum(math.log(x) for x in tbs) / len(tbs))
-        emit(f"| {cfg} | "
-             + " | ".join(f"{x / 1e12:.2f} ({x / copy_bw:.0%})" for x in tbs) + f" | {err:.1e}"
-             + (" WRONG, not eligible" if not err < 1e-2 else "") + " |")
-        if err < 1e-2 and score > best_score:
-            best, best_score = dict(cfg), score
-    data = qc = sc = wc = ref = None  # free
-    torch.cuda.empty_cache()
-    T.FWD_CONFIG.clear()
+    best, best_score = _sweep_forward(n, Ls, copy_bw, cands, T.FWD_CONFIG, onorm=False)
     if best is None:
         emit("\nno setting gave a right result: the default stays")
         return dict(T.FWD_DEFAULT)
