@@ -528,9 +528,8 @@ class SpecBuilder:
             unused.append(("lower_bound", "the softplus gate is unbounded (lower_bound applies to gate=\"sigmoid\")"))
         if op in ("moe", "latent_moe") and eff.get("shared") == 0 and kwargs.get("shared_inter"):
             unused.append(("shared_inter", "shared=0: there is no shared expert"))
-        if unused:
-            for k, why in unused:
-                warnings.warn(MtcWarning(f"{fname}: {k}= has no effect here: {why}", loc), stacklevel=4)
+        for k, why in unused:
+            warnings.warn(MtcWarning(f"{fname}: {k}= has no effect here: {why}", loc), stacklevel=4)
 
     def _apply_block(self, blk: Block, args, name, loc):
         if len(args) != 1 or not isinstance(args[0], Ref):
