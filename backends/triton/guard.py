@@ -141,10 +141,11 @@ class DeviceTableCache:
             value, ready, stream = hit
             if capturing:
                 self._pinned.add(key)
-            if ready is not None:
+            # (during a capture nothing runs, and querying or waiting on an event recorded outside it is an error)
+            if ready is not None and not capturing:
                 if ready.query():                    # the copies have run: nothing to order any more
                     self._entries[key] = (value, None, None)
-                elif torch.cuda.current_stream(device) != stream and not capturing:
+                elif torch.cuda.current_stream(device) != stream:
                     torch.cuda.current_stream(device).wait_event(ready)
             return value
         value = build()
