@@ -70,6 +70,35 @@ def test_forward_matches_reference(T, impl):
         assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
 
 
+@pytest.mark.parametrize("piece_chunks,max_pieces,pieces", [(5, 32, 3), (1, 16, 16)])
+def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, monkeypatch):
+    # the no-autograd forward of one long sequence as a pipeline over chunk ranges (_fwd_pipelined; on the GPU
+    # three streams, here the same launches in order): the same kernels over slices of the chunk tables, so the
+    # result must equal the one-stream forward exactly; T = 1000 is 16 chunks, the last one partial
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16))
+    B, T, H, K, V = 1, 1000, 2, 16, 32
+    q, k, v, g, beta, S0 = make(B, T, H, K, V)
+    calls = []
+    real = tk._fwd_pipelined
+    monkeypatch.setattr(tk, "_fwd_pipelined", lambda *a: calls.append(len(a[11])) or real(*a))
+    for lb, h0 in ((-5.0, S0), (None, None)):
+        want = {}
+        for on in (False, True):
+            monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, on=on, min_chunks=2, piece_chunks=piece_chunks,
+                                                     max_pieces=max_pieces))
+            want[on] = tk.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, lower_bound=lb)
+        assert torch.equal(want[True][0], want[False][0]) and torch.equal(want[True][1], want[False][1])
+        o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert rel_rms(want[True][0], o_r) < 2e-5 and rel_rms(want[True][1], S_r) < 2e-5
+    assert calls == [pieces, pieces]
+    # under autograd the forward keeps what the backward needs: no pipeline
+    qg = q.clone().requires_grad_()
+    o, _ = tk.kda_chunk(qg, k, v, g, beta, lower_bound=-5.0, output_final_state=True)
+    assert calls == [pieces, pieces]
+    o.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
 def test_forward_against_token_loop_at_the_bound_segmented(impl):
     # every third channel random, the rest exactly at the bound; 3 segments of 1 chunk (+ a partial one);
     # V = 64 > K: two value blocks in the state pass, and the augmented [M | D] pass has unequal halves
@@ -552,6 +581,39 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
     eo, es = rel_rms(o, o_r), rel_rms(S, S_r)
     print(f"\nGPU bf16 T=4096 H={H} seg={seg} intra={intra}: rel RMS o {eo:.2e}, final state {es:.2e}")
     assert eo < 5e-3 and es < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_pipelined_forward_bf16(monkeypatch):
+    # T = 140001 is 2188 chunks: past PIPE_CFG's min_chunks, so the no-autograd forward runs as the three-stream
+    # pipeline over its pieces: bit for bit the one-stream forward with the same state columns, right against the
+    # reference, and the same again when captured in a CUDA graph (the side streams fork from and join the
+    # capturing stream)
+    B, T, H, K, V = 1, 140001, 4, 128, 128
+    q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
+    plan = tk._pipeline_pieces(tk._tables(B, T, None, 1 << 30, q.device), True, q.device, H, V, 16)
+    assert plan is not None and plan[1] == tk.PIPE_CFG["bv"]
+    # at H = 96 the state pass would hold every SM: no pipeline
+    assert tk._pipeline_pieces(tk._tables(B, T, None, 1 << 30, q.device), True, q.device, 96, V, 16) is None
+    with torch.no_grad():
+        o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+        monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=plan[1]))
+        monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, on=False))
+        o1, S1 = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+        monkeypatch.undo()
+        assert torch.equal(o, o1) and torch.equal(S, S1)
+        o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+        eo, es = rel_rms(o, o_r), rel_rms(S, S_r)
+        print(f"\nGPU bf16 T={T} H={H} pipelined: rel RMS o {eo:.2e}, final state {es:.2e}")
+        assert eo < 5e-3 and es < 5e-3
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            og, Sg = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+        q.copy_(torch.flip(q, [1]))
+        o2, S2 = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(og, o2) and torch.equal(Sg, S2) and not torch.equal(o2, o)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,12 @@ forward without autograd 16 when 16-column programs fit one per SM, which then r
    (K x (K+V), starting from [I | 0], values [0 | U]) gives the affine segment map S_out = M S_in + D
    (context-parallel algebra for linear attention); ``_combine_kernel`` chains the maps serially (one
    K x K x V product per segment), and then every segment runs step 2 in parallel from its own entry state.
+   A forward without autograd of one long unsplit sequence (from ``PIPE_CFG["min_chunks"]`` chunks) runs
+   as a pipeline instead (``_fwd_pipelined``): the sequence is cut into pieces of ~256 chunks; piece p's
+   step 1 runs on the caller's stream while piece p-1's step 2 (its chain on a high-priority stream, 32
+   state columns, so it holds half the SMs) and piece p-2's output kernel run beside it on two more streams.
+   Same kernels and arithmetic; the chain, latency-bound, hides behind the parallel work (H200, H = 16, 1M:
+   54.8 -> 48.2 ms).
 4. Backward: the state gradient obeys the transposed recurrence
    dS_prev = (diag(e^(G_C)) - Wk^T Kd) dS + (q e^G)^T dO - Wk^T P^T dO, computed with the same segment
    algebra in reverse (``_bwd_state_kernel`` MODE 1 for the segment maps).  ``BWD_IMPL = "v2"`` (the
@@ -54,6 +60,7 @@ forward without autograd 16 when 16-column programs fit one per SM, which then r
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -1647,7 +1654,7 @@ def _build_tables(B, T, bounds, seg_chunks, device):
                 seg_t1=dev(st1), seg_seq=dev(segseq, np.int64),
                 seq_s0=dev(sq0), seq_s1=dev(sq1), n_chunks=nc, n_seg=len(seg0), n_seq=len(bounds),
                 first_seg=dev(sq0a, np.int64), last_seg=dev(sq1a - 1, np.int64),
-                segmented=bool((sq1a - sq0a > 1).any()))
+                segmented=bool((sq1a - sq0a > 1).any()), seq_bounds=tuple((int(s), int(e)) for s, e in bounds))
 
 
 def _seg_chunks_for(n_chunks_longest, BH, K, V, BV, device, seg_chunks, grad=True):
@@ -1795,34 +1802,168 @@ def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, s
     save_b is off); with save_b also Bm = Akk before beta (BM, float32 [N, H, 64], for the backward).
     Returns (TB, GCS, BM or None)."""
     N, dev, NC = q2.shape[0], q2.device, tab["n_chunks"]
-    cfg = INTRA5_CFG
     NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
     BM = torch.empty(N, H, 64, dtype=torch.float32, device=dev) if save_b else None
     GCS = torch.empty(N, H, K, dtype=torch.float32, device=dev)
     FB = torch.empty(NC, H, 4, dtype=torch.int32, device=dev)
-    _chunk_cumsum_kernel[(NC, H)](g2, tab["cstart"], tab["clen"], GCS, FB, lb, H, K=K, FAST=fast,
+    tdt = idt if INTRA5_CFG.get("tb_lowp") and not save_b else torch.float32
+    TB = torch.empty(N, H, 64, dtype=tdt, device=dev)
+    _intra5_launch(q2, k2, g2, b2, tab["cstart"], tab["clen"], NC, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM,
+                   FB, NBUF, GCS, TB, BM, KGB)
+    return TB, GCS, BM
+
+
+def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, FB, NBUF, GCS, TB,
+                   BM=None, KGB=None, marks=True):
+    """_intra5's three launches over the NC chunks of the tables cstart / clen (a slice of a chunk table is a
+    range of chunks): the token-indexed outputs go to their tokens' rows, the chunk-indexed ones (GAM, FB
+    [NC, H, ...]) to rows 0 .. NC-1 of the given tensors.  marks: record the phase boundaries (PROFILE)."""
+    cfg = INTRA5_CFG
+    mark = _mark if marks else (lambda name: None)
+    _chunk_cumsum_kernel[(NC, H)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast,
                                   num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
-    _mark("intra: cumsum")
+    mark("intra: cumsum")
     r_fast = bool(cfg.get("r_fast"))
+    save_b = BM is not None
     _fwd_strip5_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
-        q2, k2, GCS, FB, b2, tab["cstart"], tab["clen"], NBUF, QG, KD, AQK, GAM, scale, H, K=K,
+        q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
         BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, BM=BM if save_b else NBUF, SAVE_B=save_b,
         KGB=KGB if KGB is not None else NBUF, WRITE_KGB=KGB is not None, LIM_ROWS=bool(cfg.get("lim_rows")),
         FTZ=bool(cfg.get("ftz")) and not _interpret(),
         num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
-    _mark("intra: strip")
-    tdt = idt if cfg.get("tb_lowp") and not save_b else torch.float32
-    TB = torch.empty(N, H, 64, dtype=tdt, device=dev)
-    _fwd_solve4_kernel[(NC, H)](NBUF, tab["cstart"], tab["clen"], TB, H, PREC=_solve_prec(cfg),
+    mark("intra: strip")
+    _fwd_solve4_kernel[(NC, H)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg),
                                 num_warps=cfg["nw_solve"], num_stages=1)
-    _mark("intra: solve")
-    return TB, GCS, BM
+    mark("intra: solve")
 
 
-def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
+def _wu5_launch(k2, v2, b2, cstart, clen, NC, H, K, V, idt, GCS, TB, WK, U, kgb):
+    """The v5 w/u kernel over the NC chunks of cstart / clen; with kgb, WK holds diag(beta) k e^G on entry
+    (each program reads its chunk's rows before writing them)."""
+    _fwd_wu_kernel[(NC, H)](WK if kgb else k2, v2, GCS, b2, cstart, clen, TB, WK, U, H, K=K, V=V, DT=_TL[idt],
+                            CUMSUM=True, KGB_IN=kgb, num_warps=INTRA5_CFG["nw_wu"], num_stages=1)
+
+
+#: the forward without autograd of one long sequence as a pipeline over pieces of the sequence (_fwd_pipelined):
+#: on: use it where it applies; min_chunks: only from this many chunks on; piece_chunks, max_pieces: pieces
+#: (consecutive chunk ranges of about equal length) of about piece_chunks chunks, at most max_pieces of them;
+#: state_priority: the serial state pass on a stream of the highest priority; bv: state columns per program of
+#: its state pass (None: as the one-stream forward).
+#: H200, 18th session, H = 16, T = 1M forward (ms; one stream 54.7): 16 pieces 50.8 (state pass at 16 columns,
+#: 128 programs), 50.7 without the priority, 52.9 with 2 pipeline stages in the state pass; 32 columns (64
+#: programs, fewer SMs held by the chain) 48.7 at 16 pieces, 49.5 at 8, 48.2 at 32, 49.3 at 64; the pieces' intra
+#: kernels on two or three streams 50.2-51.1.  A per-kernel timeline (CUDA events per launch, 16 pieces, 16
+#: columns): a piece's state pass takes 1.7 ms against 0.93 alone and finishes before the next piece's intra
+#: work does (3.2 ms a piece against 2.1 alone): the chain is hidden, what is left is the intra kernels slowed by
+#: sharing the SMs with it and with the output kernel.  At 32 columns, forward ms (one stream / pieces): 64K 3.48
+#: / 11.9 at 32 pieces, 4.00 at 16 (launch-bound: six launches a piece); 256K 13.74 / 12.57 at 32, 12.29 at 16;
+#: 1M 54.91 / 48.26 at 32, 48.70 at 16.  With the defaults (pieces of 256 chunks, at most 32): 64K 3.47 / 3.22 (4
+#: pieces), 256K 13.69 / 12.27 (16), 1M 54.78 / 48.17 (32); H = 96, 256K: not pipelined (the chain would hold
+#: every SM), 74.1 either way.
+PIPE_CFG = dict(on=True, min_chunks=1024, piece_chunks=256, max_pieces=32, state_priority=True, bv=32)
+_SIDE_STREAMS: dict = {}
+
+
+def _pipeline_pieces(tab, pipeline, dev, H, V, BV):
+    """(chunk ranges [(a, b), ...], state columns per program) of the pipelined forward, or None where it does
+    not apply: autograd on, not the v5 intra kernels, not one unsplit sequence of at least
+    PIPE_CFG["min_chunks"] chunks, or a state pass that would hold more than half of the SMs (H x V / columns
+    programs, one per SM, with the columns PIPE_CFG["bv"] or wider: at H = 96 the chain fills the GPU, and
+    the 18th session's run had the pipeline 1% slower there).  (Under the interpreter the pieces run one after
+    another on the CPU: the tests check the piece bookkeeping there.)"""
+    cfg, NC = PIPE_CFG, tab["n_chunks"]
+    if (not pipeline or not cfg.get("on") or (dev.type != "cuda" and not _interpret()) or INTRA_IMPL != "v5"
+            or tab["n_seq"] != 1 or tab["n_seg"] != 1 or NC < max(2, int(cfg["min_chunks"]))):
+        return None
+    bv = min(V, int(cfg.get("bv") or BV))
+    if dev.type == "cuda":
+        while bv < V and H * (V // bv) > sm_count(dev) // 2:
+            bv *= 2
+        if H * (V // bv) > sm_count(dev) // 2:
+            return None
+    P = max(2, min(int(cfg["max_pieces"]), NC // max(1, int(cfg["piece_chunks"]))))
+    edges = [NC * i // P for i in range(P + 1)]
+    return list(zip(edges[:-1], edges[1:])), bv
+
+
+def _side_streams(dev):
+    """(state stream, output stream) of the pipelined forward on this device, made once."""
+    key = (dev.index if dev.index is not None else torch.cuda.current_device(), bool(PIPE_CFG.get("state_priority")))
+    if key not in _SIDE_STREAMS:
+        hi = torch.cuda.Stream.priority_range()[1] if key[1] else 0
+        _SIDE_STREAMS[key] = (torch.cuda.Stream(dev, priority=hi), torch.cuda.Stream(dev))
+    return _SIDE_STREAMS[key]
+
+
+def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, K, V, idt, WK, U, QG, KD, AQK, GAM, o):
+    """The v5 forward of one sequence as a three-stream pipeline over its pieces (chunk ranges (a, b)), with BV
+    state columns per program of the state pass.
+
+    The intra-chunk kernels (cumsum, strips, solve, w/u: independent per chunk, bandwidth- and issue-bound) of
+    piece p run on the caller's stream; the serial state pass of piece p (BH x V/BV programs, latency-bound:
+    at H = 16 one 4-warp program per SM that waits on its two dependent products each chunk) runs on a
+    high-priority side stream as soon as piece p's intra work is done, from piece p-1's final state; the
+    output kernel of piece p on a third stream after it.  So the chain overlaps the next pieces' intra
+    work instead of running after all of it.  Same kernels and arithmetic as the one-stream forward (with the
+    same state columns per program, PIPE_CFG["bv"]): the result is the same bit for bit.  The caller's stream
+    waits for both side streams before return, so the scratch tensors are free for it to reuse.
+    Returns (final state [1, H, K, V] float32, entry state S_IN [1, H, K, V])."""
+    dev = q2.device
+    N, NC = q2.shape[0], tab["n_chunks"]
+    P = len(pieces)
+    cuda = dev.type == "cuda"
+    main = torch.cuda.current_stream(dev) if cuda else None
+    s_state, s_o = _side_streams(dev) if cuda else (None, None)
+
+    def on(stream, after):
+        """Run the next launches on `stream` once the work queued on `after` is done (CPU: in order)."""
+        if not cuda:
+            return contextlib.nullcontext()
+        stream.wait_stream(after)
+        return torch.cuda.stream(stream)
+
+    kgb = bool(INTRA5_CFG.get("kgb"))
+    NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
+    GCS = torch.empty(N, H, K, dtype=torch.float32, device=dev)
+    FB = torch.empty(NC, H, 4, dtype=torch.int32, device=dev)
+    TB = torch.empty(N, H, 64, dtype=idt if INTRA5_CFG.get("tb_lowp") else torch.float32, device=dev)
+    HB = torch.empty(NC, H, K, V, dtype=idt, device=dev)
+    VN = torch.empty(N, H, V, dtype=idt, device=dev)
+    S = torch.empty(P + 1, H, K, V, dtype=torch.float32, device=dev)     # S[p]: the state entering piece p
+    if h0 is None:
+        S[0].zero_()
+    else:
+        S[0].copy_(h0.reshape(H, K, V))
+    s0, e0 = tab["seq_bounds"][0]
+    cst, cln = tab["cstart"], tab["clen"]
+    pt = _TABLE_CACHE.get(("pieces", str(dev), s0, e0, tuple(pieces)), lambda: device_table(np.asarray(
+        [[s0 + a * CHUNK for a, _ in pieces], [min(e0, s0 + b * CHUNK) for _, b in pieces],
+         [a for a, _ in pieces], [b for _, b in pieces]], dtype=np.int32), torch.int32, dev), dev)
+    BVO = min(V, 128)
+    nst = _pass_stages(V // BV * H, dev)
+    for p, (a, b) in enumerate(pieces):
+        n = b - a
+        _intra5_launch(q2, k2, g2, b2, cst[a:b], cln[a:b], n, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM[a:b],
+                       FB[a:b], NBUF, GCS, TB, None, WK if kgb else None, marks=False)
+        _wu5_launch(k2, v2, b2, cst[a:b], cln[a:b], n, H, K, V, idt, GCS, TB, WK, U, kgb)
+        with on(s_state, main):
+            _fwd_h_kernel[(V // BV, H, 1)](WK, U, KD, GAM, VN, HB, S[p], S[p + 1], pt[0, p:], pt[1, p:], pt[2, p:],
+                                           pt[3, p:], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True,
+                                           STORE_VN=True, num_warps=H_CFG["num_warps"], num_stages=nst)
+        with on(s_o, s_state):
+            _fwd_o_kernel[(n, H, V // BVO)](QG, AQK, VN, HB[a:b], o, cst[a:b], cln[a:b], H, K=K, V=V, BV=BVO,
+                                            num_warps=4, num_stages=1)
+    if cuda:
+        main.wait_stream(s_o)
+        main.wait_stream(s_state)
+    _mark("pipelined forward")
+    return S[P:P + 1], S[0:1]
+
+
+def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False, pipeline=False):
     """The forward. keep_t (BWD_IMPL "v2" under autograd): also return T and Bm of every chunk ((TB, BM),
     float32 [N, H, 64] each) for the backward, from the v5 intra kernels (other intra implementations: None,
-    the backward recomputes them)."""
+    the backward recomputes them).  pipeline (no autograd): one long sequence runs as _fwd_pipelined."""
     if INTRA_IMPL not in ("v2", "v3", "v4", "v5"):
         raise ValueError(f"backends.triton.kda.INTRA_IMPL must be 'v2', 'v3', 'v4' or 'v5', got {INTRA_IMPL!r}")
     B, T, H, K = q.shape
@@ -1840,6 +1981,12 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
     GAM = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
     kept = None
     _mark("start")
+    plan = _pipeline_pieces(tab, pipeline and not keep_t, dev, H, V, BV)
+    if plan is not None:
+        o = torch.empty(N, H, V, dtype=v.dtype, device=dev)
+        final, S_IN = _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, plan[1], plan[0], H, K, V, idt,
+                                     WK, U, QG, KD, AQK, GAM, o)
+        return o.view(B, T, H, V), final, (WK, U, QG, KD, AQK, GAM, S_IN), None
     if NC and INTRA_IMPL == "v3":
         for part in ((1, 2) if INTRA3_CFG["split"] else (0,)):
             _fwd_intra3_kernel[(NC, H)](q2, k2, v2, g2, b2, tab["cstart"], tab["clen"], WK, U, QG, KD, AQK, GAM,
@@ -1853,10 +2000,7 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False):
         kgb = bool(INTRA5_CFG.get("kgb"))
         TB, GCS, BM = _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, keep_t,
                               KGB=WK if kgb else None)
-        # with kgb, WK holds diag(beta) k e^G on entry; each program reads its chunk's rows before writing them
-        _fwd_wu_kernel[(NC, H)](WK if kgb else k2, v2, GCS, b2, tab["cstart"], tab["clen"], TB, WK, U, H, K=K,
-                                V=V, DT=_TL[idt], CUMSUM=True, KGB_IN=kgb, num_warps=INTRA5_CFG["nw_wu"],
-                                num_stages=1)
+        _wu5_launch(k2, v2, b2, tab["cstart"], tab["clen"], NC, H, K, V, idt, GCS, TB, WK, U, kgb)
         del GCS
         if keep_t:
             kept = (TB, BM)
@@ -2105,7 +2249,7 @@ class _KDAFunction(torch.autograd.Function):
         # grad: autograd was on at the call and an input needs a gradient (inside forward grad mode is off,
         # and needs_input_grad says True under no_grad too)
         keep = BWD_IMPL == "v2" and INTRA_IMPL == "v5" and tab["n_chunks"] > 0 and grad
-        o, final, saved, kept = _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=keep)
+        o, final, saved, kept = _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=keep, pipeline=not grad)
         kept = kept or ()
         ctx.save_for_backward(q, k, v, g, beta, h0, *saved, *kept)
         ctx.n_kept = len(kept)
