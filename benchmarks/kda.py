@@ -100,6 +100,10 @@ def main():
                     help="also time the default with these settings (same syntax as --set; several dicts joined "
                          "by ';'), one extra row per case and pass tagged [alt N], e.g. --alt \"H_CFG:bv='auto'\" "
                          "(repeatable)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="per-kernel timeline of one mtc forward at the largest case: CUDA events around every "
+                         "launch on the stream it is queued on (the pipelined forward runs three streams); per "
+                         "kernel the summed time, first start and last end, and each state pass's interval")
     ap.add_argument("--no-fwd", action="store_true", help="forward+backward rows only")
     ap.add_argument("--only", choices=("fla", "mtc"), default=None,
                     help="time one implementation only (the other's columns print '-'): for rows where both do "
@@ -283,6 +287,13 @@ def main():
                     lines.append(f"|   | phases{' ' + impl if len(intras) > 1 else ''} H={H} T={T} | {ph} |")
                     print(lines[-1], flush=True)
                     write()
+    if args.timeline and cases:
+        H, T = max(cases, key=lambda c: c[0] * c[1])
+        lines += ["", f"timeline of one mtc forward at H={H} T={T} (ms from the call's start):"]
+        for item in timeline(tk, kda_chunk, T, H):
+            lines.append("- " + item)
+            print(lines[-1], flush=True)
+        write()
     if args.sweep and cases:
         H, T = max(cases, key=lambda c: c[0] * c[1])
         lines += ["", f"sweep of the mtc forward at H={H} T={T} (ms; seg = chunks per segment, None = model):"]
@@ -447,6 +458,59 @@ def phases(tk, kda_chunk, T, H, reps=5, bwd=False):
             for (_, a), (name, b) in zip(ev[:-1], ev[1:]):
                 per.setdefault(name, []).append(a.elapsed_time(b))
     return ", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
+
+
+class _TimedKernel:
+    """Stands in for a Triton kernel of backends.triton.kda: kernel[grid](...) launches it between two CUDA
+    events recorded on the current stream, logged as (name, start, end)."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def launch(*a, **kw):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            self.kernel[grid](*a, **kw)
+            e1.record()
+            self.log.append((self.name, e0, e1))
+        return launch
+
+
+def timeline(tk, kda_chunk, T, H):
+    """One mtc forward (after a warm-up call) with every forward kernel launch timed by events on its own
+    stream: lines of per-kernel sums (ms), first start and last end relative to the call's start, and the
+    state passes' intervals (one per piece of the pipelined forward)."""
+    q, k, v, g, beta = make(T, H)
+    names = [n for n in ("_chunk_cumsum_kernel", "_fwd_strip5_kernel", "_fwd_solve4_kernel", "_fwd_wu_kernel",
+                         "_fwd_h_kernel", "_combine_kernel", "_fwd_o_kernel") if hasattr(tk, n)]
+    log = []
+    orig = {n: getattr(tk, n) for n in names}
+    try:
+        for n in names:
+            setattr(tk, n, _TimedKernel(orig[n], n, log))
+        with torch.no_grad():
+            kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            torch.cuda.synchronize()
+            log.clear()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            e.record()
+            torch.cuda.synchronize()
+    finally:
+        for n in names:
+            setattr(tk, n, orig[n])
+    out = [f"whole forward {s.elapsed_time(e):.2f} ms (with the events)"]
+    spans = {}
+    for n, a, b in log:
+        spans.setdefault(n, []).append((s.elapsed_time(a), s.elapsed_time(b)))
+    for n, iv in spans.items():
+        out.append(f"{n}: {len(iv)} launches, {sum(b - a for a, b in iv):.2f} ms in all, first start {iv[0][0]:.2f}, "
+                   f"last end {iv[-1][1]:.2f}")
+    if "_fwd_h_kernel" in spans:
+        out.append("state passes: " + ", ".join(f"{a:.1f}-{b:.1f}" for a, b in spans["_fwd_h_kernel"]))
+    return out
 
 
 def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
