@@ -1923,10 +1923,14 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
         return torch.cuda.stream(stream)
 
     kgb = bool(INTRA5_CFG.get("kgb"))
-    NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
-    GCS = torch.empty(N, H, K, dtype=torch.float32, device=dev)
+    # the intra kernels' scratch holds one piece (the caller's stream orders the pieces' use of it); each piece's
+    # intra launches see token-indexed views that start at the piece's first token, with the chunk starts
+    # relative to it (0, 64, 128, ...: one table for every piece of the one sequence)
+    rows = max(b - a for a, b in pieces) * CHUNK
+    NBUF = torch.empty(rows, H, 64, dtype=torch.float32, device=dev)
+    GCS = torch.empty(rows, H, K, dtype=torch.float32, device=dev)
+    TB = torch.empty(rows, H, 64, dtype=idt if INTRA5_CFG.get("tb_lowp") else torch.float32, device=dev)
     FB = torch.empty(NC, H, 4, dtype=torch.int32, device=dev)
-    TB = torch.empty(N, H, 64, dtype=idt if INTRA5_CFG.get("tb_lowp") else torch.float32, device=dev)
     HB = torch.empty(NC, H, K, V, dtype=idt, device=dev)
     VN = torch.empty(N, H, V, dtype=idt, device=dev)
     S = torch.empty(P + 1, H, K, V, dtype=torch.float32, device=dev)     # S[p]: the state entering piece p
@@ -1939,13 +1943,15 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
     pt = _TABLE_CACHE.get(("pieces", str(dev), s0, e0, tuple(pieces)), lambda: device_table(np.asarray(
         [[s0 + a * CHUNK for a, _ in pieces], [min(e0, s0 + b * CHUNK) for _, b in pieces],
          [a for a, _ in pieces], [b for _, b in pieces]], dtype=np.int32), torch.int32, dev), dev)
+    rel = _TABLE_CACHE.get(("piece starts", str(dev), rows), lambda: device_table(
+        np.arange(0, rows, CHUNK, dtype=np.int32), torch.int32, dev), dev)
     BVO = min(V, 128)
     nst = _pass_stages(V // BV * H, dev)
     for p, (a, b) in enumerate(pieces):
-        n = b - a
-        _intra5_launch(q2, k2, g2, b2, cst[a:b], cln[a:b], n, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM[a:b],
-                       FB[a:b], NBUF, GCS, TB, None, WK if kgb else None, marks=False)
-        _wu5_launch(k2, v2, b2, cst[a:b], cln[a:b], n, H, K, V, idt, GCS, TB, WK, U, kgb)
+        n, t = b - a, s0 + a * CHUNK
+        _intra5_launch(q2[t:], k2[t:], g2[t:], b2[t:], rel[:n], cln[a:b], n, H, K, scale, lb, fast, idt, QG[t:],
+                       KD[t:], AQK[t:], GAM[a:b], FB[a:b], NBUF, GCS, TB, None, WK[t:] if kgb else None, marks=False)
+        _wu5_launch(k2[t:], v2[t:], b2[t:], rel[:n], cln[a:b], n, H, K, V, idt, GCS, TB, WK[t:], U[t:], kgb)
         with on(s_state, main):
             _fwd_h_kernel[(V // BV, H, 1)](WK, U, KD, GAM, VN, HB, S[p], S[p + 1], pt[0, p:], pt[1, p:], pt[2, p:],
                                            pt[3, p:], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True,
