@@ -2309,6 +2309,12 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [N_seq, H, K, V] float32 or None).
 
+    Streams: without autograd, one sequence of at least PIPE_CFG["min_chunks"] chunks (64K tokens) runs as a
+    pipeline over the caller's stream and two side streams of this module (the serial state chain beside
+    the parallel work; same result bit for bit, see the module docstring).  The caller's stream waits for
+    both before the call returns, so the result is ordered on it as usual, and a CUDA-graph capture takes the
+    side streams in.  Set ``PIPE_CFG["on"] = False`` for one stream.
+
     Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8, spec/OPS.md "kda_chunk"; see the module docstring for
     the kernel decomposition.  Raises TypeError/ValueError on bad dtypes/shapes (same checks as the
     reference), on a lower_bound outside [-10, 0), and on K or V above 256.
