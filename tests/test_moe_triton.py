@@ -65,6 +65,31 @@ def test_qb_route_matches_reference(n, d, e, k):
     assert rel_rms(wt, rwt) < 1e-5
 
 
+def test_qb_route_weights_when_every_score_underflows():
+    # rows whose router logits all lie below about -88: sigmoid gives scores of exactly 0, and the picks' weights
+    # s_j / sum s were 0 / 0 = NaN (found by a user trial); in log space they are finite and right. Rows 5..: normal
+    # logits beside them. Against float64 s / sum s (exact there), forward and gradient.
+    n, d, e, k = 9, 16, 7, 3
+    x = torch.randn(n, d, device=DEV, dtype=torch.float64)
+    x[:5] = -40.0 - 20.0 * torch.rand(5, d, device=DEV, dtype=torch.float64)
+    w = (torch.rand(e, d, device=DEV, dtype=torch.float64) + 0.1) / 4
+    w[:, :] += torch.linspace(0, 0.3, e, device=DEV, dtype=torch.float64)[:, None]
+    b = torch.zeros(e, device=DEV)
+    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+    for mod in (tm, ref):
+        idx, wt, s = mod.qb_route(xf, wf, b, top_k=k, routed_scaling=1.5)
+        assert bool((s[:5] == 0).all()) and bool(torch.isfinite(wt).all()), mod.__name__
+        x64, w64 = x.clone().requires_grad_(), w.clone().requires_grad_()
+        z = (x64 @ w64.t()).gather(1, idx)
+        want = torch.softmax(torch.nn.functional.logsigmoid(z), dim=-1) * 1.5     # = s / sum s, exact in float64
+        assert rel_rms(wt, want) < 1e-6, mod.__name__
+        gw = torch.randn(n, k, device=DEV, dtype=torch.float64)
+        got = torch.autograd.grad((wt * gw.float()).sum(), (xf, wf))
+        exp = torch.autograd.grad((want * gw).sum(), (x64, w64))
+        for a, c in zip(got, exp):
+            assert bool(torch.isfinite(a).all()) and rel_rms(a, c) < 1e-5, mod.__name__
+
+
 def test_qb_route_float16_activations_with_a_float32_router_weight():
     # the contract's scores are float32: with a float32 weight the GEMM runs in float32 (it cast the weight to
     # float16 before, 2.6e-4 relative error in the scores against 1e-7 now)

@@ -256,6 +256,15 @@ def test_router_scores_and_route(n):
     ridx, rwgt, _ = R.qb_route(x, wr, bias, top_k=4, routed_scaling=2.5)
     assert (idx == ridx).float().mean() > 0.99      # float32 rounding may swap a near-tie
     assert rel_rms(wgt.sum(-1), torch.full((n,), 2.5)) < 1e-6
+    # rows whose scores all underflow to 0 (logits < -88): finite weights, the reference's (log space)
+    xl = x.clone()
+    xl[: max(1, n // 3)] = -(torch.rand(max(1, n // 3), 100) + 1.0) * 40
+    wl = wr.abs() + 0.02
+    idx, wgt, sc = V.qb_route(xl, wl, bias, top_k=4)
+    _, rwgt, _ = R.qb_route(xl, wl, bias, top_k=4)
+    assert bool((sc[: max(1, n // 3)] == 0).all()) and bool(torch.isfinite(wgt).all())
+    from backends.reference.moe import route_weights
+    assert rel_rms(wgt, route_weights((xl @ wl.t()).gather(1, idx), 1.0)) < 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -187,12 +187,19 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     n, d, e = check_route_inputs(x, weight, bias, top_k)
     check_routed_scaling(routed_scaling, "qb_route")
     check_finite_rows("x", x, "qb_route")
-    scores = torch.sigmoid(x.float() @ weight.float().t())
+    logits = x.float() @ weight.float().t()
+    scores = torch.sigmoid(logits)
     with torch.no_grad():
         topk_idx = biased_topk(scores.detach() + bias.float(), top_k)
-    chosen = scores.gather(1, topk_idx)
-    topk_weight = chosen / chosen.sum(dim=-1, keepdim=True) * float(routed_scaling)
-    return topk_idx, topk_weight, scores
+    return topk_idx, route_weights(logits.gather(1, topk_idx), routed_scaling), scores
+
+
+def route_weights(chosen_logits, routed_scaling=1.0):
+    """The chosen experts' unbiased scores divided by their sum, times routed_scaling (spec/OPS.md qb_route),
+    from their router logits [N, k] (float32): s_j / sum s = softmax(log sigmoid(z))_j, formed in log space,
+    so that a row whose sigmoid scores all underflow to 0 (every logit below about -88) still gets its
+    finite weights instead of 0 / 0.  Differentiable."""
+    return torch.softmax(torch.nn.functional.logsigmoid(chosen_logits), dim=-1) * float(routed_scaling)
 
 
 def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):

@@ -297,14 +297,13 @@ class _RouteFn(torch.autograd.Function):
         no_create_graph("backends.triton.qb_route")
         x, weight, scores, idx, wt = ctx.saved_tensors
         ds = torch.zeros_like(scores) if dscores is None else dscores.float().clone()
+        dlog = ds * scores * (1.0 - scores)
         if dwt is not None:
-            # w_j = c s_j / S, S = sum of chosen s:  dL/ds_m = (c / S) (g_m - sum_j g_j w_j / c)
-            chosen = scores.gather(1, idx)
-            ssum = chosen.sum(1, keepdim=True)
+            # w = c softmax(l), l_j = log sigmoid(z_j) of the picks:  dL/dl_m = w_m (g_m - sum_j g_j w_j / c),
+            # dl/dz = 1 - s (no division by the picks' score sum, which underflows with the scores)
             g = dwt.float()
             inner = (g * wt).sum(1, keepdim=True) / ctx.scaling
-            ds.scatter_add_(1, idx, ctx.scaling / ssum * (g - inner))
-        dlog = ds * scores * (1.0 - scores)
+            dlog.scatter_add_(1, idx, wt * (g - inner) * (1.0 - scores.gather(1, idx)))
         # the two backward GEMMs in the forward GEMM's dtype (float32 accumulation in cuBLAS), as autograd
         # through a bf16 x @ W^T runs them (the torch._grouped_mm baseline of benchmarks/moe.py does): in
         # float32 they are 2 x 105 GFLOP off the tensor cores for a K3 layer at 8192 tokens, an estimated

@@ -98,7 +98,8 @@ def _route_topk_kernel(logit_ptr, bias_ptr, score_ptr, idx_ptr, wt_ptr, alpha_pt
                        WRITE_ALPHA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
     """Per row: scores = sigmoid(logits) (FROM_LOGITS) or the given scores; biased top-K_SEL by
     repeated (max, lowest index among equals) scans, so ties go to the lower expert index exactly.
-    WRITE_TOPK: indices + renormalised unbiased weights of the first K_SEL picks.
+    WRITE_TOPK: indices + renormalised unbiased weights of the first K_SEL picks (from logits: formed in log
+    space, softmax of log sigmoid, so that picks whose scores all underflow to 0 still get finite weights).
     WRITE_ALPHA: the K_SEL-th largest biased value (qb_update's cut-off, with K_SEL = k + 1).
     A row with a non-finite input, or any non-finite bias, sets bad[row] = 1 (the host raises) and is computed
     on zeros."""
@@ -120,8 +121,10 @@ def _route_topk_kernel(logit_ptr, bias_ptr, score_ptr, idx_ptr, wt_ptr, alpha_pt
     if FROM_LOGITS:
         s = _sigmoid(raw)
         tl.store(score_ptr + offs, s, mask=m2)
+        lw = tl.minimum(raw, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(raw)))       # log sigmoid, no underflow
     else:
         s = raw
+        lw = tl.log(raw)
     v = tl.where(m2, s + bias[None, :], float("-inf"))
     kc = tl.arange(0, K_PAD)
     picked_w = tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32)
@@ -134,13 +137,14 @@ def _route_topk_kernel(logit_ptr, bias_ptr, score_ptr, idx_ptr, wt_ptr, alpha_pt
         one = cols[None, :] == sel[:, None]
         last = mx
         if WRITE_TOPK:
-            sj = tl.sum(tl.where(one, s, 0.0), axis=1)
-            picked_w = tl.where(kc[None, :] == j, sj[:, None], picked_w)
+            lj = tl.sum(tl.where(one, lw, 0.0), axis=1)
+            picked_w = tl.where(kc[None, :] == j, lj[:, None], picked_w)
             picked_i = tl.where(kc[None, :] == j, sel.to(tl.int64)[:, None], picked_i)
         v = tl.where(one, float("-inf"), v)
     if WRITE_TOPK:
-        wsum = tl.sum(picked_w, axis=1)
-        wt = picked_w * (routed_scaling / wsum)[:, None]
+        picked_w = tl.where(kc[None, :] < K_SEL, picked_w, float("-inf"))     # log weights of the picks
+        ew = tl.exp(picked_w - tl.max(picked_w, axis=1)[:, None])
+        wt = ew * (routed_scaling / tl.sum(ew, axis=1))[:, None]
         ko = rows.to(tl.int64)[:, None] * K_SEL + kc[None, :]
         km = rmask[:, None] & (kc[None, :] < K_SEL)
         tl.store(idx_ptr + ko, picked_i, mask=km)

@@ -521,13 +521,18 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     """The sigmoid router (spec/OPS.md qb_route) with the scores from the TVM kernel and the selection of
     the reference backend: returns (topk_idx [N, k] int64, topk_weight [N, k] float32, scores [N, E]
     float32). Argument checks (shapes, top_k range, NaN/inf rows) are the reference's."""
-    from backends.reference.moe import biased_topk, check_finite_rows, check_route_inputs
+    from backends.reference.moe import biased_topk, check_finite_rows, check_route_inputs, route_weights
     check_route_inputs(x, weight, bias, top_k)
     check_finite_rows("x", x, "qb_route")
     scores = router_scores(x, weight)
     topk_idx = biased_topk(scores + bias.float(), top_k)
     chosen = scores.gather(1, topk_idx)
-    return topk_idx, chosen / chosen.sum(dim=-1, keepdim=True) * float(routed_scaling), scores
+    wt = chosen / chosen.sum(dim=-1, keepdim=True) * float(routed_scaling)
+    low = chosen.sum(dim=-1) < 1e-30               # every chosen score (nearly) underflowed: weights in log space
+    if bool(low.any()):
+        z = x[low].float() @ weight.float().t()
+        wt[low] = route_weights(z.gather(1, topk_idx[low]), routed_scaling)
+    return topk_idx, wt, scores
 
 
 # ----------------------------------------------------------------------------------------------------
