@@ -1,4 +1,5 @@
 """Triton KDA (backends/triton/kda.py) vs the reference; interpreter (float32) on CPU, bf16 on the GPU."""
+import math
 import os
 
 import pytest
@@ -408,8 +409,13 @@ def test_step_checks_every_batch_dimension():
 
 def test_errors():
     q, k, v, g, beta, S0 = make(1, 10, 1, 16, 16)
-    with pytest.raises(ValueError, match="lower_bound"):
-        tk.kda_chunk(q, k, v, g, beta, lower_bound=-20.0)
+    for bad in (0.0, 0.5, -math.inf, math.nan):
+        with pytest.raises(ValueError, match="lower_bound"):
+            tk.kda_chunk(q, k, v, g, beta, lower_bound=bad)
+    # a bound below the dense tiles' range is accepted, as the reference accepts it: the safe path, same result
+    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-20.0)
+    o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-20.0)
+    assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
     with pytest.raises(ValueError, match="at most 256"):
         qb, kb, vb, gb, bb, _ = make(1, 3, 1, 320, 16)
         tk.kda_chunk(qb, kb, vb, gb, bb)

@@ -290,7 +290,7 @@ def check_scale(scale, where: str) -> None:
 
 def check_lower_bound_type(lower_bound, where: str) -> float:
     """kda_chunk's lower_bound (not None) as a float: TypeError unless a number (bools are not); the range each
-    backend checks itself (the Triton kernel's dense tiles take [-10, 0))."""
+    backend checks itself (the Triton kernel runs dense diagonal tiles for [-10, 0), the safe path below)."""
     if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
         raise TypeError(f"{where}: lower_bound must be a number or None, got {type(lower_bound).__name__} "
                         f"{lower_bound!r}")

@@ -2292,8 +2292,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         cu_seqlens: int [N_seq+1] packed variable-length offsets (then B == 1).  Read on the host once.
         lower_bound: None (default: no bound promised; every diagonal 16x16 tile takes the safe
             token-pair path, right for any g <= 0, e.g. the softplus gate) or a float L with
-            FAST_LOWER_BOUND_LIMIT (-10) <= L < 0 promised by the gate (kda_gate's sigmoid form): the
-            diagonal tiles are dense tensor-core dots.  The promise is checked per chunk inside the
+            L < 0 promised by the gate (kda_gate's sigmoid form): with FAST_LOWER_BOUND_LIMIT (-10) <= L the
+            diagonal tiles are dense tensor-core dots (a lower L runs the safe path: same result, slower).  The promise is checked per chunk inside the
             kernel (min of g); a chunk that breaks it takes the safe path, so the result is right anyway.
             float16 q/k/v: the dense tiles need L >= FP16_FAST_LOWER_BOUND_LIMIT (-1.25; e^(8 |L|) must
             fit float16); a lower L runs the safe path everywhere (same result, slower).
@@ -2317,7 +2317,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8, spec/OPS.md "kda_chunk"; see the module docstring for
     the kernel decomposition.  Raises TypeError/ValueError on bad dtypes/shapes (same checks as the
-    reference), on a lower_bound outside [-10, 0), and on K or V above 256.
+    reference), on a lower_bound that is not a finite number < 0, and on K or V above 256.
     """
     where = "triton.kda_chunk"
     B, T, H, K, V, bounds, n_seq = _ref._validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
@@ -2331,11 +2331,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                          f"got K={K}, V={V}")
     if lower_bound is not None:
         lb = _ref.check_lower_bound_type(lower_bound, where)
-        if not (FAST_LOWER_BOUND_LIMIT <= lb < 0):
-            raise ValueError(f"{where}: lower_bound must be in [{FAST_LOWER_BOUND_LIMIT}, 0) for the dense "
-                             f"diagonal tiles, got {lower_bound!r}; pass None for the safe path")
-        # float16 tiles cannot hold e^(8 |L|) past L = -1.25 (NaN / inf otherwise): the safe path then
-        fast = not (q.dtype == torch.float16 and lb < FP16_FAST_LOWER_BOUND_LIMIT)
+        if not -math.inf < lb < 0:
+            raise ValueError(f"{where}: lower_bound must be a finite number < 0 or None, got {lower_bound!r}")
+        # the dense diagonal tiles hold e^(8 |L|): past L = -10 that leaves float32's range, and float16 tiles
+        # cannot hold it past L = -1.25 (NaN / inf otherwise): the safe path then (the same result, slower)
+        fast = lb >= FAST_LOWER_BOUND_LIMIT and not (q.dtype == torch.float16 and lb < FP16_FAST_LOWER_BOUND_LIMIT)
     else:
         lb, fast = 0.0, False
     if scan_values(check_finite, q):
