@@ -120,6 +120,24 @@ def test_reference_elementwise_ops_refuse_integers_and_check_the_conv_state():
         R.short_conv(torch.randn(1, 3, 2), torch.randn(2, 4), initial_state=torch.randn(1, 3, 2))
 
 
+def test_reference_weight_shapes_and_dtypes_are_named():
+    # (a user trial found torch's own messages here, and an [N, d] rmsnorm weight broadcast without a word)
+    x = torch.randn(3, 8)
+    cases = [(lambda: R.rmsnorm(x, torch.ones(5)), ValueError, r"rmsnorm: the weight must be \[d\].*got \[5\]"),
+             (lambda: R.rmsnorm(x, torch.ones(3, 8)), ValueError, r"rmsnorm: the weight must be \[d\].*got \[3, 8\]"),
+             (lambda: R.linear(x, torch.randn(4, 7)), ValueError, r"linear: the weight must be \[out, 8\]"),
+             (lambda: R.linear(x, torch.randn(4, 8), torch.zeros(3)), ValueError, r"linear: bias must be \[4\]"),
+             (lambda: R.lm_head(x, torch.randn(4, 7)), ValueError, r"lm_head: the weight must be \[out, 8\]"),
+             (lambda: R.linear(x.long(), torch.randn(4, 8)), TypeError, "linear: x must be a floating-point"),
+             (lambda: R.short_conv(torch.randn(1, 4, 3), torch.ones(3, 0)), ValueError, "short_conv: the weight"),
+             (lambda: R.short_conv(torch.randn(1, 4, 3), torch.ones(3, 4).long()), TypeError, "short_conv: the weight")]
+    for f, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            f()
+    w, b = torch.randn(4, 8), torch.randn(4)
+    assert torch.allclose(R.linear(x, w, b), x @ w.t() + b, atol=1e-6)
+
+
 def test_reference_short_conv_with_no_tokens_passes_the_state_through():
     st = torch.randn(2, 3, 3)
     y, fin = R.short_conv(torch.randn(2, 0, 3), torch.randn(3, 4), initial_state=st, output_final_state=True)

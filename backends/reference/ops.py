@@ -24,8 +24,24 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight[ids]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias). x [..., in]; weight [out, in] -> [..., out] in x's dtype (float32 math)."""
+def _check_weight(w, shape_ok: bool, want: str, where: str) -> None:
+    """A float weight of the expected shape: TypeError / ValueError naming what was expected."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise TypeError(f"{where}: the weight must be a floating-point tensor, got "
+                        f"{w.dtype if isinstance(w, torch.Tensor) else type(w).__name__}")
+    if not shape_ok:
+        raise ValueError(f"{where}: the weight must be {want}, got {list(w.shape)}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           _where: str = "linear") -> torch.Tensor:
+    """x @ weight^T (+ bias). x [..., in]; weight [out, in] -> [..., out] in x's dtype (float32 math).
+    Raises TypeError for a non-float x or weight, ValueError for shapes that do not fit."""
+    _check_float_input(x, _where)
+    _check_weight(weight, weight.dim() == 2 and x.dim() >= 1 and weight.shape[1] == x.shape[-1],
+                  f"[out, {x.shape[-1] if x.dim() else '?'}] for x {list(x.shape)}", _where)
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{_where}: bias must be [{weight.shape[0]}], got {list(bias.shape)}")
     y = _f32(x) @ _f32(weight).t()
     if bias is not None:
         y = y + _f32(bias)
@@ -33,8 +49,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """logits = x @ weight^T; weight [vocab, d]."""
-    return linear(x, weight)
+    """logits = x @ weight^T; weight [vocab, d].  Raises as linear."""
+    return linear(x, weight, _where="lm_head")
 
 
 def check_eps(eps, where: str) -> None:
@@ -60,10 +76,12 @@ def _check_float_input(x, where: str) -> None:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019, eq. 4); float32 math.
 
-    x [..., d] float; weight [d]. Returns x's shape and dtype. Raises TypeError for a non-float x,
-    ValueError for eps not a finite number > 0."""
+    x [..., d] float; weight [d]. Returns x's shape and dtype. Raises TypeError for a non-float x or weight,
+    ValueError for eps not a finite number > 0 or a weight that is not [d]."""
     _check_float_input(x, "rmsnorm")
     check_eps(eps, "rmsnorm")
+    _check_weight(weight, x.dim() >= 1 and tuple(weight.shape) == (x.shape[-1],),
+                  f"[d] with d = x's last size {x.shape[-1] if x.dim() else '?'}", "rmsnorm")
     xf = _f32(x)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * _f32(weight)).to(x.dtype)
 
@@ -88,6 +106,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     output_final_state (width 1: [B, C, 0]), else None).
     Raises TypeError for a non-float x, ValueError for mismatched shapes or NaN/inf in a CPU input."""
     _check_float_input(x, "short_conv")
+    _check_weight(weight, weight.dim() in (2, 3) and (weight.dim() == 2 or weight.shape[1] == 1)
+                  and weight.shape[-1] >= 1, "[C, 1, W] or [C, W] with W >= 1", "short_conv")
     w = _f32(weight).reshape(weight.shape[0], -1)
     C, W = w.shape
     if x.dim() != 3 or x.shape[-1] != C:
