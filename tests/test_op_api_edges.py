@@ -130,12 +130,14 @@ def test_reference_weight_shapes_and_dtypes_are_named():
              (lambda: R.lm_head(x, torch.randn(4, 7)), ValueError, r"lm_head: the weight must be \[out, 8\]"),
              (lambda: R.linear(x.long(), torch.randn(4, 8)), TypeError, "linear: x must be a floating-point"),
              (lambda: R.short_conv(torch.randn(1, 4, 3), torch.ones(3, 0)), ValueError, "short_conv: the weight"),
-             (lambda: R.short_conv(torch.randn(1, 4, 3), torch.ones(3, 4).long()), TypeError, "short_conv: the weight")]
+             (lambda: R.rmsnorm(x, torch.ones(8, dtype=torch.bool)), TypeError, "rmsnorm: the weight must be a real")]
     for f, err, msg in cases:
         with pytest.raises(err, match=msg):
             f()
     w, b = torch.randn(4, 8), torch.randn(4)
     assert torch.allclose(R.linear(x, w, b), x @ w.t() + b, atol=1e-6)
+    # an integer norm weight is used as float32 (the Triton layers take it too)
+    assert torch.allclose(R.rmsnorm(x, torch.arange(8)), R.rmsnorm(x, torch.arange(8.0)))
 
 
 def test_reference_short_conv_with_no_tokens_passes_the_state_through():

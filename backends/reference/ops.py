@@ -25,9 +25,10 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _check_weight(w, shape_ok: bool, want: str, where: str) -> None:
-    """A float weight of the expected shape: TypeError / ValueError naming what was expected."""
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-        raise TypeError(f"{where}: the weight must be a floating-point tensor, got "
+    """A weight tensor of the expected shape (any real dtype: it is used as float32, so an integer norm weight
+    works, as the Triton layers take it): TypeError / ValueError naming what was expected."""
+    if not isinstance(w, torch.Tensor) or w.is_complex() or w.dtype == torch.bool:
+        raise TypeError(f"{where}: the weight must be a real tensor, got "
                         f"{w.dtype if isinstance(w, torch.Tensor) else type(w).__name__}")
     if not shape_ok:
         raise ValueError(f"{where}: the weight must be {want}, got {list(w.shape)}")
@@ -36,7 +37,7 @@ def _check_weight(w, shape_ok: bool, want: str, where: str) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            _where: str = "linear") -> torch.Tensor:
     """x @ weight^T (+ bias). x [..., in]; weight [out, in] -> [..., out] in x's dtype (float32 math).
-    Raises TypeError for a non-float x or weight, ValueError for shapes that do not fit."""
+    Raises TypeError for a non-float x, ValueError for shapes that do not fit."""
     _check_float_input(x, _where)
     _check_weight(weight, weight.dim() == 2 and x.dim() >= 1 and weight.shape[1] == x.shape[-1],
                   f"[out, {x.shape[-1] if x.dim() else '?'}] for x {list(x.shape)}", _where)
@@ -76,8 +77,8 @@ def _check_float_input(x, where: str) -> None:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019, eq. 4); float32 math.
 
-    x [..., d] float; weight [d]. Returns x's shape and dtype. Raises TypeError for a non-float x or weight,
-    ValueError for eps not a finite number > 0 or a weight that is not [d]."""
+    x [..., d] float; weight [d] (any real dtype, used as float32). Returns x's shape and dtype. Raises
+    TypeError for a non-float x, ValueError for eps not a finite number > 0 or a weight that is not [d]."""
     _check_float_input(x, "rmsnorm")
     check_eps(eps, "rmsnorm")
     _check_weight(weight, x.dim() >= 1 and tuple(weight.shape) == (x.shape[-1],),
