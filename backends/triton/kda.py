@@ -1801,16 +1801,23 @@ def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, s
     T = (I + diag(beta) Akk)^-1 (TB [N, H, 64], float32, or the input dtype with INTRA5_CFG["tb_lowp"] when
     save_b is off); with save_b also Bm = Akk before beta (BM, float32 [N, H, 64], for the backward).
     Returns (TB, GCS, BM or None)."""
-    N, dev, NC = q2.shape[0], q2.device, tab["n_chunks"]
-    NBUF = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
-    BM = torch.empty(N, H, 64, dtype=torch.float32, device=dev) if save_b else None
-    GCS = torch.empty(N, H, K, dtype=torch.float32, device=dev)
-    FB = torch.empty(NC, H, 4, dtype=torch.int32, device=dev)
-    tdt = idt if INTRA5_CFG.get("tb_lowp") and not save_b else torch.float32
-    TB = torch.empty(N, H, 64, dtype=tdt, device=dev)
+    NC = tab["n_chunks"]
+    NBUF, GCS, FB, TB, BM = _intra5_scratch(q2.shape[0], NC, H, K, idt, save_b, q2.device)
     _intra5_launch(q2, k2, g2, b2, tab["cstart"], tab["clen"], NC, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM,
                    FB, NBUF, GCS, TB, BM, KGB)
     return TB, GCS, BM
+
+
+def _intra5_scratch(rows, NC, H, K, idt, save_b, dev):
+    """The v5 intra kernels' scratch for `rows` tokens and NC chunks: (NBUF [rows, H, 64] float32, GCS [rows, H,
+    K] float32, FB [NC, H, 4] int32, TB [rows, H, 64] (the input dtype with INTRA5_CFG["tb_lowp"] unless save_b,
+    else float32), BM [rows, H, 64] float32 with save_b, else None)."""
+    tdt = idt if INTRA5_CFG.get("tb_lowp") and not save_b else torch.float32
+    return (torch.empty(rows, H, 64, dtype=torch.float32, device=dev),
+            torch.empty(rows, H, K, dtype=torch.float32, device=dev),
+            torch.empty(NC, H, 4, dtype=torch.int32, device=dev),
+            torch.empty(rows, H, 64, dtype=tdt, device=dev),
+            torch.empty(rows, H, 64, dtype=torch.float32, device=dev) if save_b else None)
 
 
 def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, FB, NBUF, GCS, TB,
@@ -1927,10 +1934,7 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
     # intra launches see token-indexed views that start at the piece's first token, with the chunk starts
     # relative to it (0, 64, 128, ...: one table for every piece of the one sequence)
     rows = max(b - a for a, b in pieces) * CHUNK
-    NBUF = torch.empty(rows, H, 64, dtype=torch.float32, device=dev)
-    GCS = torch.empty(rows, H, K, dtype=torch.float32, device=dev)
-    TB = torch.empty(rows, H, 64, dtype=idt if INTRA5_CFG.get("tb_lowp") else torch.float32, device=dev)
-    FB = torch.empty(NC, H, 4, dtype=torch.int32, device=dev)
+    NBUF, GCS, FB, TB, _ = _intra5_scratch(rows, NC, H, K, idt, False, dev)
     HB = torch.empty(NC, H, K, V, dtype=idt, device=dev)
     VN = torch.empty(N, H, V, dtype=idt, device=dev)
     S = torch.empty(P + 1, H, K, V, dtype=torch.float32, device=dev)     # S[p]: the state entering piece p
