@@ -71,11 +71,13 @@ def test_forward_matches_reference(T, impl):
         assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
 
 
-@pytest.mark.parametrize("piece_chunks,max_pieces,pieces", [(5, 32, 3), (1, 16, 16)])
-def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, monkeypatch):
+@pytest.mark.parametrize("piece_chunks,max_pieces,pieces,fuse_o", [(5, 32, 3, True), (1, 16, 16, True),
+                                                                   (5, 32, 3, False)])
+def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, fuse_o, monkeypatch):
     # the no-autograd forward of one long sequence as a pipeline over chunk ranges (_fwd_pipelined; on the GPU
-    # three streams, here the same launches in order): the same kernels over slices of the chunk tables, so the
-    # result must equal the one-stream forward exactly; T = 1000 is 16 chunks, the last one partial
+    # two or three streams, here the same launches in order): the same kernels over slices of the chunk tables,
+    # so the result must equal the one-stream forward exactly, with the output formed in the state pass
+    # (fuse_o) or by the output kernel; T = 1000 is 16 chunks, the last one partial
     monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16))
     B, T, H, K, V = 1, 1000, 2, 16, 32
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
@@ -86,7 +88,7 @@ def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, monkeypatch)
         want = {}
         for on in (False, True):
             monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, on=on, min_chunks=2, piece_chunks=piece_chunks,
-                                                     max_pieces=max_pieces))
+                                                     max_pieces=max_pieces, fuse_o=fuse_o))
             want[on] = tk.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, lower_bound=lb)
         assert torch.equal(want[True][0], want[False][0]) and torch.equal(want[True][1], want[False][1])
         o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
@@ -592,7 +594,8 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_pipelined_forward_bf16(monkeypatch):
     # T = 140001 is 2188 chunks: past PIPE_CFG's min_chunks, so the no-autograd forward runs as the three-stream
-    # pipeline over its pieces: bit for bit the one-stream forward with the same state columns, right against the
+    # pipeline over its pieces (the output formed in the state pass by default): bit for bit the one-stream forward
+    # with the same state columns, right against the
     # reference, and the same again when captured in a CUDA graph (the side streams fork from and join the
     # capturing stream)
     B, T, H, K, V = 1, 140001, 4, 128, 128

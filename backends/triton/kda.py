@@ -41,9 +41,10 @@ forward without autograd 16 when 16-column programs fit one per SM, which then r
    A forward without autograd of one long unsplit sequence (from ``PIPE_CFG["min_chunks"]`` chunks) runs
    as a pipeline instead (``_fwd_pipelined``): the sequence is cut into pieces of ~256 chunks; piece p's
    step 1 runs on the caller's stream while piece p-1's step 2 (its chain on a high-priority stream, 32
-   state columns, so it holds half the SMs) and piece p-2's output kernel run beside it on two more streams.
-   Same kernels and arithmetic; the chain, latency-bound, hides behind the parallel work (H200, H = 16, 1M:
-   54.8 -> 48.2 ms).
+   state columns, so it holds half the SMs) and piece p-2's output kernel run beside it on two more streams
+   (with ``PIPE_CFG["fuse_o"]``, the default, the state pass forms the output itself: two streams, no HB / VN).
+   Same arithmetic; the chain, latency-bound, hides behind the parallel work (H200, H = 16, 1M: 54.8 ms on one
+   stream -> 48.2 with the output kernel on its own stream -> 42.5 with it fused into the state pass).
 4. Backward: the state gradient obeys the transposed recurrence
    dS_prev = (diag(e^(G_C)) - Wk^T Kd) dS + (q e^G)^T dO - Wk^T P^T dO, computed with the same segment
    algebra in reverse (``_bwd_state_kernel`` MODE 1 for the segment maps).  ``BWD_IMPL = "v2"`` (the
@@ -1029,13 +1030,16 @@ def _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s):
 @triton.jit
 def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SW: tl.constexpr,
-                  MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr):
+                  MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr, QG=None, AQK=None, O=None,
+                  FUSE_O: tl.constexpr = False):
     """The serial state chain of one segment, one head and BV state columns; nothing else on it.
 
     Per chunk c (tokens t0 .. t0+63 of the segment, rows past the segment end read as 0):
         HB[c] = S (the chunk-entry state, intermediate dtype)      [STORE]
         W = U - Wk S;  VN[rows] = W                                [STORE_VN]
         S <- diag(e^(G_C)) S + (k e^(G_C - G))^T W.
+    FUSE_O (MODE 0): also the chunk's output columns, O[rows] = QG S + AQK W (the operands rounded as
+    _fwd_o_kernel's from HB and VN), so that neither HB nor VN needs to be stored.
     MODE 0: S [K, BV] starts from S_IN (width V), columns vb*BV..; MODE 1: the augmented transition
     [M | D] (width SW = K+V): columns < K start as the identity and see no U, columns >= K start at 0 and
     see U.  S_OUT gets the state after the segment.  The token addresses are affine in the loop counter
@@ -1066,6 +1070,11 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
     bg = GAM + (tl.cast(c0, tl.int64) * H + h) * K
     bh = HB + (tl.cast(c0, tl.int64) * H + h) * K * V
     nch = c1 - c0
+    if FUSE_O:
+        bq = QG + (ts * H + h) * K
+        ba = AQK + (ts * H + h) * 64
+        bo = O + (ts * H + h) * V
+        oa = rows[:, None] * (H * 64) + rows[None, :]
     gam = tl.load(bg + dk, mask=(dk < K) & (nch > 0), other=1.0)
     for j in range(0, nch):
         # the next chunk's decay is fetched a whole step ahead (the tiles are pipelined by the compiler)
@@ -1075,11 +1084,21 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
             tl.store(bh + oh, S.to(HB.dtype.element_ty))
         wk = tl.load(bk + ok, mask=rm[:, None], other=0.0)
         uu = tl.load(bu + ou, mask=rm[:, None] & umask[None, :], other=0.0).to(tl.float32)
-        W = uu - tl.dot(wk, S.to(wk.dtype))
+        Sb = S.to(wk.dtype)
+        W = uu - tl.dot(wk, Sb)
         if STORE_VN:
             tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[:, None])
         kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
-        S = S * gam[:, None] + tl.dot(tl.trans(kd), W.to(kd.dtype))
+        Wb = W.to(kd.dtype)
+        if FUSE_O:
+            qg = tl.load(bq + ok, mask=rm[:, None], other=0.0)
+            A = tl.load(ba + oa, mask=rm[:, None], other=0.0)
+            oo = tl.dot(qg, Sb.to(qg.dtype)) + tl.dot(A, Wb.to(A.dtype))
+            tl.store(bo + ou, oo.to(O.dtype.element_ty), mask=rm[:, None])
+            bq += 64 * H * K
+            ba += 64 * H * 64
+            bo += 64 * H * V
+        S = S * gam[:, None] + tl.dot(tl.trans(kd), Wb)
         gam = gnext
         bk += 64 * H * K
         bd += 64 * H * K
@@ -1867,7 +1886,20 @@ def _wu5_launch(k2, v2, b2, cstart, clen, NC, H, K, V, idt, GCS, TB, WK, U, kgb)
 #: 1M 54.91 / 48.26 at 32, 48.70 at 16.  With the defaults (pieces of 256 chunks, at most 32): 64K 3.47 / 3.22 (4
 #: pieces), 256K 13.69 / 12.27 (16), 1M 54.78 / 48.17 (32); H = 96, 256K: not pipelined (the chain would hold
 #: every SM), 74.1 either way.
-PIPE_CFG = dict(on=True, min_chunks=1024, piece_chunks=256, max_pieces=32, state_priority=True, bv=32)
+#: fuse_o: the state pass also forms the output (_fwd_h_kernel FUSE_O: per chunk O = QG S + AQK W from the
+#: operands the output kernel would read back), so neither the chunk-entry states HB (512 B per token and head in
+#: bf16) nor the new values VN are written, and no output kernel runs.  Alone it lengthens the chain (11th
+#: session, one stream: 16.15 ms against 9.46 + 6.44); here the chain has slack, and a piece's fused pass still
+#: takes 0.8 ms against the piece's 1.35 ms of intra work.  maxnreg: register cap of that pass (None: none;
+#: fused, ptxas sm_90a: 219 registers at 4 warps, 192 KB of shared memory at 3 stages; at 192, 56 B of stack,
+#: two strip programs (80 registers x 256 threads) still fit beside it on an SM).
+#: H200, 19th session, forward ms at H = 16 (64K / 256K / 1M; `--only mtc`): not fused 3.22 / 12.31 / 48.22,
+#: fused 2.92 / 11.05 / 42.86; with maxnreg 192 2.93 / 10.90 / 42.51, 168 (120 B of stack) 3.72 / 14.08 / 55.57.
+#: Tried with it and dropped: 2 stages in the pass 46.37 at 1M; 64 columns at 8 warps (32 programs) 44.76, with 2
+#: stages 59.17; 16 / 24 / 64 pieces 43.32 / 43.19 / 43.56 against 43.04; the output kernel (not fused) on the
+#: state stream or on the caller's stream one piece late instead of a third stream: within 0.6 ms of it.
+PIPE_CFG = dict(on=True, min_chunks=1024, piece_chunks=256, max_pieces=32, state_priority=True, bv=32, fuse_o=True,
+                maxnreg=192)
 _SIDE_STREAMS: dict = {}
 
 
@@ -1910,9 +1942,10 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
     piece p run on the caller's stream; the serial state pass of piece p (BH x V/BV programs, latency-bound:
     at H = 16 one 4-warp program per SM that waits on its two dependent products each chunk) runs on a
     high-priority side stream as soon as piece p's intra work is done, from piece p-1's final state; the
-    output kernel of piece p on a third stream after it.  So the chain overlaps the next pieces' intra
-    work instead of running after all of it.  Same kernels and arithmetic as the one-stream forward (with the
-    same state columns per program, PIPE_CFG["bv"]): the result is the same bit for bit.  The caller's stream
+    output kernel of piece p on a third stream after it, or with PIPE_CFG["fuse_o"] (the default) inside the
+    state pass itself (_fwd_h_kernel FUSE_O: no HB / VN written).  So the chain overlaps the next pieces' intra
+    work instead of running after all of it.  Same arithmetic as the one-stream forward (with the same state
+    columns per program, PIPE_CFG["bv"]): the result is the same bit for bit (H200: fused too).  The caller's stream
     waits for both side streams before return, so the scratch tensors are free for it to reuse.
     Returns (final state [1, H, K, V] float32, entry state S_IN [1, H, K, V])."""
     dev = q2.device
@@ -1935,8 +1968,9 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
     # relative to it (0, 64, 128, ...: one table for every piece of the one sequence)
     rows = max(b - a for a, b in pieces) * CHUNK
     NBUF, GCS, FB, TB, _ = _intra5_scratch(rows, NC, H, K, idt, False, dev)
-    HB = torch.empty(NC, H, K, V, dtype=idt, device=dev)
-    VN = torch.empty(N, H, V, dtype=idt, device=dev)
+    fuse_o = bool(PIPE_CFG.get("fuse_o"))
+    HB = torch.empty(1 if fuse_o else NC, H, K, V, dtype=idt, device=dev)
+    VN = torch.empty(1 if fuse_o else N, H, V, dtype=idt, device=dev)
     S = torch.empty(P + 1, H, K, V, dtype=torch.float32, device=dev)     # S[p]: the state entering piece p
     if h0 is None:
         S[0].zero_()
@@ -1958,11 +1992,14 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
         _wu5_launch(k2[t:], v2[t:], b2[t:], rel[:n], cln[a:b], n, H, K, V, idt, GCS, TB, WK[t:], U[t:], kgb)
         with on(s_state, main):
             _fwd_h_kernel[(V // BV, H, 1)](WK, U, KD, GAM, VN, HB, S[p], S[p + 1], pt[0, p:], pt[1, p:], pt[2, p:],
-                                           pt[3, p:], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True,
-                                           STORE_VN=True, num_warps=H_CFG["num_warps"], num_stages=nst)
-        with on(s_o, s_state):
-            _fwd_o_kernel[(n, H, V // BVO)](QG, AQK, VN, HB[a:b], o, cst[a:b], cln[a:b], H, K=K, V=V, BV=BVO,
-                                            num_warps=4, num_stages=1)
+                                           pt[3, p:], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=not fuse_o,
+                                           STORE_VN=not fuse_o, QG=QG, AQK=AQK, O=o, FUSE_O=fuse_o,
+                                           num_warps=H_CFG["num_warps"], num_stages=nst,
+                                           **_maxnreg(PIPE_CFG.get("maxnreg")))
+        if not fuse_o:
+            with on(s_o, s_state):
+                _fwd_o_kernel[(n, H, V // BVO)](QG, AQK, VN, HB[a:b], o, cst[a:b], cln[a:b], H, K=K, V=V,
+                                                BV=BVO, num_warps=4, num_stages=1)
     if cuda:
         main.wait_stream(s_o)
         main.wait_stream(s_state)
