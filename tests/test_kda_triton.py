@@ -593,11 +593,10 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_pipelined_forward_bf16(monkeypatch):
-    # T = 140001 is 2188 chunks: past PIPE_CFG's min_chunks, so the no-autograd forward runs as the three-stream
-    # pipeline over its pieces (the output formed in the state pass by default): bit for bit the one-stream forward
-    # with the same state columns, right against the
-    # reference, and the same again when captured in a CUDA graph (the side streams fork from and join the
-    # capturing stream)
+    # T = 140001 is 2188 chunks: past PIPE_CFG's min_chunks, so the no-autograd forward runs as the pipeline over
+    # its pieces (the output formed in the state pass by default): bit for bit the one-stream forward with the
+    # same state columns, right against the reference, and the same again when captured in a CUDA graph (the side
+    # streams fork from and join the capturing stream)
     B, T, H, K, V = 1, 140001, 4, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     plan = tk._pipeline_pieces(tk._tables(B, T, None, 1 << 30, q.device), True, q.device, H, V, 16)
