@@ -23,18 +23,22 @@ import sympy
 import torch
 from torch import nn
 
+import backends.cuda_device
+from backends.cuda_device import on_tensor_device
 from dsl.errors import MtcError, MtcWarning
 from dsl.ir import SOURCE_OPS, Graph, Node, Ref
 from dsl.printer import print_graph
 
 _MODULE_CALL_FILE = os.path.join("torch", "nn", "modules", "module.py")
+_GUARD_FILE = backends.cuda_device.__file__
 
 
 def _caller_stacklevel() -> int:
-    """The warnings.warn stacklevel, for a warning raised in this file, of the first frame outside this file and
-    torch.nn.Module's call machinery: the user's line that called the model."""
+    """The warnings.warn stacklevel, for a warning raised in this file, of the first frame outside this file,
+    torch.nn.Module's call machinery and the device guard of run: the user's line that called the model."""
     f, level = sys._getframe(1), 1
-    while f is not None and (f.f_code.co_filename == __file__ or f.f_code.co_filename.endswith(_MODULE_CALL_FILE)):
+    while f is not None and (f.f_code.co_filename in (__file__, _GUARD_FILE)
+                             or f.f_code.co_filename.endswith(_MODULE_CALL_FILE)):
         f, level = f.f_back, level + 1
     return level
 
@@ -511,6 +515,7 @@ class CompiledModule(nn.Module):
         outs = self.run(**{ins[0].attr("name"): input_ids}, progress=progress)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    @on_tensor_device
     def run(self, progress=None, **inputs):
         """Run the graph on named inputs (``m.run(q=..., k=...)``); returns the list of its outputs.
 
@@ -518,7 +523,8 @@ class CompiledModule(nn.Module):
         per shape symbol across inputs, integer ids (int64 / int32) or float tensors as declared. Float inputs
         keep their dtype (an input may be meant to stay float32 in a bf16 model, as kda_chunk's decay g): the
         reference ops compute in float32, the Triton / TVM kernels take the dtypes their ops document (e.g.
-        kda_chunk: q, k, v of one dtype). ``progress(done, total)``: see forward.
+        kda_chunk: q, k, v of one dtype). ``progress(done, total)``: see forward. The inputs' CUDA device is the
+        current device during the call (Triton launches on the current device).
         Raises MtcError for a missing, unknown, empty or mis-shaped input."""
         g = self.graph
         p0 = next(self.parameters(), None)

@@ -48,6 +48,7 @@ import triton.language as tl
 
 import importlib
 
+from backends.cuda_device import on_tensor_device
 from .guard import (DeviceTableCache, cdiv, device_table, next_power_of_2, no_create_graph, sm_count,
                     warn_interpreter_bf16)
 
@@ -664,6 +665,7 @@ class _AttnResFn(torch.autograd.Function):
         return (dq, dw, dow_t, None, *dx.unbind(0))
 
 
+@on_tensor_device
 def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weight: torch.Tensor, *,
                   eps: float = 1e-6, output_rms_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention over depth (Block AttnRes), one fused Triton pass over the sources; differentiable.
@@ -833,6 +835,7 @@ class _Phase1Fn(torch.autograd.Function):
         return (grads[0], grads[1], None, None, *grads[2:])
 
 
+@on_tensor_device
 def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rms_weights: torch.Tensor, *,
                          eps: float = 1e-6, acc_dtype: torch.dtype = torch.float32):
     """Phase 1 of the two-phase Block AttnRes: all Q queries of a block against the completed bank.
@@ -916,6 +919,7 @@ class _MergeFn(torch.autograd.Function):
         return (*grads, None, None)
 
 
+@on_tensor_device
 def attn_residual_merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, partial: Optional[torch.Tensor],
                         query: torch.Tensor, rms_weight: torch.Tensor, *, eps: float = 1e-6,
                         output_rms_weight: Optional[torch.Tensor] = None,

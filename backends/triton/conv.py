@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .guard import cdiv, check_forward_only, check_kernel_device, next_power_of_2
+from backends.cuda_device import on_tensor_device
 from backends.reference.ops import check_eps, check_finite_cpu
 
 __all__ = ["conv_silu_norm"]
@@ -47,6 +48,7 @@ def _conv_silu_norm_kernel(x, w, y, T, C, eps, D: tl.constexpr, BD: tl.constexpr
              mask=(rows < T)[:, None] & cm[None, :])
 
 
+@on_tensor_device
 def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, head_dim: int | None = None,
                    eps: float = 1e-6) -> torch.Tensor:
     """Causal depthwise short convolution, then SiLU, then (``head_dim`` given) an L2 norm per head.

@@ -175,14 +175,15 @@ def warn_interpreter_bf16(where: str, *tensors) -> None:
     TRITON_INTERPRET=1: triton 3.6's interpreter rounds bfloat16 stores toward zero, so results are biased
     by up to one bf16 step (seen: 59% of attn_residual outputs one step smaller in magnitude than the
     reference's). Not an error (the values are close); float32 / float16 are exact there, and on a GPU
-    bf16 rounds to nearest."""
+    bf16 rounds to nearest.  Called from an entry point under on_tensor_device: the warning names the line
+    that called the entry point."""
     if not interpreted() or where in _BF16_WARNED:
         return
     if any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors):
         _BF16_WARNED.add(where)
         warnings.warn(f"{where}: bfloat16 under TRITON_INTERPRET=1: triton's CPU interpreter rounds bfloat16 "
                       f"results toward zero (up to one bf16 step off the reference); use float32 or float16 "
-                      f"on the CPU for exact comparisons", RuntimeWarning, stacklevel=3)
+                      f"on the CPU for exact comparisons", RuntimeWarning, stacklevel=4)   # past the device guard
 
 
 def no_create_graph(where: str) -> None:

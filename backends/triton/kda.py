@@ -71,6 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backends.cuda_device import on_tensor_device
 from backends.reference import kda as _ref
 from backends.reference.ops import check_finite_cpu
 from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, check_kernel_device,
@@ -2317,6 +2318,7 @@ class _KDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, db, dh0, None, None, None, None, None, None
 
 
+@on_tensor_device
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, lower_bound=None, segment_chunks=None, check_finite=None):
     """Kimi Delta Attention, chunked WY/UT algorithm as Triton kernels, differentiable (torch.autograd).
@@ -2423,6 +2425,7 @@ def _interpret():
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@on_tensor_device
 def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
     """The KDA per-channel log decay g as a Triton kernel (float32 out); same contract as the reference.
 
@@ -2454,6 +2457,7 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
     return g
 
 
+@on_tensor_device
 def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
     """One KDA decoding step as a Triton kernel; same contract as backends.reference.kda.kda_step.
 

@@ -35,6 +35,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from backends.cuda_device import on_tensor_device
 from backends.reference import moe as _ref
 from backends.reference.ops import check_eps
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
@@ -318,6 +319,7 @@ class _RouteFn(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+@on_tensor_device
 def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     """Sigmoid router with selection-only bias, on Triton (see the reference for the contract).
 
@@ -353,6 +355,7 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     return _RouteFn.apply(x, weight, bias, top_k, routed_scaling)
 
 
+@on_tensor_device
 def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     """One Quantile Balancing step on Triton (contract and edge rules: reference ``qb_update``).
 
@@ -406,6 +409,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     return ema * b + (1.0 - ema) * b_new
 
 
+@on_tensor_device
 def expert_load(topk_idx, num_experts):
     """Tokens per expert, int64 [E] (the routing-statistics hook), by an atomic histogram kernel.
 
@@ -487,6 +491,7 @@ class _GluFn(torch.autograd.Function):
         return da, db, None, None, None
 
 
+@on_tensor_device
 def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
     """SiTU-GLU on Triton: h = (bg tanh(a/bg) sigmoid(a)) (bu tanh(b/bu)) (spec/OPS.md), computed in
     float32, returned in the promoted dtype of a and b; differentiable. On the GPU tanh uses the
@@ -970,6 +975,7 @@ class _ExpertsFn(torch.autograd.Function):
         return dx, None, dwt, dw1, dw3, dw2, None, None, None
 
 
+@on_tensor_device
 def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", beta_gate=4.0,
                 beta_up=25.0):
     """Routed experts on Triton (grouped GEMMs, SiTU-GLU fused), forward and backward.
@@ -999,6 +1005,7 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
                             float(beta_gate), float(beta_up))
 
 
+@on_tensor_device
 def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w_up, shared_w1,
                shared_w3, shared_w2, *, top_k, routed_scaling=1.0, eps=1e-6, activation="situ",
                beta_gate=4.0, beta_up=25.0):

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backends.cuda_device import on_tensor_device
 from backends.reference.ops import check_eps
 from backends.reference.ops import rmsnorm as rmsnorm_reference
 from .guard import cdiv, check_kernel_device, next_power_of_2, no_create_graph, sm_count
@@ -120,6 +121,7 @@ class _RMSNormFn(torch.autograd.Function):
         return (dx.view(ctx.shape) if need_x else None), dw, None
 
 
+@on_tensor_device
 def rms_norm(x, weight, eps=1e-6):
     """RMSNorm over the last dimension (Zhang & Sennrich 2019, eq. 4): ``x * rsqrt(mean(x^2) + eps) * weight``.
 
