@@ -114,15 +114,26 @@ def _situ_glu_expr(a: str, b: str, bg: float, bu: float, fast: bool) -> str:
     The exponents are clamped to [-20, 20] (2a / bg, 2b / bu) and [-30, 30] (a), where tanh is +-1 and
     sigmoid 0 / 1 to float32 precision (absolute error < 1e-8 relative to bg bu), so that numerator and
     denominator stay below 3e32 (no overflow). On cuda the exponentials are __expf and the division
-    __fdividef (4 MUFU operations per element, like Triton's tanh.approx kernel)."""
+    __fdividef (4 MUFU operations per element, like Triton's tanh.approx kernel).
+    p - 1 and v - 1 cancel near 0 (tanh of a small argument would keep only ~1e-7 / |x| of relative accuracy):
+    for |x| < 0.1 they are e^x - 1's Taylor series to x^5 (relative error < 2e-8) instead.  NaN in a or b gives
+    NaN (the clamps alone would turn it into a finite number)."""
     def clamp(x, lim):
         return f"T.max(T.min({x}, {_c(lim)}), {_c(-lim)})"
-    p = _exp(clamp(f"{a} * {_c(2.0 / bg)}", 20.0), fast)
+
+    def em1(x, lim):
+        """e^x - 1 of the clamped x: the series near 0, else the exponential minus 1."""
+        y = clamp(x, lim)
+        series = (f"{y} * ({_c(1)} + {y} * ({_c(1 / 2)} + {y} * ({_c(1 / 6)} + {y} * ({_c(1 / 24)} + {y} * "
+                  f"{_c(1 / 120)}))))")
+        return f"T.if_then_else(T.abs({y}) < {_c(0.1)}, {series}, {_exp(y, fast)} - T.float32(1))"
+    pm1 = em1(f"{a} * {_c(2.0 / bg)}", 20.0)
     sa = _exp(clamp(a, 30.0), fast)
-    v = _exp(clamp(f"{b} * {_c(2.0 / bu)}", 20.0), fast)
-    num = f"{_c(bg * bu)} * ({p} - T.float32(1)) * {sa} * ({v} - T.float32(1))"
-    den = f"({p} + T.float32(1)) * (T.float32(1) + {sa}) * ({v} + T.float32(1))"
-    return _div(num, den, fast)
+    vm1 = em1(f"{b} * {_c(2.0 / bu)}", 20.0)
+    num = f"{_c(bg * bu)} * ({pm1}) * {sa} * ({vm1})"
+    den = f"({pm1} + T.float32(2)) * (T.float32(1) + {sa}) * ({vm1} + T.float32(2))"
+    h = _div(num, den, fast)
+    return f"T.if_then_else(T.isnan({a}), {a}, T.if_then_else(T.isnan({b}), {b}, {h}))"
 
 
 _UNARY = {
