@@ -186,13 +186,31 @@ def _init_(t: torch.Tensor, init: str, std: float | None, gen: torch.Generator |
             raise MtcError(f"unknown initialiser '{init}'")
 
 
-def _container(root: nn.Module, path: list[str]) -> nn.Module:
+def _taken(owner: nn.Module, name: str) -> bool:
+    """Whether torch refuses ``name`` as a submodule, parameter or buffer of ``owner``: an attribute of its class
+    (forward, training's property-like methods, to, dtype, ...) or of the instance that is none of those."""
+    if name in owner._modules or name in owner._parameters or name in owner._buffers:
+        return False
+    return hasattr(type(owner), name) or name in owner.__dict__
+
+
+def _container(root: nn.Module, path: list[str], key: str = "", loc=None) -> nn.Module:
+    """The submodule of ``root`` at ``path`` (made as plain nn.Module containers where missing).  MtcError at
+    ``loc`` when a part of the weight name ``key`` is an attribute torch would not let a submodule shadow."""
     m = root
     for p in path:
+        if _taken(m, p):
+            raise MtcError(_taken_msg(key, p, m), loc)
         if p not in m._modules:
             m.add_module(p, nn.Module())
         m = m._modules[p]
     return m
+
+
+def _taken_msg(key: str, part: str, owner: nn.Module) -> str:
+    return (f"weight name '{key}': '{part}' is an attribute of {type(owner).__name__} (torch.nn.Module's namespace), "
+            f"so it cannot name a submodule or a weight there; rename it (e.g. name=\"{part}_\" or a prefix= "
+            f"without it)")
 
 
 #: balance_defer: warn when this many train-mode forwards kept router scores without apply_balance()
@@ -363,7 +381,9 @@ class CompiledModule(nn.Module):
                     del d32
                 else:
                     _init_(data, n.attr("init"), n.attr("std"), gen)
-            owner = _container(self, path)
+            owner = _container(self, path, key, n.loc)
+            if _taken(owner, leaf):
+                raise MtcError(_taken_msg(key, leaf, owner), n.loc)
             if n.op == "param":
                 owner.register_parameter(leaf, nn.Parameter(data))
             else:

@@ -751,3 +751,22 @@ def test_keywords_without_effect_warn_at_the_call():
         warnings.simplefilter("error", MtcWarning)
         dsl.parse(spec("kda_layer(heads=2, head_dim=16, lower_bound=-3.0)"))
         dsl.parse(spec("moe(experts=4, top_k=2, inter=8, shared=1, shared_inter=8)"))
+
+
+@pytest.mark.parametrize("name,part,owner", [("training", "training", "CompiledModule"),
+                                             ("model.layers.0.to", "to", "Module"),
+                                             ("blocks.forward.proj", "forward", "Module")])
+def test_weight_name_that_is_a_module_attribute(name, part, owner):
+    # a name part that torch.nn.Module's namespace already holds (an instance attribute or a method) cannot
+    # name a submodule or a weight: an MtcError at the name's line when compiling, not torch's KeyError
+    text = ("model c {\n  config { d: int = 16 }\n  forward(ids: i64[B, T]) {\n"
+            "    x = embedding(ids, vocab=64, dim=d)\n"
+            f'    y = linear(x, out=d, name="{name}")\n'
+            "    return lm_head(y, vocab=64)\n  }\n}\n")
+    g = dsl.parse(text, file="spec.mtc")
+    with pytest.raises(MtcError) as ei:
+        dsl.compile(g, target="reference")
+    e = ei.value
+    assert e.loc.line == 5 and f"'{part}' is an attribute of {owner}" in e.msg
+    ok = dsl.compile(dsl.parse(text.replace(name, name.replace(part, part + "_")), file="spec.mtc"))
+    assert any(k.endswith(part + "_.weight") or f"{part}_." in k for k in ok.state_dict())
