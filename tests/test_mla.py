@@ -77,3 +77,15 @@ def test_bad_arguments_are_clear_errors(fn):
         fn(q, k, v, scale=None)
     with pytest.raises(ValueError, match="scale must be finite"):
         fn(q, k, v, scale=float("nan"))
+
+
+@pytest.mark.parametrize("bad", [None, "yes", 1, 0.0])
+def test_causal_must_be_a_bool(bad):
+    # a truthy / falsy stand-in would silently pick a mask: refused by both backends
+    q, k, v = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
+    for f in (R.mla_attention, T_mla):
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            f(q, k, v, scale=0.3, causal=bad)
+    for ok in (False, torch.tensor(True)):
+        want = R.mla_attention(q, k, v, scale=0.3, causal=bool(ok))
+        assert torch.allclose(T_mla(q, k, v, scale=0.3, causal=ok), want, atol=1e-6)

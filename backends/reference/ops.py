@@ -151,9 +151,13 @@ def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (_f32(a) * _f32(b)).to(a.dtype)
 
 
-def check_attention_args(q, k, v, scale, where: str) -> None:
+def check_attention_args(q, k, v, scale, where: str, causal=True) -> None:
     """mla_attention's argument checks (shared with the Triton backend): float tensors q, k [B, T, H, Dqk] and
-    v [B, T, H, Dv] on one device, a finite number as scale. Raises TypeError / ValueError."""
+    v [B, T, H, Dv] on one device, a finite number as scale, a bool (or 0-d bool tensor) as causal. Raises
+    TypeError / ValueError."""
+    if not isinstance(causal, bool) and not (isinstance(causal, torch.Tensor) and causal.dtype == torch.bool
+                                             and causal.dim() == 0):
+        raise TypeError(f"{where}: causal must be True or False, got {causal!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -187,10 +191,11 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     q, k [B, T, H, Dqk]; v [B, T, H, Dv] (Dqk may differ from Dv: 192 and 128 in K3). cu_seqlens int
     [N+1] for packed sequences (B == 1): attention never crosses a sequence boundary.
     Returns o [B, T, H, Dv] in v's dtype. Vaswani et al. 2017, eq. 1; DeepSeek-V2 (MLA).
-    Raises TypeError (non-float tensors, a non-numeric scale, bad cu_seqlens dtype) and ValueError (shapes that
-    are not [B, T, H, D] or disagree, cu_seqlens with B != 1 or not offsets 0 ... T, NaN / inf in q, k or v)."""
+    Raises TypeError (non-float tensors, a non-numeric scale, a causal that is not a bool, bad cu_seqlens dtype)
+    and ValueError (shapes that are not [B, T, H, D] or disagree, cu_seqlens with B != 1 or not offsets 0 ... T,
+    NaN / inf in q, k or v)."""
     where = "mla_attention"
-    check_attention_args(q, k, v, scale, where)
+    check_attention_args(q, k, v, scale, where, causal)
     check_attention_finite(q, k, v, where)
     B, T, H, _ = q.shape
     qf, kf, vf = (_f32(t).transpose(1, 2) for t in (q, k, v))   # [B, H, T, D]

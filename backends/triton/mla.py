@@ -40,7 +40,7 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
             inf when scanned).
     """
     where = "triton.mla_attention"
-    check_attention_args(q, k, v, scale, where)
+    check_attention_args(q, k, v, scale, where, causal)
     if scan_values(check_finite, q):
         check_attention_finite(q, k, v, where)
     B, T = q.shape[:2]
