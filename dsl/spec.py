@@ -618,7 +618,9 @@ class SpecBuilder:
         config int (replaced by its value, as in a reshape shape) or a shape symbol (B, T: bound when the model
         runs). Raises MtcError at the dim otherwise. A config int as the batch or sequence dim (dim 0; dim 1 of
         token ids [B, T] or of a [B, T, ...] input) is a MtcWarning there: it fixes that size, which a field named
-        like a shape symbol (config { T: int = 64 }) does without the writer meaning to."""
+        like a shape symbol (config { T: int = 64 }) does without the writer meaning to.  For float inputs only
+        fields named like a shape symbol (an uppercase first letter) warn: a lowercase one (d, h) there sizes a
+        weight passed as an input."""
         tok = d.children[0]
         text, loc = str(tok), self.spec.loc(tok)
         if text.isdigit():
@@ -631,7 +633,10 @@ class SpecBuilder:
                 raise self.spec.err(f"input '{pname}': dimension '{text}' names a config field whose value is "
                                     f"{describe(v)}; a dimension is an integer from 1 to {MAX_DIM} or a shape symbol", loc)
             self.used.add(text)
-            if pos == 0 or (pos == 1 and (rank >= 3 or dtype.startswith(("i", "u")))):
+            ids = dtype.startswith(("i", "u"))
+            # a float input's first dim named by a lowercase field (w: f32[d], A_log: f32[h], conv: f32[d, 1, 4])
+            # is a weight's size, not a batch: only shape-symbol-like fields (B, T, N, ...) warn there
+            if (pos == 0 or (pos == 1 and (rank >= 3 or ids))) and (ids or text[:1].isupper()):
                 warnings.warn(MtcWarning(
                     f"input '{pname}': dimension {pos} is '{text}', the config field {text} = {v}, so the model takes "
                     f"exactly {v} there (a config value in a shape is a constant); to keep it a free "

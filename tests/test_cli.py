@@ -342,6 +342,14 @@ def test_config_field_named_like_a_shape_symbol(tmp_path):
         assert str(dsl.load(q).inputs()[0].types[0]) == "f32[B, T, 8]"
         q.write_text(q.read_text().replace("f32[B, T, d]", "f32[B, d]"))        # [B, d]: dim 1 is a width
         assert str(dsl.load(q).inputs()[0].types[0]) == "f32[B, 8]"
+        # weights passed as inputs (sized by lowercase fields, as `mtc ops` examples declare them) stay silent
+        q.write_text("model w {\n  config { d: int = 8 }\n  forward(x: f32[B, T, d], w: f32[d], c: f32[d, 1, 4]) {\n"
+                     "    return short_conv(mul(x, w), c)\n  }\n}\n")
+        assert [str(n.types[0]) for n in dsl.load(q).inputs()] == ["f32[B, T, 8]", "f32[8]", "f32[8, 1, 4]"]
+    # a float input's first dim named by a shape-symbol-like field still warns
+    q.write_text("model w {\n  config { N: int = 8 }\n  forward(x: f32[N, 16]) {\n    return rmsnorm(x)\n  }\n}\n")
+    with pytest.warns(MtcWarning, match=r"dimension 0 is 'N', the config field N = 8"):
+        dsl.load(q)
 
 
 def test_lowered_listing_says_when_compile_would_refuse_the_model(tmp_path):
