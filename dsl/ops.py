@@ -336,6 +336,11 @@ def _target_shape(x: TensorType, a: dict) -> tuple:
         got = a["shape"]
         got = "[" + ", ".join(map(str, got)) + "]" if isinstance(got, (list, tuple)) else repr(got)
         raise ShapeError(f"shape must list integers and shape symbols, got {got}") from None
+    for d in shape:
+        if d.is_number and d < 1:
+            hint = f" (no -1 to infer one: write it, e.g. {_dims(_filled(shape, x))})" if d < 0 else ""
+            raise ShapeError(f"the shape {_dims(shape)} has a size {d}: every size is an integer >= 1 or a shape "
+                             f"symbol{hint}")
     have = set().union(*(d.free_symbols for d in x.shape)) if x.shape else set()
     for d in shape:
         for s in sorted(d.free_symbols - have, key=str):
@@ -343,6 +348,16 @@ def _target_shape(x: TensorType, a: dict) -> tuple:
             raise ShapeError(f"unknown symbol '{s}' in the shape {_dims(shape)}: the input {_shape(x)} has "
                              f"symbols {names}")
     return shape
+
+
+def _filled(shape: tuple, x: TensorType) -> tuple:
+    """shape with one -1 replaced by what the element count of x leaves for it (for the error's example), or
+    shape unchanged when that is not one integer or symbol product."""
+    if sum(1 for d in shape if d.is_number and d < 0) != 1:
+        return shape
+    rest = sympy.Mul(*(d for d in shape if not (d.is_number and d < 0)))
+    fill = sympy.simplify(x.numel() / rest)
+    return tuple(fill if (d.is_number and d < 0) else d for d in shape)
 
 
 def _reshape(ts, a):

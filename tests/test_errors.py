@@ -240,6 +240,11 @@ def test_reshape_takes_bare_shape_symbols_and_prints_shapes_plainly():
     assert e.msg == "unknown name 'Q'" and _loc(e) == (9, 30) and "shape symbols are B, T" in e.hint
     e = _err(spec.replace("SHAPE", "[B, T // 2, 2, 32]"))
     assert "'//' needs numbers, got the shape expression T" in e.msg and _loc(e) == (9, 30)
+    e = _err(spec.replace("SHAPE", "[B, T, 2, -1]"))             # no inferred size: the error says what to write
+    assert e.msg == ("reshape: the shape [B, T, 2, -1] has a size -1: every size is an integer >= 1 or a shape "
+                     "symbol (no -1 to infer one: write it, e.g. [B, T, 2, 16])") and _loc(e) == (9, 9)
+    e = _err(spec.replace("SHAPE", "[B, T, 0, 32]"))
+    assert e.msg.endswith("has a size 0: every size is an integer >= 1 or a shape symbol")
 
 
 def test_an_unapplied_layer_block_is_named_not_dumped():
