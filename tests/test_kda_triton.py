@@ -121,11 +121,19 @@ def test_bound_violation_is_caught_not_assumed(impl):
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
     o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
     assert torch.isfinite(o).all()
-    # the final state after decays of exp(-40) per step is ill-conditioned in float32: the float32 reference
-    # itself is off the float64 recurrence by up to ~1.9e-5 (seen), so the bound is relative to its error
-    _, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    # decays of up to exp(-40) per step: the float32 G of that chunk reaches |G| ~ 400+ (the reference, with its
+    # float64 G, was off the recurrence by up to ~1.9e-5 while it summed G in float32)
     assert rel_rms(o[0], o_n) < 2e-5
-    assert rel_rms(S[0], S_n) < max(2e-5, 2 * rel_rms(S_r[0], S_n))
+    assert rel_rms(S[0], S_n) < g32_bound(g)
+
+
+def g32_bound(g, floor=2e-5):
+    """The relative error that the kernels' float32 in-chunk cumulative gate G allows (fla keeps it in float32 as
+    well; the reference sums it in float64): G_i - G_j is off by up to ulp(|G|), so the bound grows with the
+    largest |G| within a chunk of 64 tokens, floor where that is small."""
+    T = g.shape[1]
+    gmax = max(float(g[:, a:a + 64].double().cumsum(1).abs().max()) for a in range(0, T, 64))
+    return max(floor, 2.0 ** -23 * gmax)
 
 
 def test_softplus_gate_strong_decay(impl):
@@ -135,10 +143,8 @@ def test_softplus_gate_strong_decay(impl):
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
     assert torch.isfinite(o).all() and rel_rms(o[0], o_n) < 2e-5
-    # as above, the final state is ill-conditioned in float32 under such decays: MTC_SEED=2118963447 gave
-    # 2.57e-5 for both this kernel and the float32 reference, so the bound is relative to the reference's error
-    _, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
-    assert rel_rms(S[0], S_n) < max(2e-5, 2 * rel_rms(S_r[0], S_n))
+    # the float32 G reaches |G| ~ 1900 here (ulp 1.2e-4): MTC_SEED=2118963447 gave 2.57e-5 on the final state
+    assert rel_rms(S[0], S_n) < g32_bound(g)
 
 
 def test_cu_seqlens_uneven(impl):
@@ -343,11 +349,9 @@ def test_intra3_channel_slices_and_per_block_bound_check(split, monkeypatch):
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
     o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
     assert torch.isfinite(o).all()
-    # the final state after decays of exp(-40) per step is ill-conditioned in float32: the float32 reference
-    # itself is off the float64 recurrence by up to ~1.9e-5 (seen), so the bound is relative to its error
-    _, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    # decays of up to exp(-30) per step in channels 20..40: the bound follows the float32 G's reach there
     assert rel_rms(o[0], o_n) < 2e-5
-    assert rel_rms(S[0], S_n) < max(2e-5, 2 * rel_rms(S_r[0], S_n))
+    assert rel_rms(S[0], S_n) < g32_bound(g)
 
 
 def test_gate_and_step():
