@@ -188,7 +188,7 @@ def _init_(t: torch.Tensor, init: str, std: float | None, gen: torch.Generator |
 
 def _taken(owner: nn.Module, name: str) -> bool:
     """Whether torch refuses ``name`` as a submodule, parameter or buffer of ``owner``: an attribute of its class
-    (forward, training's property-like methods, to, dtype, ...) or of the instance that is none of those."""
+    (forward, to, state_dict, dtype, ...) or of the instance (training, graph, ...) that is none of those."""
     if name in owner._modules or name in owner._parameters or name in owner._buffers:
         return False
     return hasattr(type(owner), name) or name in owner.__dict__
@@ -208,6 +208,7 @@ def _container(root: nn.Module, path: list[str], key: str = "", loc=None) -> nn.
 
 
 def _taken_msg(key: str, part: str, owner: nn.Module) -> str:
+    """The MtcError text for a weight name part that _taken refuses."""
     return (f"weight name '{key}': '{part}' is an attribute of {type(owner).__name__} (torch.nn.Module's namespace), "
             f"so it cannot name a submodule or a weight there; rename it (e.g. name=\"{part}_\" or a prefix= "
             f"without it)")
