@@ -12,7 +12,7 @@ Times are medians of triton.testing.do_bench (CUDA events).  Columns:
   err    relative RMS difference of o between the two implementations (every 16th token at T >= 256K).
 Diagnostics (forward): --phases prints the time of each forward phase of mtc (CUDA events at the phase
 boundaries: intra (v4/v5: cumsum, strip, solve), w/u, segment maps + combine, serial state pass, o; a forward that
-runs as the three-stream pipeline (one sequence from 64K tokens, backends.triton.kda.PIPE_CFG) overlaps them and
+runs as the pipeline (one sequence from 64K tokens, backends.triton.kda.PIPE_CFG) overlaps them and
 reports one "pipelined forward" phase: --timeline shows its kernels per stream); --sweep times the mtc forward at the
 largest case for several segment counts and state-kernel launch settings (backends.triton.kda.H_CFG).
 --intra v2,v3,v4 times each listed forward intra-chunk implementation (backends.triton.kda.INTRA_IMPL: v2 =
