@@ -484,8 +484,8 @@ def timeline(tk, kda_chunk, T, H):
     stream: lines of per-kernel sums (ms), first start and last end relative to the call's start, and the
     state passes' intervals (one per piece of the pipelined forward)."""
     q, k, v, g, beta = make(T, H)
-    names = [n for n in ("_chunk_cumsum_kernel", "_fwd_strip5_kernel", "_fwd_solve4_kernel", "_fwd_wu_kernel",
-                         "_fwd_h_kernel", "_combine_kernel", "_fwd_o_kernel") if hasattr(tk, n)]
+    names = [n for n in ("_chunk_cumsum_kernel", "_fwd_strip5_kernel", "_fwd_strip32_kernel", "_fwd_solve4_kernel",
+                         "_fwd_wu_kernel", "_fwd_h_kernel", "_combine_kernel", "_fwd_o_kernel") if hasattr(tk, n)]
     log = []
     orig = {n: getattr(tk, n) for n in names}
     try:

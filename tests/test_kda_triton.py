@@ -31,17 +31,18 @@ def naive(q, k, v, g, beta, scale, S0):
     return (torch.stack(outs, 0) if outs else None), S
 
 
-@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles", "v4-rfast", "v5", "v5-rfast"])
+@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles", "v4-rfast", "v5", "v5-rfast", "v5-rows32"])
 def impl(request, monkeypatch):
     """Run the test with each forward intra-chunk implementation (tk.INTRA_IMPL; "v4-tiles": v4 with
     _fwd_tiles4_kernel; "v4-rfast" / "v5-rfast": v4 / v5 with the strip kernel's row blocks as consecutive
-    programs); v3, v4 and v5 with the smallest channel/value slices so that their slice loops run more than
-    once."""
+    programs; "v5-rows32": v5 with _fwd_strip32_kernel's 32-row pairs); v3, v4 and v5 with the smallest
+    channel/value slices so that their slice loops run more than once."""
     monkeypatch.setattr(tk, "INTRA_IMPL", request.param.split("-")[0])
     monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16))
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=request.param.endswith("tiles"),
                                                r_fast=request.param.endswith("rfast")))
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, r_fast=request.param.endswith("rfast")))
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, r_fast=request.param.endswith("rfast"),
+                                               rows32=request.param.endswith("rows32")))
     return request.param
 
 
@@ -125,6 +126,29 @@ def test_bound_violation_is_caught_not_assumed(impl):
     # float64 G, was off the recurrence by up to ~1.9e-5 while it summed G in float32)
     assert rel_rms(o[0], o_n) < 2e-5
     assert rel_rms(S[0], S_n) < g32_bound(g)
+
+
+@pytest.mark.parametrize("K,slices", [(16, 1), (32, 1), (32, 2)])
+def test_rows32_dense_pairs_and_fallbacks(K, slices, monkeypatch):
+    # _fwd_strip32_kernel: a 32-row pair is one dense strip only when both its 16-row blocks keep the bound and
+    # G falls by at most 161 across the pair in every channel; here lower_bound=-8 is promised and one chunk
+    # holds a 16-row block at -8 <= g < -5 (its pair falls by more than 161: two 16-row dense blocks), another
+    # a block at -40 (breaks the bound: safe path), the rest is in [-5, 0) with a third of the channels at -5;
+    # slices = 2: the cumsum kernel's flags come from two channel slices (ANDed by the strip kernels), and the
+    # low gates sit in the second slice's channels only
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, rows32=True, cumsum_slices=slices))
+    assert tk._cumsum_slices(K) == slices
+    B, T, H, V = 1, 230, 2, 16
+    q, k, v, g, beta, S0 = make(B, T, H, K, V, at_bound=True)
+    lo = K // 2 if slices == 2 else 0
+    g[:, 80:96, :, lo:] = -5.0 - 3.0 * torch.rand(1, 16, H, K - lo)
+    g[:, 150:160, :, lo:] = -40.0 * torch.rand(1, 10, H, K - lo)
+    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-8.0)
+    o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
+    assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < g32_bound(g)
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, rows32=False, cumsum_slices=1))
+    o16, S16 = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-8.0)
+    assert rel_rms(o, o16) < 1e-5 and rel_rms(S, S16) < 1e-5
 
 
 def g32_bound(g, floor=2e-5):
@@ -473,17 +497,25 @@ for fn in (tk._fwd_strip4_kernel, tk._fwd_tiles4_kernel):
     assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 cfg5 = tk.INTRA5_CFG
 sig5 = dict(q=P, k=P, GCS=F, FB=I, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
-            H="i32", K="constexpr", BK="constexpr", DT="constexpr")
+            H="i32", K="constexpr", BK="constexpr", DT="constexpr", NS="constexpr")
 for r_fast in (False, True):
     ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr"),
-               dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=r_fast), cfg5["nw_strip"], cfg5["ns_strip"])
+               dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=r_fast, NS=2), cfg5["nw_strip"],
+               cfg5["ns_strip"])
     assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v5 strip kernel: no tensor-core instruction"
 ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr", FTZ="constexpr"),
-           dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=True, FTZ=True), cfg5["nw_strip"], cfg5["ns_strip"])
+           dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=True, FTZ=True, NS=1), cfg5["nw_strip"],
+           cfg5["ns_strip"])
 assert "ex2.approx.ftz.f32" in ck.asm["ptx"], "v5 strip kernel (ftz): no flush-to-zero exponential"
-ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
-                                         FAST="constexpr"), dict(K=128, FAST=True), cfg5["nw_cumsum"], 1)
-assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+for ns in (1, 2):
+    ck = build(tk._fwd_strip32_kernel, dict(sig5, FTZ="constexpr"),
+               dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, FTZ=True, NS=ns), cfg5["nw_strip32"], cfg5["ns_strip"])
+    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "32-row strip kernel: no tensor-core instruction"
+    assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+    ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
+                                             FAST="constexpr", ROWS32="constexpr", NS="constexpr"),
+               dict(K=128, FAST=True, ROWS32=True, NS=ns), cfg5["nw_cumsum"], 1)
+    assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 build(tk._step_kernel, dict(q=P, k=P, v=P, g=F, beta=P, S_in=F, S_out=F, o=P, scale="fp32", K="constexpr",
                            V="constexpr", BV="constexpr", KP="constexpr"), dict(K=24, V=40, BV=64, KP=32), 4, 1)
 build(tk._gate_kernel, dict(x=P, A_log=F, dt_bias=F, g=F, n_rows="i32", H="i32", lb="fp32", K="constexpr",
@@ -494,6 +526,9 @@ assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32", PREC="constexpr"),
            dict(PREC="tf32x3"), cfg4["nw_solve"], 1)
 assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "solve kernel (tf32x3): no tensor-core instruction"
+ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32", PREC="constexpr"),
+           dict(PREC=cfg5["solve_prec_fwd"]), cfg5["nw_solve"], 1)
+assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "solve kernel (tf32): no tensor-core instruction"
 ck = build(tk._fwd_strip4_kernel, dict(sig4, R_FAST="constexpr"),
            dict(K=128, BK=64, FAST=True, DT=tk.tl.bfloat16, R_FAST=True), 8, 1)
 assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v4 strip kernel (r_fast): no tensor-core instruction"
@@ -572,17 +607,18 @@ def test_hopper_compile_uses_tensor_cores():
                                          (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast"), (4, 8, "v5-tf32solve"),
                                          (4, 8, "v5-bv64"), (96, None, "v5-bv64"), (4, 8, "v5-bv16"),
                                          (16, None, "v5"), (4, 8, "v5-ftz"), (4, 8, "v5-default"),
-                                         (16, None, "v5-default")])
+                                         (16, None, "v5-default"), (4, 8, "v5-rows32"), (16, None, "v5-rows32")])
 def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
-    # "v5-default": the forward exactly as configured (INTRA5_CFG, H_CFG untouched); the other v5 rows set
-    # r_fast, solve_prec and ftz themselves
+    # "v5-default": the forward exactly as configured (INTRA5_CFG, H_CFG untouched: rows32, the "tf32" solve of
+    # a forward without autograd); the other v5 rows set r_fast, solve_prec (solve_prec_fwd off) and ftz themselves
     monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
     monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles"),
                                                **(dict(r_fast=True, BK=64, nw_strip=8) if intra == "v4-rfast" else {})))
     if intra != "v5-default":
         monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast") or intra == "v5-ftz",
                                                    solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee",
-                                                   ftz=intra == "v5-ftz"))
+                                                   ftz=intra == "v5-ftz", rows32=intra.endswith("rows32"),
+                                                   solve_prec_fwd=None))
         monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv={"bv64": 64, "bv16": 16}.get(intra.split("-")[-1],
                                                                                        tk.H_CFG["bv"])))
     B, T, K, V = 1, 4096, 128, 128

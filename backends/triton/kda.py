@@ -5,8 +5,9 @@ Same signatures and results as backends/reference/kda.py (spec/OPS.md); math fro
 
 Kernel plan (chunks of C = 64 tokens, sub-tiles of 16, state S [K, V] float32 between chunks):
 
-(The default forward, ``INTRA_IMPL = "v5"``, splits step 1 into ``_chunk_cumsum_kernel`` (G), ``_fwd_strip5_kernel``
-(Akk and P), ``_fwd_solve4_kernel`` ((I + Akk)^-1) and ``_fwd_wu_kernel``; v2 / v3 below are the earlier forms
+(The default forward, ``INTRA_IMPL = "v5"``, splits step 1 into ``_chunk_cumsum_kernel`` (G), ``_fwd_strip32_kernel``
+(Akk and P on 32-row pairs where the gate allows, else ``_fwd_strip5_kernel``'s 16-row blocks),
+``_fwd_solve4_kernel`` ((I + Akk)^-1) and ``_fwd_wu_kernel``; v2 / v3 below are the earlier forms
 of the same math. Step 2's BV is ``H_CFG["bv"]``: 32, or 64 when 32-column programs would take two waves; in a
 forward without autograd 16 when 16-column programs fit one per SM, which then run unsplit with 3 pipeline stages.)
 
@@ -85,6 +86,9 @@ FAST_LOWER_BOUND_LIMIT = -10.0
 # the same for float16 operands: the anchored factors reach e^(8 |L|) and float16 ends at 65504 ~ e^11.09, so
 # the dense tiles need L >= -1.25 there; a lower bound below that runs the safe path (same result)
 FP16_FAST_LOWER_BOUND_LIMIT = -1.25
+# _fwd_strip32_kernel's dense 32-row pairs: G may fall by at most this much across a pair (exponents within +-80.5
+# about its middle); 32 gates at the bound -5 fall by 160, the slack absorbs the rounding of the float32 G
+_SPAN32 = tl.constexpr(161.0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -798,52 +802,71 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
 
 
 @triton.jit
-def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST: tl.constexpr):
+def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST: tl.constexpr,
+                         ROWS32: tl.constexpr = False, NS: tl.constexpr = 1):
     """One (chunk, head): GCS = the in-chunk cumulative gate G (float32 [N, H, K]; rows past the chunk's end
     not written) and FB[c, h, r] = 1 when every g of 16-row block r (all K channels) is >= lb (the dense
-    diagonal tile is in range), else 0 (always 0 without FAST)."""
+    diagonal tile is in range), else 0 (always 0 without FAST); ROWS32: plus 2 in both blocks of a 32-row pair
+    when both have bit 0 and G falls by at most _SPAN32 (161) across the pair in every channel
+    (_fwd_strip32_kernel's dense pair: exponents within +-80.5 about the pair's middle).
+    NS: grid (NC, H, NS), each program one slice of K / NS channels; FB [NC, H, NS * 4] then holds each slice's
+    flags at s * 4 + r (_fb ANDs them)."""
     c_ = tl.program_id(0)
     h = tl.program_id(1)
+    sl = tl.program_id(2)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     rows = tl.arange(0, 64)
-    dk = tl.arange(0, K)
+    if NS == 1:
+        dk = tl.arange(0, K)
+    else:
+        dk = sl * (K // NS) + tl.arange(0, K // NS)
     off = (t0.to(tl.int64) * H + h) * K + rows[:, None] * (H * K) + dk[None, :]
     m = (rows < L)[:, None]
     gg = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
-    tl.store(GCS + off, tl.cumsum(gg, axis=0), mask=m)
+    Gc = tl.cumsum(gg, axis=0)
+    tl.store(GCS + off, Gc, mask=m)
     r4 = tl.arange(0, 4)
     if FAST:
-        low = tl.min(tl.reshape(gg, [4, 16 * K]), axis=1)       # padded rows read 0 >= lb
+        low = tl.min(tl.reshape(gg, [4, 16 * (K // NS)]), axis=1)       # padded rows read 0 >= lb
         fb = (low >= lb).to(tl.int32)
+        if ROWS32:
+            # bit 1 in both blocks of a 32-row pair: both blocks within lb and G falls by at most _SPAN32 over the
+            # pair in every channel (padded rows add 0, so row 63 holds G at the chunk's end)
+            G31 = tl.sum(tl.where(rows[:, None] == 31, Gc, 0.0), axis=0)
+            G63 = tl.sum(tl.where(rows[:, None] == 63, Gc, 0.0), axis=0)
+            fall0 = tl.min(G31, axis=0)
+            fall1 = tl.min(G63 - G31, axis=0)
+            okp = (tl.where(tl.arange(0, 2) == 0, fall0, fall1) >= -_SPAN32).to(tl.int32)
+            okp = okp & tl.min(tl.reshape(fb, [2, 2]), axis=1)
+            fb += 2 * tl.reshape(tl.broadcast_to(okp[:, None], [2, 2]), [4])
     else:
         fb = tl.zeros([4], dtype=tl.int32)
-    tl.store(FB + (tl.cast(c_, tl.int64) * H + h) * 4 + r4, fb)
+    tl.store(FB + (tl.cast(c_, tl.int64) * H + h) * (4 * NS) + sl * 4 + r4, fb)
 
 
 @triton.jit
-def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
-                       K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, R_FAST: tl.constexpr = False,
-                       BM=None, SAVE_B: tl.constexpr = False, KGB=None, WRITE_KGB: tl.constexpr = False,
-                       LIM_ROWS: tl.constexpr = False, FTZ: tl.constexpr = False):
-    """_fwd_strip4_kernel's outputs from the precomputed in-chunk cumulative gate (GCS, FB of
-    _chunk_cumsum_kernel): no scan and no row extraction in the kernel, only loads.  The anchor c of row
-    block R: the middle of its G range when FB says the block's gates are >= lb (then one dense
-    [16, BK] x [BK, 64] dot covers every causal tile, the diagonal one included), else G before the block
-    (exponents <= 0; the diagonal tile token pair by token pair).
-    Grid (NC, H, 4), or with R_FAST (4 * NC, H): the 4 row blocks of a chunk as consecutive programs, so
-    that the [64, K] column operands (k, G) the 4 programs each load are still in L2 for 3 of them.
-    WRITE_KGB: also store KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's
-    operand (it then loads neither k nor G).  LIM_ROWS: load only the column-operand rows that row block R
-    uses (rows < 16 R + 16; the others are masked to 0 in the dot anyway), 160 of the 256 row loads of a
-    chunk's 4 programs.  FTZ: the dense path's exponentials as ex2.approx.ftz (see _ex; GPU only)."""
-    c_, R, h = _strip_program(R_FAST)
+def _fb(FB, c_, h, H, r, NS: tl.constexpr):
+    """The flags of 16-row block r of chunk c_, head h from _chunk_cumsum_kernel's FB [NC, H, NS * 4]: the AND
+    over its NS channel slices."""
+    ptr = FB + (tl.cast(c_, tl.int64) * H + h) * (4 * NS) + r
+    f = tl.load(ptr)
+    for s in tl.static_range(1, NS):
+        f = f & tl.load(ptr + 4 * s)
+    return f
+
+
+@triton.jit
+def _strip16(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
+             BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, WRITE_KGB: tl.constexpr,
+             LIM_ROWS: tl.constexpr, FTZ: tl.constexpr):
+    """_fwd_strip5_kernel's work for 16-row block R of chunk c_ and head h; fr = 1: the block's gates are
+    >= lb (the dense diagonal tile), 0: the safe path."""
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
     if LIM_ROWS:
         m64 = m64 & (rows64 < R * 16 + 16)[:, None]
     if WRITE_KGB:
         bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
-    fr = tl.load(FB + (tl.cast(c_, tl.int64) * H + h) * 4 + R)
     # rows past the chunk's end have G = G of its last row (as a scan of zero-padded gates gives)
     last = L - 1
     row_lo = tl.minimum(R * 16 - 1, last)
@@ -868,6 +891,105 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
         if WRITE_KGB:
             tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
     _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
+
+
+@triton.jit
+def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+                       K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, R_FAST: tl.constexpr = False,
+                       BM=None, SAVE_B: tl.constexpr = False, KGB=None, WRITE_KGB: tl.constexpr = False,
+                       LIM_ROWS: tl.constexpr = False, FTZ: tl.constexpr = False, NS: tl.constexpr = 1):
+    """_fwd_strip4_kernel's outputs from the precomputed in-chunk cumulative gate (GCS, FB of
+    _chunk_cumsum_kernel): no scan and no row extraction in the kernel, only loads.  The anchor c of row
+    block R: the middle of its G range when FB says the block's gates are >= lb (then one dense
+    [16, BK] x [BK, 64] dot covers every causal tile, the diagonal one included), else G before the block
+    (exponents <= 0; the diagonal tile token pair by token pair).
+    Grid (NC, H, 4), or with R_FAST (4 * NC, H): the 4 row blocks of a chunk as consecutive programs, so
+    that the [64, K] column operands (k, G) the 4 programs each load are still in L2 for 3 of them.
+    WRITE_KGB: also store KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's
+    operand (it then loads neither k nor G).  LIM_ROWS: load only the column-operand rows that row block R
+    uses (rows < 16 R + 16; the others are masked to 0 in the dot anyway), 160 of the 256 row loads of a
+    chunk's 4 programs.  FTZ: the dense path's exponentials as ex2.approx.ftz (see _ex; GPU only)."""
+    c_, R, h = _strip_program(R_FAST)
+    fr = _fb(FB, c_, h, H, R, NS) & 1
+    _strip16(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM, SAVE_B, KGB,
+             WRITE_KGB, LIM_ROWS, FTZ)
+
+
+@triton.jit
+def _strip32_dense(q, k, GCS, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
+                   BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, WRITE_KGB: tl.constexpr,
+                   FTZ: tl.constexpr):
+    """_fwd_strip5_kernel's outputs for the 32 rows of row pair RR (rows 32 RR .. 32 RR + 31) of chunk c_ and
+    head h, when G falls by at most 161 across the pair in every channel (FB bit 1): the anchor c is the middle of
+    the pair's G range, so |G_i - c| <= 80.5 on the pair's rows (e^80.5 ~ 9e34, within float32 / bf16 range)
+    and every causal tile of the strip, the two diagonal 16x16 tiles and the one between them included, is one dense
+    [32, BK] x [BK, 64] dot.  The column operand k_j e^(c - G_j) [64, BK] is formed twice per chunk instead of
+    four times (16-row blocks)."""
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows64 = tl.arange(0, 64)
+    rows = RR * 32 + tl.arange(0, 32)
+    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
+    lim = RR * 32 + 32
+    m64 = ((rows64 < L) & (rows64 < lim))[:, None]
+    mr = (rows < L)[:, None]
+    if WRITE_KGB:
+        bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
+    last = L - 1
+    row_lo = tl.minimum(RR * 32 - 1, last)
+    row_hi = tl.minimum(RR * 32 + 31, last)
+    a = tl.zeros([32, 64], dtype=tl.float32)
+    p = tl.zeros([32, 64], dtype=tl.float32)
+    for ks in range(0, K, BK):
+        d = ks + tl.arange(0, BK)
+        o64 = rows64[:, None] * (H * K) + d[None, :]
+        orr = rows[:, None] * (H * K) + d[None, :]
+        G64 = tl.load(GCS + base + o64, mask=m64, other=0.0)
+        k64 = tl.load(k + base + o64, mask=m64, other=0.0).to(tl.float32)
+        kr = tl.load(k + base + orr, mask=mr, other=0.0).to(tl.float32)
+        qr = tl.load(q + base + orr, mask=mr, other=0.0).to(tl.float32)
+        cl = tl.load(GCS + base + row_lo * (H * K) + d, mask=(RR > 0) & (d < K), other=0.0)
+        ch = tl.load(GCS + base + row_hi * (H * K) + d)
+        GC = tl.load(GCS + base + last * (H * K) + d)
+        Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
+        Gr = tl.where(mr, Gr, ch[None, :])
+        c = cl + 0.5 * (ch - cl)
+        er = _ex(Gr - c[None, :], FTZ)
+        col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
+        a += tl.dot((kr * er).to(DT), tl.trans(col))
+        p += tl.dot((qr * er).to(DT), tl.trans(col))
+        eG = _ex(Gr, FTZ)
+        tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
+        tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
+        if RR == 0:
+            tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
+        if WRITE_KGB:
+            tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
+    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
+
+
+@triton.jit
+def _fwd_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+                        K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BM=None, SAVE_B: tl.constexpr = False,
+                        KGB=None, WRITE_KGB: tl.constexpr = False, LIM_ROWS: tl.constexpr = False,
+                        FTZ: tl.constexpr = False, NS: tl.constexpr = 1):
+    """_fwd_strip5_kernel's outputs with one program per (chunk, head, 32-row pair RR): grid (2 NC, H), the two
+    pairs of a chunk as consecutive programs.  When FB bit 1 says both blocks keep the bound and G falls by at
+    most 161 across the pair, it is one dense 32-row strip (_strip32_dense); otherwise its two 16-row blocks run as in
+    _fwd_strip5_kernel, one after the other, each dense or safe by its own FB bit 0."""
+    c_ = tl.program_id(0) // 2
+    RR = tl.program_id(0) % 2
+    h = tl.program_id(1)
+    f0 = _fb(FB, c_, h, H, 2 * RR, NS)
+    if (f0 & 2) != 0:
+        _strip32_dense(q, k, GCS, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM,
+                       SAVE_B, KGB, WRITE_KGB, FTZ)
+    else:
+        _strip16(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT,
+                 BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ)
+        f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS) & 1
+        _strip16(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT,
+                 BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ)
 
 
 @triton.jit
@@ -988,7 +1110,7 @@ def _fwd_solve4_kernel(NB, cstart, clen, TB, H, PREC: tl.constexpr = "ieee"):
     """One (chunk, head): TB = T = (I + N)^-1 (float32, the 10 lower 16x16 tiles) from N = NB, by inverting
     the diagonal tiles (_inv16) and blocked forward substitution T_rj = -T_rr sum_{j<=m<r} N_rm T_mj.
     PREC: the 16x16 products' tl.dot input precision ("ieee": float32 FMAs; "tf32x3": three TF32 tensor-core
-    products, about float32 accuracy)."""
+    products, about float32 accuracy; "tf32": one, inputs rounded to 10 mantissa bits)."""
     c_ = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(cstart + c_)
@@ -1801,13 +1923,43 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # shrinks 1120 -> 1032 instructions with it (12th session). Timed in the 13th (benchmarks/kda.py --alt
 # "INTRA5_CFG:ftz=True", H200, forward): H=16 64K 3.554 -> 3.516 ms, 1M 56.03 -> 55.53, H=96 64K 18.78 -> 18.62;
 # o error against the reference unchanged (3.6e-3 - 3.7e-3), so on by default.
+# rows32: the strip kernel as _fwd_strip32_kernel, one program per 32-row pair of a chunk (grid (2 NC, H)): where
+# both 16-row blocks keep the bound and G falls by at most 161 across the pair in every channel (the cumsum
+# kernel's FB bit 1; 32 gates at the bound -5 fall by 160, and the slack absorbs G's rounding), the anchor is the
+# pair's middle (exponents within +-80.5) and one dense [32, BK] x [BK, 64]
+# dot covers the pair's causal tiles, so the [64, BK] column operand and its exponentials are formed twice per
+# chunk instead of four times; other pairs run as two 16-row blocks (bit 0 as before).  Not for float16 (its
+# range ends at e^11).  nw_strip32: its warps.  cumsum_slices: the cumsum kernel over K / slices channels per
+# program (grid (NC, H, slices); 230 registers at K = 128 in one slice, 113 in two); the strips AND the
+# slices' flags.  maxnreg_solve: register cap of the 1-warp solve programs (195 registers without: 8 per SM).
+# H200, 20th session, forward ms at H = 16 64K / 1M, H = 96 64K (`--only mtc`): before 2.91 / 42.03 / 18.50,
+# rows32 2.79 / 39.94 / 17.35 (at 4 warps 2.86 / 41.51 / 18.03; maxnreg 80 2.80 / 40.18 / 17.49); then (another
+# run, rows32 40.69 at 1M) cumsum_slices 2: 2.77 / 39.76 / 17.33, 4: 2.77 / 40.11 / 17.43, 4 at 2 warps 2.74 /
+# 39.54 / 17.42, 2 with maxnreg_solve 128: 2.77 / 39.65 / 17.22.  Dropped: BK 32 for rows32 (43.36 against
+# 40.26 at 1M), 8 cumsum warps (45.13), maxnreg_solve 96 (41.90).  Nsight Compute at 64K (one piece): the rows32
+# strip at 104 registers, 2 programs (16 warps) per SM, 44% of its stall cycles on the short scoreboard (shared
+# memory / MUFU); the cumsum kernel (one slice) 2 programs per SM, 63% of DRAM peak.
+# solve_prec_fwd: the solve's precision in a forward that keeps no T for the backward (no autograd).  "tf32" (one
+# TF32 product per 16x16 dot): 2344 SASS instructions a program against 7008 for "tf32x3" (ptxas sm_90a; 153
+# registers against 195; with maxnreg_solve 128 "tf32x3" spills 392 B).  T is rounded to bf16 for the w/u dots
+# (tb_lowp) anyway, so the forward's error does not move: bf16 T = 4096 against the reference o 4.38e-3 / 4.36e-3
+# (H 4 / 16) against 4.34e-3 / 4.37e-3, final state 2.39e-3 / 2.51e-3 against 2.39e-3 / 2.33e-3.  Under autograd
+# the backward reads the T the forward kept, and with "tf32" there the gradients of g and beta were less accurate
+# (1.29e-2 / 4.22e-3 against 1.11e-2 / 2.97e-3): it keeps "tf32x3".  H200 (20th session, forward ms, H = 16 64K /
+# 1M, H = 96 64K): tf32x3 2.73 / 39.43 / 17.11, tf32 2.52 / 36.53 / 16.17 (with maxnreg_solve 128 2.52 / 37.19 /
+# 16.10; tf32 with the 10 tiles of N loaded first, 195 registers, 2.55 / 37.36 / 16.36, dropped).
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
-                  r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True, ftz=True)
+                  r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True, ftz=True, rows32=True,
+                  nw_strip32=8, maxnreg_solve=None, cumsum_slices=2,
+                  solve_prec_fwd="tf32")
 
 
-def _solve_prec(cfg):
-    """tl.dot input precision of the solve kernel (cfg "solve_prec"; "ieee" under the interpreter)."""
-    return "ieee" if _interpret() else cfg.get("solve_prec", "ieee")
+def _solve_prec(cfg, fwd_only=False):
+    """tl.dot input precision of the solve kernel: cfg "solve_prec", or "solve_prec_fwd" (when set) for a forward
+    that keeps no T for the backward (fwd_only); "ieee" under the interpreter."""
+    if _interpret():
+        return "ieee"
+    return (fwd_only and cfg.get("solve_prec_fwd")) or cfg.get("solve_prec", "ieee")
 
 
 def _maxnreg(n):
@@ -1830,14 +1982,22 @@ def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, s
 
 def _intra5_scratch(rows, NC, H, K, idt, save_b, dev):
     """The v5 intra kernels' scratch for `rows` tokens and NC chunks: (NBUF [rows, H, 64] float32, GCS [rows, H,
-    K] float32, FB [NC, H, 4] int32, TB [rows, H, 64] (the input dtype with INTRA5_CFG["tb_lowp"] unless save_b,
-    else float32), BM [rows, H, 64] float32 with save_b, else None)."""
+    K] float32, FB [NC, H, 4 * _cumsum_slices(K)] int32, TB [rows, H, 64] (the input dtype with
+    INTRA5_CFG["tb_lowp"] unless save_b, else float32), BM [rows, H, 64] float32 with save_b, else None)."""
     tdt = idt if INTRA5_CFG.get("tb_lowp") and not save_b else torch.float32
     return (torch.empty(rows, H, 64, dtype=torch.float32, device=dev),
             torch.empty(rows, H, K, dtype=torch.float32, device=dev),
-            torch.empty(NC, H, 4, dtype=torch.int32, device=dev),
+            torch.empty(NC, H, 4 * _cumsum_slices(K), dtype=torch.int32, device=dev),
             torch.empty(rows, H, 64, dtype=tdt, device=dev),
             torch.empty(rows, H, 64, dtype=torch.float32, device=dev) if save_b else None)
+
+
+def _cumsum_slices(K):
+    """Channel slices of _chunk_cumsum_kernel (INTRA5_CFG["cumsum_slices"], at most K / 16 and dividing K)."""
+    ns = int(INTRA5_CFG.get("cumsum_slices", 1))
+    while ns > 1 and (K % ns or K // ns < 16):
+        ns //= 2
+    return max(ns, 1)
 
 
 def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, FB, NBUF, GCS, TB,
@@ -1847,20 +2007,29 @@ def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt,
     [NC, H, ...]) to rows 0 .. NC-1 of the given tensors.  marks: record the phase boundaries (PROFILE)."""
     cfg = INTRA5_CFG
     mark = _mark if marks else (lambda name: None)
-    _chunk_cumsum_kernel[(NC, H)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast,
-                                  num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
+    rows32 = bool(cfg.get("rows32")) and fast and idt != torch.float16
+    ns = FB.shape[-1] // 4
+    _chunk_cumsum_kernel[(NC, H, ns)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast, ROWS32=rows32, NS=ns,
+                                      num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
     mark("intra: cumsum")
     r_fast = bool(cfg.get("r_fast"))
     save_b = BM is not None
-    _fwd_strip5_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
-        q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
-        BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, BM=BM if save_b else NBUF, SAVE_B=save_b,
-        KGB=KGB if KGB is not None else NBUF, WRITE_KGB=KGB is not None, LIM_ROWS=bool(cfg.get("lim_rows")),
-        FTZ=bool(cfg.get("ftz")) and not _interpret(),
-        num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
+    common = dict(NS=ns, BM=BM if save_b else NBUF, SAVE_B=save_b, KGB=KGB if KGB is not None else NBUF,
+                  WRITE_KGB=KGB is not None, LIM_ROWS=bool(cfg.get("lim_rows")),
+                  FTZ=bool(cfg.get("ftz")) and not _interpret())
+    if rows32:
+        _fwd_strip32_kernel[(2 * NC, H)](
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K, BK=min(K, cfg["BK"]),
+            DT=_TL[idt], **common, num_warps=cfg.get("nw_strip32", cfg["nw_strip"]), num_stages=cfg["ns_strip"],
+            **_maxnreg(cfg.get("maxnreg")))
+    else:
+        _fwd_strip5_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
+            BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, **common,
+            num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
     mark("intra: strip")
-    _fwd_solve4_kernel[(NC, H)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg),
-                                num_warps=cfg["nw_solve"], num_stages=1)
+    _fwd_solve4_kernel[(NC, H)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg, BM is None),
+                                num_warps=cfg["nw_solve"], num_stages=1, **_maxnreg(cfg.get("maxnreg_solve")))
     mark("intra: solve")
 
 
