@@ -692,14 +692,14 @@ def _strip_program(R_FAST: tl.constexpr):
 
 
 @triton.jit
-def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr):
-    """The row geometry of strip program (chunk c_, head h, row block R): (t0, L, rows64, rows, base, m64,
-    mr) = chunk start and length, the chunk's 64 rows and the block's 16, the 64-bit element base of
+def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr, ROWS: tl.constexpr = 16):
+    """The row geometry of strip program (chunk c_, head h, row block R of ROWS rows): (t0, L, rows64, rows, base,
+    m64, mr) = chunk start and length, the chunk's 64 rows and the block's ROWS, the 64-bit element base of
     (t0, h) and the in-chunk row masks of both."""
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     rows64 = tl.arange(0, 64)
-    rows = R * 16 + tl.arange(0, 16)
+    rows = R * ROWS + tl.arange(0, ROWS)
     base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
     return t0, L, rows64, rows, base, (rows64 < L)[:, None], (rows < L)[:, None]
 
@@ -718,21 +718,27 @@ def _ex(x, FTZ: tl.constexpr):
 
 @triton.jit
 def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
-                 scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False):
-    """One channel slice of a strip program (_fwd_strip4_kernel / _fwd_strip5_kernel), given the slice's
-    operands and cumulative gates: G64 [64, BK] of the chunk, Gr [16, BK] of row block R, GC / cl / ch [BK]
-    at the chunk's last row / before the block / the block's last row, fr = 1 when the block's gates are
-    >= lb.  Adds the slice's share to the strips a (Akk) and p (P) [16, 64] and stores its QG, KD (and GAM
-    for R = 0); returns (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only)."""
-    c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+                 scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False, ROWS: tl.constexpr = 16):
+    """One channel slice of a strip program (_fwd_strip4_kernel / _fwd_strip5_kernel / _fwd_strip32_kernel),
+    given the slice's operands and cumulative gates: G64 [64, BK] of the chunk, Gr [ROWS, BK] of row block R,
+    GC / cl / ch [BK] at the chunk's last row / before the block / the block's last row, fr = 1 when the block is
+    dense (its gates are >= lb; always 1 for ROWS = 32).  Adds the slice's share to the strips a (Akk) and p (P)
+    [ROWS, 64] and stores its QG, KD (and GAM for R = 0); returns (a, p, e^Gr). FTZ: the exponentials through
+    _ex's flush-to-zero form (GPU only)."""
+    if ROWS == 16:
+        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+        lim = R * 16 + 16 * fr
+    else:
+        c = cl + 0.5 * (ch - cl)
+        lim = R * ROWS + ROWS
     er = _ex(Gr - c[None, :], FTZ)
-    lim = R * 16 + 16 * fr
     col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
     a += tl.dot((kr * er).to(DT), tl.trans(col))
     p += tl.dot((qr * er).to(DT), tl.trans(col))
-    if fr == 0:
-        a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
-        p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+    if ROWS == 16:
+        if fr == 0:
+            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
+            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
     eG = _ex(Gr, FTZ)
     tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
     tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
@@ -857,22 +863,26 @@ def _fb(FB, c_, h, H, r, NS: tl.constexpr):
 
 
 @triton.jit
-def _strip16(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
-             BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, WRITE_KGB: tl.constexpr,
-             LIM_ROWS: tl.constexpr, FTZ: tl.constexpr):
-    """_fwd_strip5_kernel's work for 16-row block R of chunk c_ and head h; fr = 1: the block's gates are
-    >= lb (the dense diagonal tile), 0: the safe path."""
-    t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K)
+def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
+                 BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, WRITE_KGB: tl.constexpr,
+                 LIM_ROWS: tl.constexpr, FTZ: tl.constexpr, ROWS: tl.constexpr = 16):
+    """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h.  ROWS = 16: fr = 1
+    when the block's gates are >= lb (the dense diagonal tile), 0 for the safe path.  ROWS = 32 (fr = 1): a
+    dense pair, when G falls by at most _SPAN32 across it in every channel (FB bit 1): the anchor c is the middle
+    of the pair's G range, so |G_i - c| <= 80.5 on its rows (e^80.5 ~ 9e34, within float32 / bf16 range), and
+    every causal tile of the strip, the two diagonal 16x16 tiles and the one between them included, is one dense
+    [32, BK] x [BK, 64] dot."""
+    t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K, ROWS)
     if LIM_ROWS:
-        m64 = m64 & (rows64 < R * 16 + 16)[:, None]
+        m64 = m64 & (rows64 < R * ROWS + ROWS)[:, None]
     if WRITE_KGB:
         bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
     # rows past the chunk's end have G = G of its last row (as a scan of zero-padded gates gives)
     last = L - 1
-    row_lo = tl.minimum(R * 16 - 1, last)
-    row_hi = tl.minimum(R * 16 + 15, last)
-    a = tl.zeros([16, 64], dtype=tl.float32)
-    p = tl.zeros([16, 64], dtype=tl.float32)
+    row_lo = tl.minimum(R * ROWS - 1, last)
+    row_hi = tl.minimum(R * ROWS + ROWS - 1, last)
+    a = tl.zeros([ROWS, 64], dtype=tl.float32)
+    p = tl.zeros([ROWS, 64], dtype=tl.float32)
     for ks in range(0, K, BK):
         d = ks + tl.arange(0, BK)
         o64 = rows64[:, None] * (H * K) + d[None, :]
@@ -887,7 +897,7 @@ def _strip16(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, 
         Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
         Gr = tl.where(mr, Gr, ch[None, :])
         a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD,
-                                GAM, c_, h, H, scale, K, DT, FTZ)
+                                GAM, c_, h, H, scale, K, DT, FTZ, ROWS)
         if WRITE_KGB:
             tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
     _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
@@ -911,61 +921,8 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
     chunk's 4 programs.  FTZ: the dense path's exponentials as ex2.approx.ftz (see _ex; GPU only)."""
     c_, R, h = _strip_program(R_FAST)
     fr = _fb(FB, c_, h, H, R, NS) & 1
-    _strip16(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM, SAVE_B, KGB,
-             WRITE_KGB, LIM_ROWS, FTZ)
-
-
-@triton.jit
-def _strip32_dense(q, k, GCS, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
-                   BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, WRITE_KGB: tl.constexpr,
-                   FTZ: tl.constexpr):
-    """_fwd_strip5_kernel's outputs for the 32 rows of row pair RR (rows 32 RR .. 32 RR + 31) of chunk c_ and
-    head h, when G falls by at most 161 across the pair in every channel (FB bit 1): the anchor c is the middle of
-    the pair's G range, so |G_i - c| <= 80.5 on the pair's rows (e^80.5 ~ 9e34, within float32 / bf16 range)
-    and every causal tile of the strip, the two diagonal 16x16 tiles and the one between them included, is one dense
-    [32, BK] x [BK, 64] dot.  The column operand k_j e^(c - G_j) [64, BK] is formed twice per chunk instead of
-    four times (16-row blocks)."""
-    t0 = tl.load(cstart + c_)
-    L = tl.load(clen + c_)
-    rows64 = tl.arange(0, 64)
-    rows = RR * 32 + tl.arange(0, 32)
-    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
-    lim = RR * 32 + 32
-    m64 = ((rows64 < L) & (rows64 < lim))[:, None]
-    mr = (rows < L)[:, None]
-    if WRITE_KGB:
-        bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
-    last = L - 1
-    row_lo = tl.minimum(RR * 32 - 1, last)
-    row_hi = tl.minimum(RR * 32 + 31, last)
-    a = tl.zeros([32, 64], dtype=tl.float32)
-    p = tl.zeros([32, 64], dtype=tl.float32)
-    for ks in range(0, K, BK):
-        d = ks + tl.arange(0, BK)
-        o64 = rows64[:, None] * (H * K) + d[None, :]
-        orr = rows[:, None] * (H * K) + d[None, :]
-        G64 = tl.load(GCS + base + o64, mask=m64, other=0.0)
-        k64 = tl.load(k + base + o64, mask=m64, other=0.0).to(tl.float32)
-        kr = tl.load(k + base + orr, mask=mr, other=0.0).to(tl.float32)
-        qr = tl.load(q + base + orr, mask=mr, other=0.0).to(tl.float32)
-        cl = tl.load(GCS + base + row_lo * (H * K) + d, mask=(RR > 0) & (d < K), other=0.0)
-        ch = tl.load(GCS + base + row_hi * (H * K) + d)
-        GC = tl.load(GCS + base + last * (H * K) + d)
-        Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
-        Gr = tl.where(mr, Gr, ch[None, :])
-        c = cl + 0.5 * (ch - cl)
-        er = _ex(Gr - c[None, :], FTZ)
-        col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
-        a += tl.dot((kr * er).to(DT), tl.trans(col))
-        p += tl.dot((qr * er).to(DT), tl.trans(col))
-        eG = _ex(Gr, FTZ)
-        tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
-        tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
-        if RR == 0:
-            tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
-        if WRITE_KGB:
-            tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
-    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
+    _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM, SAVE_B,
+                 KGB, WRITE_KGB, LIM_ROWS, FTZ)
 
 
 @triton.jit
@@ -975,20 +932,21 @@ def _fwd_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM,
                         FTZ: tl.constexpr = False, NS: tl.constexpr = 1):
     """_fwd_strip5_kernel's outputs with one program per (chunk, head, 32-row pair RR): grid (2 NC, H), the two
     pairs of a chunk as consecutive programs.  When FB bit 1 says both blocks keep the bound and G falls by at
-    most 161 across the pair, it is one dense 32-row strip (_strip32_dense); otherwise its two 16-row blocks run as in
-    _fwd_strip5_kernel, one after the other, each dense or safe by its own FB bit 0."""
+    most _SPAN32 across the pair, it is one dense 32-row strip (_strip_block with ROWS = 32: the [64, BK] column
+    operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead of four times); otherwise its
+    two 16-row blocks run as in _fwd_strip5_kernel, one after the other, each dense or safe by its own FB bit 0."""
     c_ = tl.program_id(0) // 2
     RR = tl.program_id(0) % 2
     h = tl.program_id(1)
     f0 = _fb(FB, c_, h, H, 2 * RR, NS)
     if (f0 & 2) != 0:
-        _strip32_dense(q, k, GCS, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM,
-                       SAVE_B, KGB, WRITE_KGB, FTZ)
+        _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
+                     DT, BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ, 32)
     else:
-        _strip16(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT,
+        _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT,
                  BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ)
         f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS) & 1
-        _strip16(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT,
+        _strip_block(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT,
                  BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ)
 
 
@@ -1926,9 +1884,8 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # rows32: the strip kernel as _fwd_strip32_kernel, one program per 32-row pair of a chunk (grid (2 NC, H)): where
 # both 16-row blocks keep the bound and G falls by at most 161 across the pair in every channel (the cumsum
 # kernel's FB bit 1; 32 gates at the bound -5 fall by 160, and the slack absorbs G's rounding), the anchor is the
-# pair's middle (exponents within +-80.5) and one dense [32, BK] x [BK, 64]
-# dot covers the pair's causal tiles, so the [64, BK] column operand and its exponentials are formed twice per
-# chunk instead of four times; other pairs run as two 16-row blocks (bit 0 as before).  Not for float16 (its
+# pair's middle (exponents within +-80.5) and one dense [32, BK] x [BK, 64] dot covers the pair's causal tiles, so
+# the [64, BK] column operand and its exponentials are formed twice per chunk instead of four times; other pairs run as two 16-row blocks (bit 0 as before).  Not for float16 (its
 # range ends at e^11).  nw_strip32: its warps.  cumsum_slices: the cumsum kernel over K / slices channels per
 # program (grid (NC, H, slices); 230 registers at K = 128 in one slice, 113 in two); the strips AND the
 # slices' flags.  maxnreg_solve: register cap of the 1-warp solve programs (195 registers without: 8 per SM).
