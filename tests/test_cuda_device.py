@@ -94,10 +94,9 @@ def test_gpu_second_device_not_current():
     gr = dsl.load(ROOT / "models" / "kimi_k3.mtc", "tiny")
     ref = dsl.compile(gr, target="reference").eval()
     exercise(ref)
-    tri = dsl.compile(gr, target="triton").eval()
+    tri = dsl.compile(gr, target="triton", device=d1).eval()
     tri.load_state_dict(ref.state_dict())
     ids = clear_ids(ref, (1, 70))
-    tri.to(d1)
     with torch.no_grad():
         a = tri(ids.to(d1))
         assert a.device == d1 and torch.cuda.current_device() == 0

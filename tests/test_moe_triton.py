@@ -944,3 +944,36 @@ def test_gpu_latent_moe_bf16():
     same = (idx == ridx).all(1)  # bf16-GEMM vs float32 logits: a near-tie may flip a pick
     assert same.float().mean() > 0.99
     assert rel_rms(y[same], ry[same]) < 2e-2
+
+
+def test_fit_launch_lowers_stages_until_shared_memory_fits(monkeypatch):
+    # _fit_launch: a launch that triton refuses for shared memory (OutOfResources at load time, e.g. float32
+    # operands on configs sized for bf16) is retried with one stage fewer; the count that fits is remembered per
+    # key, and other errors (or a refusal at one stage) are raised as they are
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(tm, "_STAGES_FIT", {})
+    calls = []
+
+    class Kernel:
+        def __init__(self, fits, what="shared memory"):
+            self.fits, self.what = fits, what
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **kw):
+                calls.append((grid, args, num_stages, kw))
+                if num_stages > self.fits:
+                    raise OutOfResources(100_000 * num_stages, 232448, self.what)
+                return "ran"
+            return launch
+
+    assert tm._fit_launch(Kernel(2), (7,), "k", dict(num_warps=8, num_stages=4), 1, 2, X=3) == "ran"
+    assert [c[2] for c in calls] == [4, 3, 2] and calls[-1] == ((7,), (1, 2), 2, dict(X=3, num_warps=8))
+    assert tm._STAGES_FIT == {"k": 2}
+    calls.clear()
+    assert tm._fit_launch(Kernel(2), (7,), "k", dict(num_warps=8, num_stages=4)) == "ran"
+    assert [c[2] for c in calls] == [2]                       # remembered: no failed load the second time
+    with pytest.raises(OutOfResources, match="registers"):
+        tm._fit_launch(Kernel(1, "registers"), (1,), "r", dict(num_warps=8, num_stages=3))
+    with pytest.raises(OutOfResources, match="shared memory"):
+        tm._fit_launch(Kernel(0), (1,), "z", dict(num_warps=8, num_stages=2))
+    assert tm._STAGES_FIT["z"] == 1

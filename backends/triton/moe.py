@@ -208,6 +208,29 @@ def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+#: (TILE_CONFIGS entry, operand dtype, swapped tails) -> the pipeline stages that fit the GPU's shared memory, where
+#: fewer than configured (_fit_launch)
+_STAGES_FIT: dict = {}
+
+
+def _fit_launch(kernel, grid, key, launch, *args, **kwargs):
+    """kernel[grid](*args, **kwargs, **launch), with launch["num_stages"] lowered one at a time while the GPU's
+    shared memory cannot hold that many stages (triton raises OutOfResources when it loads the kernel, before
+    anything runs), and the count that fits remembered under key.  The GPU entries of TILE_CONFIGS are sized for
+    2-byte operands; float32 ones take twice the shared memory per stage (a float32 model on the GPU asked for
+    360 KB of the H200's 227 KB in the grouped GEMM)."""
+    if key in _STAGES_FIT:
+        launch = dict(launch, num_stages=min(launch["num_stages"], _STAGES_FIT[key]))
+    while True:
+        try:
+            return kernel[grid](*args, **kwargs, **launch)
+        except triton.runtime.errors.OutOfResources as e:
+            if "shared memory" not in str(e) or launch["num_stages"] <= 1:
+                raise
+            launch = dict(launch, num_stages=launch["num_stages"] - 1)
+            _STAGES_FIT[key] = launch["num_stages"]
+
+
 def _launch_cfg(cfg, t=None, tail=0):
     """num_warps / num_stages of a TILE_CONFIGS entry ("TAIL_STAGES" instead when a grouped GEMM runs swapped tails:
     each stage then holds the tail's rows too), and its register cap "maxnreg" (on the GPU) when set."""
@@ -623,7 +646,8 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     a_h_src, a2_h_src = row_srcs(half, bm // 2)
     a_t_src, a2_t_src = row_srcs(tail, tail)
     dummy = c
-    _k._grouped_gemm_kernel[(mt * n_tiles,)](
+    _fit_launch(
+        _k._grouped_gemm_kernel, (mt * n_tiles,), (name, a.dtype, bool(tail)), _launch_cfg(cfg, a, tail=tail),
         a_src, tok if tok is not None else offs, w_src, a2_src, w2_src,
         c, c2 if c2 is not None else dummy, c3 if c3 is not None else dummy,
         pa if pa is not None else dummy, pb if pb is not None else dummy,
@@ -632,8 +656,7 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
         a.stride(0), w.stride(0), swn, swk, c.stride(0), float(bg), float(bu),
         PAIR=pair, EPI=epi, SAVE=save, ROW_SCALE=row_scale, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=w_desc,
         W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk, HALF=half,
-        a_h_src=a_h_src, a2_h_src=a2_h_src, TAIL=tail, a_t_src=a_t_src, a2_t_src=a2_t_src,
-        **_launch_cfg(cfg, a, tail=tail))
+        a_h_src=a_h_src, a2_h_src=a2_h_src, TAIL=tail, a_t_src=a_t_src, a2_t_src=a2_t_src)
     return c
 
 
@@ -694,14 +717,14 @@ def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, 
     m_tiles, n_tiles = cdiv(mm, bm), cdiv(nn, bn)
     o_desc, o_dst, o2_dst = _wgrad_out(cfg, out, out2 if dual else out, dual, bm, bn)
     exp = d.offs if rest is None else _device_list(rest, p.device)
-    _k._wgrad_kernel[((d.e if rest is None else len(rest)) * m_tiles * n_tiles,)](
-        p, p2 if dual else p, ptok if ptok is not None else d.tok,
+    _fit_launch(
+        _k._wgrad_kernel, ((d.e if rest is None else len(rest)) * m_tiles * n_tiles,), ("wgrad", dual, p.dtype),
+        _launch_cfg(cfg, p), p, p2 if dual else p, ptok if ptok is not None else d.tok,
         pscale if pscale is not None else p, q, qtok if qtok is not None else d.tok,
         o_dst, o2_dst, d.offs, exp, mm, nn, m_tiles, n_tiles,
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
-        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=cfg["BK"], O_DESC=o_desc, EXP_LIST=rest is not None,
-        **_launch_cfg(cfg, p))
+        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=cfg["BK"], O_DESC=o_desc, EXP_LIST=rest is not None)
 
 
 def _device_list(experts, device):
@@ -806,15 +829,14 @@ def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None)
     else:
         p_src, p2_src = p, p2_
     q_src = TensorDescriptor.from_tensor(q, [bk, bn]) if q_desc else q
-    launch = _launch_cfg(cfg, p)
-    _k._wgrad_v2_kernel[(nprog,)](
-        p_src, p2_src, q_src, p, p2_, ptok if ptok is not None else d.tok, q,
+    _fit_launch(
+        _k._wgrad_v2_kernel, (nprog,), ("wgrad2", dual, p.dtype), _launch_cfg(cfg, p), p_src, p2_src, q_src, p, p2_, ptok if ptok is not None else d.tok, q,
         qtok if qtok is not None else d.tok, o_dst, o2_dst, d.offs,
         mm, nn, d.e, m_tiles, n_tiles, nprog,
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_DESC=bool(p_desc), Q_DESC=bool(q_desc), O_DESC=bool(o_desc),
         P_GATHER=ptok is not None, Q_GATHER=qtok is not None,
-        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=bk, **launch)
+        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=bk)
 
 
 def _glu_bwd_gemm():
