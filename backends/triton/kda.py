@@ -2465,7 +2465,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
             diagonal tiles are dense tensor-core dots (a lower L runs the safe path: same result, slower).  The promise is checked per chunk inside the
             kernel (min of g); a chunk that breaks it takes the safe path, so the result is right anyway.
             float16 q/k/v: the dense tiles need L >= FP16_FAST_LOWER_BOUND_LIMIT (-1.25; e^(8 |L|) must
-            fit float16); a lower L runs the safe path everywhere (same result, slower).
+            fit float16); a lower L runs the safe path everywhere (same result, slower).  bf16 / float32: a
+            32-row pair whose G falls by at most 161 in every channel (every pair at L >= -5) is one dense
+            32-row tile.  The dense tiles scale q and k by up to e^80.5 (at L = -5, as 16-row tiles at
+            L = -10), so q's entries must stay below ~3e3 there (k has about unit norm anyway, or the delta
+            rule diverges); L2-normalized q and k, as kda_layer feeds them, are far inside that.
         segment_chunks: chunks per segment for the long-context split (None: chosen from the GPU size;
             a huge value disables it).  The result does not depend on it beyond rounding.
         check_finite: scan the inputs for NaN/inf and g for values > 0 first (reductions and a host sync;
