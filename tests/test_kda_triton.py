@@ -151,6 +151,36 @@ def test_rows32_dense_pairs_and_fallbacks(K, slices, monkeypatch):
     assert rel_rms(o, o16) < 1e-5 and rel_rms(S, S16) < 1e-5
 
 
+def test_rows32_overflow_redone_as_16_row_blocks(monkeypatch):
+    # a dense 32-row pair scales q and k by up to e^80.5: q entries of ~2e3 (q x 1e4, with G falling by 160.9
+    # across each pair) or k x 2e5 (stable here: beta = 1e-11) overflow it; the pair must be redone as two
+    # 16-row blocks, not return NaN (found by a user trial)
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, rows32=True))
+    B, T, H, K, V = 1, 64, 1, 16, 16
+    q, k, v, _, beta, _ = make(B, T, H, K, V)
+    g = torch.full((B, T, H, K), -5.19)
+    g[:, 0] = g[:, 32] = 0.0
+    for qq, kk, gg, bb, lb in ((q * 1e4, k, g, beta, -8.0), (q, k * 2e5, g.clamp(min=-5.0), beta * 1e-11, -5.0)):
+        o, S = tk.kda_chunk(qq, kk, v, gg, bb, lower_bound=lb, output_final_state=True)
+        o_r, S_r = R.kda_chunk(qq, kk, v, gg, bb, output_final_state=True)
+        assert torch.isfinite(o).all() and torch.isfinite(S).all()
+        assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
+
+
+def test_numpy_scalars_and_meta_tensors():
+    # numpy scalars for lower_bound / segment_chunks work on both backends (as for scale), and meta tensors get
+    # the device message, not torch's "Tensor.item() cannot be called on meta tensors" from the value scan
+    import numpy as np
+    q, k, v, g, beta, S0 = make(1, 70, 1, 16, 16)
+    want = R.kda_chunk(q, k, v, g, beta, lower_bound=-5.0, segment_chunks=1)[0]
+    for f in (R.kda_chunk, tk.kda_chunk):
+        o, _ = f(q, k, v, g, beta, lower_bound=np.float32(-5.0), segment_chunks=np.int64(1))
+        assert rel_rms(o, want) < 2e-5
+    meta = [t.to("meta") for t in (q, k, v, g, beta)]
+    with pytest.raises(ValueError, match="meta tensors hold no data"):
+        tk.kda_chunk(*meta)
+
+
 def g32_bound(g, floor=2e-5):
     """The relative error that the kernels' float32 in-chunk cumulative gate G allows (fla keeps it in float32 as
     well; the reference sums it in float64): G_i - G_j is off by up to ulp(|G|), so the bound grows with the

@@ -245,8 +245,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     if lower_bound is not None:
         if not -math.inf < check_lower_bound_type(lower_bound, where) < 0:
             raise ValueError(f"{where}: lower_bound must be a finite number < 0 or None, got {lower_bound!r}")
-    if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
-                                       or segment_chunks < 1):
+    if segment_chunks is not None and (isinstance(segment_chunks, bool)
+                                       or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
         raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
     check_inputs_finite_and_decay(q, k, v, g, beta, where)
     if initial_state is not None:
@@ -298,7 +298,7 @@ def check_scale(scale, where: str) -> None:
 def check_lower_bound_type(lower_bound, where: str) -> float:
     """kda_chunk's lower_bound (not None) as a float: TypeError unless a number (bools are not); the range each
     backend checks itself (the Triton kernel runs dense diagonal tiles for [-10, 0), the safe path below)."""
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
         raise TypeError(f"{where}: lower_bound must be a number or None, got {type(lower_bound).__name__} "
                         f"{lower_bound!r}")
     return float(lower_bound)

@@ -26,7 +26,7 @@ def check_kernel_device(where: str, **tensors) -> None:
     if dev is not None and dev.type == "meta":
         raise ValueError(f"{where}: meta tensors hold no data for a kernel to run on: "
                          + ", ".join(f"{n}" for n, t in named.items() if t.device.type == "meta")
-                         + " (for shapes alone use the reference backend's ops, or dsl's typed IR)")
+                         + " (for shapes alone, compile the model with device='meta': dsl's typed IR)")
     if dev is not None and dev.type != "cuda" and not interpreted():
         raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
 

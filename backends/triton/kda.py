@@ -900,7 +900,19 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
                                 GAM, c_, h, H, scale, K, DT, FTZ, ROWS)
         if WRITE_KGB:
             tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
-    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
+    if ROWS == 16:
+        ok = 1
+    else:
+        # the 32-row tile scales q and k by up to e^80.5: entries of |q| or |k| beyond ~3e3 overflow it to inf /
+        # NaN in the causal entries (never to a wrong finite value); then nothing is stored and the caller redoes
+        # the pair as two 16-row blocks (e^40.5 at most)
+        cols = tl.arange(0, 64)
+        fin = (tl.abs(a) < float("inf")) & (tl.abs(p) < float("inf"))
+        fin = tl.where(cols[None, :] <= rows[:, None], fin, True)
+        ok = tl.min(tl.min(fin.to(tl.int32), axis=1), axis=0)
+    if ok != 0:
+        _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
+    return ok
 
 
 @triton.jit
@@ -918,7 +930,8 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
     WRITE_KGB: also store KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's
     operand (it then loads neither k nor G).  LIM_ROWS: load only the column-operand rows that row block R
     uses (rows < 16 R + 16; the others are masked to 0 in the dot anyway), 160 of the 256 row loads of a
-    chunk's 4 programs.  FTZ: the dense path's exponentials as ex2.approx.ftz (see _ex; GPU only)."""
+    chunk's 4 programs.  FTZ: the dense path's exponentials as ex2.approx.ftz (see _ex; GPU only).  NS: the
+    cumsum kernel's channel slices (FB [NC, H, NS * 4], ANDed by _fb)."""
     c_, R, h = _strip_program(R_FAST)
     fr = _fb(FB, c_, h, H, R, NS) & 1
     _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM, SAVE_B,
@@ -933,21 +946,27 @@ def _fwd_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM,
     """_fwd_strip5_kernel's outputs with one program per (chunk, head, 32-row pair RR): grid (2 NC, H), the two
     pairs of a chunk as consecutive programs.  When FB bit 1 says both blocks keep the bound and G falls by at
     most _SPAN32 across the pair, it is one dense 32-row strip (_strip_block with ROWS = 32: the [64, BK] column
-    operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead of four times); otherwise its
-    two 16-row blocks run as in _fwd_strip5_kernel, one after the other, each dense or safe by its own FB bit 0."""
+    operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead of four times); otherwise, and
+    when that strip overflows (|q| or |k| entries beyond ~3e3), its two 16-row blocks run as in
+    _fwd_strip5_kernel, one after the other, each dense or safe by its own FB bit 0."""
     c_ = tl.program_id(0) // 2
     RR = tl.program_id(0) % 2
     h = tl.program_id(1)
     f0 = _fb(FB, c_, h, H, 2 * RR, NS)
+    ok = tl.zeros([], dtype=tl.int32)
     if (f0 & 2) != 0:
-        _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
-                     DT, BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ, 32)
-    else:
-        _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT,
-                 BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ)
+        ok = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
+                          DT, BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ, 32)
+    # (also keeps the 16-row blocks' work below from being scheduled into the dense pair's: 177 registers
+    # without it, 127 with it, ptxas sm_90a)
+    tl.debug_barrier()
+    if ok == 0:
+        # (a dense pair that overflowed stored the same QG, KD, KGB and GAM as the 16-row blocks store again)
+        _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
+                     DT, BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ)
         f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS) & 1
-        _strip_block(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT,
-                 BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ)
+        _strip_block(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K,
+                     BK, DT, BM, SAVE_B, KGB, WRITE_KGB, LIM_ROWS, FTZ)
 
 
 @triton.jit
@@ -1951,7 +1970,7 @@ def _intra5_scratch(rows, NC, H, K, idt, save_b, dev):
 
 def _cumsum_slices(K):
     """Channel slices of _chunk_cumsum_kernel (INTRA5_CFG["cumsum_slices"], at most K / 16 and dividing K)."""
-    ns = int(INTRA5_CFG.get("cumsum_slices", 1))
+    ns = int(INTRA5_CFG.get("cumsum_slices") or 1)
     while ns > 1 and (K % ns or K // ns < 16):
         ns //= 2
     return max(ns, 1)
@@ -2467,9 +2486,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
             float16 q/k/v: the dense tiles need L >= FP16_FAST_LOWER_BOUND_LIMIT (-1.25; e^(8 |L|) must
             fit float16); a lower L runs the safe path everywhere (same result, slower).  bf16 / float32: a
             32-row pair whose G falls by at most 161 in every channel (every pair at L >= -5) is one dense
-            32-row tile.  The dense tiles scale q and k by up to e^80.5 (at L = -5, as 16-row tiles at
-            L = -10), so q's entries must stay below ~3e3 there (k has about unit norm anyway, or the delta
-            rule diverges); L2-normalized q and k, as kda_layer feeds them, are far inside that.
+            32-row tile.  That tile scales q and k by up to e^80.5; where that overflows (|q| or |k| entries
+            beyond ~3e3), the pair is redone as two 16-row tiles (up to e^40.5 at L = -5; e^80 at L = -10).
         segment_chunks: chunks per segment for the long-context split (None: chosen from the GPU size;
             a huge value disables it).  The result does not depend on it beyond rounding.
         check_finite: scan the inputs for NaN/inf and g for values > 0 first (reductions and a host sync;
@@ -2511,6 +2529,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         fast = lb >= FAST_LOWER_BOUND_LIMIT and not (q.dtype == torch.float16 and lb < FP16_FAST_LOWER_BOUND_LIMIT)
     else:
         lb, fast = 0.0, False
+    check_kernel_device(where, q=q)      # (before the value scan: meta tensors have no values to scan)
     if scan_values(check_finite, q):
         _ref.check_inputs_finite_and_decay(q, k, v, g, beta, where)
         if initial_state is not None:
