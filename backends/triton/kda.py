@@ -1904,9 +1904,10 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # both 16-row blocks keep the bound and G falls by at most 161 across the pair in every channel (the cumsum
 # kernel's FB bit 1; 32 gates at the bound -5 fall by 160, and the slack absorbs G's rounding), the anchor is the
 # pair's middle (exponents within +-80.5) and one dense [32, BK] x [BK, 64] dot covers the pair's causal tiles, so
-# the [64, BK] column operand and its exponentials are formed twice per chunk instead of four times; other pairs run as two 16-row blocks (bit 0 as before).  Not for float16 (its
-# range ends at e^11).  nw_strip32: its warps.  cumsum_slices: the cumsum kernel over K / slices channels per
-# program (grid (NC, H, slices); 230 registers at K = 128 in one slice, 113 in two); the strips AND the
+# the [64, BK] column operand and its exponentials are formed twice per chunk instead of four times; other pairs
+# (and a dense pair that overflows: q or k entries beyond ~3e3) run as two 16-row blocks (bit 0 as before).  Not
+# for float16 (its range ends at e^11).  nw_strip32: its warps.  cumsum_slices: the cumsum kernel over K / slices
+# channels per program (grid (NC, H, slices); 230 registers at K = 128 in one slice, 113 in two); the strips AND the
 # slices' flags.  maxnreg_solve: register cap of the 1-warp solve programs (195 registers without: 8 per SM).
 # H200, 20th session, forward ms at H = 16 64K / 1M, H = 96 64K (`--only mtc`): before 2.91 / 42.03 / 18.50,
 # rows32 2.79 / 39.94 / 17.35 (at 4 warps 2.86 / 41.51 / 18.03; maxnreg 80 2.80 / 40.18 / 17.49); then (another

@@ -208,8 +208,9 @@ def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-#: (TILE_CONFIGS entry, operand dtype, swapped tails) -> the pipeline stages that fit the GPU's shared memory, where
-#: fewer than configured (_fit_launch)
+#: launch key (the TILE_CONFIGS entry and what else sets the shared memory a stage takes: the operand dtype, swapped
+#: tails, dual outputs) -> the pipeline stages that fit the GPU's shared memory, where fewer than configured
+#: (_fit_launch)
 _STAGES_FIT: dict = {}
 
 
@@ -830,9 +831,9 @@ def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None)
         p_src, p2_src = p, p2_
     q_src = TensorDescriptor.from_tensor(q, [bk, bn]) if q_desc else q
     _fit_launch(
-        _k._wgrad_v2_kernel, (nprog,), ("wgrad2", dual, p.dtype), _launch_cfg(cfg, p), p_src, p2_src, q_src, p, p2_, ptok if ptok is not None else d.tok, q,
-        qtok if qtok is not None else d.tok, o_dst, o2_dst, d.offs,
-        mm, nn, d.e, m_tiles, n_tiles, nprog,
+        _k._wgrad_v2_kernel, (nprog,), ("wgrad2", dual, p.dtype), _launch_cfg(cfg, p),
+        p_src, p2_src, q_src, p, p2_, ptok if ptok is not None else d.tok, q, qtok if qtok is not None else d.tok,
+        o_dst, o2_dst, d.offs, mm, nn, d.e, m_tiles, n_tiles, nprog,
         p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_DESC=bool(p_desc), Q_DESC=bool(q_desc), O_DESC=bool(o_desc),
         P_GATHER=ptok is not None, Q_GATHER=qtok is not None,
