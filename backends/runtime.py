@@ -186,32 +186,28 @@ def _init_(t: torch.Tensor, init: str, std: float | None, gen: torch.Generator |
             raise MtcError(f"unknown initialiser '{init}'")
 
 
-def _taken(owner: nn.Module, name: str) -> bool:
-    """Whether torch refuses ``name`` as a submodule, parameter or buffer of ``owner``: an attribute of its class
-    (forward, to, state_dict, dtype, ...) or of the instance (training, graph, ...) that is none of those."""
-    if name in owner._modules or name in owner._parameters or name in owner._buffers:
-        return False
-    return hasattr(type(owner), name) or name in owner.__dict__
+def _check_free(owner: nn.Module, part: str, key: str, loc) -> None:
+    """MtcError at ``loc`` when torch would refuse ``part`` (of the weight name ``key``) as a submodule, parameter
+    or buffer of ``owner``: an attribute of its class (forward, to, state_dict, dtype, ...) or of the instance
+    (training, graph, ...) that is none of those."""
+    if part in owner._modules or part in owner._parameters or part in owner._buffers:
+        return
+    if hasattr(type(owner), part) or part in owner.__dict__:
+        raise MtcError(f"weight name '{key}': '{part}' is an attribute of {type(owner).__name__} (torch.nn.Module's "
+                       f"namespace), so it cannot name a submodule or a weight there; rename it (e.g. "
+                       f"name=\"{part}_\" or a prefix= without it)", loc)
 
 
 def _container(root: nn.Module, path: list[str], key: str = "", loc=None) -> nn.Module:
-    """The submodule of ``root`` at ``path`` (made as plain nn.Module containers where missing).  MtcError at
-    ``loc`` when a part of the weight name ``key`` is an attribute torch would not let a submodule shadow."""
+    """The submodule of ``root`` at ``path`` (made as plain nn.Module containers where missing); _check_free on
+    each part of the weight name ``key`` on the way."""
     m = root
     for p in path:
-        if _taken(m, p):
-            raise MtcError(_taken_msg(key, p, m), loc)
+        _check_free(m, p, key, loc)
         if p not in m._modules:
             m.add_module(p, nn.Module())
         m = m._modules[p]
     return m
-
-
-def _taken_msg(key: str, part: str, owner: nn.Module) -> str:
-    """The MtcError text for a weight name part that _taken refuses."""
-    return (f"weight name '{key}': '{part}' is an attribute of {type(owner).__name__} (torch.nn.Module's namespace), "
-            f"so it cannot name a submodule or a weight there; rename it (e.g. name=\"{part}_\" or a prefix= "
-            f"without it)")
 
 
 #: balance_defer: warn when this many train-mode forwards kept router scores without apply_balance()
@@ -383,8 +379,7 @@ class CompiledModule(nn.Module):
                 else:
                     _init_(data, n.attr("init"), n.attr("std"), gen)
             owner = _container(self, path, key, n.loc)
-            if _taken(owner, leaf):
-                raise MtcError(_taken_msg(key, leaf, owner), n.loc)
+            _check_free(owner, leaf, key, n.loc)
             if n.op == "param":
                 owner.register_parameter(leaf, nn.Parameter(data))
             else:

@@ -2554,7 +2554,6 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                                        or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
         raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
     scale = K ** -0.5 if scale is None else float(scale)
-    check_kernel_device(where, q=q)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (q, k, v, g, beta, initial_state))
     sms = sm_count(q.device) if q.is_cuda else None
