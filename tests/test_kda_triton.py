@@ -662,6 +662,24 @@ def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_rows32_overflow_bf16():
+    # the 32-row pairs' overflow guard on the GPU (bf16, T = 4097): G falls by 160.9 across every pair (dense), and
+    # q x 1e4 (or k x 2e5 with beta 1e-11, a stable recurrence) overflows the dense tile; those pairs are redone
+    # as 16-row blocks, so o must be finite and right against the float32 reference
+    B, T, H, K, V = 1, 4097, 4, 128, 128
+    q, k, v, _, beta, _ = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
+    g = torch.full((B, T, H, K), -5.19, device="cuda")
+    g[:, ::32] = 0.0
+    for qq, kk, gg, bb, lb in ((q * 1e4, k, g, beta, -8.0), (q, k * 2e5, g.clamp(min=-5.0), beta * 1e-11, -5.0)):
+        o, S = tk.kda_chunk(qq, kk, v, gg, bb, lower_bound=lb, output_final_state=True)
+        o_r, S_r = R.kda_chunk(qq, kk, v, gg, bb, output_final_state=True)
+        assert torch.isfinite(o).all() and torch.isfinite(S).all()
+        eo, es = rel_rms(o, o_r), rel_rms(S, S_r)
+        print(f"\nGPU bf16 rows32 overflow guard: rel RMS o {eo:.2e}, final state {es:.2e}")
+        assert eo < 5e-3 and es < 5e-3
+
+
+@pytest.mark.gpu
 def test_gpu_pipelined_forward_bf16(monkeypatch):
     # T = 140001 is 2188 chunks: past PIPE_CFG's min_chunks, so the no-autograd forward runs as the pipeline over
     # its pieces (the output formed in the state pass by default): bit for bit the one-stream forward with the
