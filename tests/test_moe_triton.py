@@ -859,6 +859,46 @@ def test_gpu_qb_route_and_update_k3_router():
     assert rel_rms(got, exp) < 1e-6
 
 
+def _f32_case():
+    n, l, e, i, k = 1000, 256, 16, 384, 4
+    x = torch.randn(n, l, device="cuda", requires_grad=True)
+    logits = torch.randn(n, e, device="cuda") + torch.linspace(-2, 2, e, device="cuda")
+    idx = ref.biased_topk(logits, k)
+    wt = torch.rand(n, k, device="cuda", requires_grad=True)
+    w1, w3, w2 = (w.requires_grad_() for w in expert_weights(e, i, l, scale=3.0, device="cuda"))
+    return x, idx, wt, w1, w3, w2
+
+
+@pytest.mark.gpu
+def test_gpu_moe_experts_float32_forward():
+    # float32 operands take twice the shared memory of the bf16 tile configs (the tiny model's MoE asked for
+    # 360 KB of an H200's 227): the grouped GEMM launches drop pipeline stages until they fit (_fit_launch) and
+    # must still be right (float32 products in IEEE precision: _prec)
+    x, idx, wt, w1, w3, w2 = _f32_case()
+    with torch.no_grad():
+        u = tm.moe_experts(x, idx, wt, w1, w3, w2)
+        ru = ref.moe_experts(x, idx, wt, w1, w3, w2)
+    assert u.dtype == torch.float32 and rel_rms(u, ru) < 1e-4, rel_rms(u, ru)
+    assert tm._STAGES_FIT, "no launch went through _fit_launch's smaller stage counts"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("glu_bwd", ["split", "fused"])
+def test_gpu_moe_experts_float32_gradients(glu_bwd, monkeypatch):
+    # the backward's grouped GEMMs and weight-gradient launches in float32, through _fit_launch as above (on a
+    # fresh machine its first call compiles for minutes: every launch compiles once per stage count it tries)
+    monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)
+    x, idx, wt, w1, w3, w2 = _f32_case()
+    u = tm.moe_experts(x, idx, wt, w1, w3, w2)
+    ru = ref.moe_experts(x, idx, wt, w1, w3, w2)
+    g = torch.randn_like(ru)
+    got = torch.autograd.grad((u * g).sum(), (x, wt, w1, w3, w2))
+    want = torch.autograd.grad((ru * g).sum(), (x, wt, w1, w3, w2))
+    errs = {name: rel_rms(a_, b_) for name, a_, b_ in zip(("x", "wt", "w1", "w3", "w2"), got, want)}
+    print(f"\nGPU moe_experts float32 ({glu_bwd}): gradients {errs}")
+    assert all(v < 1e-4 for v in errs.values()), errs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,l,e,i,k", [(1000, 1024, 64, 768, 8), (4097, 512, 896, 256, 16),
                                        (8191, 512, 896, 256, 16)])  # ~146 rows per expert: the swapped tails (TAIL)
