@@ -631,6 +631,9 @@ def _attn_residual(ts, a):
     q, w, *src = ts
     if not src:
         raise ShapeError("needs at least one source")
+    _need_float(q, "query")
+    _need_float(w, "rms_weight")
+    _need_float(src[0], "source 0")
     d = src[0].shape[-1]
     if q.rank != 1 or not _eq(q.shape[0], d) or w.rank != 1 or not _eq(w.shape[0], d):
         raise ShapeError(f"query {_shape(q)} and rms_weight {_shape(w)} must be [d] = [{d}]")

@@ -764,8 +764,12 @@ class SpecBuilder:
                 bank.append(partial)
                 partial = None
         if residual == "attn_res":
-            qp = b.param("model.final_attn_res.proj_weight", (d,), "zeros", loc=loc)
-            wp = b.param("model.final_attn_res.norm_weight", (d,), "ones", loc=loc)
+            # the final mix's weights sit beside the layers: model.layers -> model.final_attn_res, enc ->
+            # enc.final_attn_res (so that two attn_res stacks with their own prefixes do not collide)
+            base = prefix.removesuffix(".layers") if prefix != "layers" else ""
+            fin = f"{base}.final_attn_res" if base else "final_attn_res"
+            qp = b.param(f"{fin}.proj_weight", (d,), "zeros", loc=loc)
+            wp = b.param(f"{fin}.norm_weight", (d,), "ones", loc=loc)
             srcs = bank + ([partial] if partial is not None else [])
             x = b.call("attn_residual", qp, wp, *srcs, eps=eps, loc=loc)
         return x

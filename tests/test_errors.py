@@ -775,3 +775,14 @@ def test_weight_name_that_is_a_module_attribute(name, part, owner):
     assert e.loc.line == 5 and f"'{part}' is an attribute of {owner}" in e.msg
     ok = dsl.compile(dsl.parse(text.replace(name, name.replace(part, part + "_")), file="spec.mtc"))
     assert any(k.endswith(part + "_.weight") or f"{part}_." in k for k in ok.state_dict())
+
+
+@pytest.mark.parametrize("q,w,s", [("i64", "f32", "f32"), ("f32", "i32", "f32"), ("f32", "f32", "i64")])
+def test_attn_residual_needs_float_operands_at_the_call(q, w, s):
+    # (from a user trial) an integer query, weight or source got through the spec and failed only at run time,
+    # without a location; every other op checks this where it is called
+    text = (f"model a {{ forward(q: {q}[8], w: {w}[8], s0: {s}[B, T, 8], s1: {s}[B, T, 8]) "
+            f"{{ return attn_residual(q, w, s0, s1) }} }}")
+    e = _err(text)
+    assert _loc(e) == (1, text.index("attn_residual(") + 1)
+    assert "must be a float tensor" in e.msg and "attn_residual" in str(e)

@@ -617,3 +617,41 @@ def test_a_pipeline_without_canonicalize_says_so():
     with pytest.raises(dsl.MtcError, match=r"no kernel for op 'kda_layer' \(a layer block: the pass pipeline lacks "
                                            r"'canonicalize'"):
         dsl.compile(g, passes=["fuse_tiles"])(torch.randint(0, 256, (1, 5)))
+
+
+def test_two_attn_res_stacks_name_their_final_mix_by_prefix():
+    # (from a user trial) the final AttnRes weights follow the stack's prefix: two attn_res stacks with their own
+    # prefixes used to collide on model.final_attn_res.* ("defined twice"); the default prefix keeps that name
+    spec = """model two {
+      block kda = kda_layer(heads=2, head_dim=16)
+      block ffn = glu_ffn(inter=64)
+      forward(input_ids: i64[B, T]) {
+        x = embedding(input_ids, vocab=256, dim=32)
+        x = stack(x, layers=2, residual="attn_res", block_size=1, prefix="enc") { attn = kda
+          ffn = ffn }
+        x = stack(x, layers=2, residual="attn_res", block_size=1, prefix="dec.layers") { attn = kda
+          ffn = ffn }
+        return lm_head(rmsnorm(x), vocab=256)
+      }
+    }"""
+    m = dsl.compile(dsl.parse(spec), target="reference")
+    final = sorted(k for k in m.state_dict() if "final_attn_res" in k)
+    assert final == ["dec.final_attn_res.norm_weight", "dec.final_attn_res.proj_weight",
+                     "enc.final_attn_res.norm_weight", "enc.final_attn_res.proj_weight"]
+    with torch.no_grad():
+        m.get_parameter("dec.final_attn_res.proj_weight").normal_()
+        out = m(torch.randint(0, 256, (1, 9)))
+    assert out.shape == (1, 9, 256) and torch.isfinite(out).all()
+
+
+def test_float_inputs_of_one_call_share_a_dtype():
+    # (from a user trial) a float16 source beside float32 inputs failed inside attn_residual with an op-level
+    # message that named neither the input nor the fix
+    m = dsl.compile(dsl.parse("model a { forward(q: f32[8], w: f32[8], s0: f32[B, T, 8], s1: f32[B, T, 8]) "
+                              "{ return rmsnorm(attn_residual(q, w, s0, s1)) } }"), target="reference")
+    q, w, s0, s1 = torch.randn(8), torch.rand(8) + 0.5, torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    with pytest.raises(dsl.MtcError, match=r"input 's0' is float16 but input 'q' is float32.*s0\.to\(torch\.float32\)"):
+        m.run(q=q, w=w, s0=s0.half(), s1=s1)
+    (out,) = m.run(q=q, w=w, s0=s0, s1=s1)
+    want = R.rmsnorm(R.attn_residual(q, [s0, s1], w), torch.ones(8))
+    assert torch.allclose(out, want, atol=1e-6)
