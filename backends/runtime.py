@@ -557,6 +557,7 @@ class CompiledModule(nn.Module):
             from dsl.errors import did_you_mean
             raise MtcError(f"'{extra[0]}' is not an input of this graph{did_you_mean(extra[0], names)}; its inputs: "
                            f"{', '.join(names)}")
+        first_float = None          # (name, dtype) of the first float input
         for n in g.inputs():
             name = n.attr("name")
             if name not in inputs:
@@ -581,6 +582,14 @@ class CompiledModule(nn.Module):
                 raise MtcError(f"input '{name}' is {str(x.dtype).removeprefix('torch.')}: the model computes in "
                                f"{str(self.dtype).removeprefix('torch.')} (float32, float16 or bfloat16 are offered); "
                                f"pass {name}.to({self.dtype})")
+            if x.is_floating_point():
+                if first_float is None:
+                    first_float = (name, x.dtype)
+                elif x.dtype != first_float[1]:
+                    dt, dt0, dm = (str(v).removeprefix("torch.") for v in (x.dtype, first_float[1], self.dtype))
+                    raise MtcError(f"input '{name}' is {dt} but input '{first_float[0]}' is {dt0}: the float inputs "
+                                   f"of one call share one dtype (the model's is {dm}); pass "
+                                   f"{name}.to({first_float[1]}), or all of them in {dm}")
             if x.numel() == 0:
                 raise MtcError(f"input '{name}' is empty (shape {list(x.shape)}); need at least one token")
             if x.is_floating_point() and x.device.type == "cpu" and not bool(torch.isfinite(x).all()):
