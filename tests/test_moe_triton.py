@@ -1017,3 +1017,21 @@ def test_fit_launch_lowers_stages_until_shared_memory_fits(monkeypatch):
     with pytest.raises(OutOfResources, match="shared memory"):
         tm._fit_launch(Kernel(0), (1,), "z", dict(num_warps=8, num_stages=2))
     assert tm._STAGES_FIT["z"] == 1
+
+
+def test_numpy_top_k_and_no_features():
+    # (from a user trial) top_k as a numpy integer was refused; a router over d = 0 features ran on the reference
+    # (every logit 0, scores 0.5, ties to the lower experts) but raised on Triton
+    import numpy as np
+    x, w, b = torch.randn(37, 16), torch.randn(8, 16), torch.randn(8)
+    for k in (np.int64(2), np.int32(3)):
+        got, want = tm.qb_route(x, w, b, top_k=k), ref.qb_route(x, w, b, top_k=k)
+        assert torch.equal(got[0], want[0]) and got[0].shape == (37, int(k))
+        assert torch.allclose(got[1], want[1], atol=1e-6) and torch.allclose(got[2], want[2], atol=1e-6)
+        assert torch.equal(tm.qb_update(want[2], b, top_k=k), ref.qb_update(want[2], b, top_k=k))
+    x0, w0 = torch.randn(37, 0, requires_grad=True), torch.randn(8, 0)
+    got, want = tm.qb_route(x0, w0, b, top_k=2), ref.qb_route(x0, w0, b, top_k=2)
+    assert all(torch.equal(g_, w_) for g_, w_ in zip(got, want))
+    assert torch.equal(got[2], torch.full((37, 8), 0.5)) and torch.equal(got[0][0], torch.topk(b, 2).indices)
+    with pytest.raises(TypeError, match="top_k must be an int, got float"):
+        tm.qb_route(x, w, b, top_k=2.0)

@@ -333,3 +333,12 @@ def test_nan_inputs_are_refused_by_every_public_op(backend):
     xc[1, 4, 2] = nan
     with pytest.raises(ValueError, match=r"(short_conv|conv_silu_norm): x holds NaN or inf"):
         conv(xc, wc)
+
+
+def test_eps_as_a_tensor_says_how_to_pass_it():
+    # (from a user trial) eps=torch.tensor(1e-6) was refused as "must be a finite number > 0", which reads oddly
+    # for a valid value
+    with pytest.raises(ValueError, match=r"rmsnorm: eps must be a Python or numpy number, got a tensor .*float\(eps\)"):
+        R.rmsnorm(torch.randn(3, 4), torch.ones(4), eps=torch.tensor(1e-6))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(R.rmsnorm(x, torch.ones(4), eps=np.float32(1e-6)), R.rmsnorm(x, torch.ones(4), eps=1e-6))

@@ -22,6 +22,8 @@ Sources of the math
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .ops import rmsnorm
@@ -55,11 +57,12 @@ def _check_float(name: str, t: torch.Tensor, where: str) -> None:
 
 
 def _check_top_k(top_k, num_experts: int, where: str) -> int:
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
+    """top_k as a Python int (numpy integers too): TypeError for another type, ValueError outside [1, E]."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
         raise TypeError(f"{where}: top_k must be an int, got {type(top_k).__name__}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"{where}: top_k must be in [1, E={num_experts}], got {top_k}")
-    return top_k
+    return int(top_k)
 
 
 def check_routed_scaling(routed_scaling, where: str) -> None:
@@ -94,7 +97,7 @@ def check_route_inputs(x, weight, bias, top_k, where: str = "qb_route"):
         raise ValueError(f"{where}: weight is [E, d] = {tuple(weight.shape)} but x has d = {d}")
     if bias.shape[0] != e:
         raise ValueError(f"{where}: bias has {bias.shape[0]} entries, expected E = {e}")
-    _check_top_k(top_k, e, where)
+    top_k = _check_top_k(top_k, e, where)
     if not bool(torch.isfinite(bias).all()):
         raise ValueError(f"{where}: bias holds NaN or inf")
     if not bool(torch.isfinite(weight).all()):
@@ -244,7 +247,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     n, e = scores.shape
     if bias.shape[0] != e:
         raise ValueError(f"{where}: bias has {bias.shape[0]} entries but scores has E = {e}")
-    _check_top_k(top_k, e, where)
+    top_k = _check_top_k(top_k, e, where)
     ema = float(ema)
     if not 0.0 <= ema < 1.0:
         raise ValueError(f"{where}: ema must be in [0, 1), got {ema}")

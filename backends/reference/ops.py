@@ -56,6 +56,9 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def check_eps(eps, where: str) -> None:
     """A norm's epsilon: a finite number > 0 (ValueError otherwise; eps <= 0 gives NaN for a zero row)."""
+    if isinstance(eps, torch.Tensor):
+        raise ValueError(f"{where}: eps must be a Python or numpy number, got a tensor ({eps!r}); pass "
+                         f"float(eps)")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < float("inf"):
         raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
 

@@ -372,7 +372,11 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
         raise ValueError(f"qb_route: weight is [E, d] = {tuple(weight.shape)} but x has d = {x.shape[1]}")
     if bias.shape[0] != weight.shape[0]:
         raise ValueError(f"qb_route: bias has {bias.shape[0]} entries, expected E = {weight.shape[0]}")
-    _ref._check_top_k(top_k, weight.shape[0], "qb_route")
+    top_k = _ref._check_top_k(top_k, weight.shape[0], "qb_route")
+    if x.shape[1] == 0:
+        # no features: every logit is the empty sum 0 (scores 0.5) and there is no product to run a kernel for;
+        # the reference gives that result (and its gradients, empty), as for any other d
+        return _ref.qb_route(x, weight, bias, top_k=top_k, routed_scaling=routed_scaling)
     _check_gemm_operands("triton.qb_route", x=x, weight=weight)
     _ref.check_routed_scaling(routed_scaling, "qb_route")
     check_interpreter_dot_dtype("triton.qb_route", x=x)
@@ -401,7 +405,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     n, e = scores.shape
     if bias.shape[0] != e:
         raise ValueError(f"{where}: bias has {bias.shape[0]} entries but scores has E = {e}")
-    _ref._check_top_k(top_k, e, where)
+    top_k = _ref._check_top_k(top_k, e, where)
     ema = float(ema)
     if not 0.0 <= ema < 1.0:
         raise ValueError(f"{where}: ema must be in [0, 1), got {ema}")
