@@ -57,7 +57,7 @@ class Placement:
         expert_load: float64 [E]; the load the placement was planned for.
         num_gpus, num_nodes: the machine shape.
         num_groups: expert groups used for the node level (E when each expert is its own group).
-        uniform: True when no load statistics were given.
+        uniform: True when no load statistics were given, or they were all zero (planned as if uniform).
     """
 
     physical_to_logical: torch.Tensor
@@ -111,7 +111,7 @@ class Placement:
         head = (f"expert placement{' for ' + self.layer if self.layer else ''}: {self.num_experts} experts "
                 f"-> {self.num_slots} slots on {self.num_gpus} GPUs ({self.slots_per_gpu} per GPU)"
                 + (f", {self.num_nodes} nodes" if self.num_nodes > 1 else "")
-                + (", uniform load (no statistics)" if self.uniform else ""))
+                + (", uniform load (no statistics, or all of them zero)" if self.uniform else ""))
         lines = [head,
                  f"  GPU load   min {float(gl.min()):.4g}   mean {float(gl.mean()):.4g}   max {float(gl.max()):.4g}"
                  f"   max/mean {self.imbalance:.4f}"]
