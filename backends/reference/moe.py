@@ -97,7 +97,7 @@ def check_route_inputs(x, weight, bias, top_k, where: str = "qb_route"):
         raise ValueError(f"{where}: weight is [E, d] = {tuple(weight.shape)} but x has d = {d}")
     if bias.shape[0] != e:
         raise ValueError(f"{where}: bias has {bias.shape[0]} entries, expected E = {e}")
-    top_k = _check_top_k(top_k, e, where)
+    _check_top_k(top_k, e, where)
     if not bool(torch.isfinite(bias).all()):
         raise ValueError(f"{where}: bias holds NaN or inf")
     if not bool(torch.isfinite(weight).all()):
