@@ -120,6 +120,26 @@ TILE_CONFIGS = {
 TILE_CONFIGS["cpu"]["dx"]["PAIR"] = 3  # as on the GPU (tests set 2 for the other form)
 TILE_CONFIGS["cpu"]["wgrad3"].update(KX=16, KP_BASE=16)  # v3's depth classes at the CPU tiles' scale
 
+
+def _f32_tiles(cfg):
+    """The float32 form of a GPU tile config: tiles of at most 64 x 64 x 32 at 4 warps and 2 stages.  The GPU
+    entries are sized for 2-byte operands; with float32 ones the products run in IEEE precision on the FMA units
+    (_prec), and on 128 x 256 tiles each launch took minutes to compile and twice the shared memory per stage
+    (_fit_launch then compiled it again for every stage count it tried)."""
+    cfg = dict(cfg)
+    if "BM" in cfg:
+        cfg.update(BM=min(cfg["BM"], 64), BN=min(cfg["BN"], 64), num_warps=4, num_stages=min(cfg["num_stages"], 2))
+        if "BK" in cfg:
+            cfg["BK"] = min(cfg["BK"], 32)
+        if "TAIL_STAGES" in cfg:
+            cfg["TAIL_STAGES"] = 2
+        cfg.pop("maxnreg", None)
+    return cfg
+
+
+#: GPU launches with float32 operands (derived from TILE_CONFIGS["cuda"] at import)
+TILE_CONFIGS["cuda_f32"] = {name: _f32_tiles(cfg) for name, cfg in TILE_CONFIGS["cuda"].items()}
+
 # Which weight-gradient kernels (dW1|dW3 and dW2) the backward of moe_experts runs:
 #   "v1": _wgrad_kernel, one program per (expert, m-tile, n-tile), pointer loads (measured in
 #         benchmarks/results/moe.md);
@@ -201,7 +221,10 @@ def _check_gemm_operands(where, **named):
 
 
 def _cfg(name, t):
-    return TILE_CONFIGS["cuda" if t.is_cuda else "cpu"][name]
+    """The TILE_CONFIGS entry `name` for operand t: "cpu" (interpreter), "cuda", or "cuda_f32" for float32."""
+    if not t.is_cuda:
+        return TILE_CONFIGS["cpu"][name]
+    return TILE_CONFIGS["cuda_f32" if t.dtype == torch.float32 else "cuda"][name]
 
 
 def _prec(dtype):
