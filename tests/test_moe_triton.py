@@ -871,8 +871,8 @@ def _f32_case():
 
 @pytest.mark.gpu
 def test_gpu_moe_experts_float32_forward():
-    # float32 operands run on TILE_CONFIGS["cuda_f32"] (the bf16 tile configs took twice the shared memory, the
-    # tiny model's MoE asked for 360 KB of an H200's 227, and minutes to compile with IEEE float32 products: _prec);
+    # float32 operands run on TILE_CONFIGS["cuda_f32"] (on the bf16 tile configs the tiny model's MoE asked for
+    # 360 KB of an H200's 227 KB of shared memory, and the IEEE float32 products, _prec, compiled for minutes);
     # the result must be right to float32 accuracy
     x, idx, wt, w1, w3, w2 = _f32_case()
     assert tm._cfg("glu_fwd", x) is tm.TILE_CONFIGS["cuda_f32"]["glu_fwd"]
