@@ -342,3 +342,61 @@ def test_eps_as_a_tensor_says_how_to_pass_it():
         R.rmsnorm(torch.randn(3, 4), torch.ones(4), eps=torch.tensor(1e-6))
     x = torch.randn(3, 4)
     torch.testing.assert_close(R.rmsnorm(x, torch.ones(4), eps=np.float32(1e-6)), R.rmsnorm(x, torch.ones(4), eps=1e-6))
+
+
+def _kda_inputs(B, T, H, K, V, normalize=True, beta=None):
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    if normalize:
+        q, k = (torch.nn.functional.normalize(t, dim=-1) for t in (q, k))
+    v, g = torch.randn(B, T, H, V), -torch.rand(B, T, H, K)
+    b = torch.rand(B, T, H) if beta is None else torch.full((B, T, H), float(beta))
+    return q, k, v, g, b
+
+
+@pytest.mark.parametrize("M", [R, X], ids=["reference", "triton"])
+def test_kda_chunk_diverging_recurrence_is_an_error_not_nan(M, recwarn):
+    # keys not L2-normalised (||k||^2 ~ 32 here) with beta 0.9 make the delta update I - beta k k^T expansive:
+    # the state grows every step and overflows within the first chunks; from finite inputs that must be a
+    # ValueError that says why (found by a user trial: both backends returned inf / NaN silently), after a
+    # RuntimeWarning that names the first token past beta ||k||^2 = 2
+    q, k, v, g, b = _kda_inputs(1, 100, 1, 32, 16, normalize=False, beta=0.9)
+    g.zero_()
+    with pytest.warns(RuntimeWarning, match=r"kda_chunk: beta \* \|\|k\|\|\^2 reaches .*past 2 first at beta\[0, 0, 0\]"):
+        with pytest.raises(ValueError, match=r"kda_chunk: the result holds inf or NaN although every input is "
+                                             r"finite \(first at o\[0, \d+, 0, \d+\]\): the state recurrence diverged"):
+            M.kda_chunk(q, k, v, g, b, output_final_state=True)
+    # unit keys with beta = 2 (the largest step DeltaNet variants use) are the stable limit: no warning, finite
+    q, k, v, g, b = _kda_inputs(1, 100, 1, 32, 16, beta=2.0)
+    recwarn.clear()
+    o, S = M.kda_chunk(q, k, v, g, b, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning) and "beta *" in str(w.message)]
+
+
+def test_kda_and_mla_outputs_are_contiguous():
+    # [B, T, H, V] results are contiguous on both backends (a user's o.view(B, T, H * V) failed: the reference
+    # returned a transposed view, Triton a view into its padded [.., 16] buffer at V = 8)
+    q, k, v, g, b = _kda_inputs(2, 5, 2, 16, 8)
+    for M in (R, X):
+        o, S = M.kda_chunk(q, k, v, g, b, output_final_state=True)
+        assert o.is_contiguous() and S.is_contiguous(), M.__name__
+        assert o.view(2, 5, 16).shape == (2, 5, 16)
+        for vv in (v, v.half()):
+            o = M.mla_attention(q, k, vv, scale=0.25)
+            assert o.is_contiguous() and o.dtype == vv.dtype, M.__name__
+    want = R.kda_chunk(q, k, v, g, b)[0]
+    assert rel_rms(X.kda_chunk(q, k, v, g, b)[0], want) < 2e-5
+
+
+def test_triton_kda_chunk_takes_mixed_dtypes_like_the_reference():
+    # OPS.md: o in v's dtype for any float q, k, v; the Triton kernels take one dtype, so q, k, v run in their
+    # promoted one (a user trial found TypeError where the reference ran); float64 stays the reference's
+    q, k, v, g, b = _kda_inputs(1, 70, 2, 16, 16)
+    for qq, kk, vv in ((q, k, v.half()), (q.half(), k, v), (q.half(), k.half(), v)):
+        want = R.kda_chunk(qq, kk, vv, g, b)[0]
+        got = X.kda_chunk(qq, kk, vv, g, b)[0]
+        assert got.dtype == vv.dtype == want.dtype
+        assert rel_rms(got, want) < 2e-3
+    with pytest.raises(TypeError, match=r"triton.kda_chunk: q is torch.float64; the Triton kernels take float32, "
+                                        r"float16 or bfloat16 \(backends.reference runs other float dtypes\)"):
+        X.kda_chunk(q.double(), k.double(), v.double(), g, b)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -54,11 +55,55 @@ def _check_finite(name: str, t: torch.Tensor, where: str) -> None:
 
 
 def check_inputs_finite_and_decay(q, k, v, g, beta, where: str) -> None:
-    """ValueError if q, k, v, g or beta hold NaN/inf, or g > 0 anywhere (a growing "decay")."""
+    """ValueError if q, k, v, g or beta hold NaN/inf, or g > 0 anywhere (a growing "decay"); RuntimeWarning
+    where the delta update is expansive (check_delta_stability)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_finite(name, t, where)
     if g.numel() and bool((g > 0).any()):
         raise ValueError(f"{where}: g must be <= 0 (a log decay); got max {float(g.max()):.4g}")
+    check_delta_stability(k, beta, where)
+
+
+#: beta_t ||k_t||^2 past which the delta update I - beta_t k_t k_t^T is expansive (its eigenvalue along k_t,
+#: 1 - beta_t ||k_t||^2, falls below -1): 2, with slack for the rounding of L2-normalised bf16 keys, so that
+#: beta = 2 on unit keys (the largest step DeltaNet variants use) passes
+DELTA_STABLE_LIMIT = 2.05
+
+
+def _max_beta_kk(k, beta):
+    """(beta ||k||^2 of every token and head, float32 in beta's shape, its max as a float; -inf when empty)."""
+    with torch.no_grad():
+        kk = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).square() * beta.to(torch.float32)
+    return kk, (float(kk.max()) if kk.numel() else -math.inf)
+
+
+def check_delta_stability(k, beta, where: str) -> None:
+    """RuntimeWarning when beta ||k||^2 > DELTA_STABLE_LIMIT somewhere (k [..., K], beta [...]): there the delta
+    rule's update expands the state along k, and a run of such tokens makes it grow without bound (inf / NaN).
+    Keys L2-normalised and beta in (0, 1], as in Kimi K3 (the layer normalises q and k), never trigger it."""
+    kk, m = _max_beta_kk(k, beta)
+    if m > DELTA_STABLE_LIMIT:
+        at = [int(i) for i in torch.nonzero(kk > DELTA_STABLE_LIMIT)[0]]
+        warnings.warn(f"{where}: beta * ||k||^2 reaches {m:.4g}, past 2 first at beta{at}: the delta update "
+                      f"I - beta k k^T is expansive there and the state can grow without bound; L2-normalise k "
+                      f"(Kimi K3's layer does) and keep beta * ||k||^2 <= 2", RuntimeWarning, stacklevel=3)
+
+
+def check_result_finite(o, final, k, beta, where: str) -> None:
+    """ValueError when the result of finite inputs holds inf/NaN (o [B, T, H, V], final state or None): the
+    recurrence diverged, which only an expansive delta update (beta ||k||^2 > 2) can do; the message says where
+    and how far."""
+    bad = ~torch.isfinite(o)
+    if bool(bad.any()):
+        at = f"first at o{[int(i) for i in torch.nonzero(bad)[0]]}"
+    elif final is not None and not bool(torch.isfinite(final).all()):
+        at = "in the final state"
+    else:
+        return
+    _, m = _max_beta_kk(k, beta)
+    raise ValueError(f"{where}: the result holds inf or NaN although every input is finite ({at}): the state "
+                     f"recurrence diverged (beta * ||k||^2 reaches {m:.4g}; past 2 the delta update I - beta k k^T "
+                     f"is expansive). L2-normalise k (Kimi K3's layer does) and keep beta * ||k||^2 <= 2")
 
 
 def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, lower_bound: float = -5.0,
@@ -233,12 +278,19 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8; spec/OPS.md "kda_chunk" (decay first, then the delta
     update on the decayed state, o_t = scale * S_t^T q_t).  Chunk size 64; all exponents are pairwise
-    differences G_i - G_j <= 0, so the result is finite for any g <= 0.
+    differences G_i - G_j <= 0, so the chunked form overflows for no g <= 0.  The recurrence itself stays bounded
+    while beta_t ||k_t||^2 <= 2 (the delta update I - beta k k^T is then no expansion; L2-normalised keys with beta
+    in (0, 1], as in Kimi K3, always are); past that a RuntimeWarning names the first such token, and a result
+    that overflows raises ValueError (check_delta_stability, check_result_finite).
 
     Raises:
         TypeError: non-tensor / non-float inputs, bad cu_seqlens dtype, non-numeric scale.
         ValueError: shape mismatches (H, K, V, T, B), cu_seqlens with B != 1 or not a valid offset list,
-            initial_state of the wrong shape, NaN/inf in any input, g > 0 anywhere (a growing "decay").
+            initial_state of the wrong shape, NaN/inf in any input, g > 0 anywhere (a growing "decay"), a result
+            that overflowed from finite inputs (an expansive delta update, beta ||k||^2 > 2).
+
+    Warns:
+        RuntimeWarning: beta_t ||k_t||^2 > 2 somewhere (the state can grow without bound from there).
     """
     where = "kda_chunk"
     B, T, H, K, V, bounds, n_seq = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
@@ -274,10 +326,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         o = torch.stack(o_parts, 0)                          # [B,H,T,V]
     else:
         o = torch.cat(o_parts, dim=1)[None]                  # [1,H,T,V]
-    o = o.transpose(1, 2).to(v.dtype)
+    o = o.transpose(1, 2).to(v.dtype).contiguous()
     final = None
     if output_final_state:
         final = torch.stack(states, 0) if states else torch.zeros(0, H, K, V, dtype=f32, device=q.device)
+    check_result_finite(o, final, k, beta, where)
     return o, final
 
 

@@ -214,4 +214,4 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         allowed = allowed & (seq[:, None] == seq[None, :])
     s = s.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    return (p @ vf).transpose(1, 2).to(v.dtype)
+    return (p @ vf).transpose(1, 2).to(v.dtype).contiguous()

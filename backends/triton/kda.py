@@ -2470,9 +2470,10 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """Kimi Delta Attention, chunked WY/UT algorithm as Triton kernels, differentiable (torch.autograd).
 
     Args:
-        q, k: [B, T, H, K] (float32/float16/bfloat16, same dtype); K <= 256 (a power of two >= 16 runs as is;
-            other sizes are zero-padded to the next one, which costs the padded size).
-        v: [B, T, H, V], same dtype as q; V <= 256 (padded likewise).
+        q, k: [B, T, H, K] (float32/float16/bfloat16); K <= 256 (a power of two >= 16 runs as is; other sizes
+            are zero-padded to the next one, which costs the padded size).
+        v: [B, T, H, V] (float32/float16/bfloat16); V <= 256 (padded likewise).  q, k, v of different dtypes
+            run in their promoted dtype (a cast of each), o is in v's dtype.
         g: [B, T, H, K] log decay (<= 0), float32 recommended (any float dtype).
         beta: [B, T, H] in (0, 1).
         scale: default K ** -0.5.
@@ -2513,10 +2514,19 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """
     where = "triton.kda_chunk"
     B, T, H, K, V, bounds, n_seq = _ref._validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
+    kernel_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in kernel_dtypes:
+            raise TypeError(f"{where}: {name} is {t.dtype}; the Triton kernels take float32, float16 or bfloat16 "
+                            f"(backends.reference runs other float dtypes)")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"{where}: q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{where}: q/k/v dtype must be float32, float16 or bfloat16, got {q.dtype}")
+        # the kernels take one dtype: q, k, v in their promoted one (float16 with bfloat16: float32), o in v's
+        # dtype as OPS.md asks (the reference computes in float32 whatever they are)
+        pdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        o, final = kda_chunk(q.to(pdt), k.to(pdt), v.to(pdt), g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, lower_bound=lower_bound,
+                             segment_chunks=segment_chunks, check_finite=check_finite)
+        return o.to(v.dtype), final
     check_interpreter_dot_dtype(where, q=q)
     if K > 256 or V > 256:
         raise ValueError(f"{where}: K and V must be at most 256 (the chunk kernels hold [64, K] and [K, V] tiles); "
@@ -2531,7 +2541,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     else:
         lb, fast = 0.0, False
     check_kernel_device(where, q=q)      # (before the value scan: meta tensors have no values to scan)
-    if scan_values(check_finite, q):
+    scan = scan_values(check_finite, q)
+    if scan:
         _ref.check_inputs_finite_and_decay(q, k, v, g, beta, where)
         if initial_state is not None:
             _ref._check_finite("initial_state", initial_state, where)
@@ -2549,7 +2560,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                              lower_bound=lower_bound, segment_chunks=segment_chunks,
                              check_finite=False)     # (scanned above, when asked or on the CPU)
-        return o[..., :V], (final[:, :, :K, :V] if final is not None else None)
+        # (contiguous, like the unpadded result, not a view into the padded one)
+        o, final = o[..., :V].contiguous(), (final[:, :, :K, :V].contiguous() if final is not None else None)
+        if scan:
+            _ref.check_result_finite(o, final, k, beta, where)
+        return o, final
     if segment_chunks is not None and (isinstance(segment_chunks, bool)
                                        or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
         raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
@@ -2566,7 +2581,10 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     qc, kc, vc, gc, bc = (t.contiguous() for t in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, final = _KDAFunction.apply(qc, kc, vc, gc, bc, h0, scale, tab, fast, lb, BV, grad)
-    return o, (final if output_final_state else None)
+    final = final if output_final_state else None
+    if scan:
+        _ref.check_result_finite(o, final, k, beta, where)
+    return o, final
 
 
 def _interpret():

@@ -61,4 +61,6 @@ def _sdpa(q, k, v, scale, causal):
     qp, kp, vp = (F.pad(t.to(dt), (0, d - t.shape[-1])) if t.shape[-1] < d else t.to(dt) for t in (q, k, v))
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                        is_causal=causal, scale=scale)
-    return o.transpose(1, 2)[..., :dv].to(v.dtype)
+    # (contiguous [B, T, H, Dv], not a strided view of the kernel's [B, H, T, D] output)
+    o = o.transpose(1, 2)[..., :dv]
+    return o.contiguous() if o.dtype == v.dtype else o.to(dtype=v.dtype, memory_format=torch.contiguous_format)
