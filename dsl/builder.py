@@ -220,6 +220,12 @@ class GraphBuilder:
             if k is None or len(inputs) != od.n_data_inputs + k:
                 raise self.error(f"{op}: {od.arity_message(len(inputs))}", loc)
         if od.params is not None and len(inputs) == od.n_data_inputs:
+            # a float op given an integer tensor says so before its parameters are sized from that tensor (else
+            # rmsnorm(ids [B, T]) reported a weight of the symbolic size T)
+            from .ops import FLOAT
+            for nm, t in zip(od.data_inputs, in_types):
+                if nm not in od.int_data and t.dtype not in FLOAT:
+                    raise self.error(f"{op}: {nm} must be a float tensor, got {t.dtype}", loc)
             for k, default in od.param_attrs.items():
                 if k not in pattrs:
                     if default is REQUIRED:

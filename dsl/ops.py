@@ -144,6 +144,7 @@ class OpDef:
     inputs: tuple = ()
     is_layer: bool = False
     kinds: dict = field(default_factory=dict)   # attribute kinds that differ from ATTR_KINDS' by-name ones
+    int_data: tuple = ()                        # data inputs that take integer tensors (embedding's ids)
 
     def __post_init__(self):
         for k, default in {**self.attrs, **self.param_attrs}.items():
@@ -429,7 +430,7 @@ def _embedding(ts, a):
     return [TensorType(w.dtype, ids.shape + (w.shape[1],))]
 
 
-register("embedding", _embedding, n_data_inputs=1, inputs=("ids", "weight"),
+register("embedding", _embedding, n_data_inputs=1, inputs=("ids", "weight"), int_data=("ids",),
          param_attrs={"vocab": REQUIRED, "dim": REQUIRED}, kinds={"dim": SIZE},
          params=lambda a, ts: [ParamSpec("weight", (a["vocab"], a["dim"]), "normal", std=0.02)],
          default_name="model.embed_tokens", doc="weight[ids]")

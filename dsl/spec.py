@@ -577,6 +577,11 @@ class SpecBuilder:
                                     f"the return comes last in forward", self.spec.loc(ch))
             if ch.data in ("let", "stack"):
                 name = str(ch.children[0])
+                if name in self.config or name in self.blocks:
+                    # (it would hide the field or block from every later statement, silently)
+                    what = "config field" if name in self.config else "block"
+                    raise self.spec.err(f"'{name}' has the name of a {what}; give the value another name",
+                                        self.spec.loc(ch))
                 val = self._eval_statement(ev, ch)
                 self._assign(name, self.spec.loc(ch))
                 self.env[name] = val

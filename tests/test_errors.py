@@ -786,3 +786,24 @@ def test_attn_residual_needs_float_operands_at_the_call(q, w, s):
     e = _err(text)
     assert _loc(e) == (1, text.index("attn_residual(") + 1)
     assert "must be a float tensor" in e.msg and "attn_residual" in str(e)
+
+
+# -- twenty-second-session new-user trial ------------------------------------------------------------------------
+
+def test_a_forward_value_cannot_take_a_config_field_or_block_name():
+    # `d = silu(x)` with a config field d was accepted and hid the field from every later statement
+    e = _err(_small(body="d = silu(x)\n    return d"))
+    assert "'d' has the name of a config field; give the value another name" in e.msg and e.loc.line == 7
+    e = _err(STACK.replace("    return", "    dense = silu(x)\n    return", 1))
+    assert "'dense' has the name of a block; give the value another name" in e.msg
+
+
+def test_a_float_op_on_token_ids_names_the_dtype_not_a_parameter_size():
+    # rmsnorm / linear of i64 ids [B, T] reported a weight of the symbolic size T; the dtype is the error
+    for call in ("rmsnorm(ids)", "linear(ids, out=8)"):
+        e = _err(f"model m {{ forward(ids: i64[B, T]) {{ y = {call}\n return y }} }}\n")
+        assert e.msg == f"{call.split('(')[0]}: x must be a float tensor, got i64" and _loc(e) == (1, 41), e.msg
+    # the integer input of embedding is still its own
+    import torch
+    g = dsl.parse("model m { forward(ids: i64[B, T]) { y = embedding(ids, vocab=8, dim=4)\n return y } }\n")
+    assert dsl.compile(g, target="reference")(torch.randint(0, 8, (2, 3))).shape == (2, 3, 4)
