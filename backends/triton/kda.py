@@ -2497,7 +2497,9 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
             interpreter; the scan costs nothing beside it), off on the GPU, so that a call never waits for
             the GPU (at T = 1M, H = 16 the scan would read 8.6 GB of g): there NaN in -> NaN out (never a
             hang), and g > 0 or g = -inf (outside the contract g in (-inf, 0]) give NaN or huge values, not
-            an error.  Pass True to check on the GPU too.
+            an error.  Pass True to check on the GPU too.  When it scans, it also checks the result: inf / NaN
+            from finite inputs (a diverging recurrence, beta ||k||^2 > 2: a RuntimeWarning names the first such
+            token before the run) is a ValueError, as in the reference.
 
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [N_seq, H, K, V] float32 or None).
