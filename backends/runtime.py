@@ -840,7 +840,8 @@ class CompiledModule(nn.Module):
                 bias = self._tensor(bias_key)
                 if (self.balance == "qb") != kept[0].is_floating_point() or self.balance is None:
                     raise ValueError(f"apply_balance: the balance mode changed to {self.balance!r} after the "
-                                     f"deferred forwards of {layer}; set it back or clear with _deferred = {{}}")
+                                     f"deferred forwards of {layer}; set it back, or drop them with "
+                                     f"discard_balance()")
                 if self.balance == "fixed":
                     bias.copy_(fixed_step_update(bias, torch.stack(kept).sum(0), step=self.fixed_step))
                 else:
@@ -848,6 +849,13 @@ class CompiledModule(nn.Module):
                 done += 1
         self._deferred = {}
         return done
+
+    def discard_balance(self) -> int:
+        """Drop what ``balance_defer`` kept since the last apply_balance (router scores or loads), with no bias
+        update. Returns the number of routers that had some kept."""
+        n = sum(1 for kept in self._deferred.values() if kept)
+        self._deferred = {}
+        return n
 
     def _sync_updates(self) -> None:
         """_updates from the balance_updates buffer (after load_state_dict); router scores kept by balance_defer

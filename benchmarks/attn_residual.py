@@ -20,9 +20,10 @@ fla tunes over all 24 of its forward configs afresh for every row (--fla-pruned:
 holds L only as max(8, next power of two), so without the reset the first L <= 8 tuned in the process would
 decide its config for every other L <= 8.
 
-Run on the GPU machine:  source .device/prelude.sh; python benchmarks/attn_residual.py [--quick] [--sweep]
+Run on a CUDA GPU with fla-core 0.6.0 installed (pip install fla-core==0.6.0; benchmarks/README.md):
+  python benchmarks/attn_residual.py [--quick] [--sweep]
 The one-run decision of the launch settings (forward sweep at N = 65536, phase 1, merges; ~2 min):
-  source .device/prelude.sh; python benchmarks/attn_residual.py --sweep --quick --out $OUT/attn_residual.md
+  python benchmarks/attn_residual.py --sweep --quick --out attn_residual_sweep.md
 """
 from __future__ import annotations
 

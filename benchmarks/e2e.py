@@ -12,7 +12,7 @@ variant on the CPU, reference ops: 0.85 after 12 layers, the first MoE layer's o
 yardstick is therefore the eager+fla model's own error against the float32 reference: mtc's should be of
 the same size.
 
-Usage (GPU machine):  source .device/prelude.sh; python benchmarks/e2e.py [--variant small] [--quick]
+Usage (a CUDA GPU; benchmarks/README.md):  python benchmarks/e2e.py [--variant small] [--quick]
                       [--seq-lens 8192 65536] [--no-compile] [--out benchmarks/results/e2e.md]
 """
 from __future__ import annotations

@@ -24,7 +24,8 @@ against the same fla time, one row each; --intra4-sweep / --intra5-sweep likewis
 --bwd v1,v2 times each listed backward (backends.triton.kda.BWD_IMPL; v2@WARPSxSTAGES sets the dS chain's
 launch settings, v2:BKxWARPS the pair kernel's) in the fwd+bwd rows, one row each; with --phases also the time
 of each backward phase.
-Usage: source .device/prelude.sh; python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
+Usage (a CUDA GPU, fla-core 0.6.0 installed: pip install fla-core==0.6.0; benchmarks/README.md):
+  python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
 """
 from __future__ import annotations
 
@@ -142,8 +143,8 @@ def main():
         cases = [(16, 8192), (16, 65536), (16, 262144), (16, 1048576),
                  (96, 8192), (96, 65536), (96, 262144)]
     if not torch.cuda.is_available():
-        sys.exit("kda benchmark: needs a CUDA GPU (and fla-core 0.6.0 for the baseline); on the device machine: "
-                 "source .device/prelude.sh; python benchmarks/kda.py ...")
+        sys.exit("kda benchmark: needs a CUDA GPU (and fla-core 0.6.0 for the baseline: pip install "
+                 "fla-core==0.6.0); see benchmarks/README.md")
     import triton
     from fla.ops.kda import chunk_kda
     import backends.triton.kda as tk

@@ -238,8 +238,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--loop-bwd", action="store_true",
                     help="also time the per-expert loop layer's forward+backward (8192 tokens and fewer only; off by "
-                         "default: in the 16th session's run it had not finished after 490 s, and the 3rd's ran out "
-                         "of memory)")
+                         "default: on an H200 one run had not finished after 490 s, an earlier one ran out of "
+                         "memory)")
     ap.add_argument("--no-bwd", action="store_true", help="skip forward+backward")
     ap.add_argument("--variants", action="store_true",
                     help="also time alternative tile configs, and the layer \"mix\" (the gmm layer with our "

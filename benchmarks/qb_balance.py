@@ -1,6 +1,6 @@
 """Load balance of Quantile Balancing vs the fixed-step bias rule, on a strongly skewed router.
 
-Setting (issue 4): E = 896 experts, top-16, sigmoid router. Router logits of a token are
+Setting (the K3 router): E = 896 experts, top-16, sigmoid router. Router logits of a token are
 z @ W^T + skew with z ~ N(0, I_64), W ~ N(0, 1/64) per entry, and a strong per-expert skew
 skew_j ~ N(0, 1.5^2) (fixed for the run): without balancing a few experts take most tokens.
 Each step t draws a fresh batch of the same distribution, routes it with the current bias

@@ -242,6 +242,9 @@ def cmd_ir(args) -> int:
         _write_output("--output", args.output, text)
         print(f"wrote {args.output} ({text.count(chr(10))} lines)", file=sys.stderr)
     else:
+        if print_after:
+            # (after the passes' listings, the requested stage gets a header of its own too)
+            print(f"// ----- IR at stage {stage} (--stage) -----")
         sys.stdout.write(text)
     if args.timing:
         print(pm.timing_report(), file=sys.stderr)

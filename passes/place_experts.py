@@ -106,7 +106,8 @@ class Placement:
         return float(self.gpu_load.max()) / mean if mean > 0 else 1.0
 
     def summary(self, top: int = 5) -> str:
-        """A short table: machine shape, GPU load (min / mean / max, max/mean) and the hottest experts."""
+        """A short table: machine shape, GPU load (min / mean / max, max/mean) and the `top` experts with the most
+        load (largest share first; the header says when that is fewer than all of them)."""
         gl = self.gpu_load
         head = (f"expert placement{' for ' + self.layer if self.layer else ''}: {self.num_experts} experts "
                 f"-> {self.num_slots} slots on {self.num_gpus} GPUs ({self.slots_per_gpu} per GPU)"
@@ -124,7 +125,11 @@ class Placement:
         order = torch.argsort(self.expert_load, descending=True, stable=True)[:top]
         lines.append(f"  replicas   {extra} extra slot(s); {int((self.replica_count > 1).sum())} expert(s) replicated, "
                      f"max {int(self.replica_count.max())} replicas")
-        lines.append(f"  {'expert':>6}  {'load share':>10}  {'replicas':>8}  GPUs")
+        note = ""
+        if top < self.num_experts:
+            which = "the first" if self.uniform else "the most loaded"
+            note = f"   ({which} {top} of {self.num_experts}; all of them: summary(top={self.num_experts}))"
+        lines.append(f"  {'expert':>6}  {'load share':>10}  {'replicas':>8}  GPUs{note}")
         g = self.gpu_of_slot()
         for e in order.tolist():
             slots = self.logical_to_physical[e]

@@ -72,8 +72,18 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def _tokens(x: float) -> str:
-    """Tokens per GPU as printed: whole numbers as such, an uneven split's average with 3 decimals (not 0)."""
-    return f"{int(x):,}" if float(x).is_integer() else f"{x:,.3f}"
+    """Tokens per GPU as printed: whole numbers as such, an uneven split's average with up to 3 decimals and no
+    trailing zeros (409.6, not 409.600, which reads as 409,600 beside the thousands separators)."""
+    if float(x).is_integer():
+        return f"{int(x):,}"
+    full = f"{x:,.3f}"
+    short = full.rstrip("0").rstrip(".")
+    return full if short == "0" else short            # (a tiny average keeps 0.000, not a bare 0)
+
+
+def _frac(x: float) -> str:
+    """A fraction as printed: up to 3 decimals, no trailing zeros (0.8, 0.938)."""
+    return f"{x:.3f}".rstrip("0").rstrip(".")
 
 
 @dataclass
@@ -191,7 +201,7 @@ class MemoryPlan:
                        f"{f' (the largest, {c.layer})' if len({(x.experts, x.top_k, x.width) for x in self.moe_comm}) > 1 else ''}"
                        f": dispatch {hb(c.dispatch_bytes)} + combine "
                        f"{hb(c.combine_bytes)} per GPU (top-{c.top_k} x width {c.width} x "
-                       f"{_tokens(c.tokens_per_gpu)} tokens, {c.remote_fraction:.3f} remote; dispatch once per GPU: "
+                       f"{_tokens(c.tokens_per_gpu)} tokens, {_frac(c.remote_fraction)} remote; dispatch once per GPU: "
                        f"{hb(c.dispatch_dedup_bytes)}); {hb(self.a2a_bytes_total)} over {len(self.moe_comm)} layers")
         return "\n".join(out)
 

@@ -567,3 +567,17 @@ def test_weights_that_do_not_fit_name_the_other_variants(monkeypatch):
         cli._check_fits(g, 4, "cpu", spec, "tiny")
     listed = str(e.value).split("--variant ")[1].split(")")[0].split(" or ")
     assert "tiny" not in listed and listed and set(listed) <= set(cli._spec_variants(spec))
+
+
+def test_lowered_report_formats_from_a_user_trial():
+    # 409.6 tokens per GPU, not 409.600 (read as 409,600 beside the thousands separators); the placement table says
+    # that it shows 5 of the 12 experts; with --print-after the requested stage gets a header of its own
+    r = in_process("ir", str(ROOT / "examples" / "hybrid_tiny.mtc"), "--stage", "lowered", "--gpus", "5")
+    assert r.returncode in (0, None), r.stderr
+    assert "(409.6 tokens per GPU on average, 409 or 410 each)" in r.stdout
+    assert "x 409.6 tokens, 0.8 remote" in r.stdout
+    assert "GPUs   (the first 5 of 12; all of them: summary(top=12))" in r.stdout
+    r = in_process("ir", str(ROOT / "examples" / "hybrid_tiny.mtc"), "--stage", "graph", "--print-after", "all")
+    assert r.returncode in (0, None), r.stderr
+    heads = [ln for ln in r.stdout.splitlines() if ln.startswith("// ----- ")]
+    assert heads[-2].startswith("// ----- IR after lower") and heads[-1] == "// ----- IR at stage graph (--stage) -----"

@@ -655,3 +655,23 @@ def test_float_inputs_of_one_call_share_a_dtype():
     (out,) = m.run(q=q, w=w, s0=s0, s1=s1)
     want = R.rmsnorm(R.attn_residual(q, [s0, s1], w), torch.ones(8))
     assert torch.allclose(out, want, atol=1e-6)
+
+
+def test_discard_balance_drops_the_kept_router_scores():
+    # a user trial: after the balance mode changed with deferred scores pending, apply_balance's message pointed
+    # at a private attribute; discard_balance() is the public way to drop them (no bias update)
+    import dsl
+    m = dsl.compile(dsl.parse(Path(__file__).parent.parent.joinpath("examples/hybrid_tiny.mtc").read_text(),
+                              file="hybrid_tiny.mtc"), target="reference")
+    m.train()
+    m.balance_defer = True
+    biases = {k: v.clone() for k, v in m.state_dict().items() if k.endswith("bias")}
+    assert biases
+    m(torch.randint(0, 256, (1, 20)))
+    m.balance = None
+    with pytest.raises(ValueError, match=r"drop them with discard_balance\(\)"):
+        m.apply_balance()
+    assert m.discard_balance() > 0 and m.discard_balance() == 0
+    m.balance = "qb"
+    assert m.apply_balance() == 0
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in biases.items())
