@@ -222,10 +222,13 @@ class GraphBuilder:
         if od.params is not None and len(inputs) == od.n_data_inputs:
             # a float op given an integer tensor says so before its parameters are sized from that tensor (else
             # rmsnorm(ids [B, T]) reported a weight of the symbolic size T)
-            from .ops import FLOAT
-            for nm, t in zip(od.data_inputs, in_types):
-                if nm not in od.int_data and t.dtype not in FLOAT:
-                    raise self.error(f"{op}: {nm} must be a float tensor, got {t.dtype}", loc)
+            from .ops import _need_float
+            try:
+                for nm, t in zip(od.data_inputs, in_types):
+                    if nm not in od.int_data:
+                        _need_float(t, nm)
+            except ShapeError as e:
+                raise self.error(f"{op}: {e}", loc) from None
             for k, default in od.param_attrs.items():
                 if k not in pattrs:
                     if default is REQUIRED:

@@ -563,8 +563,8 @@ class SpecBuilder:
                 if pname in inputs:
                     raise self.spec.err(f"forward input '{pname}' is defined twice (first at line "
                                         f"{inputs[pname].line}); every input needs its own name", ploc)
-                if pname in self.config or pname in self.blocks:
-                    what = "config field" if pname in self.config else "block"
+                what = self._reserved(pname)
+                if what:
                     raise self.spec.err(f"forward input '{pname}' has the name of a {what}; give the input "
                                         f"another name", ploc)
                 inputs[pname] = ploc
@@ -577,9 +577,9 @@ class SpecBuilder:
                                     f"the return comes last in forward", self.spec.loc(ch))
             if ch.data in ("let", "stack"):
                 name = str(ch.children[0])
-                if name in self.config or name in self.blocks:
+                what = self._reserved(name)
+                if what:
                     # (it would hide the field or block from every later statement, silently)
-                    what = "config field" if name in self.config else "block"
                     raise self.spec.err(f"'{name}' has the name of a {what}; give the value another name",
                                         self.spec.loc(ch))
                 val = self._eval_statement(ev, ch)
@@ -600,6 +600,10 @@ class SpecBuilder:
         g = self.b.build(outputs)
         self._warn_unused(fwd, g)
         return g
+
+    def _reserved(self, name: str) -> str | None:
+        """"config field" or "block" when a forward input or value would take that name (and hide it), else None."""
+        return "config field" if name in self.config else "block" if name in self.blocks else None
 
     def _eval_statement(self, ev: "Evaluator", stmt, expr=None):
         """Evaluate a forward statement (``expr`` of it, or the whole let / stack), too-deep nesting an MtcError

@@ -76,14 +76,13 @@ def _tokens(x: float) -> str:
     trailing zeros (409.6, not 409.600, which reads as 409,600 beside the thousands separators)."""
     if float(x).is_integer():
         return f"{int(x):,}"
-    full = f"{x:,.3f}"
-    short = full.rstrip("0").rstrip(".")
-    return full if short == "0" else short            # (a tiny average keeps 0.000, not a bare 0)
+    short = _frac(x)
+    return f"{x:,.3f}" if short == "0" else short     # (a tiny average keeps 0.000, not a bare 0)
 
 
 def _frac(x: float) -> str:
-    """A fraction as printed: up to 3 decimals, no trailing zeros (0.8, 0.938)."""
-    return f"{x:.3f}".rstrip("0").rstrip(".")
+    """A number as printed with up to 3 decimals, no trailing zeros and thousands separators (0.8, 0.938, 409.6)."""
+    return f"{x:,.3f}".rstrip("0").rstrip(".")
 
 
 @dataclass

@@ -64,6 +64,19 @@ def sm_count(device) -> int:
     return n
 
 
+#: the dtypes the Triton kernels take (tl.dot operands, TMA descriptors)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_kernel_dtype(where: str, **tensors) -> None:
+    """TypeError naming the first tensor whose dtype the Triton kernels do not take (float64 and others run on
+    backends.reference)."""
+    for name, t in tensors.items():
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{where}: {name} is {t.dtype}; the Triton kernels take float32, float16 or bfloat16 "
+                            f"(backends.reference runs other float dtypes)")
+
+
 def check_interpreter_dot_dtype(where: str, **tensors) -> None:
     """Refuse bfloat16 operands of a kernel with ``tl.dot`` under the interpreter.
 

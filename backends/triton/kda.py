@@ -76,7 +76,8 @@ from backends.cuda_device import on_tensor_device
 from backends.reference import kda as _ref
 from backends.reference.ops import check_finite_cpu
 from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, check_kernel_device,
-                    device_table, mark_phase, next_power_of_2, no_create_graph, scan_values, sm_count)
+                    check_kernel_dtype, device_table, mark_phase, next_power_of_2, no_create_graph, scan_values,
+                    sm_count)
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -2516,11 +2517,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """
     where = "triton.kda_chunk"
     B, T, H, K, V, bounds, n_seq = _ref._validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
-    kernel_dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in kernel_dtypes:
-            raise TypeError(f"{where}: {name} is {t.dtype}; the Triton kernels take float32, float16 or bfloat16 "
-                            f"(backends.reference runs other float dtypes)")
+    check_kernel_dtype(where, q=q, k=k, v=v)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         # the kernels take one dtype: q, k, v in their promoted one (float16 with bfloat16: float32), o in v's
         # dtype as OPS.md asks (the reference computes in float32 whatever they are)

@@ -41,8 +41,8 @@ from backends.reference.ops import check_eps
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
 from . import moe_kernels as _k
 from .norm import rms_norm
-from .guard import (cdiv, check_interpreter_dot_dtype, check_kernel_device, device_table, mark_phase,
-                    next_power_of_2, no_create_graph, sm_count)
+from .guard import (cdiv, check_interpreter_dot_dtype, check_kernel_device, check_kernel_dtype, device_table,
+                    mark_phase, next_power_of_2, no_create_graph, sm_count)
 
 __all__ = [
     "qb_route",
@@ -206,17 +206,12 @@ def _mark(name):
 _ACT = {"situ": 0, "silu": 1}
 
 
-_GEMM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _check_gemm_operands(where, **named):
     """The grouped-GEMM kernels take float32 / float16 / bfloat16 operands with every dimension >= 1 (TMA
     descriptors and tl.dot): TypeError for another dtype (float64 gave wrong results), ValueError for an
     empty dimension."""
     for name, t in named.items():
-        if t.dtype not in _GEMM_DTYPES:
-            raise TypeError(f"{where}: {name} is {t.dtype}; the Triton kernels take float32, float16 or bfloat16 "
-                            f"(backends.reference runs other float dtypes)")
+        check_kernel_dtype(where, **{name: t})
         if 0 in t.shape[1:]:
             raise ValueError(f"{where}: {name} has an empty dimension {tuple(t.shape)}")
 
