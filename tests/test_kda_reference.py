@@ -186,3 +186,18 @@ def test_errors():
         kda_gate(g, torch.zeros(2), torch.zeros(32), gate="relu")
     with pytest.raises(ValueError, match="state"):
         kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], torch.zeros(2, 2, 16, 23))
+
+
+def test_float64_inputs_run_and_match_float32():
+    # the reference takes any float dtype: float64 keys broke its beta ||k||^2 stability check (vector_norm may
+    # not narrow float64 to float32); the result is float64 (v's dtype) and agrees with the float32 run
+    B, T, H, K, V = 1, 100, 2, 16, 24
+    q, k, v, g, beta = make_inputs(B, T, H, K, V)
+    S0 = torch.randn(B, H, K, V)
+    o32, S32 = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    o64, S64 = kda_chunk(*(t.double() for t in (q, k, v, g, beta)), initial_state=S0.double(),
+                         output_final_state=True)
+    assert o64.dtype == torch.float64 and rel_rms(o64, o32) < 1e-5 and rel_rms(S64, S32) < 1e-5
+    ot, st = kda_step(*(t[:, 0].double() for t in (q, k, v, g, beta)), S0.double())
+    ot32, st32 = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
+    assert rel_rms(ot, ot32) < 1e-5 and rel_rms(st, st32) < 1e-5

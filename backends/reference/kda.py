@@ -71,9 +71,11 @@ DELTA_STABLE_LIMIT = 2.05
 
 
 def _max_beta_kk(k, beta):
-    """(beta ||k||^2 of every token and head, float32 in beta's shape, its max as a float; -inf when empty)."""
+    """(beta ||k||^2 of every token and head, float32 (float64 for float64 keys) in beta's shape, its max as a
+    float; -inf when empty)."""
     with torch.no_grad():
-        kk = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).square() * beta.to(torch.float32)
+        dt = torch.promote_types(k.dtype, torch.float32)
+        kk = torch.linalg.vector_norm(k, dim=-1, dtype=dt).square() * beta.to(dt)
     return kk, (float(kk.max()) if kk.numel() else -math.inf)
 
 
