@@ -388,6 +388,35 @@ def test_float16_with_a_bound_past_its_range():
         assert torch.isfinite(a).all() and rel_rms(a.float(), b) < 2e-2, name
 
 
+@pytest.mark.parametrize("T", [100, 1000])
+def test_forward_keeps_n_in_bfloat16_for_16bit_inputs(T, monkeypatch):
+    # nb_lowp: a 16-bit forward without autograd passes N = diag(beta) Akk from the strip to the solve kernel in
+    # bfloat16; its result stays within float16 rounding of the float32-N forward and of the float32 reference
+    B, H, K, V = 1, 2, 32, 32
+    q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.float16)
+    seen = []
+    scratch = tk._intra5_scratch
+
+    def spy(*a, **kw):
+        out = scratch(*a, **kw)
+        seen.append(out[0].dtype)
+        return out
+
+    monkeypatch.setattr(tk, "_intra5_scratch", spy)
+    with torch.no_grad():
+        runs = {}
+        for low in (True, False):
+            monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, nb_lowp=low))
+            runs[low] = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-1.0)
+    assert seen == [torch.bfloat16, torch.float32]
+    f32 = [t.float() for t in (q, k, v, g, beta)]
+    o_r, S_r = R.kda_chunk(*f32, initial_state=S0, output_final_state=True)
+    (o, S), (o32, S32) = runs[True], runs[False]
+    assert o.dtype == torch.float16 and torch.isfinite(o).all()
+    assert rel_rms(o.float(), o32.float()) < 2e-3 and rel_rms(S, S32) < 2e-3
+    assert rel_rms(o.float(), o_r) < 5e-3 and rel_rms(S, S_r) < 5e-3
+
+
 @pytest.mark.parametrize("split", [False, True, "v4", "v4-tiles", "v5"])
 def test_intra3_channel_slices_and_per_block_bound_check(split, monkeypatch):
     # K = 64 in slices of 16: the gate breaks the promised bound only in channels 20..40 (slices 1 and 2)
@@ -538,8 +567,10 @@ ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr", FTZ="constexpr"
            cfg5["ns_strip"])
 assert "ex2.approx.ftz.f32" in ck.asm["ptx"], "v5 strip kernel (ftz): no flush-to-zero exponential"
 for ns in (1, 2):
-    ck = build(tk._fwd_strip32_kernel, dict(sig5, FTZ="constexpr"),
-               dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, FTZ=True, NS=ns), cfg5["nw_strip32"], cfg5["ns_strip"])
+    # (the forward without autograd stores N in bfloat16: nb_lowp)
+    ck = build(tk._fwd_strip32_kernel, dict(sig5, FTZ="constexpr", NB=P if ns == 2 else F),
+               dict(K=128, BK=cfg5.get("bk_strip32") or cfg5["BK"], DT=tk.tl.bfloat16, FTZ=True, NS=ns),
+               cfg5["nw_strip32"], cfg5["ns_strip"])
     assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "32-row strip kernel: no tensor-core instruction"
     assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
     ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
@@ -556,7 +587,7 @@ assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32", PREC="constexpr"),
            dict(PREC="tf32x3"), cfg4["nw_solve"], 1)
 assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "solve kernel (tf32x3): no tensor-core instruction"
-ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32", PREC="constexpr"),
+ck = build(tk._fwd_solve4_kernel, dict(NB=P, cstart=I, clen=I, TB=P, H="i32", PREC="constexpr"),
            dict(PREC=cfg5["solve_prec_fwd"]), cfg5["nw_solve"], 1)
 assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "solve kernel (tf32): no tensor-core instruction"
 ck = build(tk._fwd_strip4_kernel, dict(sig4, R_FAST="constexpr"),

@@ -756,7 +756,7 @@ def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: 
     cols = tl.arange(0, 64)
     ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
     a = tl.where(cols[None, :] < rows[:, None], a, 0.0)
-    tl.store(NB + ob, a * bb[:, None], mask=mr)
+    tl.store(NB + ob, (a * bb[:, None]).to(NB.dtype.element_ty), mask=mr)
     if SAVE_B:
         tl.store(BM + ob, a, mask=mr)
     tl.store(AQK + ob, (tl.where(cols[None, :] <= rows[:, None], p, 0.0) * scale).to(AQK.dtype.element_ty),
@@ -1080,12 +1080,13 @@ def _tile16(ptr, t0, L, h, H, R: tl.constexpr, C: tl.constexpr):
     r16 = tl.arange(0, 16)
     rows = R * 16 + r16
     off = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + C * 16 + r16[None, :]
-    return tl.load(ptr + off, mask=(rows < L)[:, None], other=0.0)
+    return tl.load(ptr + off, mask=(rows < L)[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _fwd_solve4_kernel(NB, cstart, clen, TB, H, PREC: tl.constexpr = "ieee"):
-    """One (chunk, head): TB = T = (I + N)^-1 (float32, the 10 lower 16x16 tiles) from N = NB, by inverting
+    """One (chunk, head): TB = T = (I + N)^-1 (float32, the 10 lower 16x16 tiles) from N = NB (float32 or
+    bfloat16, computed in float32), by inverting
     the diagonal tiles (_inv16) and blocked forward substitution T_rj = -T_rr sum_{j<=m<r} N_rm T_mj.
     PREC: the 16x16 products' tl.dot input precision ("ieee": float32 FMAs; "tf32x3": three TF32 tensor-core
     products, about float32 accuracy; "tf32": one, inputs rounded to 10 mantissa bits)."""
@@ -1926,10 +1927,24 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # (1.29e-2 / 4.22e-3 against 1.11e-2 / 2.97e-3): it keeps "tf32x3".  H200 (20th session, forward ms, H = 16 64K /
 # 1M, H = 96 64K): tf32x3 2.73 / 39.43 / 17.11, tf32 2.52 / 36.53 / 16.17 (with maxnreg_solve 128 2.52 / 37.19 /
 # 16.10; tf32 with the 10 tiles of N loaded first, 195 registers, 2.55 / 37.36 / 16.36, dropped).
+# nb_lowp: N = diag(beta) Akk between the strip and solve kernels in bfloat16 instead of float32 (16-bit inputs, a
+# forward that keeps no T for the backward): 128 B per token and head less written and read; the solve's products
+# round N to TF32 anyway ("tf32") and T is rounded to bf16 (tb_lowp).  bk_strip32 / maxnreg_strip32: the channel
+# slice and register cap of the rows32 strip kernel (BK / maxnreg apply to the 16-row strip kernels).
+# H200, 23rd session, forward ms at H = 16 64K / 1M, H = 96 64K (`--only mtc`, defaults before: 2.55 / 37.0 / 16.39):
+# nb_lowp 2.51 / 36.11-36.38 / 16.03-16.09 (o error at T = 4096 against the reference 4.355e-3 either way); with it,
+# the rows32 strip at 4 warps, BK 32 and a cap of 128 registers (no spills, sm_90a; at 8 warps / BK 64, 124
+# registers): 2.44-2.64 / 35.34-36.02 / 15.69 (three runs).  Beside a state-pass program (192 registers x 128
+# threads, 193 KB of shared memory) two such 4-warp strip programs fit on an SM where one 8-warp one did.  Dropped in
+# the same runs: strip caps of 80 (104 B of stack at 8 warps: 37.77 at 1M) / 96-120 at 4 warps (37.2-39.8), BK 16
+# (39.3), 2 warps (38.2), cumsum_slices 4 (36.1-36.2), 2 cumsum warps (35.5), 8 w/u warps (35.4), 2 stages in
+# the state pass (45.1).  Also dropped: G in 16-bit fixed point (-G in steps of 64 |lb| / 65535, o error 4.41e-3):
+# 40.76 at 1M, and 37.34 against 36.11 with the strip reading only the 16-bit G, so halving G's bytes does not pay
+# for the conversions in this instruction-bound kernel (benchmarks/results/kda.md, 23rd session).
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
                   r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True, ftz=True, rows32=True,
-                  nw_strip32=8, maxnreg_solve=None, cumsum_slices=2,
-                  solve_prec_fwd="tf32")
+                  nw_strip32=4, maxnreg_solve=None, cumsum_slices=2,
+                  solve_prec_fwd="tf32", nb_lowp=True, bk_strip32=32, maxnreg_strip32=128)
 
 
 def _solve_prec(cfg, fwd_only=False):
@@ -1959,11 +1974,13 @@ def _intra5(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, s
 
 
 def _intra5_scratch(rows, NC, H, K, idt, save_b, dev):
-    """The v5 intra kernels' scratch for `rows` tokens and NC chunks: (NBUF [rows, H, 64] float32, GCS [rows, H,
-    K] float32, FB [NC, H, 4 * _cumsum_slices(K)] int32, TB [rows, H, 64] (the input dtype with
-    INTRA5_CFG["tb_lowp"] unless save_b, else float32), BM [rows, H, 64] float32 with save_b, else None)."""
+    """The v5 intra kernels' scratch for `rows` tokens and NC chunks: (NBUF [rows, H, 64] (float32, or bfloat16
+    with INTRA5_CFG["nb_lowp"] for 16-bit inputs unless save_b), GCS [rows, H, K] float32, FB [NC, H, 4 *
+    _cumsum_slices(K)] int32, TB [rows, H, 64] (the input dtype with INTRA5_CFG["tb_lowp"] unless save_b, else
+    float32), BM [rows, H, 64] float32 with save_b, else None)."""
     tdt = idt if INTRA5_CFG.get("tb_lowp") and not save_b else torch.float32
-    return (torch.empty(rows, H, 64, dtype=torch.float32, device=dev),
+    ndt = torch.bfloat16 if INTRA5_CFG.get("nb_lowp") and not save_b and idt != torch.float32 else torch.float32
+    return (torch.empty(rows, H, 64, dtype=ndt, device=dev),
             torch.empty(rows, H, K, dtype=torch.float32, device=dev),
             torch.empty(NC, H, 4 * _cumsum_slices(K), dtype=torch.int32, device=dev),
             torch.empty(rows, H, 64, dtype=tdt, device=dev),
@@ -1997,9 +2014,10 @@ def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt,
                   FTZ=bool(cfg.get("ftz")) and not _interpret())
     if rows32:
         _fwd_strip32_kernel[(2 * NC, H)](
-            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K, BK=min(K, cfg["BK"]),
-            DT=_TL[idt], **common, num_warps=cfg.get("nw_strip32", cfg["nw_strip"]), num_stages=cfg["ns_strip"],
-            **_maxnreg(cfg.get("maxnreg")))
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
+            BK=min(K, cfg.get("bk_strip32") or cfg["BK"]), DT=_TL[idt], **common,
+            num_warps=cfg.get("nw_strip32", cfg["nw_strip"]), num_stages=cfg["ns_strip"],
+            **_maxnreg(cfg.get("maxnreg_strip32") or cfg.get("maxnreg")))
     else:
         _fwd_strip5_kernel[(4 * NC, H, 1) if r_fast else (NC, H, 4)](
             q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
