@@ -73,7 +73,7 @@ def test_bad_arguments_are_clear_errors(fn):
         fn(q[0], k, v, scale=1.0)
     with pytest.raises(ValueError, match="must be equal and share"):
         fn(q, k[:, :29], v, scale=1.0)
-    with pytest.raises(TypeError, match="scale must be a Python number"):
+    with pytest.raises(TypeError, match="scale must be a real number"):
         fn(q, k, v, scale=None)
     with pytest.raises(ValueError, match="scale must be finite"):
         fn(q, k, v, scale=float("nan"))

@@ -96,7 +96,7 @@ def test_non_finite_scalars_are_refused(bad):
             mod.kda_chunk(q, k, v, g, b, scale=bad)
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     for mod in (R, X):
-        with pytest.raises(ValueError, match=r"qb_route: routed_scaling must be a finite number"):
+        with pytest.raises(ValueError, match=r"qb_route: routed_scaling must be a finite real number"):
             mod.qb_route(x, w, torch.zeros(3), top_k=1, routed_scaling=bad)
     with pytest.raises(ValueError, match=r"rmsnorm: eps must be a finite number > 0"):
         R.rmsnorm(torch.randn(3, 4), torch.ones(4), eps=-1.0)
@@ -400,3 +400,90 @@ def test_triton_kda_chunk_takes_mixed_dtypes_like_the_reference():
     with pytest.raises(TypeError, match=r"triton.kda_chunk: q is torch.float64; the Triton kernels take float32, "
                                         r"float16 or bfloat16 \(backends.reference runs other float dtypes\)"):
         X.kda_chunk(q.double(), k.double(), v.double(), g, b)
+
+
+# ---- a third new-user trial (2026-12-01): op contracts at their edges ----
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_causal_attention_with_a_non_positive_scale_is_finite(scale):
+    # torch's causal SDPA masked with -inf before scaling: scale <= 0 gave NaN rows on Triton, finite on the reference
+    q, k, v = (torch.randn(1, 7, 2, 8, device=DEV) for _ in range(3))
+    o = X.mla_attention(q, k, v, scale=scale)
+    o_r = R.mla_attention(q, k, v, scale=scale)
+    assert torch.isfinite(o).all() and rel_rms(o, o_r) < 1e-5
+
+
+def test_conv_silu_norm_checks_its_arguments_like_short_conv():
+    x, w = torch.randn(2, 9, 6, device=DEV), torch.randn(6, 4, device=DEV)
+    for bad_w in (w.view(6, 2, 2), w[:, 0], None, [[1.0] * 4] * 6):
+        for op, where in ((X.conv_silu_norm, "conv_silu_norm"), (R.short_conv, "short_conv")):
+            with pytest.raises((TypeError, ValueError), match=where + r": the weight must be"):
+                op(x, bad_w)
+    with pytest.raises(TypeError, match=r"conv_silu_norm: x must be a floating-point tensor, got torch.int32"):
+        X.conv_silu_norm(x.int(), w)
+    for bad in (2.0, "3", True):
+        with pytest.raises(TypeError, match=r"conv_silu_norm: head_dim must be an int or None"):
+            X.conv_silu_norm(x, w, head_dim=bad)
+    y = X.conv_silu_norm(x, w.view(6, 1, 4), head_dim=3)       # [C, 1, W] is the other legal form
+    u, _ = R.short_conv(x, w)
+    s = u * torch.sigmoid(u)
+    ref = (s.view(2, 9, 2, 3) / (s.view(2, 9, 2, 3).pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()).view(2, 9, 6)
+    assert rel_rms(y, ref) < 1e-5
+
+
+def test_sigmoid_gate_overflow_and_bad_bounds_are_named_errors():
+    x, dt = torch.zeros(1, 2, 1, 4, device=DEV), torch.zeros(4, device=DEV)
+    for mod, where in ((R, "kda_gate"), (X, "kda_gate")):
+        if DEV == "cpu":    # (the overflow scan runs on CPU results only: on a GPU it would sync every call)
+            with pytest.raises(ValueError, match=where + r": the sigmoid gate .* overflows float32 \(A_log max 100"):
+                mod.kda_gate(x, torch.tensor([100.0], device=DEV), dt)
+        for bad in (None, "x", True):
+            with pytest.raises(TypeError, match=where + r": lower_bound must be a finite negative number"):
+                mod.kda_gate(x, torch.zeros(1, device=DEV), dt, lower_bound=bad)
+        g = mod.kda_gate(x + 1.0, torch.zeros(1, device=DEV), dt, lower_bound=np.float32(-5.0))
+        assert torch.allclose(g, torch.full_like(g, -5.0 * float(torch.sigmoid(torch.tensor(1.0)))))
+
+
+def test_scalar_arguments_take_numpy_numbers_and_name_bad_ones():
+    scores, bias = torch.randn(6, 4, device=DEV), torch.zeros(4, device=DEV)
+    idx = torch.randint(0, 4, (6, 2), device=DEV)
+    for mod in (R, X):
+        for bad in (None, "0.5", torch.tensor(0.5), True):
+            with pytest.raises(TypeError, match=r"qb_update: ema must be a real number in \[0, 1\)"):
+                mod.qb_update(scores, bias, top_k=2, ema=bad)
+        assert torch.equal(mod.qb_update(scores, bias, top_k=2, ema=np.float32(0.5)),
+                           mod.qb_update(scores, bias, top_k=2, ema=0.5))
+        for bad in (None, 2.5, "10", True):
+            with pytest.raises(TypeError, match=r"expert_load: num_experts must be an int"):
+                mod.expert_load(idx, bad)
+        assert torch.equal(mod.expert_load(idx, np.int64(4)), mod.expert_load(idx, 4))
+        x, w = torch.randn(5, 8, device=DEV), torch.randn(4, 8, device=DEV)
+        a = mod.qb_route(x, w, bias, top_k=2, routed_scaling=np.float32(0.5))
+        b = mod.qb_route(x, w, bias, top_k=2, routed_scaling=0.5)
+        assert all(torch.equal(p, r) for p, r in zip(a, b))
+        u, v = torch.randn(3, 8, device=DEV), torch.randn(3, 8, device=DEV)
+        assert torch.equal(mod.situ_glu(u, v, beta_gate=np.float32(4.0)), mod.situ_glu(u, v, beta_gate=4.0))
+        q = torch.randn(1, 5, 1, 8, device=DEV)
+        assert torch.equal(mod.mla_attention(q, q, q, scale=np.float32(0.25)), mod.mla_attention(q, q, q, scale=0.25))
+
+
+def test_reference_takes_the_triton_only_options():
+    # one call runs on either backend: the reference accepts check_finite (it always checks) and acc_dtype
+    B, H, K, V = 2, 2, 8, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, K, device=DEV), dim=-1) for _ in range(2))
+    v, g, beta, S = torch.randn(B, H, V, device=DEV), -torch.rand(B, H, K, device=DEV), \
+        torch.rand(B, H, device=DEV), torch.randn(B, H, K, V, device=DEV)
+    o_r, S_r = R.kda_step(q, k, v, g, beta, S, check_finite=True)
+    o_x, S_x = X.kda_step(q, k, v, g, beta, S, check_finite=True)
+    assert rel_rms(o_r, o_x) < 1e-5 and rel_rms(S_r, S_x) < 1e-5
+    qa = torch.randn(1, 5, 1, 8, device=DEV)
+    assert rel_rms(R.mla_attention(qa, qa, qa, scale=0.3, check_finite=True),
+                   X.mla_attention(qa, qa, qa, scale=0.3, check_finite=True)) < 1e-5
+    bank = [torch.randn(6, 16, device=DEV) for _ in range(3)]
+    qs, ws = torch.randn(2, 16, device=DEV), torch.rand(2, 16, device=DEV) + 0.5
+    acc, m, s = R.attn_residual_phase1(qs, bank, ws, acc_dtype=torch.bfloat16)
+    acc32, m32, s32 = R.attn_residual_phase1(qs, bank, ws)
+    assert acc.dtype == torch.bfloat16 and torch.equal(acc, acc32.to(torch.bfloat16))
+    assert torch.equal(m, m32) and torch.equal(s, s32)
+    with pytest.raises(TypeError, match=r"attn_residual_phase1: acc_dtype torch.int32 is not"):
+        R.attn_residual_phase1(qs, bank, ws, acc_dtype=torch.int32)

@@ -210,7 +210,7 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
 
 
 def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rms_weights: torch.Tensor, *,
-                         eps: float = 1e-6):
+                         eps: float = 1e-6, acc_dtype: torch.dtype = torch.float32):
     """Phase 1 of the two-phase Block AttnRes: all Q queries of a block scored against the completed bank.
 
     Math: spec/OPS.md "Two-phase form"; the per-query softmax statistics are those of online softmax
@@ -224,16 +224,20 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
         bank: list/tuple of L >= 1 tensors, each [..., d] (same shape, dtype, device).
         rms_weights: [Q, d] float tensor, the key RMSNorm weight of each read.
         eps: RMSNorm epsilon, > 0.
+        acc_dtype: dtype of ``acc`` (float32, the default, or float16 / bfloat16: computed in float32 and rounded
+            once, as the Triton backend's option of the same name).
 
     Returns:
-        (acc, m, s): acc [Q, ..., d] float32 (un-normalised weighted sum), m [Q, ...] float32 (max logit),
+        (acc, m, s): acc [Q, ..., d] acc_dtype (un-normalised weighted sum), m [Q, ...] float32 (max logit),
         s [Q, ...] float32 (sum of exp(logit - m), >= 1).
 
     Raises:
         ValueError / TypeError as ``attn_residual`` (empty bank, shape/dtype mismatch, bad eps, NaN/inf in a CPU
-        input).
+        input); TypeError for an acc_dtype other than float32 / float16 / bfloat16.
     """
     shape, dtype, Q, d = check_phase1_args(queries, bank, rms_weights, eps)
+    if acc_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"attn_residual_phase1: acc_dtype {acc_dtype} is not float32/float16/bfloat16")
     x = torch.stack([b.float() for b in bank], dim=0)                      # [L, ..., d]
     xr = x * _rms(x, eps)                                                   # [L, ..., d]
     qw = queries.float() * rms_weights.float()                              # [Q, d]
@@ -242,7 +246,7 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
     e = torch.exp(logits - m.unsqueeze(1))                                  # [Q, L, ...]
     s = e.sum(dim=1)                                                        # [Q, ...]
     acc = torch.einsum("ql...,l...d->q...d", e, x)                          # [Q, ..., d]
-    return acc, m, s
+    return acc.to(acc_dtype), m, s
 
 
 def attn_residual_merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, partial: Optional[torch.Tensor],

@@ -128,9 +128,9 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
           (Kimi Linear arXiv 2510.26692, eq. 9 / Mamba-2's dt parametrisation).
 
     Raises:
-        TypeError: non-tensor or non-float inputs.
-        ValueError: wrong shapes, unknown gate, lower_bound not a finite negative number, NaN/inf in a CPU input,
-            a softplus gate that overflows float32 (A_log past ~88).
+        TypeError: non-tensor or non-float inputs, a sigmoid gate's lower_bound that is not a real number.
+        ValueError: wrong shapes, unknown gate, lower_bound not finite and negative, NaN/inf in a CPU input, a
+            gate that overflows float32 (A_log past ~88; CPU results).
     """
     where = "kda_gate"
     for name, t in (("x", x), ("A_log", A_log), ("dt_bias", dt_bias)):
@@ -145,25 +145,38 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
                          f"{tuple(dt_bias.shape)}")
     if gate not in ("sigmoid", "softplus"):
         raise ValueError(f"{where}: gate must be 'sigmoid' or 'softplus', got {gate!r}")
+    if gate == "sigmoid":
+        check_gate_bound(lower_bound, where)
     check_finite_cpu(where, x=x, A_log=A_log, dt_bias=dt_bias)
     z = x.float() + dt_bias.float().reshape(H, K)
     a = A_log.float().exp().view(H, 1)
     if gate == "sigmoid":
-        lb = float(lower_bound)
-        if not (lb < 0.0 and lb > float("-inf")):
-            raise ValueError(f"{where}: lower_bound must be a finite negative number, got {lower_bound!r}")
-        return lb * torch.sigmoid(a * z)
-    g = -a * F.softplus(z)
-    check_gate_finite(g, A_log, where)
+        g = float(lower_bound) * torch.sigmoid(a * z)
+    else:
+        g = -a * F.softplus(z)
+    check_gate_finite(g, A_log, where, gate)
     return g
 
 
-def check_gate_finite(g: torch.Tensor, A_log: torch.Tensor, where: str) -> None:
-    """The softplus gate of finite inputs is non-finite only by overflow: ValueError saying so (CPU tensors; on a
-    GPU the scan would synchronise every call)."""
+def check_gate_bound(lower_bound, where: str) -> None:
+    """The sigmoid gate's lower bound: a real number (Python or numpy; TypeError otherwise), finite and < 0
+    (ValueError)."""
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
+        raise TypeError(f"{where}: lower_bound must be a finite negative number, got {type(lower_bound).__name__} "
+                        f"{lower_bound!r}")
+    if not float("-inf") < float(lower_bound) < 0.0:
+        raise ValueError(f"{where}: lower_bound must be a finite negative number, got {lower_bound!r}")
+
+
+def check_gate_finite(g: torch.Tensor, A_log: torch.Tensor, where: str, gate: str = "softplus") -> None:
+    """The gate of finite inputs is non-finite only by overflow of exp(A_log) (softplus: inf; sigmoid: inf * 0 =
+    NaN where x + dt_bias = 0): ValueError saying so (CPU tensors; on a GPU the scan would synchronise every
+    call)."""
     if g.device.type == "cpu" and g.numel() and not bool(torch.isfinite(g).all()):
-        raise ValueError(f"{where}: the softplus gate -exp(A_log) * softplus(x + dt_bias) overflows float32 (A_log "
-                         f"max {float(A_log.float().max()):.4g}; exp(A_log) ends at A_log ~ 88)")
+        form = ("-exp(A_log) * softplus(x + dt_bias)" if gate == "softplus"
+                else "lower_bound * sigmoid(exp(A_log) * (x + dt_bias))")
+        raise ValueError(f"{where}: the {gate} gate {form} overflows float32 (A_log max "
+                         f"{float(A_log.float().max()):.4g}; exp(A_log) ends at A_log ~ 88)")
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int, where: str) -> list[tuple[int, int]]:
@@ -394,12 +407,14 @@ def check_step_args(q, k, v, g, beta, state, where: str):
     return B, H, K, V
 
 
-def kda_step(q, k, v, g, beta, state, *, scale=None):
+def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
     """One decoding step of KDA (the token recurrence of spec/OPS.md), float32 math.
 
     Args:
         q, k: [B, H, K]; v: [B, H, V]; g: [B, H, K] log decay (<= 0); beta: [B, H];
         state: [B, H, K, V] (any float dtype, used as float32; not modified in place); scale: default K ** -0.5.
+        check_finite: the Triton backend's option, accepted so that a call runs on either backend unchanged
+            (the reference always checks its inputs).
 
     Returns:
         (o [B, H, V] in v's dtype, new_state [B, H, K, V] float32), with

@@ -65,11 +65,30 @@ def _check_top_k(top_k, num_experts: int, where: str) -> int:
     return int(top_k)
 
 
+def check_ema(ema, where: str) -> float:
+    """qb_update's ema: a real number (Python or numpy; TypeError otherwise) in [0, 1) (ValueError); as float."""
+    if isinstance(ema, bool) or not isinstance(ema, numbers.Real):
+        raise TypeError(f"{where}: ema must be a real number in [0, 1), got {type(ema).__name__} {ema!r}")
+    if not 0.0 <= float(ema) < 1.0:
+        raise ValueError(f"{where}: ema must be in [0, 1), got {ema}")
+    return float(ema)
+
+
+def check_num_experts(num_experts, where: str) -> int:
+    """An expert count: an int (Python or numpy; TypeError otherwise) > 0 (ValueError); as int."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral):
+        raise TypeError(f"{where}: num_experts must be an int, got {type(num_experts).__name__} {num_experts!r}")
+    if num_experts <= 0:
+        raise ValueError(f"{where}: num_experts must be positive, got {num_experts}")
+    return int(num_experts)
+
+
 def check_routed_scaling(routed_scaling, where: str) -> None:
     """routed_scaling: a finite real number (ValueError otherwise: NaN would give NaN routing weights)."""
-    if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, (int, float)) or not (
+    if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, numbers.Real) or not (
             abs(routed_scaling) < float("inf")):
-        raise ValueError(f"{where}: routed_scaling must be a finite number, got {routed_scaling!r}")
+        raise ValueError(f"{where}: routed_scaling must be a finite real number (Python or numpy), got "
+                         f"{type(routed_scaling).__name__} {routed_scaling!r}")
 
 
 def check_finite_rows(name: str, x: torch.Tensor, where: str) -> None:
@@ -248,9 +267,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     if bias.shape[0] != e:
         raise ValueError(f"{where}: bias has {bias.shape[0]} entries but scores has E = {e}")
     top_k = _check_top_k(top_k, e, where)
-    ema = float(ema)
-    if not 0.0 <= ema < 1.0:
-        raise ValueError(f"{where}: ema must be in [0, 1), got {ema}")
+    ema = check_ema(ema, where)
     check_finite_rows("scores", scores, where)
     if not bool(torch.isfinite(bias).all()):
         raise ValueError(f"{where}: bias holds NaN or inf")
@@ -325,9 +342,7 @@ def expert_load(topk_idx, num_experts):
     where = "expert_load"
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.is_floating_point():
         raise TypeError(f"{where}: topk_idx must be an integer tensor")
-    e = int(num_experts)
-    if e <= 0:
-        raise ValueError(f"{where}: num_experts must be positive, got {num_experts}")
+    e = check_num_experts(num_experts, where)
     flat = topk_idx.reshape(-1).long()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
         raise ValueError(f"{where}: expert indices must be in [0, {e}), got [{int(flat.min())}, {int(flat.max())}]")
@@ -355,7 +370,7 @@ def check_glu_args(a, b, beta_gate, beta_up, where: str) -> None:
 def check_betas(beta_gate, beta_up, where: str) -> None:
     """SiTU-GLU's bounds: numbers, finite and > 0 (TypeError / ValueError)."""
     for name, x in (("beta_gate", beta_gate), ("beta_up", beta_up)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real):
             raise TypeError(f"{where}: {name} must be a number, got {type(x).__name__} {x!r}")
         if not 0 < x < float("inf"):
             raise ValueError(f"{where}: beta_gate and beta_up must be finite and > 0, got {beta_gate}, {beta_up}")

@@ -34,6 +34,14 @@ def _check_weight(w, shape_ok: bool, want: str, where: str) -> None:
         raise ValueError(f"{where}: the weight must be {want}, got {list(w.shape)}")
 
 
+def check_conv_weight(weight, where: str) -> None:
+    """A short convolution's taps: a real tensor (TypeError) of shape [C, 1, W] or [C, W] with W >= 1
+    (ValueError)."""
+    ok = (isinstance(weight, torch.Tensor) and weight.dim() in (2, 3) and (weight.dim() == 2 or weight.shape[1] == 1)
+          and weight.shape[-1] >= 1)
+    _check_weight(weight, ok, "[C, 1, W] or [C, W] with W >= 1", where)      # (a non-tensor: TypeError first)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            _where: str = "linear") -> torch.Tensor:
     """x @ weight^T (+ bias). x [..., in]; weight [out, in] -> [..., out] in x's dtype (float32 math).
@@ -110,8 +118,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     output_final_state (width 1: [B, C, 0]), else None).
     Raises TypeError for a non-float x, ValueError for mismatched shapes or NaN/inf in a CPU input."""
     _check_float_input(x, "short_conv")
-    _check_weight(weight, weight.dim() in (2, 3) and (weight.dim() == 2 or weight.shape[1] == 1)
-                  and weight.shape[-1] >= 1, "[C, 1, W] or [C, W] with W >= 1", "short_conv")
+    check_conv_weight(weight, "short_conv")
     w = _f32(weight).reshape(weight.shape[0], -1)
     C, W = w.shape
     if x.dim() != 3 or x.shape[-1] != C:
@@ -173,8 +180,9 @@ def check_attention_args(q, k, v, scale, where: str, causal=True) -> None:
     if q.shape != k.shape or q.shape[:3] != v.shape[:3]:
         raise ValueError(f"{where}: q {list(q.shape)} and k {list(k.shape)} must be equal and share [B, T, H] "
                          f"with v {list(v.shape)}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{where}: scale must be a Python number, got {type(scale).__name__} {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{where}: scale must be a real number (Python or numpy), got {type(scale).__name__} "
+                        f"{scale!r}")
     if not abs(scale) < float("inf"):
         raise ValueError(f"{where}: scale must be finite, got {scale!r}")
 
@@ -188,11 +196,12 @@ def check_attention_finite(q, k, v, where: str) -> None:
 
 
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
-                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None, check_finite=None) -> torch.Tensor:
     """Softmax attention core of (gated) MLA: o = softmax(q k^T * scale + mask) v, softmax in float32.
 
     q, k [B, T, H, Dqk]; v [B, T, H, Dv] (Dqk may differ from Dv: 192 and 128 in K3). cu_seqlens int
-    [N+1] for packed sequences (B == 1): attention never crosses a sequence boundary.
+    [N+1] for packed sequences (B == 1): attention never crosses a sequence boundary. check_finite: the Triton
+    backend's option, accepted so that a call runs on either backend unchanged (the reference always checks).
     Returns o [B, T, H, Dv] in v's dtype. Vaswani et al. 2017, eq. 1; DeepSeek-V2 (MLA).
     Raises TypeError (non-float tensors, a non-numeric scale, a causal that is not a bool, bad cu_seqlens dtype)
     and ValueError (shapes that are not [B, T, H, D] or disagree, cu_seqlens with B != 1 or not offsets 0 ... T,

@@ -9,13 +9,15 @@ that fuse_tiles put into a kda_chunk group (target "triton", forward without aut
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
 
 from .guard import cdiv, check_forward_only, check_kernel_device, next_power_of_2
 from backends.cuda_device import on_tensor_device
-from backends.reference.ops import check_eps, check_finite_cpu
+from backends.reference.ops import _check_float_input, check_conv_weight, check_eps, check_finite_cpu
 
 __all__ = ["conv_silu_norm"]
 
@@ -66,17 +68,24 @@ def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, 
     Returns:
         y [B, T, C] in x's dtype (view it as [B, T, C // head_dim, head_dim] for the per-head layout).
     Raises:
-        ValueError: wrong ranks, C mismatch between x and weight, head_dim not dividing C, eps <= 0.
+        TypeError: x not a float tensor, weight not a real tensor, head_dim not an int.
+        ValueError: wrong ranks or weight shape (as reference short_conv), C mismatch between x and weight,
+            head_dim not dividing C, eps <= 0.
         RuntimeError: autograd records a gradient for x or weight (forward only: the result would carry none).
     Forward only (no autograd): the runtime uses it when no gradient is recorded."""
+    _check_float_input(x, "conv_silu_norm")
+    check_conv_weight(weight, "conv_silu_norm")
     check_forward_only("conv_silu_norm", x, weight)
     check_kernel_device("triton.conv_silu_norm", x=x, weight=weight)
     if x.dim() != 3:
         raise ValueError(f"conv_silu_norm: x must be [B, T, C], got {list(x.shape)}")
-    w = weight.reshape(weight.shape[0], -1)
+    w = weight.reshape(weight.shape[0], -1).float()
     Bn, T, C = x.shape
     if w.shape[0] != C:
         raise ValueError(f"conv_silu_norm: weight has {w.shape[0]} channels, x has {C}")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral)):
+        raise TypeError(f"conv_silu_norm: head_dim must be an int or None, got {type(head_dim).__name__} "
+                        f"{head_dim!r}")
     if head_dim is not None and (head_dim < 1 or C % head_dim):
         raise ValueError(f"conv_silu_norm: head_dim {head_dim} does not divide C = {C}")
     check_eps(eps, "conv_silu_norm")

@@ -2636,8 +2636,7 @@ def kda_gate(x, A_log, dt_bias, *, lower_bound=-5.0, gate="sigmoid"):
         _gate_kernel[(cdiv(n, BR),)](xc, A_log.contiguous(), dt_bias.contiguous(), g, n, H,
                                             float(lower_bound), K=K, BR=BR, SOFTPLUS=(gate == "softplus"),
                                             KP=next_power_of_2(K))
-    if gate == "softplus":
-        _ref.check_gate_finite(g, A_log, "kda_gate")
+    _ref.check_gate_finite(g, A_log, "kda_gate", gate)
     return g
 
 

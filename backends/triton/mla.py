@@ -59,6 +59,10 @@ def _sdpa(q, k, v, scale, causal):
     dq, dv = q.shape[-1], v.shape[-1]
     d = max(dq, dv)                  # one head dim for the fused kernels: zero columns change no dot product
     qp, kp, vp = (F.pad(t.to(dt), (0, d - t.shape[-1])) if t.shape[-1] < d else t.to(dt) for t in (q, k, v))
+    if causal and scale <= 0:
+        # torch's causal kernels mask with -inf before scaling (CPU, torch 2.13): a scale <= 0 turns the masked
+        # logits into +inf / NaN.  The scale goes into q instead (one more rounding of q, only for this case)
+        qp, scale = qp * scale, 1.0
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                        is_causal=causal, scale=scale)
     # (contiguous [B, T, H, Dv], not a strided view of the kernel's [B, H, T, D] output)

@@ -425,9 +425,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     if bias.shape[0] != e:
         raise ValueError(f"{where}: bias has {bias.shape[0]} entries but scores has E = {e}")
     top_k = _ref._check_top_k(top_k, e, where)
-    ema = float(ema)
-    if not 0.0 <= ema < 1.0:
-        raise ValueError(f"{where}: ema must be in [0, 1), got {ema}")
+    ema = _ref.check_ema(ema, where)
     s = scores.detach().float().contiguous()
     b = bias.detach().float().contiguous()
     if not bool(torch.isfinite(b).all()):         # [E]: one small check (the reference refuses it too)
@@ -465,9 +463,7 @@ def expert_load(topk_idx, num_experts):
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.is_floating_point():
         raise TypeError("expert_load: topk_idx must be an integer tensor")
     check_kernel_device("triton.expert_load", topk_idx=topk_idx)
-    e = int(num_experts)
-    if e <= 0:
-        raise ValueError(f"expert_load: num_experts must be positive, got {num_experts}")
+    e = _ref.check_num_experts(num_experts, "expert_load")
     flat = topk_idx.reshape(-1).contiguous()
     load = torch.zeros(e, dtype=torch.int64, device=flat.device)
     bad = torch.zeros(1, dtype=torch.int32, device=flat.device)
