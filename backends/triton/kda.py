@@ -2523,6 +2523,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [N_seq, H, K, V] float32 or None).
 
+    Accuracy: float32 inputs agree with the reference to ~1e-6 relative for gates in [-5, 0].  The in-chunk
+    cumulative gate G is float32, so channels whose decay alternates between strong and near-zero lose more
+    (CPU, T = 130, g either lo or -1e-4 per token: relative error of o 5e-6 at lo = -5, 1.4e-5 at -20, 1.1e-4 at
+    -80, reachable with the softplus gate; the reference forms G in float64 there).  16-bit inputs: ~4e-3.
+
     Streams: without autograd, one sequence of at least PIPE_CFG["min_chunks"] chunks (64K tokens) runs as a
     pipeline over the caller's stream and two side streams of this module (the serial state chain beside
     the parallel work; same result bit for bit, see the module docstring).  The caller's stream waits for
