@@ -108,8 +108,10 @@ def check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight,
     return shape, dtype, d
 
 
-def check_phase1_args(queries, bank, rms_weights, eps, where: str = "attn_residual_phase1"):
-    """Validates the arguments of ``attn_residual_phase1``; returns (bank shape, bank dtype, Q, d)."""
+def check_phase1_args(queries, bank, rms_weights, eps, where: str = "attn_residual_phase1",
+                      acc_dtype: torch.dtype = torch.float32):
+    """Validates the arguments of ``attn_residual_phase1`` (acc_dtype: float32, float16 or bfloat16, else
+    TypeError); returns (bank shape, bank dtype, Q, d)."""
     shape, dtype = _check_sources("bank", bank, where)
     d = shape[-1]
     for name, t in (("queries", queries), ("rms_weights", rms_weights)):
@@ -125,6 +127,8 @@ def check_phase1_args(queries, bank, rms_weights, eps, where: str = "attn_residu
                          f"{list(rms_weights.shape)} must have the same shape [Q, d]")
     check_eps(eps, where)
     check_finite_cpu(where, queries=queries, rms_weights=rms_weights, **{f"bank[{i}]": s for i, s in enumerate(bank)})
+    if acc_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{where}: acc_dtype {acc_dtype} is not float32/float16/bfloat16")
     return shape, dtype, queries.shape[0], d
 
 
@@ -235,9 +239,7 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
         ValueError / TypeError as ``attn_residual`` (empty bank, shape/dtype mismatch, bad eps, NaN/inf in a CPU
         input); TypeError for an acc_dtype other than float32 / float16 / bfloat16.
     """
-    shape, dtype, Q, d = check_phase1_args(queries, bank, rms_weights, eps)
-    if acc_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"attn_residual_phase1: acc_dtype {acc_dtype} is not float32/float16/bfloat16")
+    shape, dtype, Q, d = check_phase1_args(queries, bank, rms_weights, eps, acc_dtype=acc_dtype)
     x = torch.stack([b.float() for b in bank], dim=0)                      # [L, ..., d]
     xr = x * _rms(x, eps)                                                   # [L, ..., d]
     qw = queries.float() * rms_weights.float()                              # [Q, d]

@@ -865,10 +865,8 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
         ValueError / TypeError: as the reference (empty bank, mismatched shapes or dtypes, bad eps),
             unsupported dtypes, CPU tensors without the interpreter.
     """
-    shape, dtype, Q, d = _ref.check_phase1_args(queries, bank, rms_weights, eps)
+    shape, dtype, Q, d = _ref.check_phase1_args(queries, bank, rms_weights, eps, acc_dtype=acc_dtype)
     _check_device(bank[0], "attn_residual_phase1")
-    if acc_dtype not in _SUPPORTED:
-        raise TypeError(f"attn_residual_phase1: acc_dtype {acc_dtype} is not float32/float16/bfloat16")
     xs = [_flat(b, d) for b in bank]
     acc, m, s = _Phase1Fn.apply(queries.contiguous(), rms_weights.contiguous(), float(eps), acc_dtype, *xs)
     tok = shape[:-1]

@@ -83,11 +83,12 @@ def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, 
     Bn, T, C = x.shape
     if w.shape[0] != C:
         raise ValueError(f"conv_silu_norm: weight has {w.shape[0]} channels, x has {C}")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral)):
-        raise TypeError(f"conv_silu_norm: head_dim must be an int or None, got {type(head_dim).__name__} "
-                        f"{head_dim!r}")
-    if head_dim is not None and (head_dim < 1 or C % head_dim):
-        raise ValueError(f"conv_silu_norm: head_dim {head_dim} does not divide C = {C}")
+    if head_dim is not None:
+        if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral):
+            raise TypeError(f"conv_silu_norm: head_dim must be an int or None, got {type(head_dim).__name__} "
+                            f"{head_dim!r}")
+        if head_dim < 1 or C % head_dim:
+            raise ValueError(f"conv_silu_norm: head_dim {head_dim} does not divide C = {C}")
     check_eps(eps, "conv_silu_norm")
     check_finite_cpu("conv_silu_norm", x=x, weight=weight)
     x = x.contiguous()
