@@ -72,13 +72,34 @@ def test_forward_matches_reference(T, impl):
         assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
 
 
-@pytest.mark.parametrize("piece_chunks,max_pieces,pieces,fuse_o", [(5, 32, 3, True), (1, 16, 16, True),
-                                                                   (5, 32, 3, False)])
-def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, fuse_o, monkeypatch):
+def test_head_major_grids_same_result(monkeypatch):
+    # INTRA5_CFG["head_major"] only reorders the programs of the intra kernels (forward and the v2 backward's
+    # per-chunk kernels): forward, final state and every gradient must be bit for bit those of the chunk-major
+    # grids, with 3 heads, T = 1000 (16 chunks, the last partial) and an initial state
+    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16))
+    B, T, H, K, V = 1, 1000, 3, 16, 32
+    q, k, v, g, beta, S0 = make(B, T, H, K, V)
+    do = torch.randn(B, T, H, V)
+    res = []
+    for hm in (False, True):
+        monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, head_major=hm))
+        ins = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
+        o, S = tk.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, lower_bound=-5.0)
+        ((o * do).sum() + S.square().sum()).backward()
+        res.append([o.detach(), S.detach()] + [x.grad for x in ins])
+    assert all(torch.equal(a, b) for a, b in zip(*res))
+    o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    assert rel_rms(res[1][0], o_r) < 2e-5 and rel_rms(res[1][1], S_r) < 2e-5
+
+
+@pytest.mark.parametrize("piece_chunks,max_pieces,pieces,fuse_o,merge_wq", [
+    (5, 32, 3, True, False), (1, 16, 16, True, False), (5, 32, 3, False, False), (5, 32, 3, True, True)])
+def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, fuse_o, merge_wq, monkeypatch):
     # the no-autograd forward of one long sequence as a pipeline over chunk ranges (_fwd_pipelined; on the GPU
     # two or three streams, here the same launches in order): the same kernels over slices of the chunk tables,
     # so the result must equal the one-stream forward exactly, with the output formed in the state pass
-    # (fuse_o) or by the output kernel; T = 1000 is 16 chunks, the last one partial
+    # (fuse_o; merge_wq: Wk S and QG S as one product) or by the output kernel; T = 1000 is 16 chunks, the last
+    # one partial
     monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16))
     B, T, H, K, V = 1, 1000, 2, 16, 32
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
@@ -89,9 +110,13 @@ def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, fuse_o, monk
         want = {}
         for on in (False, True):
             monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, on=on, min_chunks=2, piece_chunks=piece_chunks,
-                                                     max_pieces=max_pieces, fuse_o=fuse_o))
+                                                     max_pieces=max_pieces, fuse_o=fuse_o, merge_wq=merge_wq))
             want[on] = tk.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, lower_bound=lb)
-        assert torch.equal(want[True][0], want[False][0]) and torch.equal(want[True][1], want[False][1])
+        if merge_wq:
+            # (the merged [128, K] product may round its rows differently from two [64, K] ones)
+            assert rel_rms(want[True][0], want[False][0]) < 1e-6 and torch.equal(want[True][1], want[False][1])
+        else:
+            assert torch.equal(want[True][0], want[False][0]) and torch.equal(want[True][1], want[False][1])
         o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         assert rel_rms(want[True][0], o_r) < 2e-5 and rel_rms(want[True][1], S_r) < 2e-5
     assert calls == [pieces, pieces]
@@ -711,11 +736,14 @@ def test_gpu_rows32_overflow_bf16():
 
 
 @pytest.mark.gpu
-def test_gpu_pipelined_forward_bf16(monkeypatch):
+@pytest.mark.parametrize("pipe", [{"merge_wq": False}, {"merge_wq": True}])
+def test_gpu_pipelined_forward_bf16(pipe, monkeypatch):
     # T = 140001 is 2188 chunks: past PIPE_CFG's min_chunks, so the no-autograd forward runs as the pipeline over
     # its pieces (the output formed in the state pass by default): bit for bit the one-stream forward with the
-    # same state columns, right against the reference, and the same again when captured in a CUDA graph (the side
-    # streams fork from and join the capturing stream)
+    # same state columns (with merge_wq, Wk S and QG S as one product: the output within rounding), right against
+    # the reference, and the same again when captured in a CUDA graph (the side streams fork from and join the
+    # capturing stream)
+    monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, **pipe))
     B, T, H, K, V = 1, 140001, 4, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     plan = tk._pipeline_pieces(tk._tables(B, T, None, 1 << 30, q.device), True, q.device, H, V, 16)
@@ -725,10 +753,15 @@ def test_gpu_pipelined_forward_bf16(monkeypatch):
     with torch.no_grad():
         o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
         monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=plan[1]))
-        monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, on=False))
+        pipe_cfg = tk.PIPE_CFG
+        monkeypatch.setattr(tk, "PIPE_CFG", dict(pipe_cfg, on=False))
         o1, S1 = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
         monkeypatch.undo()
-        assert torch.equal(o, o1) and torch.equal(S, S1)
+        monkeypatch.setattr(tk, "PIPE_CFG", pipe_cfg)
+        if pipe.get("merge_wq"):
+            assert rel_rms(o, o1) < 1e-3 and torch.equal(S, S1)
+        else:
+            assert torch.equal(o, o1) and torch.equal(S, S1)
         o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
         eo, es = rel_rms(o, o_r), rel_rms(S, S_r)
         print(f"\nGPU bf16 T={T} H={H} pipelined: rel RMS o {eo:.2e}, final state {es:.2e}")

@@ -452,14 +452,14 @@ def _fwd_intra2_kernel(q, k, v, g, beta, cstart, clen, TB, QG, KD, AQK, GAM, sca
 
 @triton.jit
 def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr,
-                   CUMSUM: tl.constexpr = False, KGB_IN: tl.constexpr = False):
+                   CUMSUM: tl.constexpr = False, KGB_IN: tl.constexpr = False, HM: tl.constexpr = False):
     """One (chunk, head): Wk = T (beta k e^G), U = T (beta v) with T [64, 64] from _fwd_intra2_kernel
     (lower block-triangular; the blocks above the diagonal are never written and are masked here; float32
     or the input dtype: it is rounded to the input dtype for the dots either way).
     CUMSUM: ``g`` already holds the in-chunk cumulative gate G (_chunk_cumsum_kernel's output).
     KGB_IN: ``k`` already holds beta k e^G (_fwd_strip5_kernel's KGB; ``g`` is not read)."""
-    c_ = tl.program_id(0)
-    h = tl.program_id(1)
+    c_ = tl.program_id(1 if HM else 0)
+    h = tl.program_id(0 if HM else 1)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     rows = tl.arange(0, 64)
@@ -810,17 +810,22 @@ def _fwd_strip4_kernel(q, k, g, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale,
 
 @triton.jit
 def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST: tl.constexpr,
-                         ROWS32: tl.constexpr = False, NS: tl.constexpr = 1):
+                         ROWS32: tl.constexpr = False, NS: tl.constexpr = 1, HM: tl.constexpr = False):
     """One (chunk, head): GCS = the in-chunk cumulative gate G (float32 [N, H, K]; rows past the chunk's end
     not written) and FB[c, h, r] = 1 when every g of 16-row block r (all K channels) is >= lb (the dense
     diagonal tile is in range), else 0 (always 0 without FAST); ROWS32: plus 2 in both blocks of a 32-row pair
     when both have bit 0 and G falls by at most _SPAN32 (161) across the pair in every channel
     (_fwd_strip32_kernel's dense pair: exponents within +-80.5 about the pair's middle).
     NS: grid (NC, H, NS), each program one slice of K / NS channels; FB [NC, H, NS * 4] then holds each slice's
-    flags at s * 4 + r (_fb ANDs them)."""
-    c_ = tl.program_id(0)
-    h = tl.program_id(1)
-    sl = tl.program_id(2)
+    flags at s * 4 + r (_fb ANDs them).  HM (head-major): grid (H * NS, NC) instead."""
+    if HM:
+        c_ = tl.program_id(1)
+        h = tl.program_id(0) // NS
+        sl = tl.program_id(0) % NS
+    else:
+        c_ = tl.program_id(0)
+        h = tl.program_id(1)
+        sl = tl.program_id(2)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     rows = tl.arange(0, 64)
@@ -943,16 +948,21 @@ def _fwd_strip5_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, 
 def _fwd_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
                         K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BM=None, SAVE_B: tl.constexpr = False,
                         KGB=None, WRITE_KGB: tl.constexpr = False, LIM_ROWS: tl.constexpr = False,
-                        FTZ: tl.constexpr = False, NS: tl.constexpr = 1):
-    """_fwd_strip5_kernel's outputs with one program per (chunk, head, 32-row pair RR): grid (2 NC, H), the two
+                        FTZ: tl.constexpr = False, NS: tl.constexpr = 1, HM: tl.constexpr = False):
+    """_fwd_strip5_kernel's outputs with one program per (chunk, head, 32-row pair RR): grid (2 NC, H) (HM,
+    head-major: (2 H, NC)), the two
     pairs of a chunk as consecutive programs.  When FB bit 1 says both blocks keep the bound and G falls by at
     most _SPAN32 across the pair, it is one dense 32-row strip (_strip_block with ROWS = 32: the [64, BK] column
     operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead of four times); otherwise, and
     when that strip overflows (|q| or |k| entries beyond ~3e3), its two 16-row blocks run as in
     _fwd_strip5_kernel, one after the other, each dense or safe by its own FB bit 0."""
-    c_ = tl.program_id(0) // 2
+    if HM:
+        c_ = tl.program_id(1)
+        h = tl.program_id(0) // 2
+    else:
+        c_ = tl.program_id(0) // 2
+        h = tl.program_id(1)
     RR = tl.program_id(0) % 2
-    h = tl.program_id(1)
     f0 = _fb(FB, c_, h, H, 2 * RR, NS)
     ok = tl.zeros([], dtype=tl.int32)
     if (f0 & 2) != 0:
@@ -1084,14 +1094,14 @@ def _tile16(ptr, t0, L, h, H, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _fwd_solve4_kernel(NB, cstart, clen, TB, H, PREC: tl.constexpr = "ieee"):
+def _fwd_solve4_kernel(NB, cstart, clen, TB, H, PREC: tl.constexpr = "ieee", HM: tl.constexpr = False):
     """One (chunk, head): TB = T = (I + N)^-1 (float32, the 10 lower 16x16 tiles) from N = NB (float32 or
     bfloat16, computed in float32), by inverting
     the diagonal tiles (_inv16) and blocked forward substitution T_rj = -T_rr sum_{j<=m<r} N_rm T_mj.
     PREC: the 16x16 products' tl.dot input precision ("ieee": float32 FMAs; "tf32x3": three TF32 tensor-core
     products, about float32 accuracy; "tf32": one, inputs rounded to 10 mantissa bits)."""
-    c_ = tl.program_id(0)
-    h = tl.program_id(1)
+    c_ = tl.program_id(1 if HM else 0)
+    h = tl.program_id(0 if HM else 1)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     T00 = _inv16p(_tile16(NB, t0, L, h, H, 0, 0), PREC)
@@ -1133,7 +1143,7 @@ def _seg_range(seg_t0, seg_t1, seg_c0, seg_c1, s):
 def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, seg_c1, H,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SW: tl.constexpr,
                   MODE: tl.constexpr, STORE: tl.constexpr, STORE_VN: tl.constexpr, QG=None, AQK=None, O=None,
-                  FUSE_O: tl.constexpr = False):
+                  FUSE_O: tl.constexpr = False, MERGE_WQ: tl.constexpr = False):
     """The serial state chain of one segment, one head and BV state columns; nothing else on it.
 
     Per chunk c (tokens t0 .. t0+63 of the segment, rows past the segment end read as 0):
@@ -1142,6 +1152,9 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         S <- diag(e^(G_C)) S + (k e^(G_C - G))^T W.
     FUSE_O (MODE 0): also the chunk's output columns, O[rows] = QG S + AQK W (the operands rounded as
     _fwd_o_kernel's from HB and VN), so that neither HB nor VN needs to be stored.
+    MERGE_WQ (with FUSE_O): Wk S and QG S as one [128, K] x [K, BV] product, its operand's rows 0-63 from WK and
+    64-127 from QG (the base pointer chosen per row): Triton waits for every wgmma group right after issuing it,
+    so each product is a step of the chain's latency, and the merged one costs one wait where the two cost two.
     MODE 0: S [K, BV] starts from S_IN (width V), columns vb*BV..; MODE 1: the augmented transition
     [M | D] (width SW = K+V): columns < K start as the identity and see no U, columns >= K start at 0 and
     see U.  S_OUT gets the state after the segment.  The token addresses are affine in the loop counter
@@ -1177,6 +1190,10 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         ba = AQK + (ts * H + h) * 64
         bo = O + (ts * H + h) * V
         oa = rows[:, None] * (H * 64) + rows[None, :]
+    if MERGE_WQ:
+        r2 = tl.arange(0, 128)
+        okq = (r2 % 64)[:, None] * (H * K) + dk[None, :]
+        upper = (r2 >= 64)[:, None]
     gam = tl.load(bg + dk, mask=(dk < K) & (nch > 0), other=1.0)
     for j in range(0, nch):
         # the next chunk's decay is fetched a whole step ahead (the tiles are pipelined by the compiler)
@@ -1184,18 +1201,30 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         rm = (ts + j * 64 + rows) < te
         if STORE:
             tl.store(bh + oh, S.to(HB.dtype.element_ty))
-        wk = tl.load(bk + ok, mask=rm[:, None], other=0.0)
+        if MERGE_WQ:
+            rmq = (ts + j * 64 + r2 % 64) < te
+            wk = tl.load(tl.where(upper, bq, bk) + okq, mask=rmq[:, None], other=0.0)    # [Wk; QG] [128, K]
+        else:
+            wk = tl.load(bk + ok, mask=rm[:, None], other=0.0)
         uu = tl.load(bu + ou, mask=rm[:, None] & umask[None, :], other=0.0).to(tl.float32)
         Sb = S.to(wk.dtype)
-        W = uu - tl.dot(wk, Sb)
+        if MERGE_WQ:
+            xs = tl.dot(wk, Sb)                                    # [Wk; QG] S, [128, BV]
+            ws, qs = tl.split(tl.permute(tl.reshape(xs, [2, 64, BV]), (1, 2, 0)))
+            W = uu - ws
+        else:
+            W = uu - tl.dot(wk, Sb)
         if STORE_VN:
             tl.store(bn + ou, W.to(VN.dtype.element_ty), mask=rm[:, None])
         kd = tl.load(bd + ok, mask=rm[:, None], other=0.0)
         Wb = W.to(kd.dtype)
         if FUSE_O:
-            qg = tl.load(bq + ok, mask=rm[:, None], other=0.0)
             A = tl.load(ba + oa, mask=rm[:, None], other=0.0)
-            oo = tl.dot(qg, Sb.to(qg.dtype)) + tl.dot(A, Wb.to(A.dtype))
+            if MERGE_WQ:
+                oo = qs + tl.dot(A, Wb.to(A.dtype))
+            else:
+                qg = tl.load(bq + ok, mask=rm[:, None], other=0.0)
+                oo = tl.dot(qg, Sb.to(qg.dtype)) + tl.dot(A, Wb.to(A.dtype))
             tl.store(bo + ou, oo.to(O.dtype.element_ty), mask=rm[:, None])
             bq += 64 * H * K
             ba += 64 * H * 64
@@ -1212,10 +1241,12 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
 
 
 @triton.jit
-def _fwd_o_kernel(QG, AQK, VN, HB, O, cstart, clen, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """All chunks at once: O = (scale q e^G) HB[c] + (scale P) VN for one (chunk, head, BV columns)."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
+def _fwd_o_kernel(QG, AQK, VN, HB, O, cstart, clen, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                  HM: tl.constexpr = False):
+    """All chunks at once: O = (scale q e^G) HB[c] + (scale P) VN for one (chunk, head, BV columns); grid
+    (NC, H, V / BV), or head-major (HM) (H, NC, V / BV)."""
+    c = tl.program_id(1 if HM else 0)
+    h = tl.program_id(0 if HM else 1)
     vb = tl.program_id(2)
     t0 = tl.load(cstart + c).to(tl.int64)
     L = tl.load(clen + c)
@@ -1375,14 +1406,14 @@ def _bwd_dh_kernel(QG, WK, KD, AQK, GAM, DO, HB, DS_END, DHB, DU, DGP, DS_OUT, s
 
 @triton.jit
 def _bwd_chunk_kernel(WK, U, QG, AQK, DO, HB, DHB, DU, DWK, DQG, DKD, DAQK, cstart, clen, H,
-                      K: tl.constexpr, V: tl.constexpr, BVC: tl.constexpr):
+                      K: tl.constexpr, V: tl.constexpr, BVC: tl.constexpr, HM: tl.constexpr = False):
     """The per-chunk gradients that sum over V (BWD_IMPL "v2"), every (chunk, head) at once, from the
     chunk-entry state S0 = HB[c] and the chunk-exit state gradient X = DHB[c] of _bwd_dh_kernel:
         W = U - Wk S0;  dA = tril(dO W^T);  dQG = dO S0^T;  dKD = W X^T;  dWk = -dW S0^T,
     each a sum over V, taken in column blocks of BVC (= V up to K*V = 128*128; the [K, V] operands of larger
     heads would not fit the shared memory at once)."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
+    c = tl.program_id(1 if HM else 0)
+    h = tl.program_id(0 if HM else 1)
     t0 = tl.load(cstart + c).to(tl.int64)
     L = tl.load(clen + c)
     rows = tl.arange(0, 64)
@@ -1418,7 +1449,7 @@ def _bwd_chunk_kernel(WK, U, QG, AQK, DO, HB, DHB, DU, DWK, DQG, DKD, DAQK, csta
 
 @triton.jit
 def _bwd_ut_kernel(k, v, g, beta, cstart, clen, TB, BM, DU, DWK, DB, DKG, dv_, dbeta, H,
-                   K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr):
+                   K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr, HM: tl.constexpr = False):
     """Backward of the UT transform for one (chunk, head) (BWD_IMPL "v2", first of two intra kernels).
 
     From T = (I + diag(b) Bm)^-1 (TB) and Bm (BM, the strictly lower k-k decay products before beta), both
@@ -1428,8 +1459,8 @@ def _bwd_ut_kernel(k, v, g, beta, cstart, clen, TB, BM, DU, DWK, DB, DKG, dv_, d
         dbeta = sum_v v T^T dU + sum_d k e^G T^T dWk + sum_j dAkk Bm;  DB = diag(b) dAkk (float32);
         DKG = diag(b) T^T dWk (float32 [64, K]: the gradient of Kg = k e^G through Wk).
     The channel-wise rest (the pair-product backward, dq, dk, dg) is _bwd_pair_kernel's."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
+    c = tl.program_id(1 if HM else 0)
+    h = tl.program_id(0 if HM else 1)
     t0 = tl.load(cstart + c).to(tl.int64)
     L = tl.load(clen + c)
     rows = tl.arange(0, 64)
@@ -1467,7 +1498,8 @@ def _bwd_ut_kernel(k, v, g, beta, cstart, clen, TB, BM, DU, DWK, DB, DKG, dv_, d
 
 @triton.jit
 def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, lb, H,
-                     K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr, SAFE: tl.constexpr):
+                     K: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr, SAFE: tl.constexpr,
+                     HM: tl.constexpr = False):
     """The channel-wise part of the intra-chunk backward for one (chunk, head, BK channels) (BWD_IMPL "v2").
 
     The decay products M_ij = sum_d a_id b_jd e^(G_id - G_jd) (P: a = q, b = k; Bm: a = b = k) are sums over
@@ -1482,9 +1514,14 @@ def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM,
     SAFE = True: only the others (diagonal tiles pair by pair). Two launches, each compiled without the
     other's code. Addresses: 64-bit scalar bases of (chunk start, head) and 32-bit offsets inside the chunk
     (a [64, 64] tile of int64 offsets alone would take 64 registers per thread at 4 warps)."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    ks = tl.program_id(2) * BK
+    if HM:
+        c = tl.program_id(1)
+        h = tl.program_id(0) // (K // BK)
+        ks = (tl.program_id(0) % (K // BK)) * BK
+    else:
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        ks = tl.program_id(2) * BK
     t0 = tl.load(cstart + c).to(tl.int64)
     L = tl.load(clen + c)
     rows = tl.arange(0, 64)
@@ -1941,9 +1978,15 @@ INTRA4_CFG = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=Fals
 # the state pass (45.1).  Also dropped: G in 16-bit fixed point (-G in steps of 64 |lb| / 65535, o error 4.41e-3):
 # 40.76 at 1M, and 37.34 against 36.11 with the strip reading only the 16-bit G, so halving G's bytes does not pay
 # for the conversions in this instruction-bound kernel (benchmarks/results/kda.md, 23rd session).
+# head_major: the v5 intra kernels (cumsum, strips, solve, w/u), the unfused output kernel and the v2 backward's
+# per-chunk kernels (chunk grads, ut, pair) on head-major grids ((H, NC), chunk index on the second axis, at most
+# 65535): the programs that run together are the heads of a few chunks, and read neighbouring 256-512 B parts of
+# each token's [H, K] rows, where a chunk-major grid has them read one head's part of ~1000 tokens' rows.  H200,
+# 24th session, forward ms (`--only mtc`, with PIPE_CFG merge_wq): H = 16 64K 2.36 -> 2.27, 1M 34.18 -> 32.41,
+# H = 96 64K 15.76 -> 14.37.  The results are bit for bit the same.
 INTRA5_CFG = dict(BK=64, nw_strip=8, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=4,
                   r_fast=True, solve_prec="tf32x3", kgb=True, lim_rows=True, tb_lowp=True, ftz=True, rows32=True,
-                  nw_strip32=4, maxnreg_solve=None, cumsum_slices=2,
+                  nw_strip32=4, maxnreg_solve=None, cumsum_slices=2, head_major=True,
                   solve_prec_fwd="tf32", nb_lowp=True, bk_strip32=32, maxnreg_strip32=128)
 
 
@@ -2004,8 +2047,10 @@ def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt,
     mark = _mark if marks else (lambda name: None)
     rows32 = bool(cfg.get("rows32")) and fast and idt != torch.float16
     ns = FB.shape[-1] // 4
-    _chunk_cumsum_kernel[(NC, H, ns)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast, ROWS32=rows32, NS=ns,
-                                      num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
+    hm = _head_major(NC)
+    _chunk_cumsum_kernel[(H * ns, NC) if hm else (NC, H, ns)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast,
+                                                              ROWS32=rows32, NS=ns, HM=hm,
+                                                              num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
     mark("intra: cumsum")
     r_fast = bool(cfg.get("r_fast"))
     save_b = BM is not None
@@ -2013,8 +2058,8 @@ def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt,
                   WRITE_KGB=KGB is not None, LIM_ROWS=bool(cfg.get("lim_rows")),
                   FTZ=bool(cfg.get("ftz")) and not _interpret())
     if rows32:
-        _fwd_strip32_kernel[(2 * NC, H)](
-            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
+        _fwd_strip32_kernel[(2 * H, NC) if hm else (2 * NC, H)](
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K, HM=hm,
             BK=min(K, cfg.get("bk_strip32") or cfg["BK"]), DT=_TL[idt], **common,
             num_warps=cfg.get("nw_strip32", cfg["nw_strip"]), num_stages=cfg["ns_strip"],
             **_maxnreg(cfg.get("maxnreg_strip32") or cfg.get("maxnreg")))
@@ -2024,16 +2069,26 @@ def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt,
             BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, **common,
             num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
     mark("intra: strip")
-    _fwd_solve4_kernel[(NC, H)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg, BM is None),
-                                num_warps=cfg["nw_solve"], num_stages=1, **_maxnreg(cfg.get("maxnreg_solve")))
+    _fwd_solve4_kernel[(H, NC) if hm else (NC, H)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg, BM is None),
+                                                   HM=hm, num_warps=cfg["nw_solve"], num_stages=1,
+                                                   **_maxnreg(cfg.get("maxnreg_solve")))
     mark("intra: solve")
+
+
+def _head_major(NC):
+    """Whether the v5 intra kernels run head-major grids (INTRA5_CFG["head_major"]: the programs of one chunk's
+    heads next to each other, so that concurrent programs read neighbouring parts of each token's rows); the
+    chunk index is then the grid's second axis, at most 65535."""
+    return bool(INTRA5_CFG.get("head_major")) and NC <= 65535
 
 
 def _wu5_launch(k2, v2, b2, cstart, clen, NC, H, K, V, idt, GCS, TB, WK, U, kgb):
     """The v5 w/u kernel over the NC chunks of cstart / clen; with kgb, WK holds diag(beta) k e^G on entry
     (each program reads its chunk's rows before writing them)."""
-    _fwd_wu_kernel[(NC, H)](WK if kgb else k2, v2, GCS, b2, cstart, clen, TB, WK, U, H, K=K, V=V, DT=_TL[idt],
-                            CUMSUM=True, KGB_IN=kgb, num_warps=INTRA5_CFG["nw_wu"], num_stages=1)
+    hm = _head_major(NC)
+    _fwd_wu_kernel[(H, NC) if hm else (NC, H)](WK if kgb else k2, v2, GCS, b2, cstart, clen, TB, WK, U, H, K=K, V=V,
+                                               DT=_TL[idt], CUMSUM=True, KGB_IN=kgb, HM=hm,
+                                               num_warps=INTRA5_CFG["nw_wu"], num_stages=1)
 
 
 #: the forward without autograd of one long sequence as a pipeline over pieces of the sequence (_fwd_pipelined):
@@ -2064,8 +2119,17 @@ def _wu5_launch(k2, v2, b2, cstart, clen, NC, H, K, V, idt, GCS, TB, WK, U, kgb)
 #: Tried with it and dropped: 2 stages in the pass 46.37 at 1M; 64 columns at 8 warps (32 programs) 44.76, with 2
 #: stages 59.17; 16 / 24 / 64 pieces 43.32 / 43.19 / 43.56 against 43.04; the output kernel (not fused) on the
 #: state stream or on the caller's stream one piece late instead of a third stream: within 0.6 ms of it.
+#: merge_wq: the fused pass forms Wk S and QG S as one [128, K] x [K, BV] product (_fwd_h_kernel MERGE_WQ), one wgmma
+#: wait fewer on the chain per chunk (3 instead of 4); ptxas sm_90a: 234 registers without a cap, 96 B of stack
+#: under the cap of 192.  H200, 24th session, forward ms at H = 16 (64K / 1M, `--only mtc`): default 2.44 /
+#: 35.33, merged with the cap 2.72 / 40.11, merged without the cap (kept: maxnreg None) 2.36 / 34.37; the chain
+#: took 0.9 ms a piece after it (timeline), the intra work ~1.05: the intra kernels are the critical path again.
+#: Dropped in the same session (1M ms): the pieces' intra kernels alternating over two streams, each with its own
+#: scratch, 36.08 against 35.33 (39.98 with merge_wq against 34.37); the cumsum kernel over 2-8 chunks per
+#: program with its loads pipelined over 2-3 stages, 34.60-36.93 against 34.01; the pass at 64 columns and 8
+#: warps (32 programs), 41.06 against 34.18 (39.23 against 32.41 with head-major intra grids).
 PIPE_CFG = dict(on=True, min_chunks=1024, piece_chunks=256, max_pieces=32, state_priority=True, bv=32, fuse_o=True,
-                maxnreg=192)
+                maxnreg=None, merge_wq=True)
 _SIDE_STREAMS: dict = {}
 
 
@@ -2151,6 +2215,7 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
         np.arange(0, rows, CHUNK, dtype=np.int32), torch.int32, dev), dev)
     BVO = min(V, 128)
     nst = _pass_stages(V // BV * H, dev)
+    merge_wq = fuse_o and bool(PIPE_CFG.get("merge_wq"))
     for p, (a, b) in enumerate(pieces):
         n, t = b - a, s0 + a * CHUNK
         _intra5_launch(q2[t:], k2[t:], g2[t:], b2[t:], rel[:n], cln[a:b], n, H, K, scale, lb, fast, idt, QG[t:],
@@ -2160,7 +2225,7 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
             _fwd_h_kernel[(V // BV, H, 1)](WK, U, KD, GAM, VN, HB, S[p], S[p + 1], pt[0, p:], pt[1, p:], pt[2, p:],
                                            pt[3, p:], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=not fuse_o,
                                            STORE_VN=not fuse_o, QG=QG, AQK=AQK, O=o, FUSE_O=fuse_o,
-                                           num_warps=H_CFG["num_warps"], num_stages=nst,
+                                           MERGE_WQ=merge_wq, num_warps=H_CFG["num_warps"], num_stages=nst,
                                            **_maxnreg(PIPE_CFG.get("maxnreg")))
         if not fuse_o:
             with on(s_o, s_state):
@@ -2258,7 +2323,9 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False, pipeline=
     _mark("state pass")
     if NC:
         BVO = min(V, 128)
-        _fwd_o_kernel[(NC, H, V // BVO)](QG, AQK, VN, HB, o, tab["cstart"], tab["clen"], H, K=K, V=V, BV=BVO,
+        hm = _head_major(NC)
+        _fwd_o_kernel[(H, NC, V // BVO) if hm else (NC, H, V // BVO)](QG, AQK, VN, HB, o, tab["cstart"], tab["clen"],
+                                                                      H, K=K, V=V, BV=BVO, HM=hm,
                                          num_warps=4, num_stages=1)
     _mark("o")
     del VN, HB
@@ -2411,9 +2478,10 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=No
         torch.sum(DGP, dim=2, out=DGAM)
         del DGP
         if NC:
-            _bwd_chunk_kernel[(NC, H)](WK, U, QG, AQK, do2, HB, DHB, DU, DWK, DQG, DKD, DAQK, tab["cstart"],
-                                       tab["clen"], H, K=K, V=V, BVC=min(V, max(16, BWD_CHUNK_KV // K)), num_warps=8,
-                                       num_stages=1)
+            hm = _head_major(NC)
+            _bwd_chunk_kernel[(H, NC) if hm else (NC, H)](
+                WK, U, QG, AQK, do2, HB, DHB, DU, DWK, DQG, DKD, DAQK, tab["cstart"], tab["clen"], H, K=K, V=V,
+                BVC=min(V, max(16, BWD_CHUNK_KV // K)), HM=hm, num_warps=8, num_stages=1)
         del DHB, HB
         _mark("bwd: chunk grads")
     else:
@@ -2441,16 +2509,18 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=No
             TB, BM = kept
         DB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         DKG = torch.empty(N, H, K, dtype=torch.float32, device=dev)
-        _bwd_ut_kernel[(NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, BM, DU, DWK, DB, DKG, dv, db, H, K=K,
-                                V=V, DT=_TL[idt], num_warps=BWD_INTRA_CFG["nw_ut"], num_stages=1)
+        hm = _head_major(NC)
+        _bwd_ut_kernel[(H, NC) if hm else (NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, BM, DU, DWK, DB, DKG,
+                                                   dv, db, H, K=K, V=V, DT=_TL[idt], HM=hm,
+                                                   num_warps=BWD_INTRA_CFG["nw_ut"], num_stages=1)
         del TB, BM, kept, DU, DWK      # (TB and BM live on in the autograd context when the forward kept them)
         _mark("bwd: ut")
         BK = min(K, BWD_INTRA_CFG["BK"])
         for safe in ((False, True) if fast else (True,)):
-            _bwd_pair_kernel[(NC, H, K // BK)](q2, k2, g2, b2, tab["cstart"], tab["clen"], DKG, DB, DAQK, DQG,
-                                               DKD, DGAM, dq, dk, dg, scale, lb, H, K=K, BK=BK, FAST=fast,
-                                               DT=_TL[idt], SAFE=safe, num_warps=BWD_INTRA_CFG["nw_pair"],
-                                               num_stages=1)
+            _bwd_pair_kernel[(H * (K // BK), NC) if hm else (NC, H, K // BK)](
+                q2, k2, g2, b2, tab["cstart"], tab["clen"], DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk, dg, scale, lb, H,
+                K=K, BK=BK, FAST=fast, DT=_TL[idt], SAFE=safe, HM=hm, num_warps=BWD_INTRA_CFG["nw_pair"],
+                num_stages=1)
     _mark("bwd: intra")
     dh0 = DS0.index_select(0, tab["first_seg"]) if h0 is not None else None
     return dq, dk, dv, dg, db, dh0
