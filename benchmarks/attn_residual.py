@@ -159,6 +159,10 @@ SMALL_L_CANDS = [
     {"impl": "v2", "num_warps": 8, "bt": 2, "bl": 1, "ns": 3, "progs_per_sm": 1},
     {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 3, "maxnreg": 168},
     {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
+    # (24th session) the exact-width kernel: the row in power-of-two pieces, no masked lanes
+    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2},
+    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
+    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
 ]
 
 
@@ -168,7 +172,10 @@ ONORM_CANDS = [{}, {"qw_reg": False}, {"num_warps": 8, "progs_per_sm": 1}, {"num
                {"ns": 4, "qw_reg": False}, {"ns": 2}, {"num_warps": 8, "progs_per_sm": 1, "ns": 4},
                {"bt": 2, "num_warps": 8, "progs_per_sm": 1}, {"bl": 1}, {"bl": 2}, {"bl": 1, "ow_reg": False},
                {"ow_reg": False}, {"bl": 1, "ns": 4}, {"bl": 1, "ow_reg": False, "ns": 4},
-               {"bl": 1, "progs_per_sm": 3, "maxnreg": 168}]
+               {"bl": 1, "progs_per_sm": 3, "maxnreg": 168},
+               # (24th session) the exact-width kernel (no masked lanes: two sources per step fit without spills)
+               {"impl": "v3", "bl": 1, "ow_reg": False}, {"impl": "v3", "bl": 2, "ow_reg": False},
+               {"impl": "v3", "bl": 2, "ow_reg": False, "ns": 4}]
 
 
 def _sweep_forward(n, Ls, copy_bw, cands, setting: dict, onorm: bool):
@@ -242,6 +249,8 @@ def sweep(n, Ls, copy_bw, small=False):
         {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 4, "progs_per_sm": 2},
         {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 2},
         {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 6, "progs_per_sm": 2},
+        {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
+        {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 2},
     ]
     if small:
         cands = SMALL_L_CANDS

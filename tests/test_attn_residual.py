@@ -210,6 +210,62 @@ def test_triton_forward_v2_backward(monkeypatch):
         assert _rel(a, b) < 1e-4
 
 
+def test_pow2_parts():
+    # the v3 forward's column pieces: at most three powers of two, none narrower than 512
+    assert T._pow2_parts(7168) == (4096, 2048, 1024)
+    assert T._pow2_parts(4096) == (4096, 0, 0)
+    assert T._pow2_parts(5120) == (4096, 1024, 0)
+    assert T._pow2_parts(3584) == (2048, 1024, 512)
+    for d in (1, 48, 768, 7168 + 512, 4096 + 256):
+        assert T._pow2_parts(d) is None, d
+
+
+@pytest.mark.parametrize("d", [1024, 1536, 3584], ids=["1024", "1024+512", "2048+1024+512"])
+@pytest.mark.parametrize("bl", [1, 2])
+def test_triton_forward_v3(d, bl, monkeypatch):
+    # the exact-width forward (row as one, two or three power-of-two pieces), forced under the interpreter;
+    # _fwd2_kernel removed, so a silent fall-back to v2 fails. L = 5 with bl = 2: a half-empty last block;
+    # N = 37 in tiles of 4 / 2 / 1 rows (_row_tile at d = 1024 / 1536 / 3584) over 8 programs: every program
+    # walks several token tiles (the reset at a tile's first block) and the last tile is partly past N
+    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v3", "bl": bl, "progs_per_sm": 2, "ns": 2})
+    monkeypatch.setattr(T, "_fwd2_kernel", None)
+    n = 37
+    for L in (1, 2, 3, 5):
+        for onorm in (False, True):
+            query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=3 / d ** 0.5)
+            ow = torch.randn(d) if onorm else None
+            out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+            assert out.shape == (n, d) and out.dtype == torch.float32
+            assert _rel(out, _naive(query, sources, w, EPS, ow)) < 1e-5, (L, onorm)
+
+
+def test_triton_forward_v3_falls_back_to_v2(monkeypatch):
+    # d = 40 has no power-of-two pieces of >= 512 columns: "v3" runs _fwd2_kernel
+    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v3", "bl": 2, "progs_per_sm": 1, "ns": 2})
+    monkeypatch.setattr(T, "_fwd3_kernel", None)
+    query, sources, w = _inputs(3, (29, 40), torch.float32)
+    out = T.attn_residual(query, sources, w)
+    assert _rel(out, _naive(query, sources, w)) < _tol(torch.float32)
+
+
+@pytest.mark.parametrize("onorm", [False, True])
+def test_triton_forward_v3_backward(onorm, monkeypatch):
+    # the v3 forward saves the logits and log-sum-exp that the (unchanged) backward reads
+    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v3", "bl": 2, "ns": 2, "progs_per_sm": 2})
+    monkeypatch.setattr(T, "_fwd2_kernel", None)
+    L, n, d = 5, 23, 1536
+    query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=3 / d ** 0.5)
+    ow = torch.randn(d) if onorm else None
+    gy = torch.randn(n, d)
+    got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o),
+                 query, sources, w, ow, gy)
+    want = _grads(lambda q, s, w_, e, o: _naive(q, s, w_, e, o), query.double(), [s.double() for s in sources],
+                  w.double(), ow.double() if ow is not None else None, gy.double())
+    names = ["query", "rms_weight"] + [f"source{i}" for i in range(L)] + (["output_rms_weight"] if onorm else [])
+    for name, a, b in zip(names, got, want):
+        assert _rel(a, b) < 1e-4, name
+
+
 def test_triton_forward_views_and_aliases():
     # sources that are slices of one stacked buffer, a non-contiguous one, and one passed twice
     n, d = 70, 32
@@ -443,6 +499,11 @@ for bt, bl, ns, nw, qr in ((1, 1, 4, 16, True), (1, 2, 3, 16, True), (2, 1, 3, 1
     assert "st.global.v4.b32" in ptx, ("forward v2: no 16-byte stores", bt, bl, ns)
     assert ("cp.async" in ptx) == (ns > 1), ("forward v2: shared-memory staging iff NS > 1", bt, bl, ns)
     assert ns > 1 or "ld.global.v4.b32" in ptx, ("forward v2: no 16-byte loads", bt, bl, ns)
+for parts, bl, on in (((4096, 2048, 1024), 1, True), ((4096, 2048, 1024), 2, True), ((4096, 0, 0), 2, False)):
+    ptx = compile_(T._fwd3_kernel, f2sig, {"D": sum(parts), "BT": 1, "BL": bl, "P1": parts[0], "P2": parts[1],
+                                           "P3": parts[2], "VEC": 8, "HAS_ONORM": on, "SAVE": True, "NS": 3,
+                                           "QW_REG": True, "OW_REG": False}, 4)
+    assert "cp.async" in ptx and "st.global.v4.b32" in ptx, ("forward v3: loads not staged / narrow stores", parts, bl)
 msig = {"base": "*bf16", "offs": "*i64", "wts": "*fp32", "acc": "*fp32", "N": "i32", "NQP": "i32", "L": "i32",
         "Q": "i32"}
 for acc_t in ("*fp32", "*bf16"):
@@ -525,9 +586,13 @@ def test_gpu_forward_bf16(L, onorm):
 @pytest.mark.parametrize("cfg", [{"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1},
                                  {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2,
                                   "maxnreg": 128},
-                                 {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 1, "progs_per_sm": 0}])
+                                 {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 1, "progs_per_sm": 0},
+                                 {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
+                                 {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2,
+                                  "ow_reg": False}])
 def test_gpu_forward_v2_bf16(cfg, monkeypatch):
-    # the v2 schedules at the model's size, L = 3 (not a multiple of bl = 2), forward and the saved logits
+    # the v2 (and v3: 7168 = 4096 + 2048 + 1024) schedules at the model's size, L = 3 (not a multiple of
+    # bl = 2), forward and the saved logits
     monkeypatch.setattr(T, "FWD_CONFIG", cfg)
     n, d, L = 16384 + 17, 7168, 3
     query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
@@ -556,8 +621,9 @@ def test_gpu_forward_v2_float32_fits(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [{}, {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1}],
-                         ids=["default", "v2"])
+@pytest.mark.parametrize("cfg", [{}, {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1},
+                                 {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2}],
+                         ids=["default", "v2", "v3"])
 def test_gpu_forward_past_2_32_elements(cfg, monkeypatch):
     # N = 65536, L = 16, d = 7168: 7.5e9 source elements, every offset past 2^32 must be right
     monkeypatch.setattr(T, "FWD_CONFIG", cfg)

@@ -19,6 +19,10 @@ Kernels (all accumulate in float32, all index with int64, so tensors past 2^31/2
   BL logits of a step reduced together, so the serial part of the online softmax (a row reduction, then
   the rescale) is paid once per BL sources. Little's law: ~4.2 TB/s x ~1 us needs ~32 KB in flight per
   SM; one step of one row and one source is 14 KB at d = 7168 (bf16).
+* ``_fwd3_kernel`` (launch setting ``impl: "v3"``): _fwd2_kernel's schedule with the row held as up to three
+  power-of-two column pieces (7168 = 4096 + 2048 + 1024) instead of one 8192-wide tile with 1024 masked
+  columns: 7/8 of the registers for x, the running sum and q*w, no masked lanes, and one cross-warp
+  reduction per step for x*x and x*qw of all pieces.
 * ``_bwd_kernel``: recomputes the mix from the saved logits and log-sum-exp (one read of the sources),
   then one more read of every source to write every source's gradient; per-program partial sums of
   d(query*rms_weight) and d(output_rms_weight) are reduced on the host side.
@@ -161,6 +165,31 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _flat_step(k, NB, t0, BT: tl.constexpr, r0, BL: tl.constexpr, ll, N, L, offs, VEC: tl.constexpr):
+    # step k of the flat (token tile, source block) loop of _fwd2_kernel / _fwd3_kernel: (source block j, the
+    # tile's rows [BT] int64 and their mask, the block's sources [BL] and their mask, their element offsets)
+    tt = k // NB
+    j = k - tt * NB
+    rows = (t0 + tt) * BT + r0
+    src = j * BL + ll
+    smask = src < L
+    return j, rows, rows < N, src, smask, tl.multiple_of(tl.load(offs + src, mask=smask, other=0), VEC)
+
+
+@triton.jit
+def _online_softmax(lg, smask, j, m, s):
+    # the online softmax over depth for the logits lg [BL, BT] of source block j (absent sources masked): the
+    # running max m and sum s [BT] reset at a tile's first block (j == 0: alpha = 0); returns (new max, new sum,
+    # alpha, the block's weights p [BL, BT]) for acc = acc * alpha + sum(p x)
+    lgm = tl.where(smask[:, None], lg, float("-inf"))
+    m_old = tl.where(j == 0, float("-inf"), m)
+    m_new = tl.maximum(m_old, tl.max(lgm, axis=0))
+    alpha = tl.exp(m_old - m_new)
+    p = tl.exp(lgm - m_new[None, :])
+    return m_new, s * alpha + tl.sum(p, axis=0), alpha, p
+
+
+@triton.jit
 def _fwd2_kernel(
     base, offs,                   # base pointer (sources' dtype) and int64 element offsets [L]
     q_buf, w_buf, ow,             # [D] query, rms_weight (any float dtype; q*w is formed in float32 here),
@@ -196,13 +225,7 @@ def _fwd2_kernel(
     acc = tl.zeros([BT, BD], tl.float32)
     t0 = pid * TPP
     for k in tl.range(0, TPP * NB, num_stages=NS):
-        tt = k // NB
-        j = k - tt * NB
-        rows = (t0 + tt) * BT + r0                                      # [BT] int64
-        rmask = rows < N
-        src = j * BL + ll                                               # [BL]
-        smask = src < L
-        off = tl.multiple_of(tl.load(offs + src, mask=smask, other=0), VEC)
+        j, rows, rmask, src, smask, off = _flat_step(k, NB, t0, BT, r0, BL, ll, N, L, offs, VEC)
         tile = rows[:, None] * D + cols[None, :]                        # [BT, BD] int64
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(base + off[:, None, None] + tile[None, :, :], mask=smask[:, None, None] & mask[None, :, :],
@@ -213,12 +236,7 @@ def _fwd2_kernel(
         ss = tl.sum(x * x, axis=2)                                      # [BL, BT]
         dot = tl.sum(x * qw[None, None, :], axis=2)
         lg = dot * tl.rsqrt(ss / D + eps)
-        lgm = tl.where(smask[:, None], lg, float("-inf"))
-        m_old = tl.where(j == 0, float("-inf"), m)                      # a new tile starts: reset
-        m_new = tl.maximum(m_old, tl.max(lgm, axis=0))
-        alpha = tl.exp(m_old - m_new)                                   # 0 at the first block of a tile
-        p = tl.exp(lgm - m_new[None, :])                                # [BL, BT]
-        s = s * alpha + tl.sum(p, axis=0)
+        m_new, s, alpha, p = _online_softmax(lg, smask, j, m, s)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * x, axis=0)
         m = m_new
         if SAVE:
@@ -236,6 +254,142 @@ def _fwd2_kernel(
                 ro = tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)
                 o = o * ro[:, None] * oww[None, :]
             tl.store(out + tile, o.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fold(t, W: tl.constexpr):
+    # [..., P] -> [..., W]: the sum of the P // W column blocks of width W (P a multiple of W, both powers of
+    # two). When W is a multiple of the row layout's width (VEC * 32 * num_warps columns: 1024 for bf16 at 4
+    # warps) every thread holds the same columns of each block, so these are adds in registers (narrower W:
+    # a layout conversion through shared memory), and pieces of different widths folded to one width then
+    # share one cross-warp reduction.
+    R: tl.constexpr = len(t.shape)
+    return tl.sum(tl.reshape(t, t.shape[:-1] + [t.shape[-1] // W, W]), axis=R - 1)
+
+
+@triton.jit
+def _qw_piece(q_buf, w_buf, cols):
+    # [P] float32 q*w of the columns `cols` (whole pieces: no mask)
+    return tl.load(q_buf + cols).to(tl.float32) * tl.load(w_buf + cols).to(tl.float32)
+
+
+@triton.jit
+def _src_piece(base, off, rows, cols, m3, D: tl.constexpr):
+    # [BL, BT, P] float32: the columns `cols` of the rows `rows` of the BL sources at element offsets `off`;
+    # m3 [BL, BT, 1] masks whole rows (absent sources, rows past N), never columns
+    return tl.load(base + off[:, None, None] + (rows[:, None] * D + cols[None, :])[None, :, :], mask=m3, other=0.0,
+                   eviction_policy="evict_first").to(tl.float32)
+
+
+@triton.jit
+def _fwd3_kernel(
+    base, offs, q_buf, w_buf, ow, out, logit_buf, lse_buf, N, L, NB, eps, TPP,     # as _fwd2_kernel's
+    D: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+    VEC: tl.constexpr, HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, NS: tl.constexpr, QW_REG: tl.constexpr,
+    OW_REG: tl.constexpr,
+):
+    # _fwd2_kernel's schedule, math and QW_REG / OW_REG, with a row held as exact power-of-two column pieces
+    # instead of one next_power_of_2(D) tile with masked columns: D = P1 + P2 + P3 (_pow2_parts), columns
+    # [0, P1), [P1, P1 + P2), [P1 + P2, D); a piece of width 0 compiles away (every use sits under `if P2 > 0:`
+    # / `if P3 > 0:`). At D = 7168 = 4096 + 2048 + 1024 and 4 warps, x, acc and q*w take 56 float32 registers
+    # per thread each instead of 64, and no instruction works on masked-off columns. The pieces' partial
+    # sums of x*x and x*qw are folded to the narrowest piece's width PM (_fold) and added, and the two are
+    # reduced joined ([BL, BT, PM, 2]), so one cross-warp reduction round per step serves all pieces and both
+    # sums (_fwd2_kernel: two rounds).
+    PM: tl.constexpr = P3 if P3 > 0 else (P2 if P2 > 0 else P1)
+    pid = tl.program_id(0).to(tl.int64)
+    r0 = tl.arange(0, BT).to(tl.int64)
+    ll = tl.arange(0, BL)
+    c1 = tl.arange(0, P1)
+    if P2 > 0:
+        c2 = P1 + tl.arange(0, P2)
+    if P3 > 0:
+        c3 = P1 + P2 + tl.arange(0, P3)
+    if QW_REG:
+        qw1 = _qw_piece(q_buf, w_buf, c1)
+        if P2 > 0:
+            qw2 = _qw_piece(q_buf, w_buf, c2)
+        if P3 > 0:
+            qw3 = _qw_piece(q_buf, w_buf, c3)
+    if OW_REG and HAS_ONORM:
+        ow1 = tl.load(ow + c1)
+        if P2 > 0:
+            ow2 = tl.load(ow + c2)
+        if P3 > 0:
+            ow3 = tl.load(ow + c3)
+    m = tl.full([BT], float("-inf"), tl.float32)
+    s = tl.zeros([BT], tl.float32)
+    acc1 = tl.zeros([BT, P1], tl.float32)
+    if P2 > 0:
+        acc2 = tl.zeros([BT, P2], tl.float32)
+    if P3 > 0:
+        acc3 = tl.zeros([BT, P3], tl.float32)
+    t0 = pid * TPP
+    for k in tl.range(0, TPP * NB, num_stages=NS):
+        j, rows, rmask, src, smask, off = _flat_step(k, NB, t0, BT, r0, BL, ll, N, L, offs, VEC)
+        m3 = smask[:, None, None] & rmask[None, :, None]                # [BL, BT, 1]
+        x1 = _src_piece(base, off, rows, c1, m3, D)                     # [BL, BT, P1]
+        if not QW_REG:
+            qw1 = _qw_piece(q_buf, w_buf, c1)
+        ss = _fold(x1 * x1, PM)                                         # [BL, BT, PM]
+        dot = _fold(x1 * qw1[None, None, :], PM)
+        if P2 > 0:
+            x2 = _src_piece(base, off, rows, c2, m3, D)
+            if not QW_REG:
+                qw2 = _qw_piece(q_buf, w_buf, c2)
+            ss += _fold(x2 * x2, PM)
+            dot += _fold(x2 * qw2[None, None, :], PM)
+        if P3 > 0:
+            x3 = _src_piece(base, off, rows, c3, m3, D)
+            if not QW_REG:
+                qw3 = _qw_piece(q_buf, w_buf, c3)
+            ss += _fold(x3 * x3, PM)
+            dot += _fold(x3 * qw3[None, None, :], PM)
+        ss, dot = tl.split(tl.sum(tl.join(ss, dot), axis=2))            # [BL, BT] each
+        lg = dot * tl.rsqrt(ss / D + eps)
+        m_new, s, alpha, p = _online_softmax(lg, smask, j, m, s)
+        acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * x1, axis=0)
+        if P2 > 0:
+            acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * x2, axis=0)
+        if P3 > 0:
+            acc3 = acc3 * alpha[:, None] + tl.sum(p[:, :, None] * x3, axis=0)
+        m = m_new
+        if SAVE:
+            tl.store(logit_buf + src[:, None].to(tl.int64) * N + rows[None, :], lg,
+                     mask=smask[:, None] & rmask[None, :])
+        if j == NB - 1:
+            inv = (1.0 / s)[:, None]                                    # one division per row
+            o1 = acc1 * inv
+            if P2 > 0:
+                o2 = acc2 * inv
+            if P3 > 0:
+                o3 = acc3 * inv
+            if SAVE:
+                tl.store(lse_buf + rows, m + tl.log(s), mask=rmask)
+            if HAS_ONORM:
+                so = _fold(o1 * o1, PM)                                 # [BT, PM]
+                if P2 > 0:
+                    so += _fold(o2 * o2, PM)
+                if P3 > 0:
+                    so += _fold(o3 * o3, PM)
+                ro = tl.rsqrt(tl.sum(so, axis=1) / D + eps)[:, None]
+                if not OW_REG:
+                    ow1 = tl.load(ow + c1)
+                    if P2 > 0:
+                        ow2 = tl.load(ow + c2)
+                    if P3 > 0:
+                        ow3 = tl.load(ow + c3)
+                o1 = o1 * ro * ow1.to(tl.float32)[None, :]
+                if P2 > 0:
+                    o2 = o2 * ro * ow2.to(tl.float32)[None, :]
+                if P3 > 0:
+                    o3 = o3 * ro * ow3.to(tl.float32)[None, :]
+            rm = rmask[:, None]
+            tl.store(out + rows[:, None] * D + c1[None, :], o1.to(out.dtype.element_ty), mask=rm)
+            if P2 > 0:
+                tl.store(out + rows[:, None] * D + c2[None, :], o2.to(out.dtype.element_ty), mask=rm)
+            if P3 > 0:
+                tl.store(out + rows[:, None] * D + c3[None, :], o3.to(out.dtype.element_ty), mask=rm)
 
 
 @triton.jit
@@ -497,10 +651,11 @@ def _merge_kernel(
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 #: Forward launch settings for wide rows (d >= 2048), measured on an H200 (benchmarks/attn_residual.py
-#: --sweep): {"impl": "v1" (_fwd_kernel, default) or "v2" (_fwd2_kernel), "num_warps", "bt": rows per tile,
-#: "progs_per_sm": persistent programs per SM (v2: 0 = one program per tile, no persistent loop),
+#: --sweep): {"impl": "v1" (_fwd_kernel, default), "v2" (_fwd2_kernel) or "v3" (_fwd3_kernel: v2 on the row's
+#: exact power-of-two column pieces, where _pow2_parts finds them, else v2), "num_warps", "bt": rows per tile,
+#: "progs_per_sm": persistent programs per SM (v2/v3: 0 = one program per tile, no persistent loop),
 #: "maxnreg": register cap per thread; v1 only: "pf": 0|1|2 register prefetch depth, "ns": shared-memory
-#: pipeline stages (pf 0 only), "qw_reg": keep q*w in registers; v2 only: "bl": sources loaded and reduced
+#: pipeline stages (pf 0 only), "qw_reg": keep q*w in registers; v2/v3 only: "bl": sources loaded and reduced
 #: per step, "ns": pipeline stages of its flat (tile, source block) loop, "ow_reg": keep the output-norm weight
 #: in registers (default: as qw_reg)}.
 #: (H200, 2026-11-29, N = 65536: v2 with 4 warps, 3 stages, 2 programs per SM reached 3.58 / 3.81 / 3.78 TB/s
@@ -515,8 +670,14 @@ FWD_WIDE_L = 6
 #: weight held in registers and two sources per step take ptxas to its 255-register cap (with 260 B of spill
 #: stores at two sources per step, sm_90a). H200, 17th session, N = 16384, L = 2 / 8 / 25, CUDA-graph time:
 #: 87% / 71% / 83% of copy without a change, 87% / 82% / 81% with one source per step, 89% / 90% / 90% with
-#: that and the weight re-read from cache at each row's end (fla fused_attnres, tuned for the shape: 82% at L = 8)
-FWD_DEFAULT_ONORM: dict = {"bl": 1, "ow_reg": False}
+#: that and the weight re-read from cache at each row's end (fla fused_attnres, tuned for the shape: 82% at L = 8).
+#: 24th session: the exact-width kernel v3 (_fwd3_kernel: no masked lanes, 254 registers and no spills at two
+#: sources per step with the weight re-read, where v2 spills 40 B) at two sources per step: 89% / 99% / 100%,
+#: against 89% / 91% / 92% for v2 at one (same run; 86% / 98% / 99% with 4 stages)
+FWD_DEFAULT_ONORM: dict = {"impl": "v3", "bl": 2, "ow_reg": False}
+#: ... and where d has no exact pieces (_pow2_parts: None), the 17th session's v2 setting with the norm (v2 at two
+#: sources per step spills)
+FWD_DEFAULT_ONORM_V2: dict = {"impl": "v2", "bl": 1, "ow_reg": False}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 FWD_CONFIG: dict = {}
 
@@ -570,6 +731,17 @@ def _num_sms(dev: torch.device) -> int:
     return sm_count(dev) if dev.type == "cuda" else 4
 
 
+def _pow2_parts(d: int):
+    """(P1, P2, P3), the column pieces of _fwd3_kernel: d = P1 + P2 + P3, powers of two, P1 > P2 > P3, 0 for an
+    absent piece (7168 -> (4096, 2048, 1024), 5120 -> (4096, 1024, 0)); None when d has more than three set bits
+    or its smallest piece would be narrower than 512 columns (one 16-byte load per thread of 4 warps in float32:
+    a narrower piece leaves lanes idle)."""
+    parts = [1 << b for b in range(d.bit_length() - 1, -1, -1) if d >> b & 1]
+    if not parts or len(parts) > 3 or parts[-1] < 512:
+        return None
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
 def _fwd(query, xs, w, ow, eps, save):
     d = xs[0].shape[-1]
     n = xs[0].shape[0]
@@ -580,7 +752,7 @@ def _fwd(query, xs, w, ow, eps, save):
     big = bd * bt >= 2048 and not _INTERPRET
     cfg = dict((FWD_DEFAULT_WIDE if L >= FWD_WIDE_L else FWD_DEFAULT) if big else {})
     if big and ow is not None:
-        cfg.update(FWD_DEFAULT_ONORM)
+        cfg.update(FWD_DEFAULT_ONORM if _pow2_parts(d) else FWD_DEFAULT_ONORM_V2)
     cfg.update(FWD_CONFIG)
     bt = cfg.get("bt", bt)
     nw = cfg.get("num_warps", nw)
@@ -593,7 +765,9 @@ def _fwd(query, xs, w, ow, eps, save):
         lse = torch.empty((n,), dtype=torch.float32, device=dev)
     else:
         logit = lse = out  # never touched (SAVE is False)
-    if n > 0 and cfg.get("impl", "v1") == "v2":
+    impl = cfg.get("impl", "v1")
+    parts = _pow2_parts(d) if impl == "v3" else None                 # None: v3 falls back to v2
+    if n > 0 and impl in ("v2", "v3"):
         n_tiles = cdiv(n, bt)
         pps = cfg.get("progs_per_sm", 2)
         tpp = max(1, cdiv(n_tiles, pps * _num_sms(dev))) if pps > 0 else 1
@@ -601,17 +775,22 @@ def _fwd(query, xs, w, ow, eps, save):
         bl = cfg.get("bl", 1)
         qw_reg = cfg.get("qw_reg", True)
         ns = cfg.get("ns", 1)
-        # the pipeline keeps ns - 1 steps in shared memory (plus q*w when it is re-read): settings chosen
-        # for bf16 would not fit for float32 sources, so fewer stages then (the same result)
-        while ns > 1 and (ns - 1) * (bl * bt * bd * xs[0].element_size()
-                                + (0 if qw_reg else (query.element_size() + w.element_size()) * bd)) > 200 * 1024:
+        # the pipeline keeps ns - 1 steps in shared memory (plus q*w when it is re-read), each of `width`
+        # columns (v2: the padded tile, v3: the row's exact pieces): settings chosen for bf16 would not fit for
+        # float32 sources, so fewer stages then (the same result)
+        width = d if parts else bd
+        while ns > 1 and (ns - 1) * (bl * bt * width * xs[0].element_size()
+                                + (0 if qw_reg else (query.element_size() + w.element_size()) * width)) > 200 * 1024:
             ns -= 1
-        _fwd2_kernel[(grid,)](
-            base, offs, query, w, ow if ow is not None else w, out, logit, lse,
-            n, L, cdiv(L, bl), float(eps), tpp, D=d, BT=bt, BD=bd, BL=bl, VEC=vec,
-            HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg,
-            OW_REG=cfg.get("ow_reg", qw_reg) and not cfg.get("maxnreg"), num_warps=nw,
-            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+        args = (base, offs, query, w, ow if ow is not None else w, out, logit, lse,
+                n, L, cdiv(L, bl), float(eps), tpp)
+        meta = dict(D=d, BT=bt, BL=bl, VEC=vec, HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg,
+                    OW_REG=cfg.get("ow_reg", qw_reg) and not cfg.get("maxnreg"), num_warps=nw,
+                    **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+        if parts:
+            _fwd3_kernel[(grid,)](*args, P1=parts[0], P2=parts[1], P3=parts[2], **meta)
+        else:
+            _fwd2_kernel[(grid,)](*args, BD=bd, **meta)
     elif n > 0:
         n_tiles = cdiv(n, bt)
         progs = cfg.get("progs_per_sm", 2) * _num_sms(dev)
