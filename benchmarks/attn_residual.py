@@ -163,6 +163,10 @@ SMALL_L_CANDS = [
     {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2},
     {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
     {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
+    # (24th session) program p on the tiles p, p + grid, ...: the programs running together read neighbouring rows
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "strided": True},
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2, "strided": True},
+    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "strided": True},
 ]
 
 
@@ -175,7 +179,7 @@ ONORM_CANDS = [{}, {"qw_reg": False}, {"num_warps": 8, "progs_per_sm": 1}, {"num
                {"bl": 1, "progs_per_sm": 3, "maxnreg": 168},
                # (24th session) the exact-width kernel (no masked lanes: two sources per step fit without spills)
                {"impl": "v3", "bl": 1, "ow_reg": False}, {"impl": "v3", "bl": 2, "ow_reg": False},
-               {"impl": "v3", "bl": 2, "ow_reg": False, "ns": 4}]
+               {"impl": "v3", "bl": 2, "ow_reg": False, "ns": 4}, {"impl": "v3", "bl": 2, "ow_reg": False, "strided": True}]
 
 
 def _sweep_forward(n, Ls, copy_bw, cands, setting: dict, onorm: bool):
@@ -251,6 +255,7 @@ def sweep(n, Ls, copy_bw, small=False):
         {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 6, "progs_per_sm": 2},
         {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
         {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 2},
+        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2, "strided": True},
     ]
     if small:
         cands = SMALL_L_CANDS

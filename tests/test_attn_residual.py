@@ -239,6 +239,21 @@ def test_triton_forward_v3(d, bl, monkeypatch):
             assert _rel(out, _naive(query, sources, w, EPS, ow)) < 1e-5, (L, onorm)
 
 
+@pytest.mark.parametrize("impl", ["v2", "v3"])
+def test_triton_forward_strided_tiles(impl, monkeypatch):
+    # "strided": program p takes the token tiles p, p + grid, ... (N = 37 in tiles of 2 rows at d = 1536: 19
+    # tiles over 7 programs of 3, the last ones past N), with and without the output norm
+    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": impl, "bl": 2, "progs_per_sm": 2, "ns": 2, "strided": True})
+    monkeypatch.setattr(T, "_fwd3_kernel" if impl == "v2" else "_fwd2_kernel", None)
+    n, d = 37, 1536
+    for L in (1, 3):
+        for onorm in (False, True):
+            query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=3 / d ** 0.5)
+            ow = torch.randn(d) if onorm else None
+            out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+            assert _rel(out, _naive(query, sources, w, EPS, ow)) < 1e-5, (L, onorm)
+
+
 def test_triton_forward_v3_falls_back_to_v2(monkeypatch):
     # d = 40 has no power-of-two pieces of >= 512 columns: "v3" runs _fwd2_kernel
     monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v3", "bl": 2, "progs_per_sm": 1, "ns": 2})
@@ -489,9 +504,9 @@ for split, qt, kind in ((False, "*fp32", "tf32"), (True, "*bf16", "bf16")):
                                              "N": "i32"},
                    {"D": 7168, "BT": 64, "BK": 64, "QP": 32, "VEC": 8, "eps": 1e-6, "NS": 4, "SPLIT": split}, 4)
     assert "wgmma" in ptx and kind in ptx, ("phase 1 logits: no wgmma of the expected kind", split)
-f2sig = dict(fsig, NB="i32")
+f2sig = dict(fsig, NB="i32", TSTEP="i32")
 f2sig = {k: f2sig[k] for k in ("base", "offs", "q_buf", "w_buf", "ow", "out", "logit_buf", "lse_buf", "N", "L", "NB", "eps",
-                               "TPP")}
+                               "TPP", "TSTEP")}
 for bt, bl, ns, nw, qr in ((1, 1, 4, 16, True), (1, 2, 3, 16, True), (2, 1, 3, 16, True), (1, 1, 4, 8, True),
                            (1, 2, 1, 16, True), (2, 2, 2, 16, False)):
     ptx = compile_(T._fwd2_kernel, f2sig, {"D": 7168, "BT": bt, "BD": 8192, "BL": bl, "VEC": 8, "HAS_ONORM": True,

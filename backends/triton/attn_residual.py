@@ -165,12 +165,13 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _flat_step(k, NB, t0, BT: tl.constexpr, r0, BL: tl.constexpr, ll, N, L, offs, VEC: tl.constexpr):
-    # step k of the flat (token tile, source block) loop of _fwd2_kernel / _fwd3_kernel: (source block j, the
-    # tile's rows [BT] int64 and their mask, the block's sources [BL] and their mask, their element offsets)
+def _flat_step(k, NB, t0, TSTEP, BT: tl.constexpr, r0, BL: tl.constexpr, ll, N, L, offs, VEC: tl.constexpr):
+    # step k of the flat (token tile, source block) loop of _fwd2_kernel / _fwd3_kernel, whose tiles are
+    # t0, t0 + TSTEP, ...: (source block j, the tile's rows [BT] int64 and their mask, the block's sources [BL]
+    # and their mask, their element offsets)
     tt = k // NB
     j = k - tt * NB
-    rows = (t0 + tt) * BT + r0
+    rows = (t0 + tt * TSTEP) * BT + r0
     src = j * BL + ll
     smask = src < L
     return j, rows, rows < N, src, smask, tl.multiple_of(tl.load(offs + src, mask=smask, other=0), VEC)
@@ -196,7 +197,8 @@ def _fwd2_kernel(
                                   # output-norm weight (ow unused if not HAS_ONORM)
     out,                          # [N, D] sources' dtype
     logit_buf, lse_buf,           # [L, N] f32, [N] f32 (only written if SAVE)
-    N, L, NB, eps, TPP,           # NB = cdiv(L, BL) source blocks; TPP: token tiles per program
+    N, L, NB, eps, TPP, TSTEP,    # NB = cdiv(L, BL) source blocks; TPP: token tiles per program, which are
+                                  # p*TPP, p*TPP + 1, ... (TSTEP = 1) or p, p + TSTEP, ... (TSTEP = the grid)
     D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
     HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, NS: tl.constexpr, QW_REG: tl.constexpr, OW_REG: tl.constexpr,
 ):
@@ -223,9 +225,9 @@ def _fwd2_kernel(
     m = tl.full([BT], float("-inf"), tl.float32)
     s = tl.zeros([BT], tl.float32)
     acc = tl.zeros([BT, BD], tl.float32)
-    t0 = pid * TPP
+    t0 = tl.where(TSTEP == 1, pid * TPP, pid)
     for k in tl.range(0, TPP * NB, num_stages=NS):
-        j, rows, rmask, src, smask, off = _flat_step(k, NB, t0, BT, r0, BL, ll, N, L, offs, VEC)
+        j, rows, rmask, src, smask, off = _flat_step(k, NB, t0, TSTEP, BT, r0, BL, ll, N, L, offs, VEC)
         tile = rows[:, None] * D + cols[None, :]                        # [BT, BD] int64
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(base + off[:, None, None] + tile[None, :, :], mask=smask[:, None, None] & mask[None, :, :],
@@ -283,7 +285,7 @@ def _src_piece(base, off, rows, cols, m3, D: tl.constexpr):
 
 @triton.jit
 def _fwd3_kernel(
-    base, offs, q_buf, w_buf, ow, out, logit_buf, lse_buf, N, L, NB, eps, TPP,     # as _fwd2_kernel's
+    base, offs, q_buf, w_buf, ow, out, logit_buf, lse_buf, N, L, NB, eps, TPP, TSTEP,  # as _fwd2_kernel's
     D: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
     VEC: tl.constexpr, HAS_ONORM: tl.constexpr, SAVE: tl.constexpr, NS: tl.constexpr, QW_REG: tl.constexpr,
     OW_REG: tl.constexpr,
@@ -324,9 +326,9 @@ def _fwd3_kernel(
         acc2 = tl.zeros([BT, P2], tl.float32)
     if P3 > 0:
         acc3 = tl.zeros([BT, P3], tl.float32)
-    t0 = pid * TPP
+    t0 = tl.where(TSTEP == 1, pid * TPP, pid)
     for k in tl.range(0, TPP * NB, num_stages=NS):
-        j, rows, rmask, src, smask, off = _flat_step(k, NB, t0, BT, r0, BL, ll, N, L, offs, VEC)
+        j, rows, rmask, src, smask, off = _flat_step(k, NB, t0, TSTEP, BT, r0, BL, ll, N, L, offs, VEC)
         m3 = smask[:, None, None] & rmask[None, :, None]                # [BL, BT, 1]
         x1 = _src_piece(base, off, rows, c1, m3, D)                     # [BL, BT, P1]
         if not QW_REG:
@@ -657,7 +659,8 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 #: "maxnreg": register cap per thread; v1 only: "pf": 0|1|2 register prefetch depth, "ns": shared-memory
 #: pipeline stages (pf 0 only), "qw_reg": keep q*w in registers; v2/v3 only: "bl": sources loaded and reduced
 #: per step, "ns": pipeline stages of its flat (tile, source block) loop, "ow_reg": keep the output-norm weight
-#: in registers (default: as qw_reg)}.
+#: in registers (default: as qw_reg), "strided": program p takes the tiles p, p + grid, ... (the programs
+#: running together read neighbouring rows) instead of one contiguous range of tiles}.
 #: (H200, 2026-11-29, N = 65536: v2 with 4 warps, 3 stages, 2 programs per SM reached 3.58 / 3.81 / 3.78 TB/s
 #: at L = 2 / 8 / 25, 84-89% of the 4.28 TB/s copy; the v1 setting before it 2.61 / 2.92 / 3.12)
 FWD_DEFAULT: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2}
@@ -783,7 +786,7 @@ def _fwd(query, xs, w, ow, eps, save):
                                 + (0 if qw_reg else (query.element_size() + w.element_size()) * width)) > 200 * 1024:
             ns -= 1
         args = (base, offs, query, w, ow if ow is not None else w, out, logit, lse,
-                n, L, cdiv(L, bl), float(eps), tpp)
+                n, L, cdiv(L, bl), float(eps), tpp, grid if cfg.get("strided") else 1)
         meta = dict(D=d, BT=bt, BL=bl, VEC=vec, HAS_ONORM=ow is not None, SAVE=save, NS=ns, QW_REG=qw_reg,
                     OW_REG=cfg.get("ow_reg", qw_reg) and not cfg.get("maxnreg"), num_warps=nw,
                     **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
