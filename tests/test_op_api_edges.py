@@ -487,3 +487,23 @@ def test_reference_takes_the_triton_only_options():
     assert torch.equal(m, m32) and torch.equal(s, s32)
     with pytest.raises(TypeError, match=r"attn_residual_phase1: acc_dtype torch.int32 is not"):
         R.attn_residual_phase1(qs, bank, ws, acc_dtype=torch.int32)
+
+
+def test_reference_light_ops_name_bad_arguments():
+    # lists instead of tensors and a 0-d x get a TypeError / ValueError that says which argument, not an
+    # AttributeError from inside the op; the right call still works
+    x, w = torch.randn(2, 3, device=DEV), torch.randn(4, 3, device=DEV)
+    with pytest.raises(TypeError, match=r"linear: the weight must be a real tensor, got list"):
+        R.linear(x, [[1.0, 2.0, 3.0]])
+    with pytest.raises(TypeError, match=r"linear: bias must be a tensor or None, got list"):
+        R.linear(x, w, [0.0] * 4)
+    with pytest.raises(ValueError, match=r"linear: x must have at least 1 dimension"):
+        R.linear(torch.tensor(1.0, device=DEV), w)
+    with pytest.raises(ValueError, match=r"rmsnorm: x must have at least 1 dimension"):
+        R.rmsnorm(torch.tensor(1.0, device=DEV), torch.ones(1, device=DEV))
+    with pytest.raises(TypeError, match=r"rmsnorm: the weight must be a real tensor, got list"):
+        R.rmsnorm(x, [1.0, 1.0, 1.0])
+    for op in (lambda: R.sigmoid([1.0]), lambda: R.add([1.0], x), lambda: R.mul(x, [1.0])):
+        with pytest.raises(TypeError, match=r"expected a torch.Tensor, got list"):
+            op()
+    assert rel_rms(R.linear(x, w), x @ w.t()) < 1e-6

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"backends.reference: expected a torch.Tensor, got {type(x).__name__}")
     return x.float()
 
 
@@ -24,13 +26,14 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight[ids]
 
 
-def _check_weight(w, shape_ok: bool, want: str, where: str) -> None:
+def _check_weight(w, shape_ok, want: str, where: str) -> None:
     """A weight tensor of the expected shape (any real dtype: it is used as float32, so an integer norm weight
-    works, as the Triton layers take it): TypeError / ValueError naming what was expected."""
+    works, as the Triton layers take it): TypeError / ValueError naming what was expected.  shape_ok: a bool, or
+    a callable of the weight tested only once it is known to be a tensor."""
     if not isinstance(w, torch.Tensor) or w.is_complex() or w.dtype == torch.bool:
         raise TypeError(f"{where}: the weight must be a real tensor, got "
                         f"{w.dtype if isinstance(w, torch.Tensor) else type(w).__name__}")
-    if not shape_ok:
+    if not (shape_ok(w) if callable(shape_ok) else shape_ok):
         raise ValueError(f"{where}: the weight must be {want}, got {list(w.shape)}")
 
 
@@ -46,9 +49,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            _where: str = "linear") -> torch.Tensor:
     """x @ weight^T (+ bias). x [..., in]; weight [out, in] -> [..., out] in x's dtype (float32 math).
     Raises TypeError for a non-float x, ValueError for shapes that do not fit."""
-    _check_float_input(x, _where)
-    _check_weight(weight, weight.dim() == 2 and x.dim() >= 1 and weight.shape[1] == x.shape[-1],
-                  f"[out, {x.shape[-1] if x.dim() else '?'}] for x {list(x.shape)}", _where)
+    _check_float_input(x, _where, min_dim=1)
+    _check_weight(weight, lambda w: w.dim() == 2 and w.shape[1] == x.shape[-1],
+                  f"[out, {x.shape[-1]}] for x {list(x.shape)}", _where)
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{_where}: bias must be a tensor or None, got {type(bias).__name__}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"{_where}: bias must be [{weight.shape[0]}], got {list(bias.shape)}")
     y = _f32(x) @ _f32(weight).t()
@@ -79,10 +84,14 @@ def check_finite_cpu(where: str, **tensors) -> None:
             raise ValueError(f"{where}: {name} holds NaN or inf")
 
 
-def _check_float_input(x, where: str) -> None:
+def _check_float_input(x, where: str, min_dim: int = 0) -> None:
+    """x a floating-point tensor (TypeError) of at least min_dim dimensions (ValueError)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"{where}: x must be a floating-point tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{where}: x must have at least {min_dim} dimension(s) (the last one is the feature "
+                         f"dimension), got a {x.dim()}-d tensor")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
@@ -90,10 +99,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torc
 
     x [..., d] float; weight [d] (any real dtype, used as float32). Returns x's shape and dtype. Raises
     TypeError for a non-float x, ValueError for eps not a finite number > 0 or a weight that is not [d]."""
-    _check_float_input(x, "rmsnorm")
+    _check_float_input(x, "rmsnorm", min_dim=1)
     check_eps(eps, "rmsnorm")
-    _check_weight(weight, x.dim() >= 1 and tuple(weight.shape) == (x.shape[-1],),
-                  f"[d] with d = x's last size {x.shape[-1] if x.dim() else '?'}", "rmsnorm")
+    _check_weight(weight, lambda w: tuple(w.shape) == (x.shape[-1],), f"[d] with d = x's last size {x.shape[-1]}",
+                  "rmsnorm")
     xf = _f32(x)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * _f32(weight)).to(x.dtype)
 
