@@ -507,3 +507,14 @@ def test_reference_light_ops_name_bad_arguments():
         with pytest.raises(TypeError, match=r"expected a torch.Tensor, got list"):
             op()
     assert rel_rms(R.linear(x, w), x @ w.t()) < 1e-6
+
+
+def test_latent_moe_checks_eps_first_on_both_backends():
+    # a bad eps is named as latent_moe's (the reference used to fail late, inside its RMSNorm, naming rmsnorm)
+    x = torch.randn(4, 8, device=DEV)
+    args = (x, torch.randn(4, 8, device=DEV), torch.zeros(4, device=DEV), None, torch.randn(4, 6, 8, device=DEV),
+            torch.randn(4, 6, 8, device=DEV), torch.randn(4, 8, 6, device=DEV), None, None, None, None, None)
+    for mod in (R, X):
+        for bad in (-1.0, 0.0, float("nan")):
+            with pytest.raises(ValueError, match=r"^latent_moe: eps must be a finite number > 0"):
+                mod.latent_moe(*args, top_k=2, eps=bad)

@@ -26,7 +26,7 @@ import numbers
 
 import torch
 
-from .ops import rmsnorm
+from .ops import check_eps, rmsnorm
 
 __all__ = [
     "qb_route",
@@ -466,6 +466,7 @@ def latent_moe(x, router_weight, router_bias, w_down, w1, w3, w2, norm_weight, w
     """
     where = "latent_moe"
     _check_tensor("x", x, 2, where)
+    check_eps(eps, where)
     n, d = x.shape
     topk_idx, topk_weight, _ = qb_route(x, router_weight, router_bias, top_k=top_k,
                                         routed_scaling=routed_scaling)
