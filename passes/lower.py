@@ -202,6 +202,12 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
     nodes = g.node_map()
     users = g.users()
     types = {Ref(n.name, i): t for n in g.nodes for i, t in enumerate(n.types)}
+    if target == "triton":
+        # the Triton phase 1 stores its accumulator in the bank's dtype when that is 16-bit
+        # (backends.runtime._phase1_acc_dtype; the memory plan counts it so too, plan_memory._two_phase)
+        for n in g.nodes:
+            if n.op == "attn_residual_phase1" and types[n.inputs[-1]].dtype in ("bf16", "f16"):
+                types[Ref(n.name, 0)] = TensorType(types[n.inputs[-1]].dtype, n.types[0].shape)
     outputs = set(g.outputs)
     # 1. groups: fusion annotations, then pointwise chains of the rest
     group_of: dict[str, str] = {}
@@ -249,10 +255,10 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
                 if r.node not in names and (str(r), types[r]) not in ins:
                     ins.append((str(r), types[r]))
         for m in ms:
-            for i, t in enumerate(m.types):
+            for i in range(len(m.types)):
                 r = Ref(m.name, i)
                 if r in outputs or any(u not in names for u in users[m.name]):
-                    outs.append((str(r), t))
+                    outs.append((str(r), types[r]))
         anchor = nodes[key] if key in nodes and nodes[key].attr("fusion") == key else ms[-1]
         kind = anchor.op
         tiles = dict(anchor.attr("tiles") or ())

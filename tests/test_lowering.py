@@ -14,6 +14,7 @@ from backends import reference as R
 from dsl.builder import GraphBuilder
 from passes import PassManager
 from passes.lower import lower
+from dsl.ir import Ref
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
@@ -148,3 +149,22 @@ def test_generated_kernel_tiled_launch(tmp_path, rows, d):
     want = r / torch.sqrt((r * r).sum(-1, keepdim=True) + 1e-6)
     assert ((outs[-1].double() - want).norm() / want.norm()).item() < 1e-5
     assert ((m.run(x=xs)[0].double() - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_lowered_phase1_accumulator_in_the_banks_16_bit_dtype():
+    # the Triton phase 1 stores its accumulator in the bank's dtype when that is 16-bit (the runtime's
+    # _phase1_acc_dtype, the memory plan's _two_phase): the lowered listing says so for target triton, in the
+    # phase-1 launch's outputs and the merges' inputs; target tvm (the reference's float32) keeps f32
+    g = _fused(ROOT / "models" / "kimi_k3.mtc")                 # the full model: bf16
+    types = {Ref(n.name, i): t for n in g.nodes for i, t in enumerate(n.types)}
+    p1_nodes = [n for n in g.nodes if n.op == "attn_residual_phase1"]
+    assert p1_nodes and all(types[n.inputs[-1]].dtype == "bf16" for n in p1_nodes)     # a bf16 bank
+    assert all(n.types[0].dtype == "f32" for n in p1_nodes)         # the fused graph: the op's contract type
+    for target, want in (("triton", "bf16"), ("tvm", "f32")):
+        prog = lower(g, target)
+        p1 = [ln for ln in prog.launches if ln.op_kinds == ["attn_residual_phase1"]]
+        merges = [ln for ln in prog.launches if "attn_residual_merge" in ln.op_kinds]
+        assert p1 and merges
+        assert all(ln.outputs[0][1].dtype == want and ln.outputs[1][1].dtype == "f32" for ln in p1), target
+        accs = {name for ln in p1 for name, _ in ln.outputs[:1]}
+        assert all(t.dtype == want for ln in merges for name, t in ln.inputs if name in accs), target
