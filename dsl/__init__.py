@@ -30,7 +30,12 @@ def parse(text: str, variant: str | None = None, *, file: str = "<spec>", **over
         **overrides: config values to set after the variant (e.g. n_layers=4).
     Raises:
         MtcError: syntax, name, type or shape errors, located at file:line:col.
+        TypeError: text is not a str (bytes: decode them first; a path: dsl.load).
     """
+    if not isinstance(text, str):
+        hint = (" (bytes: text.decode('utf-8'))" if isinstance(text, (bytes, bytearray)) else
+                " (a file's path: dsl.load(path))" if isinstance(text, os.PathLike) else "")
+        raise TypeError(f"dsl.parse takes a spec's text (str), got {type(text).__name__}{hint}")
     from .spec import build_graph, parse_spec
     return build_graph(parse_spec(text, file), variant, **overrides)
 

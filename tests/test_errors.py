@@ -682,6 +682,13 @@ def test_load_takes_a_path_and_the_module_a_tensor():
         dsl.load(123)
     with pytest.raises(TypeError, match=r"dsl.parse\(text\)"):
         dsl.load(b"model m {}")
+    # and dsl.parse of bytes / None / a path (was "startswith first arg must be bytes ..." / an AttributeError)
+    with pytest.raises(TypeError, match=r"dsl.parse takes a spec's text \(str\), got bytes \(bytes: text.decode"):
+        dsl.parse(b"model m {}")
+    with pytest.raises(TypeError, match=r"dsl.parse takes a spec's text \(str\), got NoneType"):
+        dsl.parse(None)
+    with pytest.raises(TypeError, match=r"got PosixPath \(a file's path: dsl.load\(path\)\)"):
+        dsl.parse(Path("x.mtc"))
     m = dsl.compile(dsl.load(Path(__file__).resolve().parent.parent / "models" / "kimi_k3.mtc", "tiny"), seed=0)
     ids = np.zeros((2, 30), dtype=np.int64)
     with pytest.raises(MtcError, match=r"must be a torch.Tensor of rank 2 .*got a numpy.ndarray \(torch.from_numpy"):
