@@ -1063,8 +1063,12 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MtcError(f"device {device!r}: this torch has no CUDA device (torch.cuda.is_available() is False)")
     if target in ("triton", "tvm") and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        now = os.environ.get("TRITON_INTERPRET")
         raise MtcError(f"target '{target}' on the CPU runs its Triton kernels under the interpreter: set "
-                       f"TRITON_INTERPRET=1 before triton is imported (mtc run does this itself)")
+                       f"TRITON_INTERPRET=1 before triton is imported ("
+                       + ("mtc run sets it when it is unset" if now is None else
+                          f"it is set to {now!r} in the environment, which mtc run keeps: unset it or set it to 1")
+                       + ")")
     if dev.type != "meta":
         _check_interpreter_dtype(target, dtype)
         check_weights_fit(graph, torch.empty((), dtype=dtype).element_size(), dev,

@@ -581,3 +581,13 @@ def test_lowered_report_formats_from_a_user_trial():
     assert r.returncode in (0, None), r.stderr
     heads = [ln for ln in r.stdout.splitlines() if ln.startswith("// ----- ")]
     assert heads[-2].startswith("// ----- IR after lower") and heads[-1] == "// ----- IR at stage graph (--stage) -----"
+
+
+def test_run_triton_on_cpu_with_triton_interpret_0_names_the_setting():
+    # mtc run only sets TRITON_INTERPRET when it is unset: an explicit 0 is named as the cause (the message said
+    # "mtc run does this itself", which it does not then)
+    import os
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-m", "dsl.cli", "run", "--target", "triton", "--max-tokens", "16",
+                        "--seq-len", "8", "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, env=env)
+    _clean_error(r, "it is set to '0' in the environment, which mtc run keeps: unset it or set it to 1")
