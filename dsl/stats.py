@@ -6,6 +6,8 @@ sequence length, and the decoding state from the layer blocks (MLA latent KV cac
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 
 import sympy
@@ -37,7 +39,8 @@ class ModelStats:
         """The fields as JSON-ready values: whole-number counts (bytes, FLOPs) as ints, fractions as floats."""
         d = {k: _whole(v) for k, v in asdict(self).items()}
         d["flops_per_token_by_op"] = {k: _whole(v) for k, v in d["flops_per_token_by_op"].items()}
-        d["per_gpu"] = {k: _whole(self.per_gpu(getattr(self, k))) for k in
+        # (whole bytes per GPU: the even share rounded up, what the GPU with the larger share holds)
+        d["per_gpu"] = {k: math.ceil(self.per_gpu(getattr(self, k))) for k in
                         ("weights_bytes", "kv_cache_bytes", "kda_state_bytes")}
         return d
 

@@ -59,6 +59,10 @@ def test_memory_at_one_million_tokens():
     assert s["residual_stream_bytes"] == 1048576 * 7168 * 2
     s2 = _cli_stats("models/kimi_k3.mtc", "--seq-len", "1048576", "--gpus", "8", "--batch", "2")
     assert s2["per_gpu"]["kv_cache_bytes"] == 2 * s["kv_cache_bytes"] / 8
+    # over 3 GPUs: whole bytes, the even share rounded up (JSON printed 519981743829.3333)
+    s3 = _cli_stats("models/kimi_k3.mtc", "--gpus", "3")
+    for k in ("weights_bytes", "kv_cache_bytes", "kda_state_bytes"):
+        assert isinstance(s3["per_gpu"][k], int) and 0 <= 3 * s3["per_gpu"][k] - s3[k] < 3, k
 
 
 def test_flops_grow_with_context_only_through_attention():
