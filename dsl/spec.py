@@ -21,7 +21,7 @@ import sympy
 from .builder import GraphBuilder, ShapeError
 from .errors import Loc, MtcError, MtcWarning, did_you_mean
 from .ir import Ref, canon_dtype, sym
-from .ops import EXPERT_DTYPES
+from .ops import EXPERT_DTYPES, FLOAT
 
 #: the largest dimension a forward input may have (an int32 index; larger is a typo)
 MAX_DIM = 2**31 - 1
@@ -732,7 +732,12 @@ class SpecBuilder:
                                 slots[bad][2] if bad is not None else loc)
         x = args[0]
         b = self.b
-        d = b.type(x).shape[-1]
+        xt = b.type(x)
+        if xt.dtype not in FLOAT or xt.rank != 3:
+            hint = "embed the token ids first: x = embedding(input_ids, vocab=V, dim=d)" if xt.dtype not in FLOAT else None
+            raise self.spec.err(f"stack(...) runs over the residual stream, a float [B, T, d] tensor; got {xt}", loc,
+                                hint)
+        d = xt.shape[-1]
         if residual == "attn_res":  # the memory planner's checkpoint unit (plan_memory checkpointing="block")
             b.meta["attn_res_block_size"] = block_size
         bank, partial = [x], None

@@ -612,6 +612,21 @@ def test_stack_block_size_is_required_with_attn_res_and_refused_without():
     dsl.parse(text.replace("RES", 'residual="add"'))
 
 
+def test_stack_over_token_ids_or_a_wrong_rank_says_so():
+    # user trial: stack over the i64 token ids with attn_res failed at a derived parameter ("would have the shape
+    # [T]"); now the stack itself names its input, with a hint to embed first
+    body = ('y = stack(x, layers=2, residual="attn_res", block_size=1) {\n      attn = a\n      ffn = ff\n    }\n'
+            '    return y')
+    blocks = ('  block a = kda_layer(heads=2, head_dim=12)\n  block ff = glu_ffn(inter=32)\n  forward(')
+    text = _small(body=body).replace("  forward(", blocks)
+    e = _err(text.replace("x: f32[DIMS]", "x: i64[B, T]").replace("f32[B, T, d]", "i64[B, T]"))
+    assert "stack(...) runs over the residual stream, a float [B, T, d] tensor; got i64[B, T]" in e.msg
+    assert "embedding(input_ids" in e.hint and _loc(e)[0] == 9          # the stack line
+    e = _err(text.replace("f32[B, T, d]", "f32[T, d]"))
+    assert "got f32[T, 24]" in e.msg and e.hint is None
+    dsl.parse(text)
+
+
 def test_unknown_keyword_lists_name_for_ops_with_parameters_and_ir_text_gets_a_hint(tmp_path):
     e = _err(_small(body='y = linear(x, out=4, nmae="a")\n    return y'))
     assert "has no attribute 'nmae' (did you mean 'name'?); it takes: name, out" in e.msg
