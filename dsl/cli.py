@@ -14,6 +14,8 @@ or, for the spec, `file:line:col: warning:`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -210,19 +212,22 @@ def cmd_ir(args) -> int:
         upto = stages.index("canonical")
     if args.dump_ir or args.print_after or args.timing:
         upto = len(STAGES) - 1            # these describe the passes: run the whole pipeline
-    if upto > 0:
-        pm.passes = [p for p in pm.passes if p.stage is None or stages.index(p.stage) <= upto]
-        pm.run(g)
-    else:
-        pm.stages["graph"] = g
-    prog = None
-    if stage == "lowered" or print_after & {"lower", "all"}:
-        t0 = time.perf_counter()
-        prog = _lower(args, pm)
-        dt = time.perf_counter() - t0
-        pm.timings.append(("lower", dt))
-        if print_after & {"lower", "all"}:
-            print(f"// ----- IR after lower ({dt * 1e3:.1f} ms, target {args.target}) -----\n{prog.text()}")
+    # --print-after listings go where the IR goes: stdout, or the -o file ahead of the stage's IR
+    listings = io.StringIO()
+    with contextlib.redirect_stdout(listings) if args.output else contextlib.nullcontext():
+        if upto > 0:
+            pm.passes = [p for p in pm.passes if p.stage is None or stages.index(p.stage) <= upto]
+            pm.run(g)
+        else:
+            pm.stages["graph"] = g
+        prog = None
+        if stage == "lowered" or print_after & {"lower", "all"}:
+            t0 = time.perf_counter()
+            prog = _lower(args, pm)
+            dt = time.perf_counter() - t0
+            pm.timings.append(("lower", dt))
+            if print_after & {"lower", "all"}:
+                print(f"// ----- IR after lower ({dt * 1e3:.1f} ms, target {args.target}) -----\n{prog.text()}")
     if stage == "tvm":
         text = _tvm_report(args, pm.stages["canonical"])
     elif stage == "lowered":
@@ -238,13 +243,14 @@ def cmd_ir(args) -> int:
         if stage == "fused":
             from passes.fuse_tiles import describe_groups
             text = describe_groups(pm.stages[stage]) + text
+    if print_after:
+        # (after the passes' listings, the requested stage gets a header of its own too)
+        text = f"// ----- IR at stage {stage} (--stage) -----\n" + text
     if args.output:
+        text = listings.getvalue() + text
         _write_output("--output", args.output, text)
         print(f"wrote {args.output} ({text.count(chr(10))} lines)", file=sys.stderr)
     else:
-        if print_after:
-            # (after the passes' listings, the requested stage gets a header of its own too)
-            print(f"// ----- IR at stage {stage} (--stage) -----")
         sys.stdout.write(text)
     if args.timing:
         print(pm.timing_report(), file=sys.stderr)

@@ -591,3 +591,15 @@ def test_run_triton_on_cpu_with_triton_interpret_0_names_the_setting():
     r = subprocess.run([sys.executable, "-m", "dsl.cli", "run", "--target", "triton", "--max-tokens", "16",
                         "--seq-len", "8", "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, env=env)
     _clean_error(r, "it is set to '0' in the environment, which mtc run keeps: unset it or set it to 1")
+
+
+def test_ir_print_after_listings_go_to_the_output_file(tmp_path):
+    # user trial: with -o only the --stage IR went to the file and the --print-after listings still to stdout
+    out = tmp_path / "ir.txt"
+    r = mtc("ir", "models/kimi_k3.mtc", "--variant", "tiny", "--stage", "canonical", "--print-after",
+            "canonicalize", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and "wrote" in r.stderr
+    text = out.read_text()
+    a, b = text.find("// ----- IR after canonicalize"), text.find("// ----- IR at stage canonical (--stage)")
+    assert a == 0 and b > a and "attn_residual" in text[a:b] and "attn_residual" in text[b:]
