@@ -82,7 +82,9 @@ def test_sigmoid_decay_gate_starts_open_to_learning():
     loss.backward()
     q = dict(m.named_parameters())["model.layers.0.self_attn.q_proj.weight"].grad.abs().max()
     a_log, dt = gates[0]
-    assert float(a_log.grad.abs().max()) > 1e-2 * float(q) and float(dt.grad.abs().max()) > 1e-3 * float(q)
+    # (over 20 seeds the ratios to q_proj's gradient were >= 5e-3 for A_log and >= 7e-3 for dt_bias; the
+    # softplus initialisation's gradients were ~2e-5 of it. A bound of 1e-2 for A_log failed ~1 seed in 10.)
+    assert float(a_log.grad.abs().max()) > 1e-3 * float(q) and float(dt.grad.abs().max()) > 1e-3 * float(q)
 
 
 def test_softplus_decay_gate_keeps_the_mamba_initialisation(tmp_path):
