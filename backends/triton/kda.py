@@ -451,6 +451,21 @@ def _fwd_intra2_kernel(q, k, v, g, beta, cstart, clen, TB, QG, KD, AQK, GAM, sca
 
 
 @triton.jit
+def _chunk_head(HM: tl.constexpr, S: tl.constexpr = 1):
+    """(chunk, head, sub-program) of a per-(chunk, head) kernel with S programs per (chunk, head): grid (NC, H, S),
+    or head-major (HM) (H * S, NC), a chunk's heads (and their S programs) next to each other (_ch_grid)."""
+    if HM:
+        c = tl.program_id(1)
+        h = tl.program_id(0) // S
+        sub = tl.program_id(0) % S
+    else:
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        sub = tl.program_id(2)
+    return c, h, sub
+
+
+@triton.jit
 def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr,
                    CUMSUM: tl.constexpr = False, KGB_IN: tl.constexpr = False, HM: tl.constexpr = False):
     """One (chunk, head): Wk = T (beta k e^G), U = T (beta v) with T [64, 64] from _fwd_intra2_kernel
@@ -458,8 +473,7 @@ def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V
     or the input dtype: it is rounded to the input dtype for the dots either way).
     CUMSUM: ``g`` already holds the in-chunk cumulative gate G (_chunk_cumsum_kernel's output).
     KGB_IN: ``k`` already holds beta k e^G (_fwd_strip5_kernel's KGB; ``g`` is not read)."""
-    c_ = tl.program_id(1 if HM else 0)
-    h = tl.program_id(0 if HM else 1)
+    c_, h, _ = _chunk_head(HM)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     rows = tl.arange(0, 64)
@@ -818,14 +832,7 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
     (_fwd_strip32_kernel's dense pair: exponents within +-80.5 about the pair's middle).
     NS: grid (NC, H, NS), each program one slice of K / NS channels; FB [NC, H, NS * 4] then holds each slice's
     flags at s * 4 + r (_fb ANDs them).  HM (head-major): grid (H * NS, NC) instead."""
-    if HM:
-        c_ = tl.program_id(1)
-        h = tl.program_id(0) // NS
-        sl = tl.program_id(0) % NS
-    else:
-        c_ = tl.program_id(0)
-        h = tl.program_id(1)
-        sl = tl.program_id(2)
+    c_, h, sl = _chunk_head(HM, NS)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     rows = tl.arange(0, 64)
@@ -1100,8 +1107,7 @@ def _fwd_solve4_kernel(NB, cstart, clen, TB, H, PREC: tl.constexpr = "ieee", HM:
     the diagonal tiles (_inv16) and blocked forward substitution T_rj = -T_rr sum_{j<=m<r} N_rm T_mj.
     PREC: the 16x16 products' tl.dot input precision ("ieee": float32 FMAs; "tf32x3": three TF32 tensor-core
     products, about float32 accuracy; "tf32": one, inputs rounded to 10 mantissa bits)."""
-    c_ = tl.program_id(1 if HM else 0)
-    h = tl.program_id(0 if HM else 1)
+    c_, h, _ = _chunk_head(HM)
     t0 = tl.load(cstart + c_)
     L = tl.load(clen + c_)
     T00 = _inv16p(_tile16(NB, t0, L, h, H, 0, 0), PREC)
@@ -1245,8 +1251,7 @@ def _fwd_o_kernel(QG, AQK, VN, HB, O, cstart, clen, H, K: tl.constexpr, V: tl.co
                   HM: tl.constexpr = False):
     """All chunks at once: O = (scale q e^G) HB[c] + (scale P) VN for one (chunk, head, BV columns); grid
     (NC, H, V / BV), or head-major (HM) (H, NC, V / BV)."""
-    c = tl.program_id(1 if HM else 0)
-    h = tl.program_id(0 if HM else 1)
+    c, h, _ = _chunk_head(HM)
     vb = tl.program_id(2)
     t0 = tl.load(cstart + c).to(tl.int64)
     L = tl.load(clen + c)
@@ -1412,8 +1417,7 @@ def _bwd_chunk_kernel(WK, U, QG, AQK, DO, HB, DHB, DU, DWK, DQG, DKD, DAQK, csta
         W = U - Wk S0;  dA = tril(dO W^T);  dQG = dO S0^T;  dKD = W X^T;  dWk = -dW S0^T,
     each a sum over V, taken in column blocks of BVC (= V up to K*V = 128*128; the [K, V] operands of larger
     heads would not fit the shared memory at once)."""
-    c = tl.program_id(1 if HM else 0)
-    h = tl.program_id(0 if HM else 1)
+    c, h, _ = _chunk_head(HM)
     t0 = tl.load(cstart + c).to(tl.int64)
     L = tl.load(clen + c)
     rows = tl.arange(0, 64)
@@ -1459,8 +1463,7 @@ def _bwd_ut_kernel(k, v, g, beta, cstart, clen, TB, BM, DU, DWK, DB, DKG, dv_, d
         dbeta = sum_v v T^T dU + sum_d k e^G T^T dWk + sum_j dAkk Bm;  DB = diag(b) dAkk (float32);
         DKG = diag(b) T^T dWk (float32 [64, K]: the gradient of Kg = k e^G through Wk).
     The channel-wise rest (the pair-product backward, dq, dk, dg) is _bwd_pair_kernel's."""
-    c = tl.program_id(1 if HM else 0)
-    h = tl.program_id(0 if HM else 1)
+    c, h, _ = _chunk_head(HM)
     t0 = tl.load(cstart + c).to(tl.int64)
     L = tl.load(clen + c)
     rows = tl.arange(0, 64)
@@ -1514,14 +1517,8 @@ def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM,
     SAFE = True: only the others (diagonal tiles pair by pair). Two launches, each compiled without the
     other's code. Addresses: 64-bit scalar bases of (chunk start, head) and 32-bit offsets inside the chunk
     (a [64, 64] tile of int64 offsets alone would take 64 registers per thread at 4 warps)."""
-    if HM:
-        c = tl.program_id(1)
-        h = tl.program_id(0) // (K // BK)
-        ks = (tl.program_id(0) % (K // BK)) * BK
-    else:
-        c = tl.program_id(0)
-        h = tl.program_id(1)
-        ks = tl.program_id(2) * BK
+    c, h, ks = _chunk_head(HM, K // BK)
+    ks = ks * BK
     t0 = tl.load(cstart + c).to(tl.int64)
     L = tl.load(clen + c)
     rows = tl.arange(0, 64)
@@ -2048,9 +2045,8 @@ def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt,
     rows32 = bool(cfg.get("rows32")) and fast and idt != torch.float16
     ns = FB.shape[-1] // 4
     hm = _head_major(NC)
-    _chunk_cumsum_kernel[(H * ns, NC) if hm else (NC, H, ns)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast,
-                                                              ROWS32=rows32, NS=ns, HM=hm,
-                                                              num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
+    _chunk_cumsum_kernel[_ch_grid(NC, H, hm, ns)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast, ROWS32=rows32,
+                                                  NS=ns, HM=hm, num_warps=cfg.get("nw_cumsum", 8), num_stages=1)
     mark("intra: cumsum")
     r_fast = bool(cfg.get("r_fast"))
     save_b = BM is not None
@@ -2069,9 +2065,9 @@ def _intra5_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt,
             BK=min(K, cfg["BK"]), DT=_TL[idt], R_FAST=r_fast, **common,
             num_warps=cfg["nw_strip"], num_stages=cfg["ns_strip"], **_maxnreg(cfg.get("maxnreg")))
     mark("intra: strip")
-    _fwd_solve4_kernel[(H, NC) if hm else (NC, H)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg, BM is None),
-                                                   HM=hm, num_warps=cfg["nw_solve"], num_stages=1,
-                                                   **_maxnreg(cfg.get("maxnreg_solve")))
+    _fwd_solve4_kernel[_ch_grid(NC, H, hm)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg, BM is None), HM=hm,
+                                            num_warps=cfg["nw_solve"], num_stages=1,
+                                            **_maxnreg(cfg.get("maxnreg_solve")))
     mark("intra: solve")
 
 
@@ -2082,13 +2078,19 @@ def _head_major(NC):
     return bool(INTRA5_CFG.get("head_major")) and NC <= 65535
 
 
+def _ch_grid(NC, H, hm, S=1, Z=1):
+    """The grid of a kernel that decodes its program with _chunk_head(hm, S): (NC, H, S * Z), or head-major
+    (H * S, NC, Z); Z: a further axis of its own (S = 1 then), program_id(2) either way."""
+    return (H * S, NC, Z) if hm else (NC, H, S * Z)
+
+
 def _wu5_launch(k2, v2, b2, cstart, clen, NC, H, K, V, idt, GCS, TB, WK, U, kgb):
     """The v5 w/u kernel over the NC chunks of cstart / clen; with kgb, WK holds diag(beta) k e^G on entry
     (each program reads its chunk's rows before writing them)."""
     hm = _head_major(NC)
-    _fwd_wu_kernel[(H, NC) if hm else (NC, H)](WK if kgb else k2, v2, GCS, b2, cstart, clen, TB, WK, U, H, K=K, V=V,
-                                               DT=_TL[idt], CUMSUM=True, KGB_IN=kgb, HM=hm,
-                                               num_warps=INTRA5_CFG["nw_wu"], num_stages=1)
+    _fwd_wu_kernel[_ch_grid(NC, H, hm)](WK if kgb else k2, v2, GCS, b2, cstart, clen, TB, WK, U, H, K=K, V=V,
+                                        DT=_TL[idt], CUMSUM=True, KGB_IN=kgb, HM=hm, num_warps=INTRA5_CFG["nw_wu"],
+                                        num_stages=1)
 
 
 #: the forward without autograd of one long sequence as a pipeline over pieces of the sequence (_fwd_pipelined):
@@ -2324,9 +2326,8 @@ def _fwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, keep_t=False, pipeline=
     if NC:
         BVO = min(V, 128)
         hm = _head_major(NC)
-        _fwd_o_kernel[(H, NC, V // BVO) if hm else (NC, H, V // BVO)](QG, AQK, VN, HB, o, tab["cstart"], tab["clen"],
-                                                                      H, K=K, V=V, BV=BVO, HM=hm,
-                                         num_warps=4, num_stages=1)
+        _fwd_o_kernel[_ch_grid(NC, H, hm, Z=V // BVO)](QG, AQK, VN, HB, o, tab["cstart"], tab["clen"], H, K=K, V=V,
+                                                       BV=BVO, HM=hm, num_warps=4, num_stages=1)
     _mark("o")
     del VN, HB
     final = S_OUT.index_select(0, tab["last_seg"])
@@ -2479,7 +2480,7 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=No
         del DGP
         if NC:
             hm = _head_major(NC)
-            _bwd_chunk_kernel[(H, NC) if hm else (NC, H)](
+            _bwd_chunk_kernel[_ch_grid(NC, H, hm)](
                 WK, U, QG, AQK, do2, HB, DHB, DU, DWK, DQG, DKD, DAQK, tab["cstart"], tab["clen"], H, K=K, V=V,
                 BVC=min(V, max(16, BWD_CHUNK_KV // K)), HM=hm, num_warps=8, num_stages=1)
         del DHB, HB
@@ -2510,14 +2511,14 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept=No
         DB = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
         DKG = torch.empty(N, H, K, dtype=torch.float32, device=dev)
         hm = _head_major(NC)
-        _bwd_ut_kernel[(H, NC) if hm else (NC, H)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, BM, DU, DWK, DB, DKG,
-                                                   dv, db, H, K=K, V=V, DT=_TL[idt], HM=hm,
-                                                   num_warps=BWD_INTRA_CFG["nw_ut"], num_stages=1)
+        _bwd_ut_kernel[_ch_grid(NC, H, hm)](k2, v2, g2, b2, tab["cstart"], tab["clen"], TB, BM, DU, DWK, DB, DKG, dv,
+                                            db, H, K=K, V=V, DT=_TL[idt], HM=hm, num_warps=BWD_INTRA_CFG["nw_ut"],
+                                            num_stages=1)
         del TB, BM, kept, DU, DWK      # (TB and BM live on in the autograd context when the forward kept them)
         _mark("bwd: ut")
         BK = min(K, BWD_INTRA_CFG["BK"])
         for safe in ((False, True) if fast else (True,)):
-            _bwd_pair_kernel[(H * (K // BK), NC) if hm else (NC, H, K // BK)](
+            _bwd_pair_kernel[_ch_grid(NC, H, hm, K // BK)](
                 q2, k2, g2, b2, tab["cstart"], tab["clen"], DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk, dg, scale, lb, H,
                 K=K, BK=BK, FAST=fast, DT=_TL[idt], SAFE=safe, HM=hm, num_warps=BWD_INTRA_CFG["nw_pair"],
                 num_stages=1)
