@@ -16,6 +16,13 @@ from dsl.ir import SOURCE_OPS, Graph, Node, Ref, TensorType, make_attrs
 from .manager import register_pass
 
 
+def phase1_acc_dtype(dtype: str) -> str:
+    """The dtype the Triton phase 1 stores its accumulator in for a bank (or compute) dtype: the 16-bit ones
+    themselves, float32 otherwise (backends.runtime._phase1_acc_dtype, the same rule on torch dtypes). The graph
+    types the accumulator f32, the op's contract; the memory plan and the Triton lowering retype it."""
+    return dtype if dtype in ("bf16", "f16") else "f32"
+
+
 def _groups(g: Graph):
     reads = [n for n in g.nodes if n.op == "attn_residual"]
     in_bank: set[Ref] = set()

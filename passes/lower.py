@@ -18,6 +18,8 @@ import sympy
 
 from dsl.ir import SOURCE_OPS, Graph, Node, Ref, TensorType
 
+from .batch_attn_residual import phase1_acc_dtype
+
 VIEWS = ("reshape", "slice", "broadcast")
 GEMMS = ("linear", "lm_head")
 POINTWISE = ("silu", "sigmoid", "mul", "add", "situ_glu", "rmsnorm", "l2norm", "short_conv", "kda_gate",
@@ -203,11 +205,10 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
     users = g.users()
     types = {Ref(n.name, i): t for n in g.nodes for i, t in enumerate(n.types)}
     if target == "triton":
-        # the Triton phase 1 stores its accumulator in the bank's dtype when that is 16-bit
-        # (backends.runtime._phase1_acc_dtype; the memory plan counts it so too, plan_memory._two_phase)
+        # the accumulator as the Triton phase 1 stores it (the memory plan counts it so too, plan_memory._two_phase)
         for n in g.nodes:
-            if n.op == "attn_residual_phase1" and types[n.inputs[-1]].dtype in ("bf16", "f16"):
-                types[Ref(n.name, 0)] = TensorType(types[n.inputs[-1]].dtype, n.types[0].shape)
+            if n.op == "attn_residual_phase1":
+                types[Ref(n.name, 0)] = TensorType(phase1_acc_dtype(types[n.inputs[-1]].dtype), n.types[0].shape)
     outputs = set(g.outputs)
     # 1. groups: fusion annotations, then pointwise chains of the rest
     group_of: dict[str, str] = {}

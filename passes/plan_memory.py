@@ -336,15 +336,16 @@ def _activations(canonical: Graph, size: _Sizer, mode: str, block_size: int | No
 def _two_phase(canonical: Graph, compute_dtype: str) -> Graph:
     """The canonical graph after batch_attn_residual, with the phase-1 accumulator typed as the runtime stores
     it (backends.runtime._phase1_acc_dtype: the compute dtype if 16-bit, else float32)."""
-    from .batch_attn_residual import batch_attn_residual
+    from .batch_attn_residual import batch_attn_residual, phase1_acc_dtype
     g = batch_attn_residual(canonical)
-    if compute_dtype not in ("bf16", "f16"):
+    acc_dt = phase1_acc_dtype(compute_dtype)
+    if acc_dt == "f32":
         return g
     out = []
     for n in g.nodes:
         if n.op == "attn_residual_phase1":
             acc = n.types[0]
-            n = n.replace(types=(TensorType(compute_dtype, acc.shape),) + tuple(n.types[1:]))
+            n = n.replace(types=(TensorType(acc_dt, acc.shape),) + tuple(n.types[1:]))
         out.append(n)
     return g.with_nodes(out)
 
