@@ -1062,8 +1062,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         raise MtcError(f"device {device!r}: mtc runs on 'cpu', 'cuda' (or 'cuda:N') and 'meta' (no weights)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MtcError(f"device {device!r}: this torch has no CUDA device (torch.cuda.is_available() is False)")
-    if target in ("triton", "tvm") and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        now = os.environ.get("TRITON_INTERPRET")
+    now = os.environ.get("TRITON_INTERPRET")
+    if target in ("triton", "tvm") and dev.type == "cpu" and now != "1":
         raise MtcError(f"target '{target}' on the CPU runs its Triton kernels under the interpreter: set "
                        f"TRITON_INTERPRET=1 before triton is imported ("
                        + ("mtc run sets it when it is unset" if now is None else

@@ -40,9 +40,8 @@ def _check_weight(w, shape_ok, want: str, where: str) -> None:
 def check_conv_weight(weight, where: str) -> None:
     """A short convolution's taps: a real tensor (TypeError) of shape [C, 1, W] or [C, W] with W >= 1
     (ValueError)."""
-    ok = (isinstance(weight, torch.Tensor) and weight.dim() in (2, 3) and (weight.dim() == 2 or weight.shape[1] == 1)
-          and weight.shape[-1] >= 1)
-    _check_weight(weight, ok, "[C, 1, W] or [C, W] with W >= 1", where)      # (a non-tensor: TypeError first)
+    _check_weight(weight, lambda w: w.dim() in (2, 3) and (w.dim() == 2 or w.shape[1] == 1) and w.shape[-1] >= 1,
+                  "[C, 1, W] or [C, W] with W >= 1", where)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
