@@ -167,6 +167,8 @@ SMALL_L_CANDS = [
     {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "strided": True},
     {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2, "strided": True},
     {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "strided": True},
+    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2, "strided": True},
+    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 2, "progs_per_sm": 2, "strided": True},
 ]
 
 
@@ -179,7 +181,8 @@ ONORM_CANDS = [{}, {"qw_reg": False}, {"num_warps": 8, "progs_per_sm": 1}, {"num
                {"bl": 1, "progs_per_sm": 3, "maxnreg": 168},
                # (24th session) the exact-width kernel (no masked lanes: two sources per step fit without spills)
                {"impl": "v3", "bl": 1, "ow_reg": False}, {"impl": "v3", "bl": 2, "ow_reg": False},
-               {"impl": "v3", "bl": 2, "ow_reg": False, "ns": 4}, {"impl": "v3", "bl": 2, "ow_reg": False, "strided": True}]
+               {"impl": "v3", "bl": 2, "ow_reg": False, "ns": 4}, {"impl": "v3", "bl": 2, "ow_reg": False, "strided": True},
+               {"impl": "v3", "bl": 1, "ow_reg": False, "strided": True}]
 
 
 def _sweep_forward(n, Ls, copy_bw, cands, setting: dict, onorm: bool):
@@ -256,6 +259,7 @@ def sweep(n, Ls, copy_bw, small=False):
         {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
         {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 2},
         {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2, "strided": True},
+        {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2, "strided": True},
     ]
     if small:
         cands = SMALL_L_CANDS
@@ -292,7 +296,9 @@ def sweep_phase1(n, B, copy_bw):
              {"mix_impl": "v2", "mix_bc": 512, "mix_qb": 8, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
              {"mix_impl": "v2", "mix_bc": 1024, "mix_ns": 2, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
              {"mix_impl": "v2", "mix_bc": 2048, "mix_qb": 8, "mix_nw": 8, "p1_split": True, "p1_bt": 128,
-              "p1_nw": 8}]
+              "p1_nw": 8},
+             # (25th session) every query per program, the bank's chunks loaded at once
+             {"mix_impl": "v3", "mix3_bc": 2048, "mix3_nw": 8}, {"mix_impl": "v3", "mix3_bc": 512, "mix3_nw": 2}]
     best, best_t = {}, float("inf")
     T.P1_CONFIG.clear()
     want = T.attn_residual_phase1(qs, bank, ws)

@@ -393,10 +393,10 @@ def test_triton_backward_aliased_source():
     assert _rel(gx, hx) < 1e-4 and _rel(gyy, hy) < 1e-4
 
 
-@pytest.mark.parametrize("mix", ["v1", "v2"])
+@pytest.mark.parametrize("mix", ["v1", "v2", "v3"])
 @pytest.mark.parametrize("Q,B,n,dtype", [(1, 1, 20, torch.float32), (5, 3, 100, torch.float32),
-                                         (24, 8, 37, torch.float32), (3, 25, 17, torch.float16),
-                                         (24, 1, 33, torch.float16)])
+                                         (24, 8, 37, torch.float32), (4, 13, 29, torch.float32),
+                                         (3, 25, 17, torch.float16), (24, 1, 33, torch.float16)])
 def test_triton_phase1_matches_naive(Q, B, n, dtype, mix, monkeypatch):
     monkeypatch.setattr(T, "P1_CONFIG", {"mix_impl": mix})
     d = 48
@@ -665,7 +665,8 @@ def test_gpu_backward_bf16(onorm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg,B", [({"mix_impl": "v1"}, 8), ({"mix_impl": "v2"}, 8), ({"p1_split": True}, 3),
+@pytest.mark.parametrize("cfg,B", [({"mix_impl": "v1"}, 8), ({"mix_impl": "v2"}, 8), ({"mix_impl": "v3"}, 7),
+                                   ({"mix_impl": "v3"}, 16), ({"p1_split": True}, 3),
                                    ({"p1_split": False}, 3), ({}, 1)])
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_two_phase_bf16(acc_dtype, cfg, B, monkeypatch):

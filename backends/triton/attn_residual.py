@@ -613,6 +613,35 @@ def _phase1_mix2_kernel(
 
 
 @triton.jit
+def _phase1_mix3_kernel(
+    base, offs, wts,              # bank, softmax numerators [L, N, QP] f32 (from _phase1_stats_kernel)
+    acc,                          # [Q, N, D] out (float32 or a lower precision)
+    N, NQP, L,
+    D: tl.constexpr, BC: tl.constexpr, QP: tl.constexpr, LB: tl.constexpr, Q: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    # acc_q = sum_i wts[i, n, q] x_i for one (token, d-chunk) and EVERY query: the chunks of all L <= LB bank
+    # sources are loaded at once ([LB, BC], all in flight together; no shared-memory pipeline), held in
+    # registers, and each query's row is a thread-local sum over the LB axis, stored as it is formed
+    pid = tl.program_id(0).to(tl.int64)
+    NC: tl.constexpr = (D + BC - 1) // BC
+    c = pid % NC
+    n = pid // NC
+    cols = c * BC + tl.arange(0, BC)
+    cm = cols < D
+    ll = tl.arange(0, LB)
+    lm = ll < L
+    off = tl.multiple_of(tl.load(offs + ll, mask=lm, other=0), VEC)
+    x = tl.load(base + off[:, None] + (n * D + cols)[None, :], mask=lm[:, None] & cm[None, :],
+                other=0.0).to(tl.float32)                                        # [LB, BC]
+    wp = wts + ll.to(tl.int64) * NQP + n * QP
+    for q in tl.static_range(Q):
+        e = tl.load(wp + q, mask=lm, other=0.0)                                  # [LB]
+        a = tl.sum(e[:, None] * x, axis=0)                                       # [BC]
+        tl.store(acc + (q * N + n) * D + cols, a.to(acc.dtype.element_ty), mask=cm)
+
+
+@triton.jit
 def _merge_kernel(
     acc, m_in, s_in, part, q, w, ow, out,
     N, eps,
@@ -663,11 +692,14 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 #: running together read neighbouring rows) instead of one contiguous range of tiles}.
 #: (H200, 2026-11-29, N = 65536: v2 with 4 warps, 3 stages, 2 programs per SM reached 3.58 / 3.81 / 3.78 TB/s
 #: at L = 2 / 8 / 25, 84-89% of the 4.28 TB/s copy; the v1 setting before it 2.61 / 2.92 / 3.12)
-FWD_DEFAULT: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2}
+#: 25th session (same sweep, N = 16384 / 65536, L = 2, CUDA-graph time): strided tiles, 3.92 -> 4.05 / 4.08 -> 4.19
+#: TB/s with v3 (v2: 4.03 / 4.20), 95% / 98% of the 4.28 TB/s copy
+FWD_DEFAULT: dict = {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "strided": True}
 #: The same with two sources per step (one cross-warp reduction round per two sources), used from
 #: FWD_WIDE_L sources on: H200, 5th session, N = 16384 sweep: 4.07 / 4.14 TB/s (95% / 97% of copy) at
 #: L = 8 / 25 against 3.78 / 3.81 for FWD_DEFAULT, but 2.19 against 2.31 at L = 2
-FWD_DEFAULT_WIDE: dict = {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2}
+#: 25th session, N = 16384, L = 8 / 25: strided tiles 4.25 / 4.26 -> 4.29 / 4.33 TB/s (v3; v2 4.30 / 4.32)
+FWD_DEFAULT_WIDE: dict = {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2, "strided": True}
 FWD_WIDE_L = 6
 #: Changes to the above with the fused output norm (benchmarks/attn_residual.py --sweep-onorm). The norm's
 #: weight held in registers and two sources per step take ptxas to its 255-register cap (with 260 B of spill
@@ -677,7 +709,9 @@ FWD_WIDE_L = 6
 #: 24th session: the exact-width kernel v3 (_fwd3_kernel: no masked lanes, 254 registers and no spills at two
 #: sources per step with the weight re-read, where v2 spills 40 B) at two sources per step: 89% / 99% / 100%,
 #: against 89% / 91% / 92% for v2 at one (same run; 86% / 98% / 99% with 4 stages)
-FWD_DEFAULT_ONORM: dict = {"impl": "v3", "bl": 2, "ow_reg": False}
+#: 25th session: strided tiles, L = 2 / 8 / 25: 89% / 99% / 100% -> 92% / 100% / 102% (3.81 / 4.20 / 4.24 -> 3.92 /
+#: 4.27 / 4.33 TB/s)
+FWD_DEFAULT_ONORM: dict = {"impl": "v3", "bl": 2, "ow_reg": False, "strided": True}
 #: ... and where d has no exact pieces (_pow2_parts: None), the 17th session's v2 setting with the norm (v2 at two
 #: sources per step spills)
 FWD_DEFAULT_ONORM_V2: dict = {"impl": "v2", "bl": 1, "ow_reg": False}
@@ -906,8 +940,17 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
 #: (2.78 ms either way); a "v3" mix (each token's bank tile read once, all queries' sums as 3xTF32 MMAs), 4.11-5.54 ms
 #: against v2's 3.60 with acc bf16; logits as two TF32 products against a tf32 head and remainder of
 #: queries * rms_weights, 1.31 against 1.14 ms and 3.6e-5 error.)
+#: "mix_impl": "v3" (25th session): _phase1_mix3_kernel, one program per (token, "mix3_bc" columns) for every
+#: query, all bank sources' chunks loaded at once into registers (no shared-memory pipeline; banks of up to
+#: MIX3_MAX_BANK sources and MIX3_MAX_Q queries, else v2). H200, N = 16384, d = 7168, 24 queries, acc bf16, the
+#: mix kernel alone (CUDA-graph time): B = 7 1.90 ms (3.83 TB/s of bank read + acc write) against v2's 3.03, B = 4
+#: 1.75 against 2.47, B = 2 1.64; v2 with 5 or 8 stages was slower still (3.26, 3.67 at B = 7); a store-only
+#: kernel on v2's grid writes acc in 1.25 ms (4.50 TB/s), torch fill_ in 1.66.
 P1_DEFAULT: dict = {"p1_bt": 128, "p1_bk": 64, "p1_ns": 4, "p1_nw": 8, "mix_bc": 1024, "mix_qb": 8, "mix_ns": 3,
-                    "mix_nw": 4, "mix_impl": "v2", "p1_split": True}
+                    "mix_nw": 4, "mix_impl": "v3", "mix3_bc": 1024, "mix3_nw": 4, "p1_split": True}
+#: the largest bank (rounded up to a power of two) and query count of the v3 mix
+MIX3_MAX_BANK = 16
+MIX3_MAX_Q = 64
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 P1_CONFIG: dict = {}
 #: Merge-kernel launch settings for wide rows ({"bt": rows per program, "num_warps"});
@@ -930,7 +973,7 @@ def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype, logits_only=False):
     if _INTERPRET:
         cfg = {"p1_bt": 16, "p1_bk": min(64, next_power_of_2(d)), "p1_ns": 1, "p1_nw": 4,
                "mix_bc": min(64, next_power_of_2(d)), "mix_qb": min(8, next_power_of_2(Q)),
-               "mix_ns": 1, "mix_nw": 4}
+               "mix_ns": 1, "mix_nw": 4, "mix3_bc": min(64, next_power_of_2(d)), "mix3_nw": 4}
         cfg["mix_impl"] = P1_CONFIG.get("mix_impl", P1_DEFAULT.get("mix_impl"))
     else:
         cfg = dict(P1_DEFAULT)
@@ -938,6 +981,7 @@ def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype, logits_only=False):
         cfg["mix_bc"] = min(cfg["mix_bc"], next_power_of_2(d))
         cfg["p1_bk"] = min(cfg["p1_bk"], next_power_of_2(d))
         cfg["mix_qb"] = min(cfg["mix_qb"], next_power_of_2(Q))
+        cfg["mix3_bc"] = min(cfg["mix3_bc"], next_power_of_2(d))
     qw = (queries.float() * rms_weights.float()).t()                 # [d, Q]
     # (not under the interpreter: its bf16 dot is unreliable; the GPU tests cover this path)
     split = bool(cfg.get("p1_split")) and xs[0].dtype == torch.bfloat16 and not _INTERPRET
@@ -976,13 +1020,22 @@ def _phase1_launch(queries, xs, rms_weights, eps, acc_dtype, logits_only=False):
     qb = cfg["mix_qb"]
     bc = cfg["mix_bc"]
     ng = cdiv(Q, qb)
-    if cfg.get("mix_impl", "v1") == "v2":
+    impl = cfg.get("mix_impl", "v1")
+    if impl == "v3" and (next_power_of_2(L) > MIX3_MAX_BANK or Q > MIX3_MAX_Q):
+        impl = "v2"                     # the bank's chunks would not fit in registers, or too many unrolled queries
+    if impl in ("v2", "v3"):
         bn = 16 if _INTERPRET else 64
         _phase1_stats_kernel[(cdiv(n, bn),)](logit, m, s, n, n * QP, L, Q, QP=QP, BN=bn,
                                                    NS=1 if _INTERPRET else 2, num_warps=4)
-        _phase1_mix2_kernel[(n * cdiv(d, bc) * ng,)](
-            base, offs, logit, acc, n, n * QP, L, Q, D=d, BC=bc, QP=QP, QB=qb, NG=ng, VEC=vec,
-            NS=cfg["mix_ns"], num_warps=cfg["mix_nw"])
+        if impl == "v3":
+            bc3 = cfg["mix3_bc"]
+            _phase1_mix3_kernel[(n * cdiv(d, bc3),)](
+                base, offs, logit, acc, n, n * QP, L, D=d, BC=bc3, QP=QP, LB=next_power_of_2(L), Q=Q, VEC=vec,
+                num_warps=max(1, min(cfg["mix3_nw"], bc3 // 256)))   # >= 8 columns per thread
+        else:
+            _phase1_mix2_kernel[(n * cdiv(d, bc) * ng,)](
+                base, offs, logit, acc, n, n * QP, L, Q, D=d, BC=bc, QP=QP, QB=qb, NG=ng, VEC=vec,
+                NS=cfg["mix_ns"], num_warps=cfg["mix_nw"])
         return acc, m, s
     _phase1_mix_kernel[(n * cdiv(d, bc) * ng,)](
         base, offs, logit, m, s, acc, n, n * QP, L, Q, D=d, BC=bc, QP=QP, QB=qb, NG=ng, VEC=vec,
