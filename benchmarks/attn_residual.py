@@ -359,7 +359,11 @@ def sweep_phase1(n, B, copy_bw):
     emit("|---|---|---|---|")
     mbest, mbest_t = {}, float("inf")
     for cfg in ({}, {"num_warps": 16}, {"num_warps": 4}, {"bt": 2, "num_warps": 16}, {"bt": 2, "num_warps": 8},
-                {"num_warps": 8}):
+                {"num_warps": 8},
+                # (25th session) the persistent, software-pipelined merge (_merge2_kernel)
+                {"impl": "v1"}, {"impl": "v2"}, {"impl": "v2", "ns": 2}, {"impl": "v2", "ns": 4},
+                {"impl": "v2", "strided": False}, {"impl": "v2", "num_warps": 8, "progs_per_sm": 1},
+                {"impl": "v2", "progs_per_sm": 3}, {"impl": "v2", "num_warps": 8, "progs_per_sm": 2}):
         T.MERGE_CONFIG.clear()
         T.MERGE_CONFIG.update(cfg)
         try:

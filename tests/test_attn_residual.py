@@ -456,6 +456,28 @@ def test_triton_two_phase_equals_direct(B, with_partial, onorm, acc_dtype):
                                                                        else _tol(dtype))
 
 
+@pytest.mark.parametrize("mcfg", [{"impl": "v2"}, {"impl": "v2", "strided": False}, {"impl": "v2", "ns": 1}])
+@pytest.mark.parametrize("with_partial,onorm", [(False, False), (True, False), (True, True)])
+def test_triton_merge_v2_persistent(mcfg, with_partial, onorm, monkeypatch):
+    # the persistent merge (_merge2_kernel: several rows per program, strided or contiguous, the last program's
+    # rows partly past N, d not a power of two) against the float64 naive form and the one-row-per-program kernel
+    Q, B, n, d = 3, 4, 65, 48
+    bank = [torch.randn(n, d) * (1 + i) for i in range(B)]
+    queries = torch.randn(Q, d)
+    ws = 1 + 0.3 * torch.randn(Q, d)
+    ow = torch.randn(d) if onorm else None
+    partial = torch.randn(n, d) if with_partial else None
+    acc, m, s = T.attn_residual_phase1(queries, bank, ws)
+    srcs = bank + ([partial] if with_partial else [])
+    for k in range(Q):
+        monkeypatch.setattr(T, "MERGE_CONFIG", {})
+        v1 = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
+        monkeypatch.setattr(T, "MERGE_CONFIG", mcfg)
+        out = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
+        assert _rel(out, _naive(queries[k], srcs, ws[k], EPS, ow)) < _tol(torch.float32)
+        assert _rel(out, v1) < 1e-6
+
+
 @pytest.mark.parametrize("B", [1, 3])
 def test_triton_two_phase_gradients(B):
     # phase 1 + merge are differentiable (through the reference): check against the naive direct form (B = 1:
@@ -527,6 +549,24 @@ for acc_t in ("*fp32", "*bf16"):
     assert "cp.async" in ptx and "st.global.v4.b32" in ptx, "phase 1 mix v2: loads not staged / narrow stores"
 compile_(T._phase1_stats_kernel, {"logit_buf": "*fp32", "m_out": "*fp32", "s_out": "*fp32", "N": "i32",
                                   "NQP": "i32", "L": "i32", "Q": "i32"}, {"QP": 32, "BN": 64, "NS": 2}, 4)
+m3sig = {k: v for k, v in msig.items() if k != "Q"}
+for acc_t in ("*fp32", "*bf16"):
+    ptx = compile_(T._phase1_mix3_kernel, dict(m3sig, acc=acc_t),
+                   {"D": 7168, "BC": 1024, "QP": 32, "LB": 8, "Q": 24, "VEC": 8}, 4)
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "phase 1 mix v3: narrow loads or stores"
+    assert "cp.async" not in ptx, "phase 1 mix v3: the bank chunks go to registers, not through shared memory"
+gsig = {"acc": "*bf16", "m_in": "*fp32", "s_in": "*fp32", "part": "*bf16", "q": "*bf16", "w": "*bf16", "ow": "*bf16",
+        "out": "*bf16", "N": "i32", "eps": "fp32", "TPP": "i32", "TSTEP": "i32"}
+for part, on in ((True, True), (False, True), (True, False)):
+    const = {"D": 7168, "BD": 8192, "HAS_PART": part, "HAS_ONORM": on, "NS": 3}
+    sig = dict(gsig)
+    sig.update({k: "constexpr" for k in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    k = triton.compile(triton.compiler.ASTSource(fn=T._merge2_kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "cp.async" in k.asm["ptx"] and "st.global.v4.b32" in k.asm["ptx"], ("merge v2", part, on)
+    # only acc and the partial are staged (2 stages x 2 x 16 KB): two programs fit an SM's 228 KB
+    assert k.metadata.shared <= 96 * 1024, ("merge v2: the pipeline stages more than acc and partial", k.metadata.shared)
 print("OK")
 """
 
@@ -667,9 +707,13 @@ def test_gpu_backward_bf16(onorm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg,B", [({"mix_impl": "v1"}, 8), ({"mix_impl": "v2"}, 8), ({"mix_impl": "v3"}, 7),
                                    ({"mix_impl": "v3"}, 16), ({"p1_split": True}, 3),
+                                   ({"merge": {"impl": "v1", "num_warps": 4}}, 3),
+                                   ({"merge": {"impl": "v2", "strided": False}}, 3),
                                    ({"p1_split": False}, 3), ({}, 1)])
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_two_phase_bf16(acc_dtype, cfg, B, monkeypatch):
+    cfg = dict(cfg)
+    monkeypatch.setattr(T, "MERGE_CONFIG", cfg.pop("merge", {}))
     monkeypatch.setattr(T, "P1_CONFIG", cfg)
     n, d, Q = 4096 + 5, 7168, 24
     bank = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * (1 + i) for i in range(B)]

@@ -675,6 +675,46 @@ def _merge_kernel(
     tl.store(out + tile, o.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _merge2_kernel(
+    acc, m_in, s_in, part, q, w, ow, out,
+    N, eps, TPP, TSTEP,
+    D: tl.constexpr, BD: tl.constexpr, HAS_PART: tl.constexpr, HAS_ONORM: tl.constexpr, NS: tl.constexpr,
+):
+    # _merge_kernel's math on a persistent grid: program p merges the rows p, p + TSTEP, ... (TSTEP = the grid;
+    # TSTEP = 1: the contiguous rows p*TPP ...), one row per step of a software-pipelined loop (cp.async into
+    # shared memory, NS - 1 rows of acc and partial in flight), as the forward's v2 / v3 schedule. q*w is held in
+    # registers; the output-norm weight is loaded under a runtime branch, which keeps it out of the pipeline's
+    # shared memory (re-read from L1 each row)
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    if HAS_PART:
+        qw = tl.load(q + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
+    t0 = tl.where(TSTEP == 1, pid * TPP, pid)
+    for k in tl.range(0, TPP, num_stages=NS):
+        row = t0 + k * TSTEP
+        ok = row < N
+        mask = cmask & ok
+        a = tl.load(acc + row * D + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        mb = tl.load(m_in + row, mask=ok, other=0.0).to(tl.float32)
+        sb = tl.load(s_in + row, mask=ok, other=1.0).to(tl.float32)
+        if HAS_PART:
+            x = tl.load(part + row * D + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            lp = tl.sum(x * qw) * tl.rsqrt(tl.sum(x * x) / D + eps)
+            big = tl.maximum(mb, lp)
+            ea = tl.exp(mb - big)
+            eb = tl.exp(lp - big)
+            o = (a * ea + x * eb) * (1.0 / (sb * ea + eb))
+        else:
+            o = a * (1.0 / sb)
+        if HAS_ONORM:
+            ro = tl.rsqrt(tl.sum(o * o) / D + eps)
+            if ok:
+                o = o * ro * tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(out + row * D + cols, o.to(out.dtype.element_ty), mask=mask)
+
 # ----------------------------------------------------------------------------------------------------
 # launch helpers
 # ----------------------------------------------------------------------------------------------------
@@ -953,11 +993,16 @@ MIX3_MAX_BANK = 16
 MIX3_MAX_Q = 64
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 P1_CONFIG: dict = {}
-#: Merge-kernel launch settings for wide rows ({"bt": rows per program, "num_warps"});
-#: empty = _row_tile's choice (1 row of 7168, 8 warps). H200, 17th session, three runs, 24 merges of a block at
-#: N = 16384: 4 warps 5.02-5.05 ms against 8 warps 5.65-5.67 (the 6th session had measured 5.11 against 4.96);
-#: streaming (.cs) stores, tried, within noise (4.99).
-MERGE_DEFAULT: dict = {"num_warps": 4}
+#: Merge-kernel launch settings for wide rows ({"impl": "v1" (_merge_kernel, one program per "bt" rows; the
+#: default when absent) or "v2" (_merge2_kernel, persistent: "progs_per_sm", "ns" pipeline stages, "strided"
+#: (default True)), "num_warps"}); empty = _row_tile's choice (1 row of 7168, 8 warps). H200, 17th session, three
+#: runs, 24 merges of a block at N = 16384: 4 warps 5.02-5.05 ms against 8 warps 5.65-5.67 (the 6th session had
+#: measured 5.11 against 4.96); streaming (.cs) stores, tried, within noise (4.99). 25th session: v2 with 4 warps,
+#: 2 programs per SM, 3 stages: 24 merges with float32 queries / weights 5.00 -> 4.63 ms (8 warps 4.48; 3 programs
+#: per SM 5.42, 2 stages 4.78, contiguous tiles 4.76); with bf16 ones (K3's), B = 2 / 5 / 7, three interleaved
+#: repeats, CUDA-graph time: 4.20-4.22 against v1's 4.22-4.24 ms (3.9 TB/s: v1 was already near copy there), 8
+#: warps 4.21-4.23
+MERGE_DEFAULT: dict = {"impl": "v2", "num_warps": 4}
 #: Overrides of the above (for the benchmark's sweep); empty in normal use.
 MERGE_CONFIG: dict = {}
 
@@ -1119,15 +1164,24 @@ class _MergeFn(torch.autograd.Function):
         out = torch.empty((n, d), dtype=out_dtype, device=acc.device)
         if n > 0:
             bt, bd, nw = _row_tile(d, n)
+            mcfg = {}
             if bd * bt >= 2048 and not _INTERPRET:
                 mcfg = dict(MERGE_DEFAULT)
-                mcfg.update(MERGE_CONFIG)
-                bt = mcfg.get("bt", bt)
-                nw = mcfg.get("num_warps", nw)
-            _merge_kernel[(cdiv(n, bt),)](
-                acc, m, s, partial if partial is not None else acc, query, w,
-                ow if ow is not None else query, out, n, float(eps),
-                D=d, BT=bt, BD=bd, HAS_PART=partial is not None, HAS_ONORM=ow is not None, num_warps=nw)
+            mcfg.update(MERGE_CONFIG)                     # (the CPU tests set "impl" here)
+            bt = mcfg.get("bt", bt)
+            nw = mcfg.get("num_warps", nw)
+            args = (acc, m, s, partial if partial is not None else acc, query, w, ow if ow is not None else query,
+                    out, n, float(eps))
+            if mcfg.get("impl") == "v2":
+                pps = mcfg.get("progs_per_sm", 2)
+                tpp = max(1, cdiv(n, pps * _num_sms(acc.device)))
+                grid = cdiv(n, tpp)
+                _merge2_kernel[(grid,)](*args, tpp, grid if mcfg.get("strided", True) else 1, D=d, BD=bd,
+                                        HAS_PART=partial is not None, HAS_ONORM=ow is not None,
+                                        NS=mcfg.get("ns", 3), num_warps=nw)
+            else:
+                _merge_kernel[(cdiv(n, bt),)](*args, D=d, BT=bt, BD=bd, HAS_PART=partial is not None,
+                                              HAS_ONORM=ow is not None, num_warps=nw)
         return out
 
     @staticmethod
