@@ -1174,11 +1174,17 @@ class _MergeFn(torch.autograd.Function):
                     out, n, float(eps))
             if mcfg.get("impl") == "v2":
                 pps = mcfg.get("progs_per_sm", 2)
+                ns = mcfg.get("ns", 3)
+                # the pipeline holds ns - 1 rows of acc and partial per program: with float32 ones two programs
+                # would not fit an SM's shared memory at 3 stages (a second wave of programs), so fewer stages
+                row_bytes = bd * (acc.element_size() + (partial.element_size() if partial is not None else 0))
+                while ns > 2 and pps * (ns - 1) * row_bytes > 200 * 1024:
+                    ns -= 1
                 tpp = max(1, cdiv(n, pps * _num_sms(acc.device)))
                 grid = cdiv(n, tpp)
                 _merge2_kernel[(grid,)](*args, tpp, grid if mcfg.get("strided", True) else 1, D=d, BD=bd,
-                                        HAS_PART=partial is not None, HAS_ONORM=ow is not None,
-                                        NS=mcfg.get("ns", 3), num_warps=nw)
+                                        HAS_PART=partial is not None, HAS_ONORM=ow is not None, NS=ns,
+                                        num_warps=nw)
             else:
                 _merge_kernel[(cdiv(n, bt),)](*args, D=d, BT=bt, BD=bd, HAS_PART=partial is not None,
                                               HAS_ONORM=ow is not None, num_warps=nw)
