@@ -1124,8 +1124,10 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
     bank source i: ``logit_qi = <queries[q], RMSNorm(bank_i; rms_weights[q], eps)>``, ``m_q = max_i logit_qi``,
     ``s_q = sum_i exp(logit_qi - m_q)``, ``acc_q = sum_i exp(logit_qi - m_q) bank_i``.
     Kernels: the logits of all Q queries come from one read of the bank (a [tokens, d] x [d, Q]
-    tensor-core product in 3xTF32, float32-accurate, with the running max and sum); the weighted sums are
-    then formed per (token, d-chunk, query-group) tile and written once.
+    tensor-core product, float32-accurate: 3xTF32, or for bf16 banks the tile against queries * rms_weights in
+    three bf16 parts), then the softmax max and sum per token and query; the weighted sums are formed per
+    (token, d-chunk) tile for every query (banks of up to MIX3_MAX_BANK sources; larger ones per (token,
+    d-chunk, query-group) tile) and written once.
 
     Args:
         queries: [Q, d] float tensor; rms_weights: [Q, d].
