@@ -859,9 +859,9 @@ def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
     return SpecModel(tree, file, text)
 
 
-def _unclosed(text: str, end: int):
-    """The innermost bracket '(' / '[' / '{' still open at offset ``end`` of a spec, as (bracket, line, column),
-    or None; strings and # comments are skipped."""
+def _open_brackets(text: str, end: int) -> list:
+    """The brackets '(' / '[' / '{' still open at offset ``end`` of a spec, outermost first, each as (bracket, line,
+    column); strings and # comments are skipped."""
     stack, line, col, i, pairs = [], 1, 1, 0, {")": "(", "]": "[", "}": "{"}
     while i < end:
         c = text[i]
@@ -884,6 +884,12 @@ def _unclosed(text: str, end: int):
         else:
             col += 1
         i += 1
+    return stack
+
+
+def _unclosed(text: str, end: int):
+    """The innermost bracket still open at offset ``end`` of a spec (see _open_brackets), or None."""
+    stack = _open_brackets(text, end)
     return stack[-1] if stack else None
 
 
@@ -900,11 +906,15 @@ def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> M
         more = f" (or {len(exp) - 10} more)" if len(exp) > 10 else ""
         what = "end of file" if tok.type == "$END" else f"'{tok}'"
         hint = None
-        closers = {"')'": "(", "']'": "["}
+        closers = {"')'": "(", "']'": "[", "'}'": "{"}
         want = [closers[x] for x in exp if x in closers]
         if want and str(tok) not in (")", "]"):
             pos = getattr(tok, "start_pos", None)
             opened = _unclosed(text, len(text) if pos is None or tok.type == "$END" else pos)
+            # a '{' is named only when the file as a whole leaves one open: a body's '{' is open at every bad
+            # statement inside it, and its '}' may well come later
+            if opened and opened[0] == "{" and not any(b[0] == "{" for b in _open_brackets(text, len(text))):
+                opened = None
             if opened and opened[0] in want:
                 hint = f"the '{opened[0]}' opened at line {opened[1]}, column {opened[2]} is not closed"
         return MtcError(f"syntax error: unexpected {what}; expected {', '.join(exp[:10])}{more}",

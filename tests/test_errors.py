@@ -688,6 +688,24 @@ def test_unclosed_bracket_is_named_where_it_opened(edit, opened):
     assert f"the '(' opened at line {opened[0]}, column {opened[1]} is not closed" == e.hint, e.render()
 
 
+@pytest.mark.parametrize("edit,opened", [
+    (lambda s: s.rstrip()[:-1], (1, 9)),                                               # the model's '}'
+    (lambda s: s.replace("      ffn = dense\n    }\n", "      ffn = dense\n"), (7, 28)),  # the stack body's '}'
+    (lambda s: s.replace("n: int = 2 }", "n: int = 2"), (2, 10)),                      # the config's '}'
+])
+def test_unclosed_brace_is_named_where_it_opened(edit, opened):
+    # user trial: a missing '}' said only "unexpected end of file" (or the next keyword) with no hint where
+    e = _err(edit(STACK))
+    assert e.msg.startswith("syntax error") and e.hint is not None, e.render()
+    assert f"the '{{' opened at line {opened[0]}, column {opened[1]} is not closed" == e.hint, e.render()
+
+
+def test_bad_statement_in_a_closed_body_names_no_brace():
+    # every brace of the file is closed: a bad statement inside a body is not a missing '}'
+    e = _err(STACK.replace("ffn = dense", "ffn = dense\n      = 3"))
+    assert e.msg.startswith("syntax error: unexpected '='") and _loc(e) == (10, 7) and e.hint is None, e.render()
+
+
 def test_load_takes_a_path_and_the_module_a_tensor():
     # user trial: dsl.load(123) raised pathlib's TypeError, and m(ids.numpy()) said "must be a tensor of rank 2,
     # got (2, 30)" (a shape of rank 2)
