@@ -642,6 +642,22 @@ def _phase1_mix3_kernel(
 
 
 @triton.jit
+def _merge_rows(a, x, mb, sb, qw, eps, D: tl.constexpr, HAS_PART: tl.constexpr):
+    # the phase-2 merge of rows along the last axis (a: the bank's acc, x: the partial, qw: q*w, both broadcast to
+    # a row; mb, sb: each row's softmax max and sum from phase 1, shaped to broadcast against a row statistic
+    # ([BT, 1], or scalars for one row)): the online-softmax merge of the bank with the partial, or acc / s
+    if HAS_PART:
+        lp = tl.sum(x * qw, axis=-1, keep_dims=True) * tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
+        big = tl.maximum(mb, lp)
+        ea = tl.exp(mb - big)
+        eb = tl.exp(lp - big)
+        o = (a * ea + x * eb) * (1.0 / (sb * ea + eb))
+    else:
+        o = a * (1.0 / sb)
+    return o
+
+
+@triton.jit
 def _merge_kernel(
     acc, m_in, s_in, part, q, w, ow, out,
     N, eps,
@@ -658,17 +674,12 @@ def _merge_kernel(
     a = tl.load(acc + tile, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     mb = tl.load(m_in + rows, mask=rmask, other=0.0).to(tl.float32)
     sb = tl.load(s_in + rows, mask=rmask, other=1.0).to(tl.float32)
+    x = a                                       # (placeholders where there is no partial: unused then)
     if HAS_PART:
         x = tl.load(part + tile, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         qw = tl.load(q + cols, mask=cmask, other=0.0).to(tl.float32) * \
             tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
-        lp = tl.sum(x * qw[None, :], axis=1) * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-        big = tl.maximum(mb, lp)
-        ea = tl.exp(mb - big)
-        eb = tl.exp(lp - big)
-        o = (a * ea[:, None] + x * eb[:, None]) * (1.0 / (sb * ea + eb))[:, None]
-    else:
-        o = a * (1.0 / sb)[:, None]
+    o = _merge_rows(a, x, mb[:, None], sb[:, None], qw[None, :] if HAS_PART else a, eps, D, HAS_PART)
     if HAS_ONORM:
         ro = tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)
         o = o * ro[:, None] * tl.load(ow + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -700,15 +711,10 @@ def _merge2_kernel(
         a = tl.load(acc + row * D + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         mb = tl.load(m_in + row, mask=ok, other=0.0).to(tl.float32)
         sb = tl.load(s_in + row, mask=ok, other=1.0).to(tl.float32)
+        x = a                                   # (placeholders where there is no partial: unused then)
         if HAS_PART:
             x = tl.load(part + row * D + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            lp = tl.sum(x * qw) * tl.rsqrt(tl.sum(x * x) / D + eps)
-            big = tl.maximum(mb, lp)
-            ea = tl.exp(mb - big)
-            eb = tl.exp(lp - big)
-            o = (a * ea + x * eb) * (1.0 / (sb * ea + eb))
-        else:
-            o = a * (1.0 / sb)
+        o = _merge_rows(a, x, mb, sb, qw if HAS_PART else a, eps, D, HAS_PART)
         if HAS_ONORM:
             ro = tl.rsqrt(tl.sum(o * o) / D + eps)
             if ok:
