@@ -360,7 +360,7 @@ def _grads(fn, query, sources, w, ow, gy):
     return torch.autograd.grad(out, ins, gy.to(out.dtype))
 
 
-@pytest.mark.parametrize("L,n", [(1, 65), (2, 100), (3, 63), (16, 37), (25, 20)])
+@pytest.mark.parametrize("L,n", [(1, 65), (2, 100), (3, 63), (16, 37), (25, 20), (64, 19)])
 @pytest.mark.parametrize("onorm", [False, True])
 def test_triton_backward_fp32(L, n, onorm):
     d = 40
