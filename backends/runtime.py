@@ -234,6 +234,11 @@ class _KeptBias:
         return not self.recomputed and all(r() is not None for r in self.refs)
 
 
+class TokenIdError(MtcError, IndexError):
+    """A token id outside the vocabulary of the embedding it feeds (an MtcError, and an IndexError as torch's
+    own indexing would raise)."""
+
+
 def _forward_key(inputs: dict) -> tuple:
     """Which forward a (re)computation is: its input tensors by storage, shape and version (a checkpoint's
     recomputation gets the same tensors back; tensors alive at the same time never share a storage address)."""
@@ -606,6 +611,10 @@ class CompiledModule(nn.Module):
                                    f"writes an integer, or a config field, there)")
             env[n.name] = x
         self._warn_past_max_seq_len(inputs)
+        self._check_token_ids(env)
+        if p0 is not None:
+            from backends.memory import check_forward_fits
+            check_forward_fits(g, bind, self.dtype, p0.device, self.target, f"{g.name}: ")
         fkey = None
         self._hook_calls = []
         if self._router_layers:
@@ -686,6 +695,24 @@ class CompiledModule(nn.Module):
         outs = [self._value(env, r) for r in g.outputs]
         self._call_stats_hooks()
         return outs
+
+    def _check_token_ids(self, env: dict) -> None:
+        """MtcError naming the input, the first out-of-range id and its position, for token ids outside the
+        vocabulary of an embedding they feed (before any op runs; on a GPU an out-of-range gather is a
+        device-side assert that ends the process's CUDA context)."""
+        for n in self.graph.nodes:
+            if n.op != "embedding" or n.inputs[0].node not in env:
+                continue
+            ids = env[n.inputs[0].node]
+            vocab = int(self._node_types[n.inputs[1].node][0])
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo >= 0 and hi < vocab:
+                continue
+            bad = torch.nonzero((ids < 0) | (ids >= vocab))[0].tolist()
+            name = self.graph.node_map()[n.inputs[0].node].attr("name")
+            raise TokenIdError(f"{self.graph.name}: input '{name}' holds token id {int(ids[tuple(bad)])} at index {bad}, "
+                           f"outside the vocabulary [0, {vocab}) of the embedding {self._names.get(n.inputs[1].node, '')}"
+                           f"; every id must be in [0, {vocab})", n.loc)
 
     def _call_stats_hooks(self) -> None:
         """The stats hooks, router by router, after the forward: a hook that raises leaves a whole forward behind
