@@ -81,8 +81,11 @@ def _same_file(a, b) -> bool:
 
 def _check_output_file(flag: str, path: str, inputs: dict) -> None:
     """Before any work: refuse an output FILE that cannot be written (a folder, a missing folder, no write
-    permission) or that is one of the inputs (``inputs``: what -> path, e.g. {"input spec": spec}).
-    Opens the file for appending (nothing is truncated) and removes it again if this check created it."""
+    permission on the file or on its folder, where the atomic write puts its temporary file) or that is one of
+    the inputs (``inputs``: what -> path, e.g. {"input spec": spec}). Opens the file for appending (nothing is
+    truncated) and removes it again if this check created it."""
+    import stat
+    import tempfile
     for what, src in inputs.items():
         if src is not None and _same_file(path, src):
             raise MtcError(f"{flag} '{path}' would overwrite the {what}; write to another file")
@@ -102,17 +105,32 @@ def _check_output_file(flag: str, path: str, inputs: dict) -> None:
             p.unlink()
         except OSError:
             pass
+    if not existed or stat.S_ISREG(os.stat(p).st_mode):     # (a device such as /dev/null is written in place)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.resolve().parent)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise MtcError(f"cannot write {flag} '{path}': its folder is not writable ({e.strerror}; mtc writes "
+                           f"a new file beside the old one and renames it, so that a failed write loses nothing)") \
+                from None
 
 
-def _check_output_dir(flag: str, path: str) -> None:
-    """Before any work: refuse an output DIR that exists and is not a directory."""
-    if Path(path).exists() and not Path(path).is_dir():
-        raise MtcError(f"{flag} '{path}' exists and is not a directory; give a directory (created if missing)")
+def _check_output_dir(flag: str, path: str, names, protect=()):
+    """Before any work: the dsl.fileio.OutputDir that the files ``names`` will be written to; MtcError when DIR
+    exists and is not a directory, or holds a file of those names that mtc did not write there (a user's
+    ``kernels.py``) or that was changed since, or when one of them is an input (``protect``)."""
+    from .fileio import OutputDir
+    out = OutputDir(path, flag, protect)
+    out.check(names)
+    return out
 
 
 def _write_output(flag: str, path: str, text: str) -> None:
+    """Write an output FILE atomically: a failed write (a full disk) leaves the old file whole."""
+    from .fileio import write_atomic
     try:
-        Path(path).write_text(text)
+        write_atomic(path, text)
     except OSError as e:
         raise MtcError(f"cannot write {flag} '{path}': {e.strerror}") from None
 
@@ -200,13 +218,17 @@ def cmd_ir(args) -> int:
     _warn_stage_flags(args, print_after)
     if args.output:
         _check_output_file("--output", args.output, {"input spec": args.spec})
-    if args.dump_ir:
-        _check_output_dir("--dump-ir", args.dump_ir)
+    if args.dump_ir is not None and not args.dump_ir.strip():
+        raise MtcError("--dump-ir needs a directory name")
+    pm = PassManager(print_after=print_after - {"lower"}, keep_stages=True)
+    if args.dump_ir:                      # (it runs the whole pipeline) every file it will write, checked first
+        pm.dump_dir = _check_output_dir("--dump-ir", args.dump_ir, pm.dump_names() + (
+            [_lowered_dump_name(pm)] if stage == "lowered" else []), [args.spec])
+    dump = pm.dump_dir
     g = _load(args)
     if stage == "lowered" and args.seq_len is not None:
         _warn_past_max_seq_len(g, args.seq_len, "--seq-len", "the memory plan is for a context longer than "
                                "the spec declares")
-    pm = PassManager(print_after=print_after - {"lower"}, dump_dir=args.dump_ir, keep_stages=True)
     upto = stages.index(stage)
     if stage == "tvm":
         upto = stages.index("canonical")
@@ -232,12 +254,8 @@ def cmd_ir(args) -> int:
         text = _tvm_report(args, pm.stages["canonical"])
     elif stage == "lowered":
         text = _lowered_report(args, g, pm, prog)
-        if args.dump_ir:                  # the pass dumps are NN-<pass>.ir; the kernel IR comes last
-            n = len(list(Path(args.dump_ir).glob("*.ir")))
-            try:
-                (Path(args.dump_ir) / f"{n:02d}-lowered.txt").write_text(text)
-            except OSError as e:
-                raise MtcError(f"cannot write --dump-ir '{args.dump_ir}': {e.strerror}") from None
+        if dump:                          # the pass dumps are NN-<pass>.ir; the kernel IR comes last
+            dump.write(_lowered_dump_name(pm), text)
     else:
         text = print_graph(pm.stages[stage], with_loc=not args.no_loc)
         if stage == "fused":
@@ -255,6 +273,11 @@ def cmd_ir(args) -> int:
     if args.timing:
         print(pm.timing_report(), file=sys.stderr)
     return 0
+
+
+def _lowered_dump_name(pm) -> str:
+    """--dump-ir's file for the kernel IR listing: numbered after the pass dumps (NN-lowered.txt)."""
+    return f"{len(pm.dump_names()):02d}-lowered.txt"
 
 
 def _print_after(values) -> set[str]:
@@ -617,11 +640,12 @@ def cmd_compile(args) -> int:
     if args.emit is not None:
         if not args.emit.strip():
             raise MtcError("--emit needs a directory name (without --emit the kernels go to the cache)")
-        _check_output_dir("--emit", args.emit)
+    from backends.triton.codegen import EMIT_FILES
+    emit = _check_output_dir("--emit", args.emit, EMIT_FILES, [args.spec]) if args.emit is not None else None
     g = _load(args)
     fused = PassManager().run(g)          # no weights are allocated: the full model compiles too
     prog = lower(fused, target="triton")
-    path, _mod, kernels = write_and_load(prog, fused, args.emit)
+    path, _mod, kernels = write_and_load(prog, fused, emit)
     n_gen = len({k.name for k in kernels})
     print(f"{g.name}: {len(prog.launches)} kernel launches, {len(kernels)} of them generated pointwise "
           f"kernels ({n_gen} distinct)")
@@ -753,11 +777,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the graph IR after every graph pass to DIR, one file per pass (NN-<pass>.ir, NN in "
                         "pipeline order); the whole graph pipeline runs for it whatever --stage (which only picks "
                         "what is printed); --stage lowered adds the lowered kernel listing as NN-lowered.txt (the "
-                        "lower pass's output is not graph IR)")
+                        "lower pass's output is not graph IR). DIR may hold other files, but a file of one of those "
+                        "names is replaced only if mtc wrote it there and it is unchanged (listed in DIR/"
+                        ".mtc-outputs.json); else nothing is written")
     s.add_argument("--timing", action="store_true",
                    help="print per-pass timing to stderr (of the whole graph pipeline, whatever --stage)")
     s.add_argument("--no-loc", action="store_true", help="omit source locations")
-    s.add_argument("--output", "-o", help="write to a file instead of stdout")
+    s.add_argument("--output", "-o", help="write to a file instead of stdout (atomically: a failed write leaves an "
+                                          "existing file as it was)")
     s.set_defaults(fn=cmd_ir)
 
     s = sub.add_parser("run", help="run the forward pass on a text file; print loss and expert load",
@@ -784,7 +811,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "pointwise kernels into the cache (keyed by the printed kernel IR, target "
                                    "and versions) or into --emit DIR; prints the paths.")
     _add_spec_args(s)
-    s.add_argument("--emit", metavar="DIR", help="write kernels.py and kernel_ir.txt to DIR")
+    s.add_argument("--emit", metavar="DIR", help="write kernels.py and kernel_ir.txt to DIR (created if missing); "
+                                                 "an existing file of those names is replaced only if mtc wrote it "
+                                                 "there and it is unchanged (DIR/.mtc-outputs.json lists them)")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("ops", help="list the ops: how a spec writes them, their signatures and semantics",

@@ -85,7 +85,7 @@ class _ToGraph(lark.Transformer):
         return tuple(t)
 
     def loc(self, t):
-        return Loc(json.loads(t[0]), int(t[1]), int(t[2]))
+        return Loc(json.loads(t[0]), int(t[1]), int(t[2]), claimed=True)    # named by the text: see Loc
 
     @lark.v_args(meta=True)
     def ret(self, meta, t):

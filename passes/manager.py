@@ -61,22 +61,29 @@ class PassManager:
         unknown = self.print_after - set(names) - {"all"}
         if unknown:
             raise MtcError(f"--print-after names passes not in the pipeline: {', '.join(sorted(unknown))}")
-        self.dump_dir = Path(dump_dir) if dump_dir else None
+        from dsl.fileio import OutputDir
+        # dumps go only where they replace no file but mtc's own earlier dumps (see dsl.fileio.OutputDir)
+        self.dump_dir = (dump_dir if isinstance(dump_dir, OutputDir) or not dump_dir
+                         else OutputDir(dump_dir, "dump_dir"))
         self.verify_each = verify_each
         self.keep_stages = keep_stages
         self.printer = printer
         self.timings: list[tuple[str, float]] = []
         self.stages: dict[str, Graph] = {}
 
+    def dump_names(self) -> list[str]:
+        """The files a run writes to ``dump_dir``: 00-graph.ir, then NN-<pass>.ir for each pass in order."""
+        return ["00-graph.ir"] + [f"{i:02d}-{p.name}.ir" for i, p in enumerate(self.passes, 1)]
+
     def run(self, g: Graph) -> Graph:
+        """Run the passes on ``g``; returns the last pass's graph. With ``dump_dir``: every dump name is checked
+        first (MtcError naming a file there that mtc did not write, or that was changed since), then each dump
+        is written atomically."""
         from .verify import verify
         self.stages["graph"] = g
         if self.dump_dir:
-            try:
-                self.dump_dir.mkdir(parents=True, exist_ok=True)
-                (self.dump_dir / "00-graph.ir").write_text(str(g))
-            except OSError as e:
-                raise MtcError(f"cannot write IR dumps to '{self.dump_dir}': {e.strerror}") from None
+            self.dump_dir.check(self.dump_names())
+            self.dump_dir.write("00-graph.ir", str(g))
         for i, p in enumerate(self.passes, 1):
             t0 = time.perf_counter()
             g = p.fn(g)
@@ -89,7 +96,7 @@ class PassManager:
             if p.name in self.print_after or "all" in self.print_after:
                 self.printer(f"// ----- IR after {p.name} ({dt * 1e3:.1f} ms) -----\n{g}")
             if self.dump_dir:
-                (self.dump_dir / f"{i:02d}-{p.name}.ir").write_text(str(g))
+                self.dump_dir.write(f"{i:02d}-{p.name}.ir", str(g))
         return g
 
     def timing_report(self) -> str:

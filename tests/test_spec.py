@@ -118,8 +118,8 @@ def test_pass_manager_dump_and_print_after(tmp_path, capsys):
     pm = PassManager(print_after=["canonicalize"], dump_dir=tmp_path)
     pm.run(dsl.load(DATA / "toy.mtc"))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["00-graph.ir", "01-verify.ir", "02-infer_shapes.ir", "03-canonicalize.ir",
-                     "04-batch_attn_residual.ir", "05-fuse_tiles.ir"]
+    assert files == [".mtc-outputs.json", "00-graph.ir", "01-verify.ir", "02-infer_shapes.ir", "03-canonicalize.ir",
+                     "04-batch_attn_residual.ir", "05-fuse_tiles.ir"]     # (the manifest: dsl.fileio.OutputDir)
     assert "IR after canonicalize" in capsys.readouterr().out
     assert [n for n, _ in pm.timings] == ["verify", "infer_shapes", "canonicalize", "batch_attn_residual",
                                               "fuse_tiles"]

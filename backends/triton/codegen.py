@@ -12,11 +12,20 @@ valid, ``launch(k, fn, args, outs)`` uses the tiled one.
 The generated file is written to a cache directory keyed by the kernel program's cache key (a hash of
 the printed kernel IR, the target and the tool versions), so sizes of symbolic dims never enter it:
 
-    $MTC_CACHE_DIR (default ~/.cache/mtc) / triton / <key> / kernels.py
+    $MTC_CACHE_DIR (default ~/.cache/mtc) / triton / <key> / kernels.py (and kernel_ir.txt)
+
+A cache entry is checked against the source generated now on every load, so an entry that is damaged
+(truncated, garbage bytes, a directory or an unreadable file in its place) is a miss: it is rewritten
+(atomically, as every write) with one line on stderr.
 """
 from __future__ import annotations
 
 import importlib.util
+import linecache
+import os
+import shutil
+import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,23 +236,94 @@ def generate(program, g: Graph) -> tuple[str, list[GeneratedKernel]]:
     return src, kernels
 
 
-def write_and_load(program, g: Graph, directory: Path | None = None):
+#: the files of a cache entry or an --emit directory
+EMIT_FILES = ("kernels.py", "kernel_ir.txt")
+
+
+def write_and_load(program, g: Graph, directory=None):
     """Write the generated source (to the cache, or ``directory``) and import it.
 
-    Returns (path, module, kernels)."""
+    ``directory``: a path or a ``dsl.fileio.OutputDir`` (``mtc compile --emit``, ``dsl.compile(emit_dir=)``):
+    it takes the files only where they replace nothing but mtc's own earlier output (MtcError naming the file
+    otherwise). The cache entry is repaired when damaged (see the module docstring). The module is executed
+    from the source generated now, never from bytecode or a file's other contents.
+
+    Returns (path, module, kernels). Raises MtcError when the files cannot be written."""
+    from dsl.errors import MtcError
+    from dsl.fileio import OutputDir
     src, kernels = generate(program, g)
-    d = Path(directory) if directory else cache_dir() / "triton" / program.cache_key()
-    path = d / "kernels.py"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != src:
-            path.write_text(src)
-        (d / "kernel_ir.txt").write_text(program.text())
-    except OSError as e:
-        from dsl.errors import MtcError
-        where = "--emit directory" if directory else "kernel cache (set MTC_CACHE_DIR to a writable directory)"
-        raise MtcError(f"cannot write the generated kernels to {d} ({where}): {e.strerror or e}") from None
+    files = {"kernels.py": src, "kernel_ir.txt": program.text()}
+    if directory is not None:
+        out = directory if isinstance(directory, OutputDir) else OutputDir(directory, "emit_dir")
+        out.check(EMIT_FILES)
+        for name, text in files.items():
+            out.write(name, text)
+        path = out.path / "kernels.py"
+    else:
+        d = cache_dir() / "triton" / program.cache_key()
+        path = d / "kernels.py"
+        try:
+            _ensure_cache_entry(d, files)
+        except OSError as e:
+            raise MtcError(f"cannot write the generated kernels to {d} (kernel cache (set MTC_CACHE_DIR to a "
+                           f"writable directory)): {e.strerror or e}") from None
+    # inspect.getsource (which triton.jit reads) gets exactly the source executed here
+    linecache.cache[str(path)] = (len(src), None, src.splitlines(True), str(path))
     spec = importlib.util.spec_from_file_location(f"mtc_gen_{program.cache_key()}", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    exec(compile(src, str(path), "exec"), mod.__dict__)
     return path, mod, kernels
+
+
+def _ensure_cache_entry(d: Path, files: dict[str, str]) -> None:
+    """Make the cache entry directory ``d`` hold exactly ``files`` (name -> text): a missing file is written,
+    a damaged one (other bytes, not a regular file, unreadable) replaced, each atomically; one line on stderr
+    names what was repaired. Raises OSError when the cache cannot be written."""
+    from dsl.fileio import write_atomic
+    damaged = []
+    if os.path.lexists(d) and (os.path.islink(d) or not d.is_dir()):
+        damaged.append("the entry is not a directory")
+        os.unlink(d)
+    d.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        f = d / name
+        want = text.encode("utf-8")
+        why = _entry_damage(f, want)
+        if why is None:
+            continue
+        if why != "missing":
+            damaged.append(f"{name}: {why}")
+            if os.path.isdir(f) and not os.path.islink(f):
+                shutil.rmtree(f)
+            elif os.path.islink(f):
+                os.unlink(f)                   # (the atomic write would replace the file it points to)
+        write_atomic(f, want)
+    if damaged:
+        print(f"mtc: the kernel cache entry {d} was damaged ({'; '.join(damaged)}); rebuilt it", file=sys.stderr,
+              flush=True)
+
+
+def _entry_damage(f: Path, want: bytes) -> str | None:
+    """None when the cache file ``f`` holds exactly ``want``; else why not ("missing", or the damage)."""
+    if not os.path.lexists(f):
+        return "missing"
+    if os.path.islink(f):
+        return "a symbolic link"
+    try:
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            got = fh.read(len(want) + 1)
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    finally:
+        os.close(fd)
+    if got == want:
+        return None
+    if len(got) < len(want) and want.startswith(got):
+        return f"truncated to {len(got)} of {len(want)} bytes"
+    return "other contents than the generated kernels"

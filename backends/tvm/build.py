@@ -10,6 +10,11 @@ target (as JSON) + the TVM version: it never depends on the token count (a symbo
 formed without TVM's compiler, so a machine with only TVM's runtime (TVM_USE_RUNTIME_LIB=1) loads modules
 built elsewhere from the same cache directory. CUDA modules keep their CUDA source; TVM compiles it when
 the module is loaded (the ``tvm_callback_cuda_compile`` hook, NVRTC).
+
+Beside each library, ``<name>.so.sha256`` holds the SHA-256 of the bytes ``export_library`` wrote. A library
+that is not a regular file or does not match it (truncated, overwritten) is a miss: it is rebuilt before
+anything loads it, with one line on stderr; one that fails to load is rebuilt once (``get_function``).
+Every file is written to a temporary name and renamed.
 """
 from __future__ import annotations
 
@@ -17,7 +22,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -83,30 +87,77 @@ def compile_kernel(kernel: Kernel, kind: str):
         return tvm.compile(mod, target=target), mod
 
 
+def _checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def cached_library_damage(path: Path) -> str | None:
+    """Why the cached library ``path`` cannot be used as it is: "missing", or the damage (not a regular file;
+    its bytes differ from the SHA-256 recorded when it was built); None when it is fine. A library without
+    a recorded checksum (an older cache) counts as fine here: loading it is the check."""
+    from dsl.fileio import sha256_file
+    if os.path.lexists(path.parent) and (os.path.islink(path.parent) or not path.parent.is_dir()):
+        return "a file where the entry's directory belongs"
+    if not os.path.lexists(path):
+        return "missing"
+    if os.path.islink(path) or not path.is_file():
+        return "not a regular file"
+    try:
+        want = _checksum_path(path).read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return "its checksum file is unreadable"
+    got = sha256_file(path)
+    if got is None:
+        return "unreadable"
+    return None if got == want else "its bytes differ from the ones built (truncated or overwritten)"
+
+
+def _note_rebuilt(path: Path, why: str) -> None:
+    print(f"mtc: the TVM kernel cache entry {path} was damaged ({why}); rebuilding it", file=sys.stderr, flush=True)
+
+
+def _clear(path: Path) -> None:
+    """Remove whatever is at ``path`` (a damaged cache file or a directory in its place)."""
+    import shutil
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
 def build(kernel: Kernel, kind: str, *, force: bool = False) -> Path:
     """Make sure the exported library of ``kernel`` for ``kind`` is in the cache; return its path.
 
-    Compiles (schedule + tvm.compile + export_library) only on a cache miss or with ``force``. CUDA
-    builds need no GPU. The library is written to a temporary name and renamed, so concurrent builders
-    never see a half-written file."""
+    Compiles (schedule + tvm.compile + export_library) only on a cache miss (a missing or damaged library:
+    see the module docstring) or with ``force``. CUDA builds need no GPU. Every file is written to a
+    temporary name and renamed, so concurrent builders never see a half-written file."""
+    from dsl.fileio import atomic_path, sha256_file, write_atomic
     path = library_path(kernel, kind)
-    if path.exists() and not force:
+    why = cached_library_damage(path)
+    if why is None and not force:
         return path
+    if why not in (None, "missing"):
+        _note_rebuilt(path, why)
     t0 = time.perf_counter()
     ex, mod = compile_kernel(kernel, kind)
+    if os.path.lexists(path.parent) and (os.path.islink(path.parent) or not path.parent.is_dir()):
+        _clear(path.parent)                         # a file where the entry's directory belongs
     path.parent.mkdir(parents=True, exist_ok=True)
-    (path.parent / f"{kernel.name}.tvmscript.py").write_text(kernel.text(kind))
-    (path.parent / f"{kernel.name}.scheduled.py").write_text(mod.script())
-    if kind == "cuda":
-        (path.parent / f"{kernel.name}.cu").write_text(cuda_source(ex))
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
+    for name, text in ((f"{kernel.name}.tvmscript.py", kernel.text(kind)),
+                       (f"{kernel.name}.scheduled.py", mod.script()),
+                       *(((f"{kernel.name}.cu", cuda_source(ex)),) if kind == "cuda" else ())):
+        if os.path.isdir(path.parent / name):
+            _clear(path.parent / name)
+        write_atomic(path.parent / name, text)
+    for p in (path, _checksum_path(path)):
+        if os.path.islink(p) or os.path.isdir(p):
+            _clear(p)                               # (the rename below cannot replace a directory)
+    with atomic_path(path, suffix=".so") as tmp:
         ex.export_library(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        digest = sha256_file(tmp)
+    write_atomic(_checksum_path(path), f"{digest}\n")
     if not os.environ.get("MTC_QUIET"):
         shape = [(k, kernel.info[k]) for k in ("d", "L", "C", "W", "E") if isinstance(kernel.info.get(k), int)]
         sched = [kv for kv in kernel.sched if kv[1] is not None]
@@ -154,10 +205,12 @@ def export(kernel: Kernel, kind: str, file_name: str | os.PathLike) -> Path:
     """Build (or take from the cache) and copy the library to ``file_name`` for deployment; load it with
     ``load(file_name, kernel.name)`` on a machine that has only TVM's runtime."""
     import shutil
+    from dsl.fileio import atomic_path
     src = build(kernel, kind)
     dst = Path(file_name)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+    with atomic_path(dst, suffix=".so") as tmp:       # a failed copy leaves an older export whole
+        shutil.copyfile(src, tmp)
     return dst
 
 
@@ -186,6 +239,7 @@ def get_function(kernel: Kernel, kind: str):
             try:
                 fn = load(path, kernel.name)
             except Exception as first:        # a damaged cache file (truncated, foreign): rebuild it once
+                _note_rebuilt(path, f"it does not load: {' '.join(str(first).split())[-200:]}")
                 path = build(kernel, kind, force=True)
                 try:
                     fn = load(path, kernel.name)
