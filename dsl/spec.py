@@ -34,6 +34,9 @@ INT_LIMIT = 2**63
 #: the longest string '+' may build (strings are names and dtypes; doubling a field field after field
 #: would otherwise exhaust memory)
 MAX_STRING = 1 << 16
+#: the largest spec file read (bytes); a larger one, or one that is not a regular file (/dev/zero, a pipe), is
+#: refused before it is read
+MAX_SPEC_BYTES = 16 << 20
 
 CONFIG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dtype": str}
 
@@ -887,6 +890,44 @@ def _bad_number(text: str, file: str, before: int | None = None) -> MtcError | N
             pass
         return MtcError(f"invalid number literal '{lit}'", Loc(file, line, col), text, hint)
     return None
+
+
+def read_spec_file(path) -> str:
+    """The text of a spec file, refused at once (an MtcError naming the file) when it is not a regular file (a
+    directory, /dev/zero, a pipe), is larger than MAX_SPEC_BYTES, or is not UTF-8 (located at the first bad
+    byte). The file is opened without blocking (a pipe with no writer) and checked as opened; at most
+    MAX_SPEC_BYTES + 1 bytes are read, whatever the file system reports as its size."""
+    import os
+    import stat
+    limit = f"more than the limit of {MAX_SPEC_BYTES >> 20} MiB for a spec"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise MtcError(f"cannot read spec '{path}': {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((k for f, k in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                                        (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+                                        (stat.S_ISSOCK, "a socket")) if f(st.st_mode)), None)
+            raise MtcError(f"cannot read spec '{path}': it is {kind + ', ' if kind else ''}not a regular file")
+        if st.st_size > MAX_SPEC_BYTES:
+            raise MtcError(f"spec '{path}' is {st.st_size:,} bytes, {limit}")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise MtcError(f"cannot read spec '{path}': {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SPEC_BYTES:
+        raise MtcError(f"spec '{path}' is {limit}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = len(data[data.rfind(b"\n", 0, e.start) + 1:e.start].decode("utf-8", "replace")) + 1
+        raise MtcError(f"spec '{path}' is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})",
+                       Loc(str(path), line, col), data.decode("utf-8", "replace")) from None
 
 
 def parse_spec(text: str, file: str = "<spec>") -> SpecModel:
