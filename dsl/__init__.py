@@ -41,20 +41,20 @@ def parse(text: str, variant: str | None = None, *, file: str = "<spec>", **over
 
 
 def load(path: str | Path, variant: str | None = None, **overrides) -> Graph:
-    """Read and parse a .mtc file (see :func:`parse`). Raises TypeError when path is not a str or os.PathLike."""
+    """Read and parse a .mtc file (see :func:`parse`).
+
+    Raises:
+        TypeError: path is not a str or os.PathLike.
+        MtcError: the file cannot be read, is not a regular file (a directory, /dev/zero), is over
+            ``dsl.spec.MAX_SPEC_BYTES`` (16 MiB) or is not UTF-8 text; or see :func:`parse`.
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"dsl.load takes the path of a .mtc file (str or os.PathLike), got {type(path).__name__}"
                         + (" (a spec's text: dsl.parse(text))" if isinstance(path, bytes) else ""))
     if not os.fspath(path):
         raise MtcError("cannot read spec '': the path is empty")
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise MtcError(f"cannot read spec '{path}': {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise MtcError(f"spec '{path}' is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
-    return parse(text, variant, file=str(path), **overrides)
+    from .spec import read_spec_file
+    return parse(read_spec_file(path), variant, file=str(path), **overrides)
 
 
 def compile(graph: Graph, target: str = "reference", **options):

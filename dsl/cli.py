@@ -625,9 +625,9 @@ def cmd_run(args) -> int:
 
 def _spec_variants(spec) -> list:
     """The variant names of a spec file (for messages); [] when it cannot be read."""
-    from .spec import parse_spec
+    from .spec import parse_spec, read_spec_file
     try:
-        return list(parse_spec(Path(spec).read_text(encoding="utf-8"), str(spec)).variants)
+        return list(parse_spec(read_spec_file(spec), str(spec)).variants)
     except (OSError, UnicodeDecodeError, MtcError):
         return []
 

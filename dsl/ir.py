@@ -41,7 +41,15 @@ Dim = sympy.Expr
 
 
 def dim(x) -> Dim:
-    """Coerce an int, string or sympy expression to a dimension expression."""
+    """Coerce an int, string or sympy expression to a dimension expression.
+
+    A string is read by the dimension grammar (dsl/dim.lark: integers, shape symbols, + - * / // % **, min/max),
+    never evaluated as Python or sympy source.
+
+    Raises:
+        TypeError: a bool or another type.
+        dsl.dim_expr.DimError (a ValueError): a string that is not a dimension expression, or a size past 2**63.
+    """
     if isinstance(x, sympy.Basic):
         return x
     if isinstance(x, bool):
@@ -55,12 +63,18 @@ def dim(x) -> Dim:
 
 @lru_cache(maxsize=4096)
 def _parse_dim(x: str) -> Dim:
-    return sympy.sympify(x, locals={s: sympy.Symbol(s, integer=True, positive=True) for s in _names(x)})
+    from .dim_expr import parse_dim_text
+    return parse_dim_text(x)
 
 
-def _names(text: str) -> list[str]:
-    import re
-    return re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)
+def as_expr(v) -> sympy.Expr:
+    """A computed size or count (a sympy expression, int or float) as a sympy expression; the internal
+    counterpart of sympify that never reads a string."""
+    if isinstance(v, sympy.Basic):
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"not a number or sympy expression: {v!r}")
+    return sympy.Integer(v) if isinstance(v, int) else sympy.Float(v)
 
 
 def sym(name: str) -> sympy.Symbol:

@@ -5,29 +5,41 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from pathlib import Path
 
 import lark
 
 from .errors import Loc, MtcError, did_you_mean
-from .ir import SOURCE_OPS, Graph, Node, Ref, TensorType, canon_dtype, dim, make_attrs, undeclared_symbols
+from .dim_expr import MAX_DIM_TEXT, MAX_INT_DIGITS, WHAT, DimError, from_tree, syntax_message
+from .ir import SOURCE_OPS, Graph, Node, Ref, TensorType, canon_dtype, make_attrs, undeclared_symbols
+
+
+#: the deepest nesting of brackets ([ ( {) that IR text may have (printed IR has 3 or 4; a deeper text is refused
+#: before it is parsed, so that nothing downstream recurses past Python's limit)
+MAX_IR_NESTING = 64
 
 
 @lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
-    return lark.Lark((Path(__file__).parent / "ir.lark").read_text(), parser="lalr", maybe_placeholders=False,
-                     propagate_positions=True)
+    return lark.Lark.open("ir.lark", rel_to=__file__, parser="lalr", maybe_placeholders=False,
+                          propagate_positions=True)
 
 
-class _ToGraph(lark.Transformer):
-    def __init__(self, file: str):
+class _ToGraph(lark.visitors.Transformer_NonRecursive):
+    def __init__(self, file: str, text: str):
         super().__init__()
-        self.file = file
+        self.file, self.text = file, text
         self.where: dict[int, Loc] = {}      # id(node) -> its place in the IR text
+
+    def _int(self, tok) -> int:
+        """int(tok), an integer of more than MAX_INT_DIGITS digits an MtcError at it (int() refuses 4300)."""
+        s = str(tok).lstrip("+-")
+        if len(s) > MAX_INT_DIGITS:
+            raise MtcError(f"integer of {len(s)} digits is too large", Loc(self.file, tok.line, tok.column), self.text)
+        return int(str(tok))
 
     def number(self, t):
         s = str(t[0])
-        return float(s) if any(c in s for c in ".eE") else int(s)
+        return float(s) if any(c in s for c in ".eE") else self._int(t[0])
 
     def string(self, t):
         return json.loads(t[0])
@@ -63,7 +75,7 @@ class _ToGraph(lark.Transformer):
         return dict(t)
 
     def ref(self, t):
-        return Ref(str(t[0]), int(t[1]) if len(t) > 1 else 0)
+        return Ref(str(t[0]), self._int(t[1]) if len(t) > 1 else 0)
 
     def args(self, t):
         return list(t)
@@ -71,11 +83,17 @@ class _ToGraph(lark.Transformer):
     def tensor(self, t):
         dims = []
         for d in t[1:]:
+            line, col = getattr(d.meta, "line", 1), getattr(d.meta, "column", 1)
+            start, end = getattr(d.meta, "start_pos", 0), getattr(d.meta, "end_pos", 0)
+            if end - start > MAX_DIM_TEXT:
+                raise MtcError(f"a dimension expression of {end - start} characters, more than the limit of "
+                               f"{MAX_DIM_TEXT}", Loc(self.file, line, col), self.text)
             try:
-                dims.append(dim(str(d).strip()))
-            except Exception:          # sympy's parse errors are of many kinds
-                raise MtcError(f"cannot read the dimension '{str(d).strip()}' (integers and expressions in "
-                               f"the shape symbols, such as B*T)") from None
+                dims.append(from_tree(d))
+            except DimError as e:
+                shown = self.text[start:end] if len(self.text[start:end]) <= 60 else self.text[start:start + 57] + "..."
+                raise MtcError(f"cannot read the dimension '{shown}': {e.msg}",
+                               Loc(self.file, e.line or line, e.col or col), self.text, WHAT) from None
         return TensorType(canon_dtype(str(t[0])), tuple(dims))
 
     def unknown(self, _):
@@ -85,7 +103,7 @@ class _ToGraph(lark.Transformer):
         return tuple(t)
 
     def loc(self, t):
-        return Loc(json.loads(t[0]), int(t[1]), int(t[2]), claimed=True)    # named by the text: see Loc
+        return Loc(json.loads(t[0]), self._int(t[1]), self._int(t[2]), claimed=True)    # named by the text: see Loc
 
     @lark.v_args(meta=True)
     def ret(self, meta, t):
@@ -142,24 +160,107 @@ def parse_ir(text: str, file: str = "<ir>") -> Graph:
                 else "a TVMScript listing (the 'tvm' stage, for reading)")
         raise MtcError(f"this is {what}; parse_ir reads the graph IR of the stages graph, typed, canonical and "
                        f"fused (mtc ir SPEC --stage fused)", Loc(file, first[0], 1), text)
+    deep = _too_deep(text)
+    if deep is not None:
+        raise MtcError(f"brackets nested more than {MAX_IR_NESTING} deep", _loc_at(text, deep, file), text,
+                       "printed IR nests a few levels (an attribute's list of lists); split the value")
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:
-        from .spec import _syntax_error                 # the spec's friendly wording of lark's errors
-        err = _syntax_error(e, text, file)
-        msg = err.msg.replace("syntax error", "syntax error in IR", 1).replace("PERCENT", "'%' (a value: %0, %x)")
-        raise MtcError(msg, err.loc, text) from None
-    tr = _ToGraph(file)
+        raise _ir_syntax_error(e, text, file) from None
+    tr = _ToGraph(file, text)
     try:
         g = tr.transform(tree)
     except lark.exceptions.VisitError as e:          # a bad dtype or dim in a type
         orig = e.orig_exc
         loc = Loc(file, getattr(e.obj.meta, "line", 1), getattr(e.obj.meta, "column", 1)) \
-            if isinstance(e.obj, lark.Tree) else None
-        msg = orig.msg if isinstance(orig, MtcError) else f"malformed IR: {type(orig).__name__}: {orig}"
-        raise MtcError(msg, loc, text) from None
+            if isinstance(e.obj, lark.Tree) else Loc(file, 1, 1)
+        if isinstance(orig, MtcError):
+            raise MtcError(orig.msg, orig.loc or loc, text, orig.hint) from None
+        raise MtcError(f"malformed IR: {type(orig).__name__}: {orig}", loc, text) from None
     _check(g, tr.where, text, file)
     return g
+
+
+def _loc_at(text: str, pos: int, file: str) -> Loc:
+    """The Loc of offset ``pos`` of ``text``."""
+    return Loc(file, text.count("\n", 0, pos) + 1, pos - (text.rfind("\n", 0, pos) + 1) + 1)
+
+
+def _scan(text: str, start: int, end: int):
+    """Yield (offset, char) of the brackets and commas of text[start:end] outside JSON strings ("..." on one
+    line, with backslash escapes) and // comments."""
+    i = start
+    while i < end:
+        c = text[i]
+        if c == '"':
+            i += 1
+            while i < end and text[i] not in '"\n':
+                i += 2 if text[i] == "\\" else 1
+        elif c == "/" and text.startswith("//", i):
+            nl = text.find("\n", i)
+            i = end if nl < 0 else nl
+            continue
+        elif c in "[({)}],":
+            yield i, c
+        i += 1
+
+
+def _too_deep(text: str) -> int | None:
+    """The offset of the first bracket nested past MAX_IR_NESTING, or None."""
+    depth = 0
+    for i, c in _scan(text, 0, len(text)):
+        if c in "[({":
+            depth += 1
+            if depth > MAX_IR_NESTING:
+                return i
+        elif c in ")}]":
+            depth = max(depth - 1, 0)
+    return None
+
+
+def _ir_syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> MtcError:
+    """A lark parse failure of IR text as an MtcError: inside a type's [...] it names the dimension that cannot be
+    read (at the type), elsewhere the spec's wording of syntax errors, adapted."""
+    pos = getattr(e, "pos_in_stream", None)
+    tok = getattr(e, "token", None)
+    if tok is not None:
+        pos = len(text) if tok.type == "$END" else getattr(tok, "start_pos", pos)
+    if isinstance(pos, int) and 0 <= pos <= len(text):
+        line0 = text.rfind("\n", 0, pos) + 1
+        stack = []                                   # [offset of a bracket, the bracket, offset after its last ',']
+        for i, c in _scan(text, line0, pos):
+            if c in "[({":
+                stack.append([i, c, i + 1])
+            elif c in ")}]" and stack:
+                stack.pop()
+            elif c == "," and stack:
+                stack[-1][2] = i + 1
+        k = next((j for j in range(len(stack) - 1, -1, -1) if stack[j][1] != "("), None)
+        if k is not None and stack[k][1] == "[" and stack[k][0] > line0 and \
+                (text[stack[k][0] - 1].isalnum() or text[stack[k][0] - 1] == "_"):
+            t0 = stack[k][0]                          # back to the start of the dtype before the '['
+            while t0 > line0 and (text[t0 - 1].isalnum() or text[t0 - 1] == "_"):
+                t0 -= 1
+            d0 = stack[k][2]                          # the dim starts after the '[' or the type's last ','
+            depth, d1 = 0, d0
+            while d1 < len(text) and text[d1] != "\n":
+                c = text[d1]
+                if c == "(":
+                    depth += 1
+                elif c == ")" and depth:
+                    depth -= 1
+                elif c in ",]" and depth == 0:
+                    break
+                d1 += 1
+            shown = text[d0:d1].strip()
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            return MtcError(f"cannot read the dimension '{shown}': {syntax_message(e, text)}",
+                            _loc_at(text, t0, file), text, WHAT)
+    from .spec import _syntax_error                 # the spec's friendly wording of lark's errors
+    err = _syntax_error(e, text, file)
+    msg = err.msg.replace("syntax error", "syntax error in IR", 1).replace("PERCENT", "'%' (a value: %0, %x)")
+    return MtcError(msg, err.loc, text)
 
 
 def _check_merge(n: Node, seen: dict, err) -> None:

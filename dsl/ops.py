@@ -17,7 +17,7 @@ from typing import Callable
 import sympy
 
 from .builder import REQUIRED, GraphBuilder, ParamSpec, ShapeError, check_param_shape
-from .ir import DTYPES, Dim, Ref, TensorType, dim, dims_equal
+from .ir import DTYPES, Dim, Ref, TensorType, as_expr, dim, dims_equal
 
 FLOAT = ("f32", "f16", "bf16", "f64")
 #: the routed experts' storage dtypes ("" = the model dtype)
@@ -331,12 +331,14 @@ def _dims(shape) -> str:
 
 def _target_shape(x: TensorType, a: dict) -> tuple:
     """The ``shape`` attribute of reshape / broadcast as dims; a symbol that x's shape lacks is an error."""
+    from .dim_expr import DimError
     try:
         shape = tuple(dim(d) for d in a["shape"])
-    except (TypeError, ValueError, sympy.SympifyError):
+    except (TypeError, ValueError) as e:
         got = a["shape"]
         got = "[" + ", ".join(map(str, got)) + "]" if isinstance(got, (list, tuple)) else repr(got)
-        raise ShapeError(f"shape must list integers and shape symbols, got {got}") from None
+        why = f": {e.msg}" if isinstance(e, DimError) else ""
+        raise ShapeError(f"shape must list integers and shape symbols, got {got}{why}") from None
     for d in shape:
         if d.is_number and d < 1:
             hint = f" (no -1 to infer one: write it, e.g. {_dims(_filled(shape, x))})" if d < 0 else ""
@@ -913,7 +915,7 @@ def flops_of(node_op: str, in_types, out_types, attrs) -> sympy.Expr:
     od = OPS.get(node_op)
     if od is None or od.flops is None:
         return sympy.Integer(0)
-    return sympy.sympify(od.flops(in_types, out_types, attrs))
+    return as_expr(od.flops(in_types, out_types, attrs))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import lark
 import sympy
 
 from .builder import GraphBuilder, ShapeError
+from .dim_expr import MAX_INT_DIGITS, DimError, check_size
 from .errors import Loc, MtcError, MtcWarning, did_you_mean
 from .ir import Ref, canon_dtype, sym
 from .ops import EXPERT_DTYPES, FLOAT
@@ -27,6 +28,15 @@ from .ops import EXPERT_DTYPES, FLOAT
 MAX_DIM = 2**31 - 1
 #: the most layers a stack may have (the graph is built layer by layer; K3 has 93)
 MAX_LAYERS = 4096
+#: config arithmetic stays below this in magnitude (int64): a larger result is an error at once (a power is
+#: refused before it is computed, so 9**9**9 does not run for ever)
+INT_LIMIT = 2**63
+#: the longest string '+' may build (strings are names and dtypes; doubling a field field after field
+#: would otherwise exhaust memory)
+MAX_STRING = 1 << 16
+#: the largest spec file read (bytes); a larger one, or one that is not a regular file (/dev/zero, a pipe), is
+#: refused before it is read
+MAX_SPEC_BYTES = 16 << 20
 
 CONFIG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dtype": str}
 
@@ -287,7 +297,10 @@ class Evaluator:
         return fn(t)
 
     def e_int(self, t):
-        return int(t.children[0])
+        text = str(t.children[0])
+        if len(text) > MAX_INT_DIGITS:          # (int() refuses more than 4300 digits, and nothing needs them)
+            raise self.err(f"integer literal of {len(text)} digits is too large", t)
+        return int(text)
 
     def e_float(self, t):
         v = float(t.children[0])
@@ -343,18 +356,49 @@ class Evaluator:
         a, op, b = t.children
         x, y = self.eval(a), self.eval(b)
         if str(op) == "+" and isinstance(x, str) and isinstance(y, str):
+            if len(x) + len(y) > MAX_STRING:
+                raise self.err(f"'+' would make a string of {len(x) + len(y)} characters, more than the limit "
+                               f"of {MAX_STRING}", t)
             return x + y
         symbolic = str(op) in ("+", "-", "*") and not isinstance(x, float) and not isinstance(y, float)
         x, y = self._num(x, a, f"'{op}'", symbolic), self._num(y, b, f"'{op}'", symbolic)
         if str(op) in ("/", "//", "%") and y == 0:
             raise self.err("division by zero", t)
-        return _BINOPS[str(op)](x, y)
+        return self._arith(t, f"'{op}'", _BINOPS[str(op)], x, y)
 
     def e_pow(self, t):
-        return self._num(self.eval(t.children[0]), t, "'**'") ** self._num(self.eval(t.children[1]), t, "'**'")
+        x = self._num(self.eval(t.children[0]), t.children[0], "'**'")
+        y = self._num(self.eval(t.children[1]), t.children[1], "'**'")
+        if x == 0 and y < 0:
+            raise self.err("division by zero (0 to a negative power)", t)
+        if isinstance(x, int) and isinstance(y, int) and y > 0 and (abs(x).bit_length() - 1) * y >= 63:
+            # refused before it is computed (9**9**9 would not finish): |x| >= 2**(bits - 1)
+            raise self.err(f"{f'({x})' if x < 0 else x}**{y} passes 2**63: config integers are int64", t)
+        return self._arith(t, "'**'", operator.pow, x, y)
 
     def e_neg(self, t):
-        return -self._num(self.eval(t.children[0]), t, "'-'")
+        return self._arith(t, "'-'", operator.neg, self._num(self.eval(t.children[0]), t, "'-'"))
+
+    def _arith(self, t, what: str, fn, *args):
+        """fn(*args) for the arithmetic at t, an MtcError there when it fails or leaves what a config holds:
+        an integer past 2**63 (and a shape expression's integers), a float past the float range, a complex number."""
+        try:
+            v = fn(*args)
+        except OverflowError:
+            raise self.err(f"{what}: the result is too large for a float", t) from None
+        except ZeroDivisionError:
+            raise self.err("division by zero", t) from None
+        if isinstance(v, complex):
+            raise self.err(f"{what}: the result is not a real number ({describe(args[0])} to a fractional power)", t)
+        if isinstance(v, int) and abs(v) >= INT_LIMIT:
+            raise self.err(f"{what}: the result passes 2**63 (config integers are int64)", t)
+        if isinstance(v, sympy.Basic):
+            try:
+                check_size(v)
+            except DimError:
+                raise self.err(f"{what}: the shape expression {describe(v)[:60]} has an integer past 2**63", t) \
+                    from None
+        return v
 
     def e_compare(self, t):
         a, op, b = t.children
@@ -363,6 +407,12 @@ class Evaluator:
             if isinstance(v, sympy.Expr):
                 raise self.err(f"'{op}' cannot compare the shape expression {describe(v)}: its value is only "
                                f"known when the model runs", c)
+        if str(op) not in ("==", "!="):
+            def num(v):
+                return isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not ((num(x) and num(y)) or (isinstance(x, str) and isinstance(y, str))):
+                raise self.err(f"'{op}' compares two numbers or two strings, got {describe(x)} {op} {describe(y)}",
+                               a if not (num(x) or isinstance(x, str)) else b)
         return _CMPS[str(op)](x, y)
 
     def e_and_(self, t):
@@ -431,7 +481,15 @@ class Evaluator:
                                    f"(numbers, strings, lists): tensors go first, without a key", vt)
                 kwargs[k] = _attr_value(v)
         loc = self.spec.loc(t)
-        if fname in ("min", "max") and args and not kwargs and all(isinstance(a, (int, float)) for a in args):
+        if fname in ("min", "max") and not isinstance(self.env.get(fname), Block):
+            if kwargs or len(args) < 2:
+                got = "keywords" if kwargs else f"{len(args)} argument{'s' if len(args) != 1 else ''}"
+                raise self.err(f"{fname}(a, b, ...) takes two or more numbers, got {got}", t)
+            for a, aloc in zip(args, arg_locs):
+                if isinstance(a, bool) or not isinstance(a, (int, float)):
+                    raise self.spec.err(f"{fname}(a, b, ...) takes numbers, got {describe(a)}", aloc,
+                                        "a shape symbol's value is known only when the model runs" if
+                                        isinstance(a, sympy.Expr) else None)
             return (min if fname == "min" else max)(*args)
         if self.b is None:
             raise self.err(f"'{fname}(...)' cannot be used in the config (only arithmetic, min and max)", t)
@@ -622,7 +680,7 @@ class SpecBuilder:
         self._assigned[name] = loc
         self._read_since.discard(name)
 
-    def _input_dim(self, pname: str, d, pos: int = 2, rank: int = 0, dtype: str = "f32") -> int | str:
+    def _input_dim(self, pname: str, d, pos: int = 2, rank: int = 0, dtype: str = "f32") -> int | sympy.Symbol:
         """One dim (at position pos of a rank-`rank` input of `dtype`) of a forward input's shape: an integer, a
         config int (replaced by its value, as in a reshape shape) or a shape symbol (B, T: bound when the model
         runs). Raises MtcError at the dim otherwise. A config int as the batch or sequence dim (dim 0; dim 1 of
@@ -633,9 +691,12 @@ class SpecBuilder:
         tok = d.children[0]
         text, loc = str(tok), self.spec.loc(tok)
         if text.isdigit():
-            if not 1 <= int(text) <= MAX_DIM:
-                raise self.spec.err(f"input '{pname}': dimension {text} must be between 1 and {MAX_DIM}", loc)
-            return int(text)
+            # (a literal longer than MAX_DIM's digits is out of range unread: int() refuses 4300 digits)
+            digits = text.lstrip("0") or "0"
+            if len(digits) > len(str(MAX_DIM)) or not 1 <= int(digits) <= MAX_DIM:
+                shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+                raise self.spec.err(f"input '{pname}': dimension {shown} must be between 1 and {MAX_DIM}", loc)
+            return int(digits)
         if text in self.config:
             v = self.config[text]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > MAX_DIM:
@@ -658,8 +719,7 @@ class SpecBuilder:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", text):
             raise self.spec.err(f"input '{pname}': '{text}' is not a usable shape symbol; a dimension is an "
                                 f"integer, a config int or a symbol such as B or T", loc)
-        self.dim_syms.setdefault(text, sym(text))
-        return text
+        return self.dim_syms.setdefault(text, sym(text))   # (a Symbol, not a text for the dim parser to read)
 
     def _warn_unused(self, fwd, g) -> None:
         """MtcWarning for blocks never applied, forward inputs the outputs do not depend on, and assigned values
@@ -830,6 +890,44 @@ def _bad_number(text: str, file: str, before: int | None = None) -> MtcError | N
             pass
         return MtcError(f"invalid number literal '{lit}'", Loc(file, line, col), text, hint)
     return None
+
+
+def read_spec_file(path) -> str:
+    """The text of a spec file, refused at once (an MtcError naming the file) when it is not a regular file (a
+    directory, /dev/zero, a pipe), is larger than MAX_SPEC_BYTES, or is not UTF-8 (located at the first bad
+    byte). The file is opened without blocking (a pipe with no writer) and checked as opened; at most
+    MAX_SPEC_BYTES + 1 bytes are read, whatever the file system reports as its size."""
+    import os
+    import stat
+    limit = f"more than the limit of {MAX_SPEC_BYTES >> 20} MiB for a spec"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise MtcError(f"cannot read spec '{path}': {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((k for f, k in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                                        (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+                                        (stat.S_ISSOCK, "a socket")) if f(st.st_mode)), None)
+            raise MtcError(f"cannot read spec '{path}': it is {kind + ', ' if kind else ''}not a regular file")
+        if st.st_size > MAX_SPEC_BYTES:
+            raise MtcError(f"spec '{path}' is {st.st_size:,} bytes, {limit}")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise MtcError(f"cannot read spec '{path}': {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SPEC_BYTES:
+        raise MtcError(f"spec '{path}' is {limit}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = len(data[data.rfind(b"\n", 0, e.start) + 1:e.start].decode("utf-8", "replace")) + 1
+        raise MtcError(f"spec '{path}' is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})",
+                       Loc(str(path), line, col), data.decode("utf-8", "replace")) from None
 
 
 def parse_spec(text: str, file: str = "<spec>") -> SpecModel:

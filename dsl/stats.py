@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import sympy
 
-from .ir import DTYPES, SOURCE_OPS, Graph, sym
+from .ir import DTYPES, SOURCE_OPS, Graph, as_expr, sym
 
 
 @dataclass
@@ -115,7 +115,7 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
     # its token input's shape, e.g. i64[2, 16]: then the graph holds 32 tokens whatever seq_len says)
     bind = {sym("B"): 1, sym("T"): T}
     ins = canonical.inputs()
-    free = sorted({str(s) for n in ins for d in n.types[0].shape for s in sympy.sympify(d).free_symbols}
+    free = sorted({str(s) for n in ins for d in n.types[0].shape for s in d.free_symbols}
                   - {"B", "T"})
     if free:
         from .errors import MtcError
@@ -133,7 +133,7 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         ins = [cnodes[r.node].types[r.index] for r in n.inputs]
         f = flops_of(n.op, ins, n.types, n.attr_dict)
         if f != 0:
-            v = float(sympy.sympify(f).subs(bind))
+            v = float(as_expr(f).subs(bind))
             by_op[n.op] = by_op.get(n.op, 0.0) + v / tokens
     # decoding state from the layer blocks
     kv = 0.0

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from dsl.ir import SOURCE_OPS, Graph, Node, Ref, TensorType
+from dsl.ir import SOURCE_OPS, Graph, Node, Ref, TensorType, as_expr
 
 from .batch_attn_residual import phase1_acc_dtype
 
@@ -167,7 +167,7 @@ TVM_OPS = ("rmsnorm", "l2norm", "silu", "sigmoid", "add", "mul", "situ_glu", "at
 
 
 def _cdiv(a, b) -> sympy.Expr:
-    return sympy.ceiling(sympy.sympify(a) / b)
+    return sympy.ceiling(as_expr(a) / b)
 
 
 def _grid(kind: str, anchor: Node, types: dict, tiles: dict) -> list:

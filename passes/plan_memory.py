@@ -57,8 +57,6 @@ import re
 import warnings
 from dataclasses import asdict, dataclass, field
 
-import sympy
-
 from dsl.errors import MtcWarning
 from dsl.ir import DTYPES, SOURCE_OPS, Graph, TensorType, sym
 
@@ -236,7 +234,7 @@ class _Sizer:
             return 0.0
         hit = self.cache.get(t)
         if hit is None:
-            n = sympy.sympify(t.numel()).subs(self.bind)
+            n = t.numel().subs(self.bind)
             if not n.is_number:
                 raise ValueError(f"plan_memory: cannot size {t}: symbols {sorted(map(str, n.free_symbols))} are "
                                  f"not bound (only B and T are)")
