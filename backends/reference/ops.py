@@ -238,7 +238,8 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     Returns o [B, T, H, Dv] in v's dtype. Vaswani et al. 2017, eq. 1; DeepSeek-V2 (MLA).
     Raises TypeError (non-float tensors, a non-numeric scale, a causal that is not a bool, bad cu_seqlens dtype)
     and ValueError (shapes that are not [B, T, H, D] or disagree, cu_seqlens with B != 1 or not offsets 0 ... T,
-    NaN / inf in q, k or v)."""
+    NaN / inf in q, k or v). Logits past float32's range (huge q or k) are formed in float64 for their rows: the
+    result is the softmax's, finite."""
     where = "mla_attention"
     check_attention_args(q, k, v, scale, where, causal)
     check_attention_finite(q, k, v, where)
@@ -255,5 +256,23 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
             seq[a:b] = i
         allowed = allowed & (seq[:, None] == seq[None, :])
     s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    # rows whose float32 logits overflowed (inf, or NaN from inf - inf: the inputs are finite, checked above)
+    over = ~torch.isfinite(s.masked_fill(~allowed, 0.0)).all(dim=-1, keepdim=True)      # [B, H, T, 1]
+    if bool(over.any()):
+        p = _overflow_rows_softmax(qf, kf, scale, allowed, over, s, where)
+    else:
+        p = torch.softmax(s, dim=-1)
     return (p @ vf).transpose(1, 2).to(v.dtype).contiguous()
+
+
+def _overflow_rows_softmax(qf, kf, scale, allowed, over, s, where: str) -> torch.Tensor:
+    """softmax(q k^T * scale) [B, H, T, T] where the rows ``over`` overflowed float32: those rows from float64
+    logits (a product of two float32 values, summed over Dqk, cannot overflow float64; the softmax of huge
+    logits is well defined: the largest ones take the weight), the others as the float32 path computes them.
+    ValueError when even float64 overflows (a scale past ~1e230)."""
+    s64 = ((qf.double() @ kf.double().transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+    if not bool(torch.isfinite(s64.masked_fill(~allowed, 0.0)).all()):
+        raise ValueError(f"{where}: the logits q k^T * scale overflow float64 too (scale {scale!r})")
+    p64 = torch.softmax(s64, dim=-1).float()
+    # (the float32 rows that overflowed are replaced by zeros before their softmax: no NaN in the backward)
+    return torch.where(over, p64, torch.softmax(s.masked_fill(over, 0.0), dim=-1))
