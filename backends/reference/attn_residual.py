@@ -40,6 +40,9 @@ __all__ = [
     "check_attn_residual_args",
     "check_phase1_args",
     "check_merge_args",
+    "check_attn_residual_result",
+    "check_two_phase_result",
+    "needs_safe_path",
 ]
 
 
@@ -169,14 +172,75 @@ def check_merge_args(acc, m, s, partial, query, rms_weight, eps, output_rms_weig
 # the reference math
 # ----------------------------------------------------------------------------------------------------
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """rsqrt(mean_d(x^2) + eps), keepdim, float32."""
-    return torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+#: |values| past which a float32 sum of squares (or of query products) over a row could overflow: d * 2^80
+#: stays inside float32 for any d < 2^48. A row or vector beyond it is scaled by a power of two first (exact),
+#: and everything at or below it is computed exactly as the plain formulas do, bit for bit.
+SAFE_MAGNITUDE = 2.0 ** 40
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float32, exactly, for an integer tensor e in [-126, 127] (the bits of the float built directly)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _big_exponent(m: torch.Tensor) -> torch.Tensor:
+    """Where m (>= 0, float32) exceeds SAFE_MAGNITUDE: e with m / 2^e in [0.5, 1), at most 128; elsewhere 0."""
+    return torch.where(m > SAFE_MAGNITUDE, torch.frexp(m).exponent, 0)
+
+
+def _may_hold(mask: torch.Tensor) -> bool:
+    """Whether a bool tensor may hold a True: read for CPU tensors (free there), assumed on a GPU (reading it would
+    synchronise every call; the branch-free form below is taken instead)."""
+    return mask.device.type != "cpu" or bool(mask.any())
+
+
+def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean_d(x^2) + eps) over the last axis (RMSNorm without its weight), float32 [..., d].
+
+    A row whose largest |x| passes SAFE_MAGNITUDE (its x^2 could overflow float32, and rsqrt(inf) = 0 would
+    zero the row) is first divided by 2^e ~ its largest |x|; the identity x * rsqrt(mean x^2 + eps) = (x / 2^e)
+    * rsqrt(mean (x / 2^e)^2 + eps / 4^e) then holds, and eps / 4^e (below 2^-80) is left out: next to
+    mean (x / 2^e)^2 >= 1 / (4 d) it is below float32's resolution. Other rows: the plain formula, bit for bit."""
+    with torch.no_grad():
+        e = _big_exponent(x.detach().abs().amax(dim=-1, keepdim=True))
+    plain = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if not _may_hold(e > 0):
+        return plain
+    xs = x * _pow2(-e.clamp(max=126))                   # (a factor 1 for ordinary rows; 2^-126 at most)
+    ms = xs.pow(2).mean(dim=-1, keepdim=True)
+    # (the plain form itself where it is right, so that values and gradients there are the plain formula's; the
+    # scaled form of those rows divides by 1 instead: no inf / NaN in its backward)
+    return torch.where(e > 0, xs * torch.rsqrt(torch.where(e > 0, ms, 1.0)), plain)
+
+
+def _scaled_qw(query: torch.Tensor, rms_weight: torch.Tensor):
+    """(q', w', E): query and rms_weight as float32, each divided by a power of two where its largest |value|
+    passes SAFE_MAGNITUDE (so that q' * w' * RMSNorm(x) and its sum over d cannot overflow), and E, the int
+    tensor with q * w = q' * w' * 2^E (0 for ordinary vectors, which are then unchanged)."""
+    qf, wf = query.float(), rms_weight.float()
+    with torch.no_grad():
+        eq = _big_exponent(qf.detach().abs().amax())
+        ew = _big_exponent(wf.detach().abs().amax())
+    return qf * _pow2(-eq.clamp(max=126)), wf * _pow2(-ew.clamp(max=126)), eq.clamp(max=126) + ew.clamp(max=126)
 
 
 def _logit(x: torch.Tensor, query: torch.Tensor, rms_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """sum_d query * RMSNorm(x; rms_weight, eps) over the last axis; x float32 [..., d] -> [...]."""
-    return (x * _rms(x, eps) * rms_weight.float() * query.float()).sum(dim=-1)
+    """sum_d query * RMSNorm(x; rms_weight, eps) over the last axis; x float32 [..., d] -> [...] (ordinary
+    magnitudes; huge query / weight values: _scaled_qw and _softmax_scaled)."""
+    return (_normed(x, eps) * rms_weight.float() * query.float()).sum(dim=-1)
+
+
+def _softmax_scaled(lg: torch.Tensor, E: torch.Tensor, dim: int) -> torch.Tensor:
+    """softmax(lg * 2^E) along dim for logits lg held scaled by 2^-E (E >= 0, up to 252: the true logits may lie
+    beyond float32). With E = 0: torch.softmax(lg) itself. Otherwise the differences to the max, lg - max <= 0,
+    are multiplied up by 2^E in three exact steps (each factor inside float32; a difference that leaves the
+    range becomes -inf, weight 0, never NaN): the largest logits take the weight, as the exact softmax gives."""
+    if not _may_hold(E > 0):
+        return torch.softmax(lg, dim=dim)
+    z = lg - lg.amax(dim=dim, keepdim=True).detach()
+    for part in (E // 3, (E - E // 3) // 2, E - E // 3 - (E - E // 3) // 2):
+        z = z * _pow2(part)
+    return torch.where(E == 0, torch.softmax(lg, dim=dim), torch.softmax(z, dim=dim))
 
 
 def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weight: torch.Tensor, *,
@@ -198,19 +262,59 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     Returns:
         out: [..., d] in the sources' dtype (computed in float32).
 
+    Huge values: a source row or the query / weight past 2^40 (SAFE_MAGNITUDE: where x^2 or the logits could
+    overflow float32) is scaled by a power of two first, exactly, and the softmax of logits beyond float32 is
+    taken on their scaled differences: the result is finite wherever the exact one is (else ValueError).
+
     Raises:
         ValueError: empty ``sources``, mismatched shapes/devices, a query/weight not of shape [d], bad eps,
-            NaN or inf in a CPU input (GPU inputs are not scanned: it would synchronise every call).
+            NaN or inf in a CPU input (GPU inputs are not scanned: it would synchronise every call), a CPU
+            result that overflows its dtype (check_attn_residual_result).
         TypeError: a non-tensor or non-float argument, sources of different dtypes.
     """
     shape, dtype, d = check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight)
     x = torch.stack([s.float() for s in sources], dim=0)                  # [L, ..., d]
-    logits = _logit(x, query, rms_weight, eps)                             # [L, ...]
-    p = torch.softmax(logits, dim=0)                                       # float32, over depth
+    qs, ws, E = _scaled_qw(query, rms_weight)                              # (q, w themselves unless huge)
+    logits = (_normed(x, eps) * ws * qs).sum(dim=-1)                       # [L, ...] (times 2^E)
+    p = _softmax_scaled(logits, E, dim=0)                                  # float32, over depth
     out = (p.unsqueeze(-1) * x).sum(dim=0)                                 # [..., d]
     if output_rms_weight is not None:
-        out = out * _rms(out, eps) * output_rms_weight.float()
-    return out.to(dtype)
+        out = _normed(out, eps) * output_rms_weight.float()
+    out = out.to(dtype)
+    check_attn_residual_result(out, dtype, "attn_residual")
+    return out
+
+
+def check_attn_residual_result(out: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+    """ValueError when the result of finite inputs holds inf / NaN (CPU tensors; on a GPU the scan would
+    synchronise every call): only a fused output norm whose weight is huge can leave float32 (or a 16-bit
+    dtype's range), as the exact result then does too."""
+    if out.device.type == "cpu" and out.numel() and not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{where}: the result overflows {dtype} (finite inputs; |output_rms_weight| * sqrt(d) "
+                         f"past the dtype's largest value)")
+
+
+def check_two_phase_result(where: str, **tensors) -> None:
+    """ValueError naming the first result of the two-phase form that holds inf / NaN from finite inputs (CPU
+    tensors): its float32 logit max m cannot hold logits past float32's range (huge queries * rms_weights),
+    which the direct attn_residual takes."""
+    for name, t in tensors.items():
+        if t.device.type == "cpu" and t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: {name} overflows float32 (finite inputs: the logits or the result leave "
+                             f"float32's range, e.g. huge queries * rms_weights); attn_residual computes such "
+                             f"logits scaled")
+
+
+def needs_safe_path(query, sources, rms_weight) -> bool:
+    """Whether a float32 kernel's direct sums could overflow for these inputs: a source value or |query *
+    rms_weight| past SAFE_MAGNITUDE (2^40). Scanned on CPU tensors only (on a GPU the scan would synchronise
+    every call, as the NaN / inf scan would; False there). A backend then returns this reference's result, which
+    scales such rows exactly (_normed, _scaled_qw)."""
+    if sources[0].device.type != "cpu":
+        return False
+    qw = (query.detach().double() * rms_weight.detach().double()).abs().amax()
+    return bool(qw > SAFE_MAGNITUDE) or any(s.numel() and bool(s.detach().abs().amax() > SAFE_MAGNITUDE)
+                                            for s in sources)
 
 
 def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rms_weights: torch.Tensor, *,
@@ -237,18 +341,21 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
 
     Raises:
         ValueError / TypeError as ``attn_residual`` (empty bank, shape/dtype mismatch, bad eps, NaN/inf in a CPU
-        input); TypeError for an acc_dtype other than float32 / float16 / bfloat16.
+        input); TypeError for an acc_dtype other than float32 / float16 / bfloat16; ValueError for a CPU result
+        that overflows (logits past float32, which m cannot hold: check_two_phase_result).
     """
     shape, dtype, Q, d = check_phase1_args(queries, bank, rms_weights, eps, acc_dtype=acc_dtype)
     x = torch.stack([b.float() for b in bank], dim=0)                      # [L, ..., d]
-    xr = x * _rms(x, eps)                                                   # [L, ..., d]
+    xr = _normed(x, eps)                                                    # [L, ..., d]
     qw = queries.float() * rms_weights.float()                              # [Q, d]
     logits = torch.einsum("l...d,qd->ql...", xr, qw)                       # [Q, L, ...]
     m = logits.amax(dim=1)                                                  # [Q, ...]
     e = torch.exp(logits - m.unsqueeze(1))                                  # [Q, L, ...]
     s = e.sum(dim=1)                                                        # [Q, ...]
     acc = torch.einsum("ql...,l...d->q...d", e, x)                          # [Q, ..., d]
-    return acc.to(acc_dtype), m, s
+    acc = acc.to(acc_dtype)
+    check_two_phase_result("attn_residual_phase1", m=m, s=s, acc=acc)
+    return acc, m, s
 
 
 def attn_residual_merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, partial: Optional[torch.Tensor],
@@ -276,7 +383,8 @@ def attn_residual_merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, par
         out: [..., d] in ``out_dtype``.
 
     Raises:
-        ValueError / TypeError on mismatched shapes, non-float tensors, bad eps.
+        ValueError / TypeError on mismatched shapes, non-float tensors, bad eps; ValueError for a CPU result that
+        overflows (check_two_phase_result).
     """
     check_merge_args(acc, m, s, partial, query, rms_weight, eps, output_rms_weight)
     if out_dtype is None:
@@ -292,5 +400,7 @@ def attn_residual_merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, par
         b = torch.exp(lp - big)
         out = (a.unsqueeze(-1) * a32 + b.unsqueeze(-1) * x) / (a * s32 + b).unsqueeze(-1)
     if output_rms_weight is not None:
-        out = out * _rms(out, eps) * output_rms_weight.float()
-    return out.to(out_dtype)
+        out = _normed(out, eps) * output_rms_weight.float()
+    out = out.to(out_dtype)
+    check_two_phase_result("attn_residual_merge", out=out)
+    return out

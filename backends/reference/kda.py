@@ -35,7 +35,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .ops import check_finite_cpu
+from .ops import check_devices, check_finite_cpu, check_flag
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "CHUNK"]
 
@@ -91,6 +91,25 @@ def check_delta_stability(k, beta, where: str) -> None:
                       f"(Kimi K3's layer does) and keep beta * ||k||^2 <= 2", RuntimeWarning, stacklevel=3)
 
 
+def check_lower_bound_kept(g, lower_bound, where: str) -> None:
+    """RuntimeWarning when g [B, T, H, K] falls below the lower_bound a kda_chunk call promised (None: nothing
+    promised, nothing checked), naming the first such token (batch, position, head) and channel: the gate does
+    not keep its bound there (the Triton kernels then run those chunks on the slower safe path; the result is
+    right either way). Compared in g's dtype, so a gate rounding to the bound itself passes."""
+    if lower_bound is None or not g.numel():
+        return
+    lb = torch.tensor(float(lower_bound), dtype=g.dtype)
+    below = g < lb.to(g.device)
+    if bool(below.any()):
+        b, t, h, c = (int(i) for i in torch.nonzero(below)[0])
+        n = int(below.any(dim=-1).sum())
+        warnings.warn(f"{where}: g is below the promised lower_bound {float(lower_bound):.6g} at {n} token-head(s), "
+                      f"first at batch {b}, position {t}, head {h} (channel {c}: g = {float(g[b, t, h, c]):.6g}); "
+                      f"the gate does not keep its bound (the Triton kernels take the slower safe path for such "
+                      f"chunks; the result is right either way): pass the gate's true bound, or None",
+                      RuntimeWarning, stacklevel=3)
+
+
 def check_result_finite(o, final, k, beta, where: str) -> None:
     """ValueError when the result of finite inputs holds inf/NaN (o [B, T, H, V], final state or None): the
     recurrence diverged, which only an expansive delta update (beta ||k||^2 > 2) can do; the message says where
@@ -129,8 +148,8 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
 
     Raises:
         TypeError: non-tensor or non-float inputs, a sigmoid gate's lower_bound that is not a real number.
-        ValueError: wrong shapes, unknown gate, lower_bound not finite and negative, NaN/inf in a CPU input, a
-            gate that overflows float32 (A_log past ~88; CPU results).
+        ValueError: wrong shapes, unknown gate, lower_bound not finite and negative, tensors on different
+            devices, NaN/inf in a CPU input, a gate that overflows float32 (A_log past ~88; CPU results).
     """
     where = "kda_gate"
     for name, t in (("x", x), ("A_log", A_log), ("dt_bias", dt_bias)):
@@ -147,6 +166,7 @@ def kda_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, low
         raise ValueError(f"{where}: gate must be 'sigmoid' or 'softplus', got {gate!r}")
     if gate == "sigmoid":
         check_gate_bound(lower_bound, where)
+    check_devices(where, allow_meta=True, x=x, A_log=A_log, dt_bias=dt_bias)   # (no value is read on meta)
     check_finite_cpu(where, x=x, A_log=A_log, dt_bias=dt_bias)
     z = x.float() + dt_bias.float().reshape(H, K)
     a = A_log.float().exp().view(H, 1)
@@ -285,7 +305,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         lower_bound, segment_chunks, check_finite: the Triton backend's launch options, accepted so that a
             call runs on either backend unchanged; the reference's result does not depend on them (it always
             checks the inputs).  lower_bound must still be None or a number < 0 (TypeError / ValueError), and
-            segment_chunks None or a positive int.
+            segment_chunks None or a positive int; g below a promised lower_bound gets a RuntimeWarning naming
+            the first such token (check_lower_bound_kept, as on the Triton backend).
 
     Returns:
         (o, final_state): o [B, T, H, V] in v's dtype; final_state [N_seq, H, K, V] float32 or None.
@@ -299,13 +320,15 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     that overflows raises ValueError (check_delta_stability, check_result_finite).
 
     Raises:
-        TypeError: non-tensor / non-float inputs, bad cu_seqlens dtype, non-numeric scale.
+        TypeError: non-tensor / non-float inputs, bad cu_seqlens dtype, non-numeric scale, an
+            output_final_state that is not a bool.
         ValueError: shape mismatches (H, K, V, T, B), cu_seqlens with B != 1 or not a valid offset list,
             initial_state of the wrong shape, NaN/inf in any input, g > 0 anywhere (a growing "decay"), a result
             that overflowed from finite inputs (an expansive delta update, beta ||k||^2 > 2).
 
     Warns:
-        RuntimeWarning: beta_t ||k_t||^2 > 2 somewhere (the state can grow without bound from there).
+        RuntimeWarning: beta_t ||k_t||^2 > 2 somewhere (the state can grow without bound from there); g below
+        the promised lower_bound.
     """
     where = "kda_chunk"
     B, T, H, K, V, bounds, n_seq = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
@@ -315,9 +338,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     if segment_chunks is not None and (isinstance(segment_chunks, bool)
                                        or not isinstance(segment_chunks, numbers.Integral) or segment_chunks < 1):
         raise ValueError(f"{where}: segment_chunks must be a positive int or None, got {segment_chunks!r}")
+    output_final_state = check_flag(output_final_state, "output_final_state", where)
     check_inputs_finite_and_decay(q, k, v, g, beta, where)
     if initial_state is not None:
         _check_finite("initial_state", initial_state, where)
+    check_lower_bound_kept(g, lower_bound, where)
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = torch.float32
     # [B,T,H,*] -> [B,H,T,*] in float32
@@ -423,7 +448,8 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
 
     Raises:
         TypeError: non-tensor / non-float inputs, a scale that is not a real number.  ValueError: shape
-        mismatches, K or V = 0, a NaN / infinite scale, NaN / inf in an input or the state, g > 0 anywhere.
+        mismatches, K or V = 0, a NaN / infinite scale, NaN / inf in an input or the state, g > 0 anywhere, a
+        result that overflowed from finite inputs (check_result_finite, as kda_chunk).
     """
     B, H, K, V = check_step_args(q, k, v, g, beta, state, "kda_step")
     check_scale(scale, "kda_step")
@@ -435,4 +461,6 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
     u = v.to(f32) - torch.einsum("bhkv,bhk->bhv", S, kf)
     S = S + beta.to(f32)[..., None, None] * kf[..., :, None] * u[..., None, :]
     o = scale * torch.einsum("bhkv,bhk->bhv", S, q.to(f32))
-    return o.to(v.dtype), S
+    o = o.to(v.dtype)
+    check_result_finite(o, S, k, beta, "kda_step")        # (as kda_chunk: an overflowing step is an error)
+    return o, S

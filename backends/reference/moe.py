@@ -26,7 +26,7 @@ import numbers
 
 import torch
 
-from .ops import check_eps, rmsnorm
+from .ops import check_devices, check_eps, rmsnorm
 
 __all__ = [
     "qb_route",
@@ -84,10 +84,12 @@ def check_num_experts(num_experts, where: str) -> int:
 
 
 def check_routed_scaling(routed_scaling, where: str) -> None:
-    """routed_scaling: a finite real number (ValueError otherwise: NaN would give NaN routing weights)."""
+    """routed_scaling: a finite real number > 0 (ValueError otherwise: NaN would give NaN routing weights, and
+    0 or a negative factor zeroes or flips every routed expert's output; the DSL's attribute check refuses them
+    too)."""
     if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, numbers.Real) or not (
-            abs(routed_scaling) < float("inf")):
-        raise ValueError(f"{where}: routed_scaling must be a finite real number (Python or numpy), got "
+            0 < routed_scaling < float("inf")):
+        raise ValueError(f"{where}: routed_scaling must be a finite real number > 0 (Python or numpy), got "
                          f"{type(routed_scaling).__name__} {routed_scaling!r}")
 
 
@@ -110,6 +112,7 @@ def check_route_inputs(x, weight, bias, top_k, where: str = "qb_route"):
     _check_float("x", x, where)
     _check_float("weight", weight, where)
     _check_float("bias", bias, where)
+    check_devices(where, x=x, weight=weight, bias=bias)
     n, d = x.shape
     e, d2 = weight.shape
     if d2 != d:
@@ -133,14 +136,11 @@ def check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, wh
     _check_tensor("w1", w1, 3, where)
     _check_tensor("w3", w3, 3, where)
     _check_tensor("w2", w2, 3, where)
-    _check_float("x_lat", x_lat, where)
-    _check_float("topk_weight", topk_weight, where)
+    for name, t in (("x_lat", x_lat), ("topk_weight", topk_weight), ("w1", w1), ("w3", w3), ("w2", w2)):
+        _check_float(name, t, where)          # (complex, bool or integer expert weights are no experts)
     if topk_idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{where}: topk_idx must be int64 (or int32), got {topk_idx.dtype}")
-    named = dict(x_lat=x_lat, topk_idx=topk_idx, topk_weight=topk_weight, w1=w1, w3=w3, w2=w2)
-    if len({t.device for t in named.values()}) > 1:
-        raise ValueError(f"{where}: the tensors are on different devices: "
-                         + ", ".join(f"{name} on {t.device}" for name, t in named.items()))
+    check_devices(where, x_lat=x_lat, topk_idx=topk_idx, topk_weight=topk_weight, w1=w1, w3=w3, w2=w2)
     if activation == "situ":
         check_betas(beta_gate, beta_up, where)
     n, l = x_lat.shape
@@ -200,8 +200,10 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
         scores: [N, E] float32, ``sigmoid(x @ weight^T)`` computed in float32.
 
     Raises:
-        TypeError / ValueError: wrong types or shapes, top_k out of range, a non-finite bias or
-            router weight, or a row of x holding NaN/inf (the message names the row).
+        TypeError / ValueError: wrong types or shapes, tensors on different devices (or on meta), top_k out of
+            range, routed_scaling not finite and > 0, a non-finite bias or router weight, or a row of x holding
+            NaN/inf (the message names the row). A finite row whose logits overflow float32 is routed from
+            float64 logits (route_overflow_rows).
 
     Differentiable with respect to x and weight through topk_weight and scores (the selection
     itself is not).
@@ -210,10 +212,34 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     check_routed_scaling(routed_scaling, "qb_route")
     check_finite_rows("x", x, "qb_route")
     logits = x.float() @ weight.float().t()
+    over = ~torch.isfinite(logits).all(dim=-1)          # x @ W^T overflowed float32 in these rows (x is finite)
+    rows = torch.nonzero(over).flatten() if n and bool(over.any()) else None
+    if rows is not None:
+        logits = logits.masked_fill(over[:, None], 0.0)  # (replaced below; no inf / NaN in the backward)
     scores = torch.sigmoid(logits)
     with torch.no_grad():
         topk_idx = biased_topk(scores.detach() + bias.float(), top_k)
-    return topk_idx, route_weights(logits.gather(1, topk_idx), routed_scaling), scores
+    topk_weight = route_weights(logits.gather(1, topk_idx), routed_scaling)
+    if rows is not None:
+        i_o, w_o, s_o = route_overflow_rows(x[rows], weight, bias, top_k, routed_scaling)
+        topk_idx = topk_idx.index_put((rows,), i_o)
+        topk_weight = topk_weight.index_put((rows,), w_o)
+        scores = scores.index_put((rows,), s_o)
+    return topk_idx, topk_weight, scores
+
+
+def route_overflow_rows(x_rows, weight, bias, top_k: int, routed_scaling=1.0):
+    """qb_route of rows whose float32 router logits overflow although x is finite (|x| ~ 1e38): the logits in
+    float64, where a product of two float32 values and its sum over d cannot overflow, scores = their sigmoid
+    rounded to float32 (0 or 1 where the logit is huge), the picks by those scores + bias as for every row, the
+    weights from the float64 logits (the largest logit among the picks takes the weight; no 0 / 0). Both backends
+    take this path for such rows. x_rows [R, d]; returns (topk_idx [R, k] int64, topk_weight [R, k] float32,
+    scores [R, E] float32), differentiable."""
+    z = x_rows.double() @ weight.double().t()
+    scores = torch.sigmoid(z).float()
+    with torch.no_grad():
+        idx = biased_topk(scores.detach() + bias.float(), top_k)
+    return idx, route_weights(z.gather(1, idx), routed_scaling).float(), scores
 
 
 def route_weights(chosen_logits, routed_scaling=1.0):
@@ -251,8 +277,9 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
         * q = 0 is legal: b_hat_j = -max_i margin_ij (then no token clears the cut-off).
         * top_k == E: every expert takes every token whatever the bias, alpha (a (k+1)-th value)
           does not exist, and b_new = 0.
-        * N == 0: no information; new_bias = ema * bias + (1 - ema) * (bias - mean(bias)), i.e.
-          the old bias, centred (a common offset changes no top-k).
+        * N == 0 (e.g. a data-parallel rank that got no tokens): no information; new_bias = bias,
+          unchanged (as float32). With dp_group such a rank contributes nothing: b_hat is averaged over
+          the ranks that had tokens, and when none had, every rank keeps its bias.
         For k < E, q = floor(N k / E) <= N - 1, so the (q+1)-th largest margin always exists.
 
     Raises:
@@ -263,6 +290,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     _check_tensor("bias", bias, 1, where)
     _check_float("scores", scores, where)
     _check_float("bias", bias, where)
+    check_devices(where, scores=scores, bias=bias)
     n, e = scores.shape
     if bias.shape[0] != e:
         raise ValueError(f"{where}: bias has {bias.shape[0]} entries but scores has E = {e}")
@@ -274,7 +302,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     s = scores.detach().float()
     b = bias.detach().float()
     if n == 0:
-        b_hat = b.clone()
+        b_hat = None                                   # no tokens: nothing to balance by
     elif top_k == e:
         b_hat = torch.zeros_like(b)
     else:
@@ -284,22 +312,38 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
         q = (n * top_k) // e
         # (q+1)-th largest of each column = its (n - q)-th smallest
         b_hat = -torch.kthvalue(margin, n - q, dim=0).values
-    b_hat = _dp_average(b_hat, dp_group)
+    return qb_finish(b_hat, b, ema, dp_group)
+
+
+def qb_finish(b_hat, b: torch.Tensor, ema: float, dp_group) -> torch.Tensor:
+    """The end of a QB step (shared by the backends): b_hat [E] float32 (None: this rank had no tokens) averaged
+    over dp_group, centred, and blended with the old bias b [E] float32 by ema; b itself (a copy) when no rank
+    had tokens."""
+    b_hat = _dp_average(b_hat, dp_group, b)
+    if b_hat is None:
+        return b.clone()
     b_new = b_hat - b_hat.mean()
     return ema * b + (1.0 - ema) * b_new
 
 
-def _dp_average(b_hat: torch.Tensor, dp_group):
-    """Average b_hat over a data-parallel group (no-op when no group or no distributed run)."""
+def _dp_average(b_hat, dp_group, like: torch.Tensor):
+    """The mean of b_hat [E] over the ranks of a data-parallel group that had tokens (b_hat None: this rank had
+    none and adds nothing: one all-reduce of [E + 1] values, the sums and the count of such ranks); None when no
+    rank had any. Without a group or a distributed run: b_hat as given."""
     if dp_group is None:
         return b_hat
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return b_hat
-    out = b_hat.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=dp_group)
-    return out / dist.get_world_size(group=dp_group)
+    e = like.shape[0]
+    buf = torch.zeros(e + 1, dtype=torch.float32, device=like.device)
+    if b_hat is not None:
+        buf[:e] = b_hat
+        buf[e] = 1.0
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=dp_group)
+    count = float(buf[e])
+    return buf[:e] / count if count > 0 else None
 
 
 def fixed_step_update(bias, load, *, step=1e-3):

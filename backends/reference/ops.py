@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -83,6 +84,30 @@ def check_finite_cpu(where: str, **tensors) -> None:
             raise ValueError(f"{where}: {name} holds NaN or inf")
 
 
+def check_flag(value, name: str, where: str) -> bool:
+    """A yes/no argument (output_final_state, causal, silu): True or False (numpy's bool and a 0-d bool tensor
+    too); TypeError for anything else (a truthy string or list would silently mean True). Returns a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0 and not value.is_meta:
+        return bool(value)
+    raise TypeError(f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def check_devices(where: str, *, allow_meta: bool = False, **tensors) -> None:
+    """The tensors among ``tensors`` (None and other values are skipped) on one device, else ValueError naming
+    each one's device; and, unless allow_meta (an op that reads no values, e.g. kda_gate on meta tensors only),
+    none on the meta device, whose tensors hold no values to compute with (ValueError naming them)."""
+    named = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len({t.device for t in named.values()}) > 1:
+        raise ValueError(f"{where}: the tensors are on different devices: "
+                         + ", ".join(f"{n} on {t.device}" for n, t in named.items()))
+    meta = [n for n, t in named.items() if t.device.type == "meta"]
+    if meta and not allow_meta:
+        raise ValueError(f"{where}: meta tensors hold no data to compute with: {', '.join(meta)} (for shapes "
+                         f"alone, compile the model with device='meta': dsl's typed IR)")
+
+
 def _check_float_input(x, where: str, min_dim: int = 0) -> None:
     """x a floating-point tensor (TypeError) of at least min_dim dimensions (ValueError)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -124,9 +149,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     x [B, T, C]; weight [C, 1, W] or [C, W]; initial_state [B, C, W-1] (the last W-1 inputs before t=0,
     zeros if None). Returns (y [B, T, C] in x's dtype, final_state [B, C, W-1] float32 when
     output_final_state (width 1: [B, C, 0]), else None).
-    Raises TypeError for a non-float x, ValueError for mismatched shapes or NaN/inf in a CPU input."""
+    Raises TypeError for a non-float x or an output_final_state that is not a bool, ValueError for mismatched
+    shapes or NaN/inf in a CPU input."""
     _check_float_input(x, "short_conv")
     check_conv_weight(weight, "short_conv")
+    output_final_state = check_flag(output_final_state, "output_final_state", "short_conv")
     w = _f32(weight).reshape(weight.shape[0], -1)
     C, W = w.shape
     if x.dim() != 3 or x.shape[-1] != C:
@@ -173,9 +200,7 @@ def check_attention_args(q, k, v, scale, where: str, causal=True) -> None:
     """mla_attention's argument checks (shared with the Triton backend): float tensors q, k [B, T, H, Dqk] and
     v [B, T, H, Dv] on one device, a finite number as scale, a bool (or 0-d bool tensor) as causal. Raises
     TypeError / ValueError."""
-    if not isinstance(causal, bool) and not (isinstance(causal, torch.Tensor) and causal.dtype == torch.bool
-                                             and causal.dim() == 0):
-        raise TypeError(f"{where}: causal must be True or False, got {causal!r}")
+    check_flag(causal, "causal", where)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -213,7 +238,8 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     Returns o [B, T, H, Dv] in v's dtype. Vaswani et al. 2017, eq. 1; DeepSeek-V2 (MLA).
     Raises TypeError (non-float tensors, a non-numeric scale, a causal that is not a bool, bad cu_seqlens dtype)
     and ValueError (shapes that are not [B, T, H, D] or disagree, cu_seqlens with B != 1 or not offsets 0 ... T,
-    NaN / inf in q, k or v)."""
+    NaN / inf in q, k or v). Logits past float32's range (huge q or k) are formed in float64 for their rows: the
+    result is the softmax's, finite."""
     where = "mla_attention"
     check_attention_args(q, k, v, scale, where, causal)
     check_attention_finite(q, k, v, where)
@@ -230,5 +256,23 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
             seq[a:b] = i
         allowed = allowed & (seq[:, None] == seq[None, :])
     s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    # rows whose float32 logits overflowed (inf, or NaN from inf - inf: the inputs are finite, checked above)
+    over = ~torch.isfinite(s.masked_fill(~allowed, 0.0)).all(dim=-1, keepdim=True)      # [B, H, T, 1]
+    if bool(over.any()):
+        p = _overflow_rows_softmax(qf, kf, scale, allowed, over, s, where)
+    else:
+        p = torch.softmax(s, dim=-1)
     return (p @ vf).transpose(1, 2).to(v.dtype).contiguous()
+
+
+def _overflow_rows_softmax(qf, kf, scale, allowed, over, s, where: str) -> torch.Tensor:
+    """softmax(q k^T * scale) [B, H, T, T] where the rows ``over`` overflowed float32: those rows from float64
+    logits (a product of two float32 values, summed over Dqk, cannot overflow float64; the softmax of huge
+    logits is well defined: the largest ones take the weight), the others as the float32 path computes them.
+    ValueError when even float64 overflows (a scale past ~1e230)."""
+    s64 = ((qf.double() @ kf.double().transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+    if not bool(torch.isfinite(s64.masked_fill(~allowed, 0.0)).all()):
+        raise ValueError(f"{where}: the logits q k^T * scale overflow float64 too (scale {scale!r})")
+    p64 = torch.softmax(s64, dim=-1).float()
+    # (the float32 rows that overflowed are replaced by zeros before their softmax: no NaN in the backward)
+    return torch.where(over, p64, torch.softmax(s.masked_fill(over, 0.0), dim=-1))

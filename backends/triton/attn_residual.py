@@ -948,22 +948,33 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     Returns:
         out: [..., d] in the sources' dtype.
 
+    Huge values (CPU tensors, scanned as for NaN / inf; not scanned on the GPU): a source value or |query *
+    rms_weight| past 2^40, where the kernel's float32 sums could overflow, gives the reference's result (which
+    scales such rows exactly); a result that overflows its dtype is the reference's ValueError.
+
     Raises:
         ValueError: empty sources, mismatched shapes/devices, wrong weight shapes, bad eps, CPU tensors
-            without the interpreter.
+            without the interpreter, a CPU result that overflows its dtype.
         TypeError: non-tensor arguments, mismatched or unsupported dtypes.
     """
     shape, dtype, d = _ref.check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight)
     _check_device(sources[0], "attn_residual")
     warn_interpreter_bf16("backends.triton.attn_residual", *sources)
+    if _ref.needs_safe_path(query, sources, rms_weight):
+        # values past 2^40 (CPU inputs, scanned as for NaN / inf): the kernel's float32 sums of x^2 or of the
+        # logits could overflow; the reference scales those rows exactly (the same result as there)
+        return _ref.attn_residual(query, sources, rms_weight, eps=eps, output_rms_weight=output_rms_weight)
     xs = [_flat(s, d) for s in sources]
     q, w = query.contiguous(), rms_weight.contiguous()
     ow = output_rms_weight.contiguous() if output_rms_weight is not None else None
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, w, ow, *xs))):
         # nothing to differentiate: the kernel alone, without autograd.Function's bookkeeping (~10 us of
         # host work per call; at L = 2, N = 16384 the kernel itself takes ~0.18 ms on an H200)
-        return _fwd(q, xs, w, ow, float(eps), False)[0].view(shape)
-    return _AttnResFn.apply(q, w, ow, float(eps), *xs).view(shape)
+        out = _fwd(q, xs, w, ow, float(eps), False)[0].view(shape)
+    else:
+        out = _AttnResFn.apply(q, w, ow, float(eps), *xs).view(shape)
+    _ref.check_attn_residual_result(out, dtype, "attn_residual")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1150,15 +1161,21 @@ def attn_residual_phase1(queries: torch.Tensor, bank: Sequence[torch.Tensor], rm
         Differentiable (the backward recomputes through the float32 reference: correct but not fast).
 
     Raises:
-        ValueError / TypeError: as the reference (empty bank, mismatched shapes or dtypes, bad eps),
-            unsupported dtypes, CPU tensors without the interpreter.
+        ValueError / TypeError: as the reference (empty bank, mismatched shapes or dtypes, bad eps, a CPU
+            result that overflows), unsupported dtypes, CPU tensors without the interpreter. CPU inputs past
+            2^40 give the reference's result (as attn_residual).
     """
     shape, dtype, Q, d = _ref.check_phase1_args(queries, bank, rms_weights, eps, acc_dtype=acc_dtype)
     _check_device(bank[0], "attn_residual_phase1")
+    if _ref.needs_safe_path(queries, bank, rms_weights):
+        # values past 2^40 (CPU inputs): the reference's exactly scaled rows, as attn_residual
+        return _ref.attn_residual_phase1(queries, bank, rms_weights, eps=eps, acc_dtype=acc_dtype)
     xs = [_flat(b, d) for b in bank]
     acc, m, s = _Phase1Fn.apply(queries.contiguous(), rms_weights.contiguous(), float(eps), acc_dtype, *xs)
     tok = shape[:-1]
-    return acc.view(Q, *tok, d), m.view(Q, *tok), s.view(Q, *tok)
+    acc, m, s = acc.view(Q, *tok, d), m.view(Q, *tok), s.view(Q, *tok)
+    _ref.check_two_phase_result("attn_residual_phase1", m=m, s=s, acc=acc)
+    return acc, m, s
 
 
 class _MergeFn(torch.autograd.Function):
@@ -1246,7 +1263,8 @@ def attn_residual_merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, par
 
     Raises:
         ValueError / TypeError: mismatched shapes, non-float tensors, bad eps, unsupported dtypes, CPU
-            tensors without the interpreter.
+            tensors without the interpreter, a CPU result that overflows. CPU inputs past 2^40 give the
+            reference's result (as attn_residual).
     """
     tok, d = _ref.check_merge_args(acc, m, s, partial, query, rms_weight, eps, output_rms_weight)
     _check_device(acc, "attn_residual_merge")
@@ -1256,9 +1274,15 @@ def attn_residual_merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, par
         out_dtype = partial.dtype if partial is not None else acc.dtype
     if out_dtype not in _SUPPORTED:
         raise TypeError(f"attn_residual_merge: out_dtype {out_dtype} is not float32/float16/bfloat16")
+    if _ref.needs_safe_path(query, [acc] + ([partial] if partial is not None else []), rms_weight):
+        # values past 2^40 (CPU inputs): the reference's exactly scaled rows, as attn_residual
+        return _ref.attn_residual_merge(acc, m, s, partial, query, rms_weight, eps=eps,
+                                        output_rms_weight=output_rms_weight, out_dtype=out_dtype)
     out = _MergeFn.apply(_flat(acc, d), m.reshape(-1).float().contiguous(), s.reshape(-1).float().contiguous(),
                          _flat(partial, d) if partial is not None else None,
                          query.contiguous(), rms_weight.contiguous(),
                          output_rms_weight.contiguous() if output_rms_weight is not None else None,
                          float(eps), out_dtype)
-    return out.view(*tok, d)
+    out = out.view(*tok, d)
+    _ref.check_two_phase_result("attn_residual_merge", out=out)
+    return out

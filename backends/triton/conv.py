@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .guard import cdiv, check_forward_only, check_kernel_device, next_power_of_2
 from backends.cuda_device import on_tensor_device
-from backends.reference.ops import _check_float_input, check_conv_weight, check_eps, check_finite_cpu
+from backends.reference.ops import _check_float_input, check_conv_weight, check_eps, check_finite_cpu, check_flag
 
 __all__ = ["conv_silu_norm"]
 
@@ -68,13 +68,14 @@ def conv_silu_norm(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, 
     Returns:
         y [B, T, C] in x's dtype (view it as [B, T, C // head_dim, head_dim] for the per-head layout).
     Raises:
-        TypeError: x not a float tensor, weight not a real tensor, head_dim not an int.
+        TypeError: x not a float tensor, weight not a real tensor, head_dim not an int, silu not a bool.
         ValueError: wrong ranks or weight shape (as reference short_conv), C mismatch between x and weight,
             head_dim not dividing C, eps <= 0.
         RuntimeError: autograd records a gradient for x or weight (forward only: the result would carry none).
     Forward only (no autograd): the runtime uses it when no gradient is recorded."""
     _check_float_input(x, "conv_silu_norm")
     check_conv_weight(weight, "conv_silu_norm")
+    silu = check_flag(silu, "silu", "conv_silu_norm")
     check_forward_only("conv_silu_norm", x, weight)
     check_kernel_device("triton.conv_silu_norm", x=x, weight=weight)
     if x.dim() != 3:

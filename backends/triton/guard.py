@@ -8,6 +8,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from backends.reference.ops import check_devices
+
 
 def interpreted() -> bool:
     """True when Triton runs its kernels under the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -16,17 +18,10 @@ def interpreted() -> bool:
 
 def check_kernel_device(where: str, **tensors) -> None:
     """The Triton kernels run on a CUDA device, or on the CPU under TRITON_INTERPRET=1: ValueError naming the
-    tensors otherwise, for tensors on different devices and for meta tensors (None entries are skipped)."""
-    named = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
-    devs = {t.device for t in named.values()}
-    if len(devs) > 1:
-        raise ValueError(f"{where}: the tensors are on different devices: "
-                         + ", ".join(f"{n} on {t.device}" for n, t in named.items()))
-    dev = next(iter(devs), None)
-    if dev is not None and dev.type == "meta":
-        raise ValueError(f"{where}: meta tensors hold no data for a kernel to run on: "
-                         + ", ".join(f"{n}" for n, t in named.items() if t.device.type == "meta")
-                         + " (for shapes alone, compile the model with device='meta': dsl's typed IR)")
+    tensors otherwise, for tensors on different devices and for meta tensors (the reference backend's
+    check_devices; None entries are skipped)."""
+    check_devices(where, **tensors)
+    dev = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), None)
     if dev is not None and dev.type != "cuda" and not interpreted():
         raise ValueError(f"{where}: tensors must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
 

@@ -74,7 +74,7 @@ import triton.language as tl
 
 from backends.cuda_device import on_tensor_device
 from backends.reference import kda as _ref
-from backends.reference.ops import check_finite_cpu
+from backends.reference.ops import check_finite_cpu, check_flag
 from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, check_kernel_device,
                     check_kernel_dtype, device_table, mark_phase, next_power_of_2, no_create_graph, scan_values,
                     sm_count)
@@ -2589,7 +2589,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
             hang), and g > 0 or g = -inf (outside the contract g in (-inf, 0]) give NaN or huge values, not
             an error.  Pass True to check on the GPU too.  When it scans, it also checks the result: inf / NaN
             from finite inputs (a diverging recurrence, beta ||k||^2 > 2: a RuntimeWarning names the first such
-            token before the run) is a ValueError, as in the reference.
+            token before the run) is a ValueError, as in the reference; and g below a promised lower_bound gets
+            the reference's RuntimeWarning naming the first such token (check_lower_bound_kept).
 
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [N_seq, H, K, V] float32 or None).
@@ -2611,6 +2612,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """
     where = "triton.kda_chunk"
     B, T, H, K, V, bounds, n_seq = _ref._validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where)
+    output_final_state = check_flag(output_final_state, "output_final_state", where)
     check_kernel_dtype(where, q=q, k=k, v=v)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         # the kernels take one dtype: q, k, v in their promoted one (float16 with bfloat16: float32), o in v's
@@ -2639,6 +2641,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         _ref.check_inputs_finite_and_decay(q, k, v, g, beta, where)
         if initial_state is not None:
             _ref._check_finite("initial_state", initial_state, where)
+        _ref.check_lower_bound_kept(g, lower_bound, where)
     if not (_pow2(K) and _pow2(V)):
         # the kernels take powers of two >= 16: zero channels / value columns (q = k = 0, g = 0, v = 0, a zero
         # state) change nothing in the others and stay zero; the scale stays that of the real K
@@ -2723,7 +2726,8 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
     q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] (any float dtype, used as float32; not
     modified); any K, V >= 1.  Returns (o [B, H, V] in v's dtype, new_state float32).  Raises TypeError /
     ValueError like the reference (same checks; the NaN/inf and g <= 0 scan on CPU tensors, or always with
-    check_finite=True: it costs a host sync on the GPU), ValueError for CPU tensors without TRITON_INTERPRET=1,
+    check_finite=True: it costs a host sync on the GPU, and then a result that overflowed from finite inputs is
+    the reference's ValueError too), ValueError for CPU tensors without TRITON_INTERPRET=1,
     and RuntimeError when autograd records a gradient for an input: forward only (decoding); use the reference
     kda_step for gradients.
     """
@@ -2732,7 +2736,8 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
     _ref.check_scale(scale, where)
     check_forward_only(where, q, k, v, g, beta, state)
     check_kernel_device(where, q=q)
-    if scan_values(check_finite, q):
+    scan = scan_values(check_finite, q)
+    if scan:
         _ref.check_step_finite(q, k, v, g, beta, state, where)
     scale = K ** -0.5 if scale is None else float(scale)
     S_in = state.float().contiguous()
@@ -2743,4 +2748,6 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, check_finite=None):
         _step_kernel[(B * H, cdiv(V, BV))](q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
                                            beta.contiguous(), S_in, S_out, o, scale, K=K, V=V, BV=BV,
                                            KP=next_power_of_2(K))
+    if scan:
+        _ref.check_result_finite(o, S_out, k, beta, where)     # (as the reference and kda_chunk)
     return o, S_out

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from backends.reference.kda import check_cu_seqlens
 from backends.reference.ops import check_attention_args, check_attention_finite
+from backends.reference.ops import mla_attention as _ref_mla_attention
 from .guard import scan_values
 
 __all__ = ["mla_attention"]
@@ -30,7 +31,8 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         cu_seqlens: int32/int64 [N_seq+1] offsets of packed sequences (B == 1): attention never crosses a
             sequence boundary (one fused call per sequence; read on the host once).
         check_finite: scan q, k, v for NaN / inf first (None: on CPU tensors only; on the GPU it costs a
-            host sync).
+            host sync), and the result: where the logits overflowed float32 (huge q or k; NaN from the fused
+            kernel), the reference's result (those rows' logits in float64) is returned instead.
 
     Returns:
         o [B, T, H, Dv] in v's dtype.
@@ -41,7 +43,8 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     """
     where = "triton.mla_attention"
     check_attention_args(q, k, v, scale, where, causal)
-    if scan_values(check_finite, q):
+    scan = scan_values(check_finite, q)
+    if scan:
         check_attention_finite(q, k, v, where)
     B, T = q.shape[:2]
     if cu_seqlens is not None:
@@ -50,8 +53,13 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         for a, b in bounds:
             if b > a:
                 out[:, a:b] = _sdpa(q[:, a:b], k[:, a:b], v[:, a:b], float(scale), bool(causal))
-        return out
-    return _sdpa(q, k, v, float(scale), bool(causal))
+    else:
+        out = _sdpa(q, k, v, float(scale), bool(causal))
+    if scan and out.numel() and not bool(torch.isfinite(out).all()):
+        # finite inputs, non-finite result: q k^T * scale overflowed float32 (inf - inf in the softmax); the
+        # reference forms those rows' logits in float64 (its result, finite)
+        return _ref_mla_attention(q, k, v, scale=scale, causal=causal, cu_seqlens=cu_seqlens)
+    return out
 
 
 def _sdpa(q, k, v, scale, causal):

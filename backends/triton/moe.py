@@ -265,18 +265,21 @@ def _launch_cfg(cfg, t=None, tail=0):
 # ------------------------------------------------------------------------------------------------
 # routing
 # ------------------------------------------------------------------------------------------------
-def _raise_bad_rows(bad, x, weight, bias, where):
+def _overflow_rows(bad, x, weight, bias, where):
+    """The rows flagged by the routing kernel (non-finite logits) as an index tensor, when each is a row of
+    finite x whose x @ weight^T overflowed float32 (they are routed from float64 logits, as in the reference);
+    ValueError naming the first row of x that holds NaN / inf, or a non-finite router weight or bias."""
     rows = torch.nonzero(bad).flatten()
-    first = int(rows[0])
-    if not bool(torch.isfinite(x[first]).all()):
-        raise ValueError(f"{where}: row {first} of x holds NaN or inf ({rows.numel()} bad row(s) of "
+    xbad = ~torch.isfinite(x[rows]).all(dim=-1)
+    if bool(xbad.any()):
+        n_bad = int((~torch.isfinite(x).all(dim=-1)).sum())
+        raise ValueError(f"{where}: row {int(rows[xbad][0])} of x holds NaN or inf ({n_bad} bad row(s) of "
                          f"{x.shape[0]}); refusing to route it")
     if weight is not None and not bool(torch.isfinite(weight).all()):
         raise ValueError(f"{where}: router weight holds NaN or inf")
     if bias is not None and not bool(torch.isfinite(bias).all()):
         raise ValueError(f"{where}: bias holds NaN or inf")
-    raise ValueError(f"{where}: router logits of row {first} are not finite (x @ weight^T overflows "
-                     f"in {x.dtype})")
+    return rows
 
 
 def _router_logits(x, weight):
@@ -329,7 +332,9 @@ class _RouteFn(torch.autograd.Function):
                                           write_topk=True, write_alpha=False,
                                           routed_scaling=routed_scaling)
         if x.shape[0] > 0 and bool(bad.any()):
-            _raise_bad_rows(bad.bool(), x, weight, bias, "qb_route")
+            rows = _overflow_rows(bad.bool(), x, weight, bias, "qb_route")
+            idx[rows], wt[rows], scores[rows] = _ref.route_overflow_rows(x[rows], weight, bias.float(), top_k,
+                                                                         routed_scaling)
         ctx.save_for_backward(x, weight, scores, idx, wt)
         ctx.scaling = float(routed_scaling)
         ctx.gemm_dtype = dt
@@ -375,8 +380,9 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
         topk_weight [N, k] float32 (unbiased scores of the picks / their sum * routed_scaling),
         scores [N, E] float32 = sigmoid(x @ weight^T).
     Raises:
-        TypeError / ValueError: bad shapes/types, top_k out of range, and a row of x with NaN/inf
-        (message names the row; one device-to-host sync per call for this check).
+        TypeError / ValueError: bad shapes/types, top_k out of range, routed_scaling not finite and > 0, and a
+        row of x with NaN/inf (message names the row; one device-to-host sync per call for this check). A
+        finite row whose logits overflow float32 is routed as in the reference (float64 logits for that row).
     Differentiable in x and weight (through topk_weight and scores).
     Math: DeepSeek-V3 (arXiv 2412.19437) Eqs. 13-16; bias selection-only (Sec. 2.1.2).
     """
@@ -431,7 +437,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
     if not bool(torch.isfinite(b).all()):         # [E]: one small check (the reference refuses it too)
         raise ValueError(f"{where}: bias holds NaN or inf")
     if n == 0:
-        b_hat = b.clone()
+        b_hat = None                                  # no tokens: nothing to balance by (the bias stays)
     elif top_k == e:
         _ref.check_finite_rows("scores", s, where)
         b_hat = torch.zeros_like(b)
@@ -449,9 +455,7 @@ def qb_update(scores, bias, *, top_k, ema=0.0, dp_group=None):
             _k._qb_count_kernel[grid](s, alpha, cnt, n, e, q, p, BLOCK_N=bn, BLOCK_E=be, num_warps=4)
         b_hat = torch.empty(e, dtype=torch.float32, device=s.device)
         _k._qb_finish_kernel[(cdiv(e, 128),)](cnt, b_hat, e, q, BLOCK_E=128, num_warps=4)
-    b_hat = _ref._dp_average(b_hat, dp_group)
-    b_new = b_hat - b_hat.mean()
-    return ema * b + (1.0 - ema) * b_new
+    return _ref.qb_finish(b_hat, b, ema, dp_group)
 
 
 @on_tensor_device
