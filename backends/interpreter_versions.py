@@ -1,9 +1,9 @@
 """Which triton and numpy versions triton's CPU interpreter (TRITON_INTERPRET=1) runs mtc's kernels with.
 
-The kernels compile and run on triton 3.6 (the GPU machine's) through 3.9. On the CPU, triton before 3.7
-converts a one-element array to a Python int where a kernel loops to a bound it loaded from memory
-(``for j in range(0, nch)``); numpy 2.4 refuses that conversion, so such a kernel stops with a TypeError
-deep inside the interpreter. This module says so up front instead.
+The kernels run on triton 3.6 (the GPU machine's and CI's) through 3.9 (pyproject.toml allows no other). On
+the CPU, triton before 3.7 converts a one-element array to a Python int where a kernel loops to a bound it
+loaded from memory (``for j in range(0, nch)``); numpy 2.4 refuses that conversion, so such a kernel stops with
+a TypeError deep inside the interpreter (numpy 2.0 to 2.3 still run). This module says so up front instead.
 """
 from __future__ import annotations
 
