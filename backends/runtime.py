@@ -1096,6 +1096,9 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
                        + ("mtc run sets it when it is unset" if now is None else
                           f"it is set to {now!r} in the environment, which mtc run keeps: unset it or set it to 1")
                        + ")")
+    if target in ("triton", "tvm") and dev.type == "cpu":
+        from backends.interpreter_versions import check_interpreter_versions
+        check_interpreter_versions()          # triton 3.6 with numpy >= 2.4: one line, not a kernel traceback
     if dev.type != "meta":
         _check_interpreter_dtype(target, dtype)
         check_weights_fit(graph, torch.empty((), dtype=dtype).element_size(), dev,

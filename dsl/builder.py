@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .errors import Loc, MtcError, did_you_mean
-from .ir import Graph, Node, Ref, TensorType, canon_dtype, dim, make_attrs
+from .ir import DEFAULT_DTYPE, Graph, Node, Ref, TensorType, canon_dtype, dim, make_attrs
 
 
 class ShapeError(Exception):
@@ -69,7 +69,7 @@ class GraphBuilder:
     graph's shape symbols (its signature); by default the symbols of its inputs' shapes, in order; given
     explicitly, an input shape using another symbol is an error."""
 
-    def __init__(self, name: str, symbols: Sequence[str] | None = None, dtype: str = "f32",
+    def __init__(self, name: str, symbols: Sequence[str] | None = None, dtype: str = DEFAULT_DTYPE,
                  source: str | None = None):
         self.name = name
         self._auto_symbols = symbols is None

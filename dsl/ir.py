@@ -24,6 +24,11 @@ DTYPES = {
 }
 """Bytes per element of every IR dtype (mxfp4: 4 bits + one E8M0 scale per group of 32 = 4.25 bits)."""
 
+DEFAULT_DTYPE = "f32"
+"""The model dtype of a spec without a ``dtype`` config field (and of a GraphBuilder without ``dtype=``): what
+its parameters are typed in and what ``mtc stats`` / the memory plan count its activations, KV cache and
+residual stream in."""
+
 DTYPE_ALIASES = {
     "float32": "f32", "fp32": "f32", "float16": "f16", "fp16": "f16", "bfloat16": "bf16", "int64": "i64",
     "int32": "i32", "float64": "f64",

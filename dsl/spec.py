@@ -21,7 +21,7 @@ import sympy
 from .builder import GraphBuilder, ShapeError
 from .dim_expr import MAX_INT_DIGITS, DimError, check_size
 from .errors import Loc, MtcError, MtcWarning, did_you_mean
-from .ir import Ref, canon_dtype, sym
+from .ir import DEFAULT_DTYPE, Ref, canon_dtype, sym
 from .ops import EXPERT_DTYPES, FLOAT
 
 #: the largest dimension a forward input may have (an int32 index; larger is a typo)
@@ -502,7 +502,7 @@ class SpecBuilder:
     def __init__(self, spec: SpecModel, config: dict, name: str):
         self.spec = spec
         self.config = config
-        dtype = config.get("dtype", "f32")
+        dtype = config.get("dtype", DEFAULT_DTYPE)
         self.b = GraphBuilder(name, dtype=dtype, source=spec.text)
         self.b.meta["config"] = tuple(sorted(config.items()))
         self.env: dict[str, Any] = dict(config)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import sympy
 
-from .ir import DTYPES, SOURCE_OPS, Graph, as_expr, sym
+from .ir import DEFAULT_DTYPE, DTYPES, SOURCE_OPS, Graph, as_expr, sym
 
 
 @dataclass
@@ -89,7 +89,7 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         from .errors import MtcError
         raise MtcError(f"sequence length, batch and GPU count must be >= 1 (got T={T}, batch={batch}, gpus={gpus}); "
                        f"check --seq-len or the spec's max_seq_len")
-    act_bytes = DTYPES.get(config.get("dtype", "bf16"), 2)
+    act_bytes = DTYPES[config.get("dtype", DEFAULT_DTYPE)]      # the dtype the graph builder typed it in
     emb_params = {r.node for n in graph.nodes if n.op == "embedding" for r in n.inputs[1:]}
     from passes.canonicalize import live_nodes
     live = live_nodes(graph)              # parameters only dead ops use are not part of the model

@@ -58,7 +58,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 
 from dsl.errors import MtcWarning
-from dsl.ir import DTYPES, SOURCE_OPS, Graph, TensorType, sym
+from dsl.ir import DEFAULT_DTYPE, DTYPES, SOURCE_OPS, Graph, TensorType, sym
 
 __all__ = ["MemoryPlan", "MoEComm", "plan_memory", "CHECKPOINTING"]
 
@@ -441,8 +441,8 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
                                  f"the layer blocks (kda_layer, mla_layer, moe, latent_moe) and are not counted here"),
                       stacklevel=2)
     config = dict(graph.meta_get("config", ()))
-    compute_dtype = config.get("dtype", "bf16")
-    act_b = DTYPES.get(compute_dtype, 2)
+    compute_dtype = config.get("dtype", DEFAULT_DTYPE)     # the dtype the graph builder typed it in
+    act_b = DTYPES[compute_dtype]
     eb = float(dtype_bytes) if dtype_bytes is not None else float(act_b)
     if checkpointing == "block":
         if block_size is None:  # the Block AttnRes stack's block_size= (a spec may write a literal there)

@@ -137,3 +137,28 @@ def test_human_formats_have_no_exponent_and_json_counts_are_ints():
     d = compute_stats(dsl.load(ROOT / "models" / "kimi_k3.mtc")).to_dict()
     assert isinstance(d["weights_bytes"], int) and isinstance(d["flops_per_token"], int)
     assert all(isinstance(v, int) for v in d["flops_per_token_by_op"].values())
+
+
+def test_a_spec_without_dtype_counts_everything_in_one_dtype(tmp_path):
+    """No `dtype` config field: the weights, KV cache, residual stream and all-to-all are all counted in the
+    graph builder's default dtype (f32, 4 bytes), not the weights in f32 and the rest in bf16."""
+    import re
+    from passes.plan_memory import plan_memory
+    text = (ROOT / "models" / "kimi_k3.mtc").read_text()
+    text, n = re.subn(r"^\s*dtype(: dtype)? = \"\w+\".*\n", "", text, flags=re.M)
+    assert n == 2 and "dtype =" not in text.replace("expert_dtype", "")
+    spec = tmp_path / "no_dtype.mtc"
+    spec.write_text(text)
+    g = dsl.load(spec, variant="tiny")
+    assert {n.type.dtype for n in g.params()} == {"f32"}
+    T, B, eb = 37, 3, 4
+    s = compute_stats(g, seq_len=T, batch=B)
+    numel = sum(int(n.type.numel()) for n in [*g.params(), *g.buffers()])
+    assert s.weights_bytes == numel * eb
+    assert s.layers["mla"] == 3
+    assert s.kv_cache_bytes == 3 * (16 + 8) * eb * T * B          # kv_lora_rank + qk_rope_dim per MLA layer
+    assert s.residual_stream_bytes == T * B * 64 * eb
+    p = plan_memory(g, seq_len=T, batch=B, gpus=2)
+    assert p.kv_cache_total_bytes == s.kv_cache_bytes
+    c = p.moe_comm[0]
+    assert c.dispatch_bytes == pytest.approx(c.tokens_per_gpu * c.top_k * c.width * eb * c.remote_fraction)

@@ -2,6 +2,12 @@
 
 On a machine without a GPU, set TRITON_INTERPRET=1 before importing triton to run them on the CPU
 (float32/float16; the interpreter computes bf16 tl.dot wrongly)."""
+import os
+
+# fused multiply-adds, as the kernels were tuned with (triton 3.6's default): triton 3.9 warns at the first compile
+# while this is unset, and 3.10 turns fusion off by default
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 from .kda import kda_gate, kda_chunk, kda_step  # noqa: F401
 from .attn_residual import attn_residual, attn_residual_phase1, attn_residual_merge  # noqa: F401
 from .moe import qb_route, qb_update, expert_load, situ_glu, moe_experts, latent_moe  # noqa: F401

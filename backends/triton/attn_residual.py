@@ -105,8 +105,10 @@ def _fwd_kernel(
         ki_b = 1 - kt_b * L
         rows_b = (t0 + kt_b) * BT + r0
         off_b = tl.multiple_of(tl.load(offs + ki_b), VEC)
+        # `!= 0` keeps the mask bool under the triton 3.9 interpreter (its loads take only bool masks, and it
+        # broadcasts the scalar comparison kt_b < TPP as an integer); the compiler folds it away
         buf_b = tl.load(base + off_b + rows_b[:, None] * D + cols[None, :],
-                        mask=((rows_b < N) & (kt_b < TPP))[:, None] & cmask[None, :], other=0.0,
+                        mask=(((rows_b < N) & (kt_b < TPP)) != 0)[:, None] & cmask[None, :], other=0.0,
                         eviction_policy="evict_first")
     for tt in range(0, TPP):
         rows = (t0 + tt) * BT + r0                                      # [BT] int64
@@ -135,7 +137,7 @@ def _fwd_kernel(
                 rows_n = (t0 + kt) * BT + r0
                 off_n = tl.multiple_of(tl.load(offs + ki), VEC)
                 nxt = tl.load(base + off_n + rows_n[:, None] * D + cols[None, :],
-                              mask=((rows_n < N) & (kt < TPP))[:, None] & cmask[None, :], other=0.0,
+                              mask=(((rows_n < N) & (kt < TPP)) != 0)[:, None] & cmask[None, :], other=0.0,
                               eviction_policy="evict_first")
                 if PF == 2:
                     buf_b = nxt
@@ -544,7 +546,7 @@ def _phase1_mix_kernel(
         a += e[:, None] * x[None, :]
     dst = acc + (qq[:, None].to(tl.int64) * N + n) * D + cols[None, :]
     tl.store(dst, a.to(acc.dtype.element_ty), mask=qm[:, None] & cm[None, :])
-    stat = qm & (c == 0)
+    stat = (qm & (c == 0)) != 0           # `!= 0`: a bool mask under the triton 3.9 interpreter (see _fwd_kernel)
     tl.store(m_out + qq.to(tl.int64) * N + n, mq, mask=stat)
     tl.store(s_out + qq.to(tl.int64) * N + n, sq, mask=stat)
 
@@ -707,7 +709,7 @@ def _merge2_kernel(
     for k in tl.range(0, TPP, num_stages=NS):
         row = t0 + k * TSTEP
         ok = row < N
-        mask = cmask & ok
+        mask = (cmask & ok) != 0                # `!= 0`: a bool mask under the triton 3.9 interpreter (see _fwd_kernel)
         a = tl.load(acc + row * D + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         mb = tl.load(m_in + row, mask=ok, other=0.0).to(tl.float32)
         sb = tl.load(s_in + row, mask=ok, other=1.0).to(tl.float32)

@@ -483,23 +483,23 @@ def _fwd_wu_kernel(k, v, g, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V
     T = tl.load(TB + tok * 64 + rows[:, None] * (H * 64) + rows[None, :],
                 mask=rm[:, None] & ((rows[None, :] // 16) <= (rows[:, None] // 16)), other=0.0)
     T = T.to(DT)
-    pg = tl.make_block_ptr(g + tok * K, (L, K), (H * K, 1), (0, 0), (64, K), (1, 0))
-    pk = tl.make_block_ptr(k + tok * K, (L, K), (H * K, 1), (0, 0), (64, K), (1, 0))
-    pw = tl.make_block_ptr(WK + tok * K, (L, K), (H * K, 1), (0, 0), (64, K), (1, 0))
-    pv = tl.make_block_ptr(v + tok * V, (L, V), (H * V, 1), (0, 0), (64, V), (1, 0))
-    pu = tl.make_block_ptr(U + tok * V, (L, V), (H * V, 1), (0, 0), (64, V), (1, 0))
+    # [64, K] / [64, V] tiles of the chunk's rows (rows past L masked: zero loads, no stores), 64-bit offsets:
+    # plain pointers, as the compiler rewrites block pointers (triton 3.9 removed tl.make_block_ptr)
+    rows64 = rows.to(tl.int64)[:, None]
+    ok = tok * K + rows64 * (H * K) + tl.arange(0, K)[None, :]
+    ov = tok * V + rows64 * (H * V) + tl.arange(0, V)[None, :]
+    m2 = rm[:, None]
     if KGB_IN:
-        kg = tl.load(pk, boundary_check=(0,), padding_option="zero").to(DT)
+        kg = tl.load(k + ok, mask=m2, other=0.0).to(DT)
     else:
         if CUMSUM:
-            G = tl.load(pg, boundary_check=(0,), padding_option="zero")
+            G = tl.load(g + ok, mask=m2, other=0.0)
         else:
-            G = tl.cumsum(tl.load(pg, boundary_check=(0,), padding_option="zero"), axis=0)
-        kg = (tl.load(pk, boundary_check=(0,), padding_option="zero").to(tl.float32) * tl.exp(G)
-              * bb[:, None]).to(DT)
-    tl.store(pw, tl.dot(T, kg).to(WK.dtype.element_ty), boundary_check=(0,))
-    vb = (tl.load(pv, boundary_check=(0,), padding_option="zero").to(tl.float32) * bb[:, None]).to(DT)
-    tl.store(pu, tl.dot(T, vb).to(U.dtype.element_ty), boundary_check=(0,))
+            G = tl.cumsum(tl.load(g + ok, mask=m2, other=0.0), axis=0)
+        kg = (tl.load(k + ok, mask=m2, other=0.0).to(tl.float32) * tl.exp(G) * bb[:, None]).to(DT)
+    tl.store(WK + ok, tl.dot(T, kg).to(WK.dtype.element_ty), mask=m2)
+    vb = (tl.load(v + ov, mask=m2, other=0.0).to(tl.float32) * bb[:, None]).to(DT)
+    tl.store(U + ov, tl.dot(T, vb).to(U.dtype.element_ty), mask=m2)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -904,7 +904,9 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
         k64 = tl.load(k + base + o64, mask=m64, other=0.0).to(tl.float32)
         kr = tl.load(k + base + orr, mask=mr, other=0.0).to(tl.float32)
         qr = tl.load(q + base + orr, mask=mr, other=0.0).to(tl.float32)
-        cl = tl.load(GCS + base + row_lo * (H * K) + d, mask=(R > 0) & (d < K), other=0.0)
+        # `!= 0` keeps a mask with a scalar term bool under the triton 3.9 interpreter (its loads and stores take
+        # only bool masks, and it broadcasts a scalar comparison as int32); the compiler folds it away
+        cl = tl.load(GCS + base + row_lo * (H * K) + d, mask=((R > 0) & (d < K)) != 0, other=0.0)
         ch = tl.load(GCS + base + row_hi * (H * K) + d)
         GC = tl.load(GCS + base + last * (H * K) + d)
         Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
@@ -1200,10 +1202,11 @@ def _fwd_h_kernel(WK, U, KD, GAM, VN, HB, S_IN, S_OUT, seg_t0, seg_t1, seg_c0, s
         r2 = tl.arange(0, 128)
         okq = (r2 % 64)[:, None] * (H * K) + dk[None, :]
         upper = (r2 >= 64)[:, None]
-    gam = tl.load(bg + dk, mask=(dk < K) & (nch > 0), other=1.0)
+    # `!= 0`: a bool mask under the triton 3.9 interpreter (see _strip_block)
+    gam = tl.load(bg + dk, mask=((dk < K) & (nch > 0)) != 0, other=1.0)
     for j in range(0, nch):
         # the next chunk's decay is fetched a whole step ahead (the tiles are pipelined by the compiler)
-        gnext = tl.load(bg + H * K + dk, mask=(dk < K) & (j + 1 < nch), other=1.0)
+        gnext = tl.load(bg + H * K + dk, mask=((dk < K) & (j + 1 < nch)) != 0, other=1.0)
         rm = (ts + j * 64 + rows) < te
         if STORE:
             tl.store(bh + oh, S.to(HB.dtype.element_ty))
