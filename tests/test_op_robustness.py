@@ -16,6 +16,12 @@ import backends.reference as R
 import backends.triton as X
 
 BACKENDS = (R, X)
+try:                                     # the tvm backend runs the memory-bound ops (attn_residual, qb_route, short_conv)
+    import tvm  # noqa: F401
+    import backends.tvm as V
+    TVM_TOO = (R, X, V)
+except ImportError:                      # pragma: no cover - TVM is in the test extra
+    TVM_TOO = BACKENDS
 
 
 def _name(mod) -> str:
@@ -42,7 +48,7 @@ def _naive_attn_residual(q, xs, w, eps, ow=None):
 # 6. silent non-finite results from finite inputs
 # ------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mod", BACKENDS, ids=_name)
+@pytest.mark.parametrize("mod", TVM_TOO, ids=_name)
 def test_attn_residual_huge_query_element_gives_the_softmax_not_nan(mod):
     # query[j] = 3e38 with every source's normalised column j above 1: each logit is past float32's range (inf,
     # and inf - inf in the softmax); the exact softmax puts the weight on the source with the largest column
@@ -61,7 +67,7 @@ def test_attn_residual_huge_query_element_gives_the_softmax_not_nan(mod):
     assert all(torch.isfinite(t).all() for t in g)
 
 
-@pytest.mark.parametrize("mod", BACKENDS, ids=_name)
+@pytest.mark.parametrize("mod", TVM_TOO, ids=_name)
 @pytest.mark.parametrize("onorm", [False, True], ids=["plain", "onorm"])
 def test_attn_residual_huge_source_element_is_normalised_right(mod, onorm):
     # one source element of -3e38 (its x^2 overflows: rsqrt(inf) = 0 zeroed the row's logit in the reference,
@@ -99,7 +105,7 @@ def test_two_phase_form_with_huge_values_is_the_direct_form_or_an_error(mod):
         mod.attn_residual_phase1(queries, bank, rms)
 
 
-@pytest.mark.parametrize("mod", BACKENDS, ids=_name)
+@pytest.mark.parametrize("mod", TVM_TOO, ids=_name)
 def test_attn_residual_result_past_float32_is_the_same_error(mod):
     # a fused output norm with a huge weight: the exact result is past float32's range, an error on every backend
     d = 17
@@ -140,7 +146,7 @@ def _naive_route(x, wt, bias, k):
     return idx, torch.softmax(torch.nn.functional.logsigmoid(zc), dim=-1).float(), s
 
 
-@pytest.mark.parametrize("mod", BACKENDS, ids=_name)
+@pytest.mark.parametrize("mod", TVM_TOO, ids=_name)
 def test_qb_route_routes_rows_whose_logits_overflow(mod):
     # finite rows of x whose x @ W^T overflows float32: every logit -inf (weights 0 / 0 before), and inf - inf
     # (NaN scores before); the scores are sigmoid of the exact logits (0, 1 or 1/2 for 3e38 - 3e38) and the
@@ -202,7 +208,7 @@ def test_moe_experts_refuses_non_float_expert_weights(mod, dtype):
             mod.moe_experts(x, idx, wt, *bad)
 
 
-@pytest.mark.parametrize("mod", BACKENDS, ids=_name)
+@pytest.mark.parametrize("mod", TVM_TOO, ids=_name)
 def test_qb_route_refuses_routed_scaling_not_positive(mod):
     x, wt, bias = torch.randn(9, 12), torch.randn(5, 12), torch.zeros(5)
     for bad in (0, 0.0, -1.0, -1e-30):
@@ -335,3 +341,15 @@ def test_kda_chunk_names_g_below_the_promised_lower_bound(mod):
         o, _ = mod.kda_chunk(q, k, v, g, beta, lower_bound=lb)
     o_ref, _ = R.kda_chunk(q, k, v, g, beta)          # (the result is right either way)
     assert rel_err(o, o_ref) < 1e-5
+
+
+def test_tvm_short_conv_flag_takes_bools_only():
+    pytest.importorskip("tvm")
+    import backends.tvm as V
+    x, cw = torch.randn(2, 9, 8), torch.randn(8, 4)
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=r"tvm short_conv: output_final_state must be True or False"):
+            V.short_conv(x, cw, output_final_state=bad)
+    y, st = V.short_conv(x, cw, output_final_state=True)
+    y_r, st_r = R.short_conv(x, cw, output_final_state=True)
+    assert rel_err(y, y_r) < 1e-6 and torch.equal(st, st_r)

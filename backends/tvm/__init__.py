@@ -445,9 +445,14 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
     query, rms_weight [d]; sources: L >= 1 tensors [..., d] of one shape and dtype. Returns [..., d] in
     the sources' dtype. One kernel per (d, L, dtypes, eps); the sources are read in place (no stacking).
     Raises TypeError / ValueError (via the reference's argument checks) on bad input."""
-    from backends.reference.attn_residual import check_attn_residual_args
+    from backends.reference import attn_residual as reference_attn_residual
+    from backends.reference.attn_residual import (check_attn_residual_args, check_attn_residual_result,
+                                                  needs_safe_path)
     shape, dtype, d = check_attn_residual_args(query, sources, rms_weight, eps, output_rms_weight,
                                                where="tvm attn_residual")
+    if needs_safe_path(query, sources, rms_weight):
+        # values past 2^40 (CPU inputs): the kernel's float32 sums could overflow; the reference scales them
+        return reference_attn_residual(query, sources, rms_weight, eps=eps, output_rms_weight=output_rms_weight)
     sources = list(sources)
     where = "tvm attn_residual"
     sdt, qdt, wdt = _dt(sources[0], "sources", where), _dt(query, "query", where), _dt(rms_weight, "rms_weight", where)
@@ -459,6 +464,7 @@ def attn_residual(query: torch.Tensor, sources: Sequence[torch.Tensor], rms_weig
               y.view(-1, d))
     if output_rms_weight is not None:
         y = rmsnorm(y, output_rms_weight, eps=eps)
+    check_attn_residual_result(y, dtype, where)
     return y
 
 
@@ -472,6 +478,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     [B, C, W-1] float32 or None), as backends/reference short_conv. float32 math.
     Raises ValueError on shape mismatches, TypeError on unsupported dtypes."""
     where = "tvm short_conv"
+    from backends.reference.ops import check_flag
+    output_final_state = check_flag(output_final_state, "output_final_state", where)
     xdt, wdt = _dt(x, "x", where), _dt(weight, "weight", where)
     if weight.dim() not in (2, 3) or (weight.dim() == 3 and weight.shape[1] != 1):
         raise ValueError(f"{where}: weight must be [C, 1, W] or [C, W], got {list(weight.shape)}")
@@ -521,8 +529,10 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     """The sigmoid router (spec/OPS.md qb_route) with the scores from the TVM kernel and the selection of
     the reference backend: returns (topk_idx [N, k] int64, topk_weight [N, k] float32, scores [N, E]
     float32). Argument checks (shapes, top_k range, NaN/inf rows) are the reference's."""
-    from backends.reference.moe import biased_topk, check_finite_rows, check_route_inputs, route_weights
+    from backends.reference.moe import (biased_topk, check_finite_rows, check_route_inputs, check_routed_scaling,
+                                        route_overflow_rows, route_weights)
     check_route_inputs(x, weight, bias, top_k)
+    check_routed_scaling(routed_scaling, "qb_route")
     check_finite_rows("x", x, "qb_route")
     scores = router_scores(x, weight)
     topk_idx = biased_topk(scores + bias.float(), top_k)
@@ -532,6 +542,17 @@ def qb_route(x, weight, bias, *, top_k, routed_scaling=1.0):
     if bool(low.any()):
         z = x[low].float() @ weight.float().t()
         wt[low] = route_weights(z.gather(1, topk_idx[low]), routed_scaling)
+    if x.numel() and weight.numel():
+        # rows whose float32 logits may overflow (|x| |w| d past 1e38): where they do, the reference's float64 path
+        bound = x.abs().amax(dim=-1).float() * float(weight.abs().max()) * x.shape[1]
+        rows = torch.nonzero(bound > 1e38).flatten()
+        if rows.numel():
+            z = x[rows].float() @ weight.float().t()
+            rows = rows[~torch.isfinite(z).all(dim=-1)]
+        if rows.numel():
+            topk_idx, wt, scores = topk_idx.clone(), wt.clone(), scores.clone()
+            topk_idx[rows], wt[rows], scores[rows] = route_overflow_rows(x[rows], weight, bias.float(), top_k,
+                                                                         routed_scaling)
     return topk_idx, wt, scores
 
 
