@@ -8,3 +8,14 @@ def cache_root() -> Path:
     empty value used to put the cache in the current directory)."""
     v = os.environ.get("MTC_CACHE_DIR", "")
     return Path(v) if v.strip() else Path.home() / ".cache" / "mtc"
+
+
+def interpret_setting() -> str | None:
+    """The TRITON_INTERPRET setting (None if unset): the one place mtc reads it. Triton reads it at import; "1"
+    runs the kernels under its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET")
+
+
+def interpreting() -> bool:
+    """True when Triton runs its kernels under the CPU interpreter (TRITON_INTERPRET=1)."""
+    return interpret_setting() == "1"

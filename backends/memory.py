@@ -1,13 +1,15 @@
-"""Memory a forward will need, checked against what the device has free before any op runs.
+"""Memory a forward will need, from the program it runs, checked against what the device has free before any op
+runs.
 
 A forward that cannot fit fails at once with an :class:`~dsl.errors.MtcError` that says how much it needs, how
 much is free, and how many tokens per sequence would fit, instead of a raw allocator error deep inside an op
 (or the operating system's OOM killer on the CPU).
 
-The estimate is the runtime's own: every op output of the executed graph stays alive until the forward ends
-(views alias their input and cost nothing), plus the largest transient buffer inside one op (the reference
-``mla_attention`` materialises its [B, H, T, T] scores). Weights are already resident and are not counted
-again.
+The estimate is the runtime's own walk over its program (passes/lower.py ``KernelProgram.memory``): the graph
+inputs and every launch's outputs live until their last use (while autograd does not record; under autograd the
+saved tensors live on, so the check uses the sum of all outputs), views sharing their input's storage, plus the
+largest transient buffer one launch allocates inside itself (``workspace`` of its implementation,
+backends/registry.py). Weights are already resident and are not counted again.
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ import sympy
 import torch
 
 from dsl.errors import MtcError
-from dsl.ir import DTYPES, SOURCE_OPS, Graph
+from dsl.ir import DTYPES
 
 #: below this many bytes a forward is not checked (reading the free memory costs more than it could save)
 CHECK_FROM_BYTES = 64 << 20
-VIEW_OPS = ("reshape", "slice", "broadcast")
+_FLOATS = ("f32", "f16", "bf16")
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -59,63 +61,101 @@ def available_bytes(device: torch.device) -> int | None:
     return have
 
 
-def _workspace(n, shape, target: str) -> float:
-    """The largest transient inside op ``n`` (bytes), beyond its outputs: the reference attention's scores
-    (s, its masked copy and the softmax, float32 [B, H, T, T] each)."""
-    if n.op == "mla_attention" and target == "reference":
-        B, T, H = shape(n.inputs[0])[:3]
-        return 3.0 * B * H * T * T * 4
-    return 0.0
+def elem_bytes(graph, dtype: torch.dtype):
+    """Bytes per element of a value as a module compiled in ``dtype`` stores it: values in the graph's activation
+    dtype (its config ``dtype``, f32 if unset) take the module's; other dtypes keep theirs (f32 router scores,
+    i64 ids)."""
+    act = dict(graph.meta_get("config", ())).get("dtype", "f32")
+    fb = torch.empty((), dtype=dtype).element_size()
+
+    def elem(t) -> float:
+        return fb if t.dtype == act and t.dtype in _FLOATS else DTYPES.get(t.dtype, 4)
+    return elem
 
 
-def forward_bytes(graph: Graph, bind: dict, dtype: torch.dtype, target: str) -> float:
-    """Bytes of activations a forward of ``graph`` allocates at the shape binding ``bind`` ({Symbol: int}) with
-    float values in ``dtype``: every non-view op output (kept to the end of the forward) plus the largest
-    single op's transient workspace."""
-    fbytes = torch.empty((), dtype=dtype).element_size()
-    types = {n.name: n.types for n in graph.nodes}
-    sizes: dict = {}
+def workspace(program, bind: dict, elem):
+    """``fn(launch)``: the bytes the launch's implementation allocates inside one call (0 where it declares
+    none), at the shape sizes ``bind``."""
+    from backends.registry import by_name
+    impls: dict = {}
 
-    def numel(t) -> float:
-        hit = sizes.get(t.shape)
-        if hit is None:
-            v = sympy.Mul(*t.shape).subs(bind) if t.shape else sympy.Integer(1)
-            hit = sizes[t.shape] = float(v) if v.is_number else 0.0
-        return hit
+    def nbytes(r: str) -> float:
+        t = program.buffers[r].type
+        return float(sympy.Mul(*t.shape).subs(bind)) * elem(t)
 
-    def shape(ref):
-        return [int(d.subs(bind)) for d in types[ref.node][ref.index].shape]
+    def ws(L) -> float:
+        if L.is_view:
+            return 0.0
+        if L.generated is not None:             # operands that are strided views are copied to contiguous rows
+            return sum(nbytes(r) for r, _t in L.inputs if _strided(program, r))
+        if L.kernel not in impls:
+            try:
+                impls[L.kernel] = by_name(L.kernel).workspace
+            except KeyError:
+                impls[L.kernel] = None
+        fn = impls[L.kernel]
+        if fn is None:
+            return 0.0
+        shapes = [[int(d.subs(bind)) for d in t.shape] for _r, t in L.inputs]
+        return float(fn(L, shapes, elem))
+    return ws
 
-    total = work = 0.0
-    for n in graph.nodes:
-        if n.op in SOURCE_OPS or n.op in VIEW_OPS:
-            continue
-        for t in n.types:
-            eb = fbytes if t.dtype in ("f32", "f16", "bf16") else DTYPES.get(t.dtype, 4)
-            total += numel(t) * eb
-        work = max(work, _workspace(n, shape, target))
-    return total + work
+
+def _strided(program, r: str) -> bool:
+    """Whether buffer ``r`` is a strided view: a broadcast, or a slice of its last dimension."""
+    b = program.buffers.get(r)
+    if b is None or b.first < 0:
+        return False
+    P = program.launches[b.first]
+    if P.kernel == "view.broadcast":
+        return True
+    if P.kernel != "view.slice":
+        return False
+    rank = len(P.inputs[0][1].shape)
+    return P.meta.get("dim", -1) % rank == rank - 1
 
 
-def check_forward_fits(graph: Graph, bind: dict, dtype: torch.dtype, device: torch.device, target: str,
-                       where: str) -> None:
-    """MtcError before the forward runs when its activations (:func:`forward_bytes`) exceed the device's free
-    memory (:func:`available_bytes`); the message gives both and the longest sequence that fits at this batch
-    size. Nothing is checked when the device's free memory is unknown."""
-    need = forward_bytes(graph, bind, dtype, target)
+def forward_bytes(program, graph, bind: dict, dtype: torch.dtype) -> tuple[float, float]:
+    """(peak bytes of live activations, the same with the largest launch workspace) of one run of ``program``
+    (a module's ``program`` or ``train_program``) at the shape sizes ``bind`` ({Symbol: int}); kept per sizes
+    and dtype on the program (a forward at sizes seen before costs a lookup)."""
+    key = (tuple(sorted((str(s), int(v)) for s, v in bind.items())), dtype)
+    hit = program.memo.get(key)
+    if hit is None:
+        if len(program.memo) >= 64:
+            program.memo.pop(next(iter(program.memo)))
+        hit = program.memo[key] = _forward_bytes(program, graph, bind, dtype)
+    return hit
+
+
+def _forward_bytes(program, graph, bind: dict, dtype: torch.dtype) -> tuple[float, float]:
+    elem = elem_bytes(graph, dtype)
+    if program.training:                     # autograd keeps the saved tensors: every output to the end
+        total = sum(float(sympy.Mul(*b.type.shape).subs(bind)) * elem(b.type)
+                    for b in program.buffers.values() if b.alias is None and not b.weight_view)
+        ws = workspace(program, bind, elem)
+        return total, total + max((ws(L) for L in program.launches), default=0.0)
+    return program.memory(bind, elem, workspace(program, bind, elem))
+
+
+def check_forward_fits(program, graph, bind: dict, dtype: torch.dtype, device: torch.device, where: str) -> None:
+    """MtcError before the forward runs when its activations (:func:`forward_bytes`, with workspace) exceed the
+    device's free memory (:func:`available_bytes`); the message gives both and the longest sequence that fits at
+    this batch size. Nothing is checked when the device's free memory is unknown."""
+    need = forward_bytes(program, graph, bind, dtype)[1]
     if need < CHECK_FROM_BYTES:
         return
     have = available_bytes(device)
     if have is None or need <= have:
         return
-    from dsl.stats import human_bytes
+    from passes.stats import human_bytes
     T = next((s for s in bind if str(s) == "T"), None)
     fit = ""
     if T is not None:
-        lo, hi = 0, int(bind[T])                    # the longest T that fits: forward_bytes grows with T
+        lo, hi = 0, int(bind[T])                    # the longest T that fits: the bytes grow with T
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if forward_bytes(graph, {**bind, T: mid}, dtype, target) <= have:
+            if forward_bytes(program, graph, {**bind, T: mid}, dtype)[1] <= have:
                 lo = mid
             else:
                 hi = mid - 1

@@ -17,16 +17,17 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import sympy
 import torch
 from torch import nn
 
 import backends.cuda_device
+from backends import interpret_setting, interpreting
 from backends.cuda_device import on_tensor_device
 from dsl.errors import MtcError, MtcWarning
-from dsl.ir import SOURCE_OPS, Graph, Node, Ref
+from dsl.ir import Graph, Node
 from dsl.printer import print_graph
 
 _MODULE_CALL_FILE = os.path.join("torch", "nn", "modules", "module.py")
@@ -50,58 +51,8 @@ TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat
 
 
 # ---------------------------------------------------------------------------------------------
-# op tables
-def _reference_table() -> dict[str, Callable]:
-    from backends import reference as R
-
-    def attn_res(n, q, w, *src):
-        return R.attn_residual(q, list(src), w, eps=n.attr("eps"))
-
-    return {
-        "embedding": lambda n, ids, w: R.embedding(ids, w),
-        "linear": lambda n, x, w: R.linear(x, w),
-        "lm_head": lambda n, x, w: R.lm_head(x, w),
-        "rmsnorm": lambda n, x, w: R.rmsnorm(x, w, eps=n.attr("eps")),
-        "l2norm": lambda n, x: R.l2norm(x, eps=n.attr("eps")),
-        "short_conv": lambda n, x, w: R.short_conv(x, w)[0],
-        "silu": lambda n, x: R.silu(x),
-        "sigmoid": lambda n, x: R.sigmoid(x),
-        "add": lambda n, a, b: R.add(a, b),
-        "mul": lambda n, a, b: R.mul(a, b),
-        "kda_gate": lambda n, x, a, d: R.kda_gate(x, a, d, lower_bound=n.attr("lower_bound"), gate=n.attr("gate")),
-        "kda_chunk": lambda n, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=n.attr("scale"))[0],
-        "mla_attention": lambda n, q, k, v: R.mla_attention(q, k, v, scale=n.attr("scale"), causal=n.attr("causal")),
-        "qb_route": lambda n, x, w, b: R.qb_route(x, w, b, top_k=n.attr("top_k"),
-                                                  routed_scaling=n.attr("routed_scaling")),
-        "situ_glu": lambda n, a, b: R.situ_glu(a, b, beta_gate=n.attr("beta_gate"), beta_up=n.attr("beta_up")),
-        "moe_experts": lambda n, x, i, w, w1, w3, w2: R.moe_experts(
-            x, i, w, w1, w3, w2, activation=n.attr("activation"), beta_gate=n.attr("beta_gate"),
-            beta_up=n.attr("beta_up")),
-        "attn_residual": attn_res,
-        "attn_residual_phase1": lambda n, *a: _phase1(R.attn_residual_phase1, n, a),
-        "attn_residual_merge": lambda n, *a: _merge(R.attn_residual_merge, n, a),
-    }
-
-
-def _phase1(fn, n, args, **kw):
-    Q = n.attr("n_queries")
-    return fn(torch.stack(args[:Q]), list(args[2 * Q:]), torch.stack(args[Q:2 * Q]), eps=n.attr("eps"), **kw)
-
-
-def _phase1_acc_dtype(bank_dtype):
-    """Accumulator dtype of the Triton phase 1: the bank's dtype for bf16/fp16 banks (halves the bytes of the
-    acc write and the merges' reads: one K3 block at bank 8 in 0.49 of the time of 24 fla calls against 0.63
-    with float32, relative error 2.7e-3, H200, benchmarks/results/attn_residual.md), float32 otherwise.  m and
-    s stay float32."""
-    return bank_dtype if bank_dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
-def _merge(fn, n, args, output_rms_weight=None):
-    acc, m, s, q, w, *partial = args
-    i = n.attr("index")
-    # the output takes the activation dtype of the running module (that of the pseudo-query parameter)
-    return fn(acc[i], m[i], s[i], partial[0] if partial else None, q, w, eps=n.attr("eps"),
-              out_dtype=partial[0].dtype if partial else q.dtype, output_rms_weight=output_rms_weight)
+#: the targets (backends/registry.py CHAINS: where each target's ops fall back to)
+from backends.registry import CHAINS as TARGETS  # noqa: E402
 
 
 def _records_grad(*xs) -> bool:
@@ -109,56 +60,97 @@ def _records_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
-def _triton_table() -> dict[str, Callable]:
-    """The reference table with the ops that have Triton kernels swapped in; GEMMs and the MLA core go to
-    the vendor libraries in the activation dtype (cuBLAS, flash attention)."""
-    import torch.nn.functional as F
-    import backends.triton as T
-    from backends import reference as R
-    table = _reference_table()
-    table["linear"] = lambda n, x, w: F.linear(x, w.to(x.dtype))
-    table["lm_head"] = lambda n, x, w: F.linear(x, w.to(x.dtype))
-    table["mla_attention"] = lambda n, q, k, v: T.mla_attention(q, k, v, scale=n.attr("scale"),
-                                                                causal=n.attr("causal"))
-    if hasattr(T, "kda_chunk"):
-        # the gate's bound selects the dense diagonal tiles when the kernel can take it (>= -10), else the safe path
-        table["kda_chunk"] = lambda n, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=n.attr("scale"),
-                                                                  lower_bound=_fast_bound(n.attr("lower_bound")))[0]
-    if hasattr(T, "kda_gate"):
-        # the Triton gate kernel is forward-only: with autograd recording the reference op runs
-        table["kda_gate"] = lambda n, x, a, d: (R.kda_gate if _records_grad(x, a, d) else T.kda_gate)(
-            x, a, d, lower_bound=n.attr("lower_bound"), gate=n.attr("gate"))
-    if hasattr(T, "attn_residual"):
-        table["attn_residual"] = lambda n, q, w, *s, output_rms_weight=None: T.attn_residual(
-            q, list(s), w, eps=n.attr("eps"), output_rms_weight=output_rms_weight)
-        table["attn_residual_phase1"] = lambda n, *a: _phase1(T.attn_residual_phase1, n, a,
-                                                              acc_dtype=_phase1_acc_dtype(a[-1].dtype))
-        table["attn_residual_merge"] = lambda n, *a, output_rms_weight=None: _merge(
-            T.attn_residual_merge, n, a, output_rms_weight=output_rms_weight)
-    if hasattr(T, "qb_route"):
-        table["qb_route"] = lambda n, x, w, b: T.qb_route(x, w, b, top_k=n.attr("top_k"),
-                                                          routed_scaling=n.attr("routed_scaling"))
-    if hasattr(T, "moe_experts"):
-        table["moe_experts"] = lambda n, x, i, w, w1, w3, w2: T.moe_experts(
-            x, i, w, w1, w3, w2, activation=n.attr("activation"), beta_gate=n.attr("beta_gate"),
-            beta_up=n.attr("beta_up"))
-    return table
+class _Call:
+    """What an implementation sees of the launch it runs: the node's attributes (``attr``), its input types,
+    the fused launch's member nodes, and concrete shapes of symbolic dims at the running forward's sizes."""
+
+    __slots__ = ("node", "members", "in_types", "module")
+
+    def __init__(self, node: Node, members: list[Node], in_types, module: "CompiledModule"):
+        self.node, self.members, self.in_types, self.module = node, members, in_types, module
+
+    def attr(self, key: str, default=None):
+        return self.node.attr(key, default)
+
+    @property
+    def loc(self):
+        return self.node.loc
+
+    def shape(self, dims) -> list[int]:
+        return self.module._shape(dims, self.module._bind)
 
 
-def _tvm_table() -> dict[str, Callable]:
-    """The Triton table with the TVM (TensorIR) kernels swapped in for the memory-bound ops TVM covers;
-    everything else falls back to the Triton kernels. TVM kernels are forward-only: with autograd
-    recording they run the reference op."""
-    import backends.tvm as V
-    table = _triton_table()
-    table.update(V.op_table())
-    return table
+class Traced(NamedTuple):
+    """One launch the runtime made (``m.tracing()``): its index in the program, the implementation name the listing
+    prints, what ran (the registered Impl, or the generated jit function), the node that triggered it, its input
+    and output buffers, and (tracing(values=True)) the operand and output tensors."""
+
+    index: int
+    kernel: str
+    impl: object
+    node: Node
+    inputs: list
+    outputs: list
+    args: list | None
+    outs: tuple | None
 
 
-TARGETS: dict[str, Callable[[], dict]] = {"reference": _reference_table, "triton": _triton_table,
-                                          "tvm": _tvm_table}
+class RunStats:
+    """What the last forward did (``m.last_run``): ``peak_bytes``, the most bytes of activations (graph inputs and
+    op outputs, views not counted twice, weights not at all) alive at once; ``buffer_bytes``, bytes of new storage
+    each buffer allocated (0 for a view or an output that reuses an input's storage); ``launches``, the number of
+    launches run; ``bind``, the sizes of the shape symbols; ``training``, whether it ran the training program."""
 
-_DATA_MOVEMENT = ("reshape", "slice", "concat", "broadcast")
+    __slots__ = ("peak_bytes", "buffer_bytes", "launches", "bind", "training")
+
+    def __init__(self, bind, training):
+        self.peak_bytes, self.buffer_bytes, self.launches, self.bind, self.training = 0, {}, 0, bind, training
+
+    def __repr__(self) -> str:
+        return (f"RunStats(peak_bytes={self.peak_bytes:,}, launches={self.launches}, "
+                f"bind={ {str(k): v for k, v in self.bind.items()} }, training={self.training})")
+
+
+class _Live:
+    """Bytes of activation storage referenced by the running forward's buffers (storages by address, with the
+    number of buffers referencing each); weights are excluded."""
+
+    __slots__ = ("refs", "live", "peak", "skip", "off")
+
+    def __init__(self, skip: set, off: bool = False):
+        self.refs: dict[int, list] = {}
+        self.live = self.peak = 0
+        self.skip, self.off = skip, off
+
+    def add(self, t) -> int:
+        """Count a buffer's tensor; returns the bytes of new storage it brought."""
+        if self.off or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return 0
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self.skip or ptr == 0:
+            return 0
+        hit = self.refs.get(ptr)
+        if hit is not None:
+            hit[1] += 1
+            return 0
+        nb = st.nbytes()
+        self.refs[ptr] = [nb, 1]
+        self.live += nb
+        self.peak = max(self.peak, self.live)
+        return nb
+
+    def drop(self, t) -> None:
+        if self.off or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        ptr = t.untyped_storage().data_ptr()
+        hit = self.refs.get(ptr)
+        if hit is not None:
+            hit[1] -= 1
+            if hit[1] == 0:
+                self.live -= hit[0]
+                del self.refs[ptr]
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,14 +327,20 @@ class CompiledModule(nn.Module):
         self.target = target
         self.dtype = dtype
         self._dtype_key: str | None = None
-        self._table = TARGETS[target]()
         self._names: dict[str, str] = {}           # node name -> state-dict key
         self.routing_stats: dict[str, torch.Tensor] = {}
         self._shape_cache: dict = {}
-        self._gen: dict = {}                       # last member node -> (generated kernel, jit fn)
-        self._gen_skip: set[str] = set()
-        self.program = None                        # the kernel IR (target="triton")
+        self._bind: dict = {}                      # the running forward's shape sizes
+        # the programs it executes (passes/lower.py): without autograd (fused kernels, buffers freed at their last
+        # use) and while autograd records (every op with a backward); set by compile_graph
+        self.program = None
+        self.train_program = None
         self.kernel_source_path = None
+        self._generated = None                     # the imported module of the generated kernels (target triton)
+        self._bound: dict = {}                     # program -> [(launch, Impl or jit fn, _Call)]
+        self.last_run: RunStats | None = None
+        self._trace: list | None = None
+        self._route_spy = None
         self.balance: str | None = "qb"
         # QB schedule (benchmarks/results/qb_balance.md): ema 0 for the first updates (converge from the
         # initial skew), then ema 0.5 (average out one batch's quantile noise): ~1.02-1.04x the floor
@@ -394,16 +392,6 @@ class CompiledModule(nn.Module):
                 self._dtype_key = key              # a weight in the compile dtype: m.dtype follows it
         self._router_layers = {}
         self._node_types = {n.name: n.types[0].shape for n in graph.nodes if n.types}
-        # target "triton" (passes/lower.py finds both, for the kernel IR too): AttnRes anchors that run their
-        # absorbed RMSNorm in-kernel, anchor -> (rmsnorm node, its weight); the KDA prologue chains
-        # short_conv -> silu [-> reshape -> l2norm] that run as one Triton kernel each
-        self._epi: dict[str, tuple[str, Ref]] = {}
-        self._chains: dict[str, list[Node]] = {}
-        if target == "triton":
-            from passes.lower import conv_chains, norm_epilogues
-            by = {n.name: n for n in graph.nodes}
-            self._epi = {a: (c.name, c.inputs[1]) for a, c in norm_epilogues(graph).items()}
-            self._chains = {a: [by[x] for x in ms] for a, ms in conv_chains(graph).items()}
         nodes = graph.node_map()
         for n in graph.nodes:
             if n.op == "qb_route":
@@ -437,23 +425,27 @@ class CompiledModule(nn.Module):
                                f"cannot be pickled ({type(e).__name__}: {e}): remove it before torch.save(m) "
                                f"(m.stats_hooks.clear()), or save m.state_dict() instead") from None
         state = self.__dict__.copy()
-        state["_table"] = None                 # lambdas: rebuilt from the target name on load
-        state["_gen"] = None                   # generated kernels (imported module): regenerated on load
+        state["_bound"] = {}                   # implementations and jit functions: bound again on first use
+        state["_generated"] = None             # generated kernels (imported module): regenerated on load
         state["_shape_cache"] = {}
         state["_hook_calls"] = []
         state["_bias_used"] = {}               # for recomputations inside a backward in flight: none in a saved module
         state["_bias_dropped"] = {}
+        state["_trace"] = None
+        state["_route_spy"] = None
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_bias_dropped", {})     # (a module pickled before it existed)
-        self._table = TARGETS[self.target]()
-        self._gen = {}
-        if self.target == "triton" and self.program is not None and "fused" in self.stages:
-            from backends.triton.codegen import write_and_load
-            # (attach_generated's other updates, _gen_skip and _epi, came with the state: they repeat as no-ops)
-            self.attach_generated(self.program, *write_and_load(self.program, self.stages["fused"]))
+        if self.program is not None and any(L.generated is not None for L in self.program.launches):
+            self.load_generated()
+
+    def load_generated(self, directory=None) -> None:
+        """Write (to the kernel cache, or ``directory``) and import the generated kernels of the program."""
+        from backends.triton.codegen import write_and_load
+        self.kernel_source_path, self._generated, _kernels = write_and_load(self.program, directory)
+        self._bound = {}
 
     def to(self, *args, **kwargs):
         """nn.Module.to; float64 is refused (MtcError), as at compile: the kernels take float32, float16 and
@@ -476,20 +468,18 @@ class CompiledModule(nn.Module):
         return out
 
     # -- IR access ----------------------------------------------------------------------------
-    def ir(self, stage: str = "canonical") -> str:
-        """The printed IR of one stage ("graph", "typed", "canonical", "fused", "lowered"), or "tvm": the
+    def ir(self, stage: str = "canonical", *, training: bool = False) -> str:
+        """The printed IR of one stage ("graph", "typed", "canonical", "fused", "lowered": the program the module
+        runs without autograd, or with ``training`` the one it runs while autograd records), or "tvm": the
         TVMScript of the TVM kernels the model needs in the module's dtype (as ``mtc ir --stage tvm``;
         unscheduled source)."""
         if stage == "tvm" and "canonical" in self.stages:
             from backends.tvm import model_tvmscript
             return model_tvmscript(self.stages["canonical"], dtype=str(self.dtype).removeprefix("torch."))
-        if stage == "lowered" and stage not in self.stages and "fused" in self.stages:
-            from passes.lower import lower      # the reference target keeps no kernel IR: lower on demand
-            self.stages["lowered"] = lower(self.stages["fused"], self.target if self.target != "reference"
-                                           else "triton")
+        if stage == "lowered" and training and self.train_program is not None:
+            return self.train_program.text()
         if stage not in self.stages:
-            have = list(self.stages) + (["lowered"] if "fused" in self.stages and "lowered" not in self.stages
-                                        else []) + (["tvm"] if "canonical" in self.stages else [])
+            have = list(self.stages) + (["tvm"] if "canonical" in self.stages else [])
             raise MtcError(f"no IR stage '{stage}'; stages: {', '.join(have)}")
         st = self.stages[stage]
         return st.text() if hasattr(st, "text") else print_graph(st)
@@ -505,7 +495,7 @@ class CompiledModule(nn.Module):
     def _warn_past_max_seq_len(self, inputs: dict) -> None:
         """One MtcWarning per module when a token input is longer than the spec's max_seq_len (the context
         the model is built for: it runs, but positions past it were never trained or planned)."""
-        from dsl.stats import declared_max_seq_len
+        from passes.stats import declared_max_seq_len
         limit = declared_max_seq_len(self.graph)
         if limit is None or getattr(self, "_warned_seq_len", False):
             return
@@ -609,101 +599,165 @@ class CompiledModule(nn.Module):
                 elif d.is_number and int(d) != s:
                     raise MtcError(f"input '{name}' has size {s} where {t} needs {d} (a fixed size: the spec "
                                    f"writes an integer, or a config field, there)")
-            env[n.name] = x
+            env[str(n.out())] = x
         self._warn_past_max_seq_len(inputs)
         self._check_token_ids(env)
-        if p0 is not None:
-            from backends.memory import check_forward_fits
-            check_forward_fits(g, bind, self.dtype, p0.device, self.target, f"{g.name}: ")
         fkey = None
         self._hook_calls = []
         if self._router_layers:
             self._check_balance_settings()
             _check_stats_hooks(self.stats_hooks)        # before the forward moves any bias
             fkey = _forward_key(inputs)         # which forward this is, for a checkpoint's recomputation
-        ops = [n for n in g.nodes if n.op not in SOURCE_OPS]
-        epi_done: set[str] = set()
-        # the generated and fused kernels are forward-only: while autograd records (training), every op runs
-        # on its own through the op table, whose kernels all have a backward
-        fuse = not _records_grad(*self.parameters(), *inputs.values())
-        for i, n in enumerate(ops):
-            if progress is not None:
-                progress(i, len(ops))
-            if fuse and n.name in self._gen_skip:
-                continue
-            if fuse and n.name in self._gen:
-                self._run_generated(env, *self._gen[n.name], bind)
-                continue
-            if n.name in epi_done:
-                continue
-            args = [self._value(env, r) for r in n.inputs]
-            chain = self._chains.get(n.name) if fuse else None
-            if chain is not None:
-                # forward without autograd: conv + SiLU (+ per-head L2 norm) in one kernel
-                from backends.triton.conv import conv_silu_norm
-                last = chain[-1]
-                y = conv_silu_norm(args[0], args[1], head_dim=int(last.types[0].shape[-1]) if last.op == "l2norm"
-                                   else None, eps=last.attr("eps") if last.op == "l2norm" else 1e-6)
-                if last.op == "l2norm":
-                    y = y.reshape(self._shape(chain[2].attr("shape"), bind))
-                env[last.name] = y
-                epi_done.update(m.name for m in chain[1:])
-                continue
-            fused = self._epi.get(n.name) if fuse else None
-            if fused is not None:
-                # anchor + RMSNorm epilogue in one kernel: the norm's output is what the graph uses next
-                norm_name, w = fused
-                out = self._table[n.op](n, *args, output_rms_weight=self._value(env, w))
-                env[norm_name] = out
-                epi_done.add(norm_name)
-                continue
-            recompute = False
-            if n.op == "qb_route":
-                # activation checkpointing re-runs the forward inside the backward: route with the bias the
-                # original forward used (a balancing update, or apply_balance(), may have changed the buffer since;
-                # several forwards may precede one backward), and neither update the bias nor count nor call the
-                # hooks a second time
-                recompute = _in_backward()
-                kept = self._bias_used.get(n.name, {}).get(fkey) if recompute else None
-                if kept is not None:
-                    if kept.ambiguous:
+        # the generated and fused kernels are forward-only: while autograd records (training) the training
+        # program runs, every op on its own with an implementation that has a backward
+        training = _records_grad(*self.parameters(), *inputs.values())
+        program = self.train_program if training else self.program
+        # under torch.compile's tracing the memory check and the live-bytes accounting stay out of the graph
+        tracing = torch.compiler.is_compiling()
+        if p0 is not None and not tracing:
+            from backends.memory import check_forward_fits
+            check_forward_fits(program, g, bind, self.dtype, p0.device, f"{g.name}: ")
+        stats = RunStats(bind, training)
+        live = _Live(set() if tracing else {t.untyped_storage().data_ptr() for t in (*self.parameters(),
+                                                                                    *self.buffers())
+                                            if t.device.type != "meta"}, off=tracing)
+        for x in env.values():
+            live.add(x)
+        saved_bind, self._bind = self._bind, bind
+        try:
+            bound = self._bound_program(program)
+            n_launches = len(bound)
+            for i, (L, fn, call) in enumerate(bound):
+                if progress is not None:
+                    progress(i, n_launches)
+                args = [self._arg(env, r) for r, _t in L.inputs]
+                n = call.node
+                recompute = False
+                if L.op == "qb_route":
+                    # activation checkpointing re-runs the forward inside the backward: route with the bias the
+                    # original forward used (a balancing update, or apply_balance(), may have changed the buffer since;
+                    # several forwards may precede one backward), and neither update the bias nor count nor call the
+                    # hooks a second time
+                    recompute = _in_backward()
+                    kept = self._bias_used.get(n.name, {}).get(fkey) if recompute else None
+                    if kept is not None:
+                        if kept.ambiguous:
+                            raise MtcError(
+                                f"{self.graph.name}: activation checkpointing: the same input tensor went through two "
+                                f"train-mode forwards that routed with different router biases "
+                                f"({self._router_layers[n.name][0]}; the bias moves "
+                                f"after each forward unless balance_defer is set) before this backward, so the "
+                                f"recomputation cannot tell which bias was its own and would give wrong gradients. Pass "
+                                f"each forward its own tensor (e.g. ids.clone()), or set m.balance_defer = True and call "
+                                f"m.apply_balance() once per step")
+                        kept.recomputed = True
+                        args = [args[0], args[1], kept.bias]
+                    elif recompute and fkey in self._bias_dropped.get(n.name, ()):
                         raise MtcError(
-                            f"{self.graph.name}: activation checkpointing: the same input tensor went through two "
-                            f"train-mode forwards that routed with different router biases "
-                            f"({self._router_layers[n.name][0]}; the bias moves "
-                            f"after each forward unless balance_defer is set) before this backward, so the "
-                            f"recomputation cannot tell which bias was its own and would give wrong gradients. Pass "
-                            f"each forward its own tensor (e.g. ids.clone()), or set m.balance_defer = True and call "
-                            f"m.apply_balance() once per step")
-                    kept.recomputed = True
-                    args = [args[0], args[1], kept.bias]
-                elif recompute and fkey in self._bias_dropped.get(n.name, ()):
-                    raise MtcError(
-                        f"{self.graph.name}: activation checkpointing: this backward recomputes a train-mode forward "
-                        f"whose router bias ({self._router_layers[n.name][0]}) is no longer kept: more than "
-                        f"{BIAS_KEEP_FORWARDS} train-mode forwards that a backward had not yet recomputed came after "
-                        f"it (backends.runtime.BIAS_KEEP_FORWARDS). Routing with today's bias would give wrong "
-                        f"gradients. Call backward at least every {BIAS_KEEP_FORWARDS} micro-batches, or raise "
-                        f"backends.runtime.BIAS_KEEP_FORWARDS")
-                elif not recompute and self._bias_dropped.get(n.name):
-                    # a new forward with the key of a dropped one (a freed input's storage reused): not that one
-                    self._bias_dropped[n.name].pop(fkey, None)
-            out = self._exec(n, args, bind)
-            env[n.name] = out
-            if n.op == "qb_route" and not recompute:
-                self._after_route(n, out, fkey, inputs)
-        outs = [self._value(env, r) for r in g.outputs]
+                            f"{self.graph.name}: activation checkpointing: this backward recomputes a train-mode forward "
+                            f"whose router bias ({self._router_layers[n.name][0]}) is no longer kept: more than "
+                            f"{BIAS_KEEP_FORWARDS} train-mode forwards that a backward had not yet recomputed came after "
+                            f"it (backends.runtime.BIAS_KEEP_FORWARDS). Routing with today's bias would give wrong "
+                            f"gradients. Call backward at least every {BIAS_KEEP_FORWARDS} micro-batches, or raise "
+                            f"backends.runtime.BIAS_KEEP_FORWARDS")
+                    elif not recompute and self._bias_dropped.get(n.name):
+                        # a new forward with the key of a dropped one (a freed input's storage reused): not that one
+                        self._bias_dropped[n.name].pop(fkey, None)
+                out = self._launch(L, fn, call, args)
+                if L.op == "qb_route":
+                    if self._route_spy is not None:
+                        self._route_spy(n, out, args)
+                    if not recompute:
+                        self._after_route(n, out, fkey, inputs)
+                outs = out if len(L.outputs) > 1 else (out,)
+                for (r, _t), v in zip(L.outputs, outs):
+                    env[r] = v
+                    stats.buffer_bytes[r] = live.add(v)
+                if self._trace is not None:
+                    trace, values = self._trace
+                    trace.append(Traced(L.index, L.kernel, fn, n, [r for r, _ in L.inputs], [r for r, _ in L.outputs],
+                                        args if values else None, outs if values else None))
+                for r in L.frees:
+                    live.drop(env.pop(r))
+            stats.launches = n_launches
+        finally:
+            self._bind = saved_bind
+        stats.peak_bytes = live.peak
+        self.last_run = stats
+        outs = [env[str(r)] for r in g.outputs]
         self._call_stats_hooks()
         return outs
+
+    def _bound_program(self, program) -> list:
+        """The launches of ``program`` with what runs each: the registered implementation (or the generated jit
+        function) and its call context; bound once per program."""
+        hit = self._bound.get(id(program))
+        if hit is not None and hit[0] is program:
+            return hit[1]
+        from backends.registry import by_name
+        nodes = self.graph.node_map()
+        if any(L.generated is not None for L in program.launches) and self._generated is None:
+            self.load_generated()
+        out = []
+        for L in program.launches:
+            members = [nodes[m] for m in L.ops]
+            call = _Call(nodes[L.anchor], members, [t for _r, t in L.inputs], self)
+            fn = getattr(self._generated, L.generated.name) if L.generated is not None else by_name(L.kernel)
+            out.append((L, fn, call))
+        self._bound[id(program)] = (program, out)
+        return out
+
+    def _launch(self, L, fn, call, args):
+        """Run one launch: a generated kernel on contiguous operands, or an implementation; an op's ValueError (NaN /
+        inf operands, ...) becomes an MtcError at the op's spec line."""
+        if L.generated is not None:
+            from backends.triton.codegen import launch
+            k = L.generated
+            args = [a.contiguous() for a in args]
+            row = next(a for a, r in zip(args, k.row_inputs) if r)
+            outs = [torch.empty_like(row) for _ in k.outputs]
+            launch(k, fn, args, outs)          # several rows per program when rows are short
+            # flat [rows, D] tiling: give each value the shape of its buffer (an epilogue may end in a reshape)
+            outs = [o.view(self._shape(t.shape, self._bind)) for o, (_r, t) in zip(outs, L.outputs)]
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        try:
+            return fn.fn(call, *args)
+        except ValueError as e:
+            n = call.node
+            raise MtcError(f"%{n.name} = {n.op}(...): {e} (raised inside the model; for NaN / inf: check the weights "
+                           f"and the ops before it)", n.loc) from e
+
+    def plan_memory(self, *, training: bool = False, **sizes) -> tuple[float, float]:
+        """(peak bytes of live activations, the same with the largest launch workspace) that one forward of this
+        module at the shape sizes ``sizes`` (``B=1, T=4096``) will allocate: the inference program's (or with
+        ``training`` the training program's) memory plan, which ``m.last_run.peak_bytes`` measures."""
+        from backends.memory import forward_bytes
+        from dsl.ir import sym
+        bind = {sym(k): int(v) for k, v in sizes.items()}
+        return forward_bytes(self.train_program if training else self.program, self.graph, bind, self.dtype)
+
+    def tracing(self, values: bool = False):
+        """``with m.tracing() as trace:`` records every launch the runtime makes, in order, as a :class:`Traced`
+        (``values``: with the launch's operand and output tensors, which the record then keeps alive)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            prev, self._trace = self._trace, ([], values)
+            try:
+                yield self._trace[0]
+            finally:
+                self._trace = prev
+        return cm()
 
     def _check_token_ids(self, env: dict) -> None:
         """MtcError naming the input, the first out-of-range id and its position, for token ids outside the
         vocabulary of an embedding they feed (before any op runs; on a GPU an out-of-range gather is a
         device-side assert that ends the process's CUDA context)."""
         for n in self.graph.nodes:
-            if n.op != "embedding" or n.inputs[0].node not in env:
+            if n.op != "embedding" or str(n.inputs[0]) not in env:
                 continue
-            ids = env[n.inputs[0].node]
+            ids = env[str(n.inputs[0])]
             vocab = int(self._node_types[n.inputs[1].node][0])
             lo, hi = (int(v) for v in torch.aminmax(ids))
             if lo >= 0 and hi < vocab:
@@ -728,36 +782,12 @@ class CompiledModule(nn.Module):
                                    f"the forward itself had completed (every router's statistics and bias updated)")
                         raise
 
-    def attach_generated(self, program, path, module, kernels) -> None:
-        """Run the generated pointwise kernels (backends/triton/codegen.py) in place of their ops."""
-        self.program, self.kernel_source_path = program, path
-        self.stages["lowered"] = program
-        for k in kernels:
-            *head, last = k.members
-            self._gen[last] = (k, getattr(module, k.name))
-            self._gen_skip.update(head)
-        self._epi = {a: v for a, v in self._epi.items() if v[0] not in self._gen and v[0] not in self._gen_skip}
-
-    def _run_generated(self, env, k, fn, bind) -> None:
-        args = []
-        for ref in k.inputs:
-            name, _, idx = ref.lstrip("%").partition("#")
-            v = self._value(env, Ref(name, int(idx or 0)))
-            args.append(v.contiguous())
-        from backends.triton.codegen import launch
-        row = next(a for a, r in zip(args, k.row_inputs) if r)
-        outs = [torch.empty_like(row) for _ in k.outputs]
-        launch(k, fn, args, outs)          # several rows per program when rows are short
-        for ref, o in zip(k.outputs, outs):
-            name = ref.lstrip("%").partition("#")[0]
-            # flat [rows, D] tiling: give the value the shape of its node (an epilogue may end in a reshape)
-            env[name] = o.view(self._shape(self._node_types[name], bind))
-
-    def _value(self, env, r):
-        if r.node not in env:
-            env[r.node] = self._tensor(self._names[r.node])
-        v = env[r.node]
-        return v[r.index] if isinstance(v, tuple) else v
+    def _arg(self, env, ref: str):
+        """A launch operand: a buffer of the running forward, else a parameter or buffer of the module."""
+        v = env.get(ref)
+        if v is None:
+            v = self._tensor(self._names[ref.lstrip("%").partition("#")[0]])
+        return v
 
     def _shape(self, dims, bind) -> list[int]:
         from dsl.ir import dim
@@ -773,34 +803,6 @@ class CompiledModule(nn.Module):
             out.append(int(v))
         self._shape_cache[key] = out
         return out
-
-    def _exec(self, n: Node, args, bind):
-        if n.op == "reshape":
-            return args[0].reshape(self._shape(n.attr("shape"), bind))
-        if n.op == "slice":
-            dim, start, end = n.attr("dim"), n.attr("start"), n.attr("end")
-            size = args[0].shape[dim]
-            if end > size:                          # a symbolic dimension the spec could not bound
-                shape = self._node_types.get(n.inputs[0].node)   # the input's symbolic shape
-                what = f"dimension {shape[dim]}" if shape else f"dim {dim}"
-                raise MtcError(f"slice [{start}:{end}] needs {what} >= {end}, but this input has {size} there", n.loc)
-            return args[0].narrow(dim, start, end - start)
-        if n.op == "concat":
-            return torch.cat(args, dim=n.attr("dim"))
-        if n.op == "broadcast":
-            return args[0].expand(self._shape(n.attr("shape"), bind))
-        fn = self._table.get(n.op)
-        if fn is None:
-            from dsl.ops import OPS
-            od = OPS.get(n.op)
-            hint = (" (a layer block: the pass pipeline lacks 'canonicalize', which expands layer blocks into "
-                    "primitive ops; passes='default' has it)" if od is not None and od.is_layer else "")
-            raise MtcError(f"target '{self.target}' has no kernel for op '{n.op}'{hint}", n.loc)
-        try:
-            return fn(n, *args)
-        except ValueError as e:                 # the ops' bad-value errors (NaN / inf operands, ...): at the spec line
-            raise MtcError(f"%{n.name} = {n.op}(...): {e} (raised inside the model; for NaN / inf: check the weights "
-                           f"and the ops before it)", n.loc) from e
 
     def route_margins(self, input_ids: torch.Tensor | None = None, **inputs: torch.Tensor) -> dict[str, float]:
         """How close each MoE layer's top-k choice is to a tie, for one input (a probe forward).
@@ -821,12 +823,10 @@ class CompiledModule(nn.Module):
                                                       f"it by name, {named}" if len(ins) == 1 else
                                                       f"this graph takes {len(ins)} inputs: pass them by name, "
                                                       f"{named}"))
-        route = self._table["qb_route"]
         margins: dict[str, float] = {}
 
-        def spy(n, x, w, b):
-            out = route(n, x, w, b)
-            biased = out[2] + b.float()
+        def spy(n, out, args):
+            biased = out[2] + args[2].float()
             k = n.attr("top_k")
             if k >= biased.shape[-1] or biased.numel() == 0:
                 gap = math.inf                      # every expert is chosen (or no token): nothing can flip
@@ -835,9 +835,8 @@ class CompiledModule(nn.Module):
                 gap = float((top[..., -2] - top[..., -1]).min())
             layer = self._router_layers[n.name][0]
             margins[layer] = min(gap, margins.get(layer, gap))
-            return out
 
-        training, self._table["qb_route"] = self.training, spy
+        training, self._route_spy = self.training, spy
         hooks, stats = self.stats_hooks, dict(self.routing_stats)
         self.stats_hooks = []                   # a probe: no hook call, and routing_stats stays the last forward's
         self.eval()
@@ -848,7 +847,7 @@ class CompiledModule(nn.Module):
                 else:
                     self.run(**inputs)
         finally:
-            self._table["qb_route"] = route
+            self._route_spy = None
             self.train(training)
             self.stats_hooks, self.routing_stats = hooks, stats
         return margins
@@ -970,24 +969,16 @@ class CompiledModule(nn.Module):
                 bias.copy_(fixed_step_update(bias, load, step=self.fixed_step))
 
 
-def _fast_bound(lower_bound):
-    """kda_chunk's lower_bound for the Triton kernel: the gate's bound when its dense diagonal tiles can take it
-    (>= FAST_LOWER_BOUND_LIMIT, -10), else None (the safe path, correct for any g <= 0)."""
-    from backends.triton.kda import FAST_LOWER_BOUND_LIMIT
-    if lower_bound is None or float(lower_bound) < FAST_LOWER_BOUND_LIMIT:
-        return None
-    return lower_bound
-
-
 def _check_kernel_constraints(g: Graph, target: str) -> None:
     """Shapes the Triton templates cannot take are errors at compile time, at the user's spec line (kda_chunk:
     K, V <= 256; sizes that are not powers of two >= 16 run zero-padded); a gate bound below the dense tiles'
     limit is a warning there (kda_chunk then takes its safe path)."""
+    from backends.triton.impls import fast_bound
     from backends.triton.kda import FAST_LOWER_BOUND_LIMIT
     for n in g.nodes:
         if n.op == "kda_chunk":
             lb = n.attr("lower_bound")
-            if lb is not None and _fast_bound(lb) is None:
+            if lb is not None and fast_bound(lb) is None:
                 warnings.warn(MtcWarning(
                     f"target '{target}': lower_bound = {lb} is below {FAST_LOWER_BOUND_LIMIT}, the limit of the "
                     f"Triton kda_chunk's dense diagonal tiles (their factors reach e^(8 |bound|), float32 ends at "
@@ -1020,7 +1011,7 @@ def check_weights_fit(graph: Graph, element_bytes: int, device: torch.device, ad
     n = sum(int(p.type.numel()) for p in graph.params())
     need = n * element_bytes
     if need > 0.8 * have:
-        from dsl.stats import human_bytes
+        from passes.stats import human_bytes
         raise MtcError(f"{where}model '{graph.name}' has {n:,} parameters: {human_bytes(need)} of weights"
                        + (f" in {dtype_name}" if dtype_name else "")
                        + f", more than this {'GPU' if device.type == 'cuda' else 'machine'} holds "
@@ -1030,7 +1021,7 @@ def check_weights_fit(graph: Graph, element_bytes: int, device: torch.device, ad
 def _check_interpreter_dtype(target: str, dtype: torch.dtype) -> None:
     """MtcError for bfloat16 on the Triton interpreter: triton 3.6's interpreter computes bf16 tl.dot wrongly
     (silent garbage in kda_chunk, qb_route, moe_experts), so a model would run but print nonsense."""
-    if target in ("triton", "tvm") and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if target in ("triton", "tvm") and dtype == torch.bfloat16 and interpreting():
         raise MtcError(f"target '{target}' in bfloat16 under the Triton interpreter (TRITON_INTERPRET=1, the CPU): "
                        f"the interpreter computes bfloat16 tl.dot wrongly; use float32 or float16 on the CPU "
                        f"(bfloat16 on a GPU), or target='reference'")
@@ -1056,7 +1047,7 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
             too: the reference ops compute in float32), bfloat16 under the Triton interpreter, a seed that is not an
             integer in [0, 2**63), target "tvm" without TVM installed, or a graph that fails verification.
     """
-    from passes import PIPELINES, PassManager
+    from passes import PassManager, pipeline
     if not isinstance(target, str):
         raise MtcError(f"target must be a string, one of {', '.join(TARGETS)}; got {type(target).__name__}")
     if target not in TARGETS:
@@ -1078,9 +1069,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         raise MtcError(f"dtype {dtype!r}: a model computes in float32, bfloat16 or float16")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 63):
         raise MtcError(f"seed {seed!r}: an integer in [0, 2**63) (or None: torch's global RNG)")
-    if target == "tvm" and passes == "default":
-        # TVM covers the direct attn_residual, not the two-phase kernels: keep the direct form
-        passes = [p for p in PIPELINES["default"] if p != "batch_attn_residual"]
+    if passes == "default":
+        passes = pipeline(target)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -1089,7 +1079,7 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         raise MtcError(f"device {device!r}: mtc runs on 'cpu', 'cuda' (or 'cuda:N') and 'meta' (no weights)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MtcError(f"device {device!r}: this torch has no CUDA device (torch.cuda.is_available() is False)")
-    now = os.environ.get("TRITON_INTERPRET")
+    now = interpret_setting()
     if target in ("triton", "tvm") and dev.type == "cpu" and now != "1":
         raise MtcError(f"target '{target}' on the CPU runs its Triton kernels under the interpreter: set "
                        f"TRITON_INTERPRET=1 before triton is imported ("
@@ -1115,13 +1105,10 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         _check_kernel_constraints(g, target)
     m = CompiledModule(g, dict(pm.stages), target, dtype, device, seed)
     m.pass_timings = pm.timings
-    if target == "tvm" and "fused" in pm.stages:
-        from passes.lower import lower
-        m.program = lower(pm.stages["fused"], target)
-        m.stages["lowered"] = m.program
-    if target == "triton" and "fused" in pm.stages and str(device) != "meta":
-        from backends.triton.codegen import write_and_load
-        from passes.lower import lower
-        program = lower(pm.stages["fused"], target)
-        m.attach_generated(program, *write_and_load(program, pm.stages["fused"], emit_dir))
+    from passes.lower import lower
+    m.program = lower(g, target)
+    m.train_program = lower(g, target, training=True)
+    m.stages["lowered"] = m.program
+    if str(device) != "meta" and any(L.generated is not None for L in m.program.launches):
+        m.load_generated(emit_dir)
     return m

@@ -254,8 +254,8 @@ def generated_rownorm(op: str, d: int, dtype: str, dev):
         out = b.rmsnorm(x, eps=EPS, name="norm") if op == "rmsnorm" else b.l2norm(x, eps=EPS)
         g = PassManager().run(b.build([out]))
         m = dsl.compile(g, target="triton", device=dev, emit_dir=tempfile.mkdtemp(prefix="mtc_bench_gen_"))
-        (k, fn), = m._gen.values()
-        _GEN[key] = (k, fn)
+        k, = [L.generated for L in m.program.launches if L.generated is not None]
+        _GEN[key] = (k, getattr(m._generated, k.name))
     return _GEN[key]
 
 

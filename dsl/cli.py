@@ -169,7 +169,7 @@ def _fixed_token_shape(g):
 def cmd_stats(args) -> int:
     from rich.console import Console
     from rich.table import Table
-    from .stats import compute_stats, human, human_bytes
+    from passes.stats import compute_stats, human, human_bytes
     g = _load(args)
     fixed_b, fixed_t = _fixed_token_shape(g)
     shape_note = ""
@@ -321,10 +321,11 @@ def _tvm_report(args, g) -> str:
 def _lower(args, pm):
     """The kernel IR program of `mtc ir` (what compile(target=args.target) runs)."""
     from passes.lower import lower
+    from passes import PassManager, pipeline
     fused = pm.stages["fused"]
-    if args.target == "tvm":             # what compile(target="tvm") runs: the direct AttnRes form
-        from passes import PassManager
-        fused = PassManager(["fuse_tiles"]).run(pm.stages["canonical"])
+    names = pipeline(args.target)
+    if names != [p.name for p in pm.passes]:     # what compile(target=...) runs after canonicalize
+        fused = PassManager(names[names.index("canonicalize") + 1:]).run(pm.stages["canonical"])
     # shapes the kernel templates cannot take: compile(target=...) refuses them, so the listing says so first
     from backends.runtime import _check_kernel_constraints
     try:
@@ -366,6 +367,10 @@ def _lowered_report(args, g, pm, prog) -> str:
                          num_slots=slots, canonical=pm.stages["canonical"],
                          two_phase_attn_res=args.target != "tvm")    # what compile(target=...) runs
         out.append(mp.summary())
+        if args.checkpointing != "inference":    # and the forward without autograd, as the program runs it
+            out.append("\n" + plan_memory(g, seq_len=T, gpus=args.gpus, checkpointing="inference",
+                                          num_slots=slots, canonical=pm.stages["canonical"],
+                                          two_phase_attn_res=args.target != "tvm", target=args.target).summary())
         from passes.place_experts import MAX_GPUS, MAX_SLOTS
         if moe and (args.gpus > MAX_GPUS or slots > MAX_SLOTS):
             out.append(f"\nexpert placement: not planned for {args.gpus:,} GPUs / {slots:,} slots (the planner takes one "
@@ -467,7 +472,7 @@ def _check_run_input(g) -> None:
 def _warn_past_max_seq_len(g, T: int, flag: str, what: str) -> None:
     """A warning when the context length T is past the spec's max_seq_len (the model still runs: its
     attention has no position embeddings; KDA is recurrent and MLA is NoPE)."""
-    from .stats import declared_max_seq_len
+    from passes.stats import declared_max_seq_len
     m = declared_max_seq_len(g)
     if m is not None and T > m:
         _warn(f"{flag} {T:,} is beyond the spec's max_seq_len = {m:,} of model '{g.name}'; {what}")
@@ -487,7 +492,8 @@ def cmd_run(args) -> int:
     if args.target not in ("reference", "triton", "tvm"):
         raise MtcError(f"--target must be reference, triton or tvm; got '{args.target}'")
     if args.target in ("triton", "tvm") and args.device == "cpu":
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        from backends import interpreting
+        if "triton" in sys.modules and not interpreting():
             raise MtcError("--target triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported")
         os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels on the CPU: the interpreter
         # the interpreter evaluates masked-off lanes too (exp of padding); those results are discarded
@@ -634,8 +640,7 @@ def _spec_variants(spec) -> list:
 
 def cmd_compile(args) -> int:
     from backends.triton.codegen import write_and_load
-    from passes import PassManager
-    from passes.lower import lower
+    from . import compile as mtc_compile
     os.environ.setdefault("TRITON_INTERPRET", "0" if _has_cuda() else "1")
     if args.emit is not None:
         if not args.emit.strip():
@@ -643,9 +648,9 @@ def cmd_compile(args) -> int:
     from backends.triton.codegen import EMIT_FILES
     emit = _check_output_dir("--emit", args.emit, EMIT_FILES, [args.spec]) if args.emit is not None else None
     g = _load(args)
-    fused = PassManager().run(g)          # no weights are allocated: the full model compiles too
-    prog = lower(fused, target="triton")
-    path, _mod, kernels = write_and_load(prog, fused, emit)
+    m = mtc_compile(g, target="triton", device="meta")     # no weights are allocated: the full model compiles too
+    prog = m.program
+    path, _mod, kernels = write_and_load(prog, emit)
     n_gen = len({k.name for k in kernels})
     print(f"{g.name}: {len(prog.launches)} kernel launches, {len(kernels)} of them generated pointwise "
           f"kernels ({n_gen} distinct)")

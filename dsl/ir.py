@@ -190,6 +190,10 @@ def make_attrs(attrs: dict | None) -> tuple:
 
 SOURCE_OPS = ("input", "param", "buffer")
 
+#: attributes the compiler's passes add to nodes (fuse_tiles: the fusion group and the anchor's tiles); any op
+#: may carry them in printed IR
+ANNOTATIONS = ("fusion", "tiles")
+
 
 def undeclared_symbols(g: "Graph", n: Node) -> tuple[str, TensorType] | None:
     """(symbol, type) for the first shape symbol in ``n``'s types that ``g``'s signature does not declare, or None.
@@ -265,3 +269,12 @@ class Graph:
 
     def show(self) -> None:
         print(str(self))
+
+
+def live_nodes(g: Graph) -> set[str]:
+    """Names of the nodes the graph's outputs depend on (nodes are in topological order)."""
+    live = {r.node for r in g.outputs}
+    for n in reversed(g.nodes):
+        if n.name in live:
+            live.update(r.node for r in n.inputs)
+    return live

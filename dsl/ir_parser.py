@@ -283,11 +283,8 @@ def _check_merge(n: Node, seen: dict, err) -> None:
 
 def _check(g: Graph, where: dict, text: str, file: str) -> None:
     from .builder import ShapeError
+    from .ir import ANNOTATIONS                        # the fused stage's per-node annotations
     from .ops import OPS, check_source
-    try:
-        from passes.fuse_tiles import ANNOTATIONS      # the fused stage's per-node annotations
-    except ImportError:                                # pragma: no cover - passes is part of the project
-        ANNOTATIONS = ("fusion", "tiles")
     types: dict[str, tuple] = {}
     dup = next((x for i, x in enumerate(g.symbols) if x in g.symbols[:i]), None)
     if dup:

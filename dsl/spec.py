@@ -725,7 +725,7 @@ class SpecBuilder:
         """MtcWarning for blocks never applied, forward inputs the outputs do not depend on, and assigned values
         the outputs do not depend on (dropped from the graph with their parameters by canonicalize), whether
         or not their name is read again (x = f(ids); x = g(x); return ids drops both)."""
-        from passes.canonicalize import live_nodes
+        from .ir import live_nodes
         live = live_nodes(g)
         for bname, _expr, loc in self.spec.blocks:
             if bname not in self.used:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dsl.builder import GraphBuilder
-from dsl.ir import Graph, Node, Ref
+from dsl.ir import Graph, Node, Ref, live_nodes  # noqa: F401  (live_nodes: re-exported)
 
 from .manager import register_pass
 
@@ -86,15 +86,6 @@ def apply_rules(g: Graph, rules=RULES) -> Graph:
                 out.append(n)
         g = g.with_nodes(out, [remap.get((r.node, r.index), r) for r in g.outputs])
     return g
-
-
-def live_nodes(g: Graph) -> set[str]:
-    """Names of the nodes the graph's outputs depend on (nodes are in topological order)."""
-    live = {r.node for r in g.outputs}
-    for n in reversed(g.nodes):
-        if n.name in live:
-            live.update(r.node for r in n.inputs)
-    return live
 
 
 def dead_code(g: Graph) -> Graph:

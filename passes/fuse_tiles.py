@@ -22,7 +22,7 @@ from dsl.ir import Graph, Node
 
 from .manager import register_pass
 
-ANNOTATIONS = ("fusion", "tiles")
+from dsl.ir import ANNOTATIONS  # noqa: E402,F401  (the annotations this pass adds)
 
 
 def _pow2(n: int) -> int:

@@ -27,18 +27,6 @@ POINTWISE = ("silu", "sigmoid", "mul", "add", "situ_glu", "rmsnorm", "l2norm", "
 
 CODEGEN_OPS = ("add", "mul", "silu", "sigmoid", "situ_glu", "rmsnorm", "l2norm")   # backends/triton/codegen.py
 
-TEMPLATES = {
-    "kda_chunk": "triton.kda_chunk",
-    "mla_attention": "library:sdpa",
-    "qb_route": "triton.qb_route",
-    "moe_experts": "triton.moe_experts",
-    "situ_glu": "library:gemm+triton.situ_glu",
-    "attn_residual": "triton.attn_residual",
-    "attn_residual_phase1": "triton.attn_residual_phase1",
-    "attn_residual_merge": "triton.attn_residual_merge",
-}
-
-
 def _fusion_users(g: Graph):
     """only_user(n, op): n's single consumer when it is an ``op`` of n's fusion group taking n as its first
     input and n is no graph output; else None (the intermediate value then has no other use)."""
@@ -94,54 +82,97 @@ def norm_epilogues(g: Graph) -> dict[str, Node]:
 
 @dataclass
 class Launch:
+    """One call the runtime makes: an op's implementation, a fused kernel, or a view.
+
+    ``kernel`` is the implementation that runs (``triton.kda_chunk``, ``library.gemm``, ``reference.rmsnorm``,
+    ``generated.<name>``, ``view.reshape``); ``op`` the graph op it runs, or the fused kind (``conv_silu_norm``,
+    ``pointwise``, ``<anchor op>+rmsnorm``); ``ops`` the graph nodes whose values it computes, in order.
+    ``inputs`` / ``outputs``: (printed ref, type) of the buffers it reads and writes (parameters are read as
+    ``%pN``); ``frees``: the buffers whose last use it is (dropped right after it when autograd does not
+    record). ``meta``: the meta-parameters the implementation reads; ``refused``: implementations earlier in the
+    target's chain that do not take this node, with the reason.
+    """
+
     index: int
     kernel: str
-    backend: str                       # "triton" | "library" | "reference"
-    anchor: str                        # node name of the anchor (or the last op of a pointwise chain)
-    ops: list[str]                     # member node names in order
+    op: str
+    anchor: str                        # the node whose position in the graph triggers the launch
+    ops: list[str]
     op_kinds: list[str]
     inputs: list[tuple[str, TensorType]]
     outputs: list[tuple[str, TensorType]]
+    group: str | None = None           # the fusion group (fuse_tiles anchor) this launch belongs to
+    meta: dict = field(default_factory=dict)
     grid: list = field(default_factory=list)
-    tiles: dict = field(default_factory=dict)
-    prologue: list[str] = field(default_factory=list)
-    epilogue: list[str] = field(default_factory=list)
-    epilogue_in_kernel: bool = False   # the epilogue runs inside the template kernel (not as separate ops)
-    epilogue_generated: bool = False   # the epilogue runs as one generated kernel after the template kernel
+    frees: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    generated: object = None           # the GeneratedKernel of a generated.* launch (backends/triton/codegen.py)
+    aliases: dict = field(default_factory=dict)   # output index -> the input index whose storage it views
+
+    @property
+    def is_view(self) -> bool:
+        return self.kernel.startswith("view.")
 
     def text(self) -> str:
-        ins = ", ".join(f"{r}" for r, _ in self.inputs)
+        ins = ", ".join(r for r, _ in self.inputs)
         outs = ", ".join(f"{r}: {t}" for r, t in self.outputs)
-        g = "[" + ", ".join(str(x).replace(" ", "") for x in self.grid) + "]" if self.grid else self.backend
-        s = f"k{self.index} = {self.kernel} grid {g}"
-        if self.tiles:
-            s += " tiles {" + ", ".join(f"{k}={v}" for k, v in self.tiles.items()) + "}"
+        s = f"k{self.index} = {self.kernel}"
+        if self.grid:
+            s += " grid [" + ", ".join(str(x).replace(" ", "") for x in self.grid) + "]"
+        if self.meta:
+            s += " meta {" + ", ".join(f"{k}={v}" for k, v in self.meta.items()) + "}"
         s += f" ({ins}) -> ({outs})"
-        if self.prologue:
-            s += f"\n      prologue: {' -> '.join(self.prologue)}"
-        if self.epilogue:
-            where = " (in kernel)" if self.epilogue_in_kernel else " (generated kernel)" if self.epilogue_generated \
-                else ""
-            s += f"\n      epilogue{where}: {' -> '.join(self.epilogue)}"
+        if self.op not in (self.kernel.split(".", 1)[-1], "pointwise") and not self.is_view:
+            s += f"  // {self.op}"
+        if len(self.ops) > 1:
+            s += f"\n      ops: {' -> '.join(self.op_kinds)}"
+        for r in self.refused:
+            s += f"\n      not {r}"
+        if self.frees:
+            s += f"\n      free {', '.join(self.frees)}"
         return s
 
 
 @dataclass
+class Buffer:
+    """A value of the program: its type, the launch that defines it (-1: a graph input), its last use (the
+    number of launches: a graph output, kept), and for a view the buffer whose storage it shares (or that it
+    views a weight)."""
+
+    name: str
+    type: TensorType
+    first: int
+    last: int
+    alias: str | None = None
+    weight_view: bool = False          # a view of a parameter or buffer of the module: no activation storage
+
+
+@dataclass
 class KernelProgram:
+    """The program a compiled module executes: launches in order and the buffer table (see :func:`lower`)."""
+
     name: str
     target: str
     symbols: tuple
     launches: list[Launch]
+    buffers: dict[str, Buffer] = field(default_factory=dict)
+    training: bool = False
+    groups: dict[str, str] = field(default_factory=dict)     # fusion group anchor -> description
+    memo: dict = field(default_factory=dict, repr=False, compare=False)   # memory plans by sizes (backends/memory.py)
 
     def text(self) -> str:
-        lines = ["// prologue/epilogue: the ops each template launch absorbs (fuse_tiles). '(in kernel)': they run",
-                 "// inside the template kernel (AttnRes + the next RMSNorm); '(generated kernel)': one generated",
-                 "// Triton kernel right after it; [a+b+c]: one fused kernel of its own",
-                 "// (KDA's short_conv+silu+l2norm); the others still run as separate ops beside it (through the",
-                 "// target's op table: TVM kernels for target=tvm); pointwise chains run as generated kernels;",
-                 "// views (reshape, slice) are free.",
+        mode = "training (autograd records: every op with its backward)" if self.training else "inference"
+        lines = [f"// {mode}: the launches the runtime makes, in order. 'ops': the graph ops one fused launch computes;",
+                 "// 'free': buffers dead after that launch (dropped at once when autograd does not record); views",
+                 "// (view.*) share their input's storage and launch nothing; 'not': implementations earlier in",
+                 "// the target's chain that do not take the op, and why.",
                  f"kernels {self.name}({', '.join(self.symbols)}) target={self.target} {{"]
-        lines += ["  " + ln for L in self.launches for ln in L.text().splitlines()]
+        seen = set()
+        for L in self.launches:
+            if L.group is not None and L.group not in seen and L.group in self.groups:
+                seen.add(L.group)
+                lines.append(f"  // fusion group %{L.group}: {self.groups[L.group]}")
+            lines += ["  " + ln for ln in L.text().splitlines()]
         lines.append("}")
         return "\n".join(lines) + "\n"
 
@@ -155,62 +186,75 @@ class KernelProgram:
         return h.hexdigest()[:24]
 
     def counts(self) -> dict[str, int]:
+        """Launches per implementation (views excluded)."""
         out: dict[str, int] = {}
         for L in self.launches:
-            out[L.kernel] = out.get(L.kernel, 0) + 1
+            if not L.is_view:
+                out[L.kernel] = out.get(L.kernel, 0) + 1
         return out
 
+    def memory(self, bind: dict, elem_bytes, workspace=None) -> tuple[float, float]:
+        """(peak bytes of live buffers, peak bytes with the largest launch workspace) of one run at the shape
+        sizes ``bind`` ({Symbol: int}): the runtime's walk (graph inputs live from the start, each launch's new
+        storages added, a storage dropped once no live buffer refers to it; views share their input's).
+        ``elem_bytes(type)``: bytes per element as the runtime stores that value; ``workspace(launch)``: bytes a
+        launch allocates inside itself (or None)."""
+        size: dict = {}
 
-# the ops backends/tvm runs (backends.tvm.op_table; qb_route: TVM router scores, then the reference's top-k)
-TVM_OPS = ("rmsnorm", "l2norm", "silu", "sigmoid", "add", "mul", "situ_glu", "attn_residual", "short_conv",
-           "qb_route")
+        def nbytes(b: Buffer) -> float:
+            if b.weight_view:
+                return 0.0
+            hit = size.get(b.name)
+            if hit is None:
+                n = sympy.Mul(*b.type.shape).subs(bind) if b.type.shape else sympy.Integer(1)
+                hit = size[b.name] = float(n) * elem_bytes(b.type)
+            return hit
+
+        refs: dict[str, int] = {}           # storage owner -> live buffers referring to it
+        live = peak = peak_ws = 0.0
+
+        def hold(name):
+            nonlocal live
+            s = self.storage_of(name)
+            if refs.get(s, 0) == 0:
+                live += nbytes(self.buffers[s])
+            refs[s] = refs.get(s, 0) + 1
+
+        for b in self.buffers.values():
+            if b.first == -1:
+                hold(b.name)
+        peak = live
+        for L in self.launches:
+            for r, _t in L.outputs:
+                hold(r)
+            peak = max(peak, live)
+            if workspace is not None:
+                peak_ws = max(peak_ws, live + workspace(L))
+            for r in L.frees:
+                s = self.storage_of(r)
+                refs[s] -= 1
+                if refs[s] == 0:
+                    live -= nbytes(self.buffers[s])
+        return peak, max(peak, peak_ws)
+
+    def storage_of(self, name: str) -> str:
+        """The buffer that owns the storage of buffer ``name`` (itself unless it is a view)."""
+        b = self.buffers[name]
+        while b.alias is not None:
+            b = self.buffers[b.alias]
+        return b.name
 
 
 def _cdiv(a, b) -> sympy.Expr:
     return sympy.ceiling(as_expr(a) / b)
 
 
-def _grid(kind: str, anchor: Node, types: dict, tiles: dict) -> list:
-    t0 = anchor.types[0]
-    if kind == "kda_chunk":
-        B, T, H, V = t0.shape
-        return [_cdiv(V, tiles.get("BLOCK_V", 64)), B * H]
-    if kind == "mla_attention":
-        B, T, H, _ = t0.shape
-        return [_cdiv(T, tiles.get("BLOCK_M", 128)), B * H]
-    if kind == "qb_route":
-        N = t0.shape[0]
-        return [_cdiv(N, tiles.get("BLOCK_N", 64))]
-    if kind == "moe_experts":
-        idx = types[anchor.inputs[1]]
-        w1 = types[anchor.inputs[3]]
-        N, k = idx.shape
-        E, I, _ = w1.shape
-        return [_cdiv(N * k, tiles.get("BLOCK_M", 128)) + E, _cdiv(2 * I, tiles.get("BLOCK_N", 128))]
-    if kind.startswith("attn_residual"):
-        rows = sympy.Mul(*t0.shape[:-1])
-        if kind == "attn_residual_phase1":
-            rows = sympy.Mul(*t0.shape[1:-1])
-        return [_cdiv(rows, tiles.get("ROWS", 2))]
-    if kind == "situ_glu":
-        M = sympy.Mul(*t0.shape[:-1])
-        return [_cdiv(M, tiles.get("BLOCK_M", 128)), _cdiv(t0.shape[-1], tiles.get("BLOCK_N", 128))]
-    rows = sympy.Mul(*t0.shape[:-1]) if t0.rank > 1 else 1
-    return [rows]
-
-
-def lower(g: Graph, target: str = "triton") -> KernelProgram:
-    """Lower a fused graph (after fuse_tiles) to a kernel program."""
+def _groups(g: Graph) -> tuple[dict[str, list[Node]], list[str]]:
+    """The fusion groups of fuse_tiles (key: the anchor) and the pointwise chains of single-use producers outside
+    them (key: the chain's last op), in the order of each group's last member."""
     nodes = g.node_map()
     users = g.users()
-    types = {Ref(n.name, i): t for n in g.nodes for i, t in enumerate(n.types)}
-    if target == "triton":
-        # the accumulator as the Triton phase 1 stores it (the memory plan counts it so too, plan_memory._two_phase)
-        for n in g.nodes:
-            if n.op == "attn_residual_phase1":
-                types[Ref(n.name, 0)] = TensorType(phase1_acc_dtype(types[n.inputs[-1]].dtype), n.types[0].shape)
     outputs = set(g.outputs)
-    # 1. groups: fusion annotations, then pointwise chains of the rest
     group_of: dict[str, str] = {}
     for n in g.nodes:
         a = n.attr("fusion")
@@ -220,6 +264,7 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
         if n.op in SOURCE_OPS or n.name in group_of or n.op not in POINTWISE:
             continue
         group_of[n.name] = n.name
+
     def root(x):                            # resolve chains (a -> b -> c)
         while group_of.get(x, x) != x:
             x = group_of[x]
@@ -240,73 +285,179 @@ def lower(g: Graph, target: str = "triton") -> KernelProgram:
             continue
         key = root(n.name) if n.name in group_of else n.name
         members.setdefault(key, []).append(n)
-    chains = conv_chains(g) if target == "triton" else {}
-    norm_epis = norm_epilogues(g) if target == "triton" else {}
-    chain_of = {x: start for start, ms_ in chains.items() for x in ms_}
-    # 2. launches in the order of each group's last member
     pos = {n.name: i for i, n in enumerate(g.nodes)}
-    order = sorted(members, key=lambda k: pos[members[k][-1].name])
-    launches = []
-    for key in order:
-        ms = members[key]
-        names = {m.name for m in ms}
-        ins, outs = [], []
-        for m in ms:
-            for r in m.inputs:
-                if r.node not in names and (str(r), types[r]) not in ins:
-                    ins.append((str(r), types[r]))
-        for m in ms:
-            for i in range(len(m.types)):
-                r = Ref(m.name, i)
-                if r in outputs or any(u not in names for u in users[m.name]):
-                    outs.append((str(r), types[r]))
-        anchor = nodes[key] if key in nodes and nodes[key].attr("fusion") == key else ms[-1]
-        kind = anchor.op
-        tiles = dict(anchor.attr("tiles") or ())
-        if anchor.attr("fusion") == key:
-            kernel = TEMPLATES.get(kind, kind)
-            backend = kernel.split(":")[0] if kernel.startswith(("library", "reference")) else "triton"
-            a_pos = pos[anchor.name]
-            prologue = []
-            for m in ms:
-                if pos[m.name] >= a_pos or m.op in VIEWS:
+    return members, sorted(members, key=lambda k: pos[members[k][-1].name])
+
+
+def _group_outputs(ms: list[Node], g: Graph, users) -> list[tuple[str, TensorType]]:
+    """The values of ``ms`` used outside them (or graph outputs)."""
+    names = {m.name for m in ms}
+    outputs = set(g.outputs)
+    outs = []
+    for m in ms:
+        for i, t in enumerate(m.types):
+            r = Ref(m.name, i)
+            if r in outputs or any(u not in names for u in users[m.name]):
+                outs.append((str(r), t))
+    return outs
+
+
+def _describe(anchor: Node, ms: list[Node]) -> str:
+    from collections import Counter
+    pos = {m.name: i for i, m in enumerate(ms)}
+    a = pos[anchor.name]
+
+    def part(xs):
+        c = Counter(m.op for m in xs if m.op not in VIEWS)
+        return ", ".join(f"{op} x{k}" if k > 1 else op for op, k in c.items()) or "nothing"
+    return f"{anchor.op}; prologue {part(ms[:a])}; epilogue {part(ms[a + 1:])}"
+
+
+def lower(g: Graph, target: str = "triton", *, training: bool = False) -> KernelProgram:
+    """Lower a fused graph (after fuse_tiles) to the program a compiled module executes.
+
+    Each op runs on the first implementation of the target's chain (backends/registry.py) that accepts it; on
+    target "triton" without ``training``, these fuse into one launch each: the elementwise / row-norm chains and
+    the template epilogues the generator covers (backends/triton/codegen.py: one generated kernel), KDA's
+    short_conv -> silu [-> l2norm] prologues (conv_silu_norm), and an AttnRes read with the RMSNorm of its
+    output (the kernel's output norm). ``training``: the program autograd records through, every op on its own
+    with an implementation that has a backward. Launches run in the graph's order of the node that triggers
+    them; the buffer table records each value's definition and last use.
+
+    Raises MtcError for an op no implementation of the chain takes (at the op's source location)."""
+    from backends.registry import resolve
+    from dsl.errors import MtcError
+    nodes = g.node_map()
+    users = g.users()
+    types = {Ref(n.name, i): t for n in g.nodes for i, t in enumerate(n.types)}
+    if target == "triton":
+        # the accumulator as the Triton phase 1 stores it (the memory plan counts it so too, plan_memory._two_phase)
+        for n in g.nodes:
+            if n.op == "attn_residual_phase1":
+                types[Ref(n.name, 0)] = TensorType(phase1_acc_dtype(types[n.inputs[-1]].dtype), n.types[0].shape)
+    fuse = target == "triton" and not training
+    members, order = _groups(g)
+    pos = {n.name: i for i, n in enumerate(g.nodes)}
+    groups = {k: _describe(nodes[k], ms) for k, ms in members.items()
+              if fuse and k in nodes and nodes[k].attr("fusion") == k and len(ms) > 1}
+
+    # -- the fused launches (target triton, inference) -----------------------------------------------------
+    gen_at: dict[str, object] = {}          # last member -> GeneratedKernel
+    gen_skip: set[str] = set()              # the other members of a generated kernel
+    chains: dict[str, list[str]] = {}
+    norm_at: dict[str, Node] = {}
+    if fuse:
+        from backends.triton.codegen import plan_kernel, same_body
+        norm_epis = norm_epilogues(g)
+        for key in order:
+            ms = members[key]
+            anchored = key in nodes and nodes[key].attr("fusion") == key
+            if not anchored and nodes[key].op not in GEMMS and all(m.op in CODEGEN_OPS or m.op in VIEWS for m in ms):
+                k = plan_kernel(len(gen_at), [m.name for m in ms], _group_outputs(ms, g, users), g)
+            elif anchored:
+                epi = [m for m in ms if pos[m.name] > pos[key]]
+                if not all(m.op in CODEGEN_OPS or m.op == "reshape" for m in epi):
                     continue
-                if m.name in chain_of:           # one fused conv kernel (target triton): printed in brackets
-                    if chain_of[m.name] == m.name:
-                        prologue.append("[" + "+".join(nodes[x].op for x in chains[m.name]
-                                                       if nodes[x].op not in VIEWS) + "]")
+                if nodes[key].op in CODEGEN_OPS:    # a pointwise anchor (SiTU-GLU after its GEMMs): it and its epilogue
+                    epi = [nodes[key]] + epi
+                if not any(m.op not in VIEWS for m in epi):
                     continue
-                prologue.append(m.op)
-            epilogue = [m.op for m in ms if pos[m.name] > a_pos and m.op not in VIEWS]
-        elif kind in GEMMS:
-            kernel, backend, prologue, epilogue = "library:gemm", "library", [], []
-        elif all(m.op in CODEGEN_OPS for m in ms):
-            kernel = "triton.pointwise[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]"
-            backend, prologue, epilogue = "triton", [], []
-        else:                                # no generated kernel for it yet: the PyTorch op runs
-            kernel = "torch[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]"
-            backend, prologue, epilogue, tiles = "reference", [], [], {}
-            tiles = {"BLOCK": 1024} if all(m.op in ("silu", "sigmoid", "mul", "add", "situ_glu") for m in ms) \
-                else {"BLOCK_D": 1 << max(0, int(anchor.types[0].shape[-1]) - 1).bit_length()}
-        if target == "tvm" and all(m.op in TVM_OPS + VIEWS for m in ms) and backend != "library":
-            # TensorIR kernels (backends/tvm), one per op for now; the rest falls back to Triton
-            kernel, backend = "tvm[" + "+".join(m.op for m in ms if m.op not in VIEWS) + "]", "tvm"
-            prologue, epilogue, tiles = [], [], {}      # TVM kernels have their own schedules (mtc ir --stage tvm)
-        elif target == "tvm":
-            # a library GEMM with a fused elementwise epilogue: the runtime runs that op with its TVM kernel
-            for op in TVM_OPS:
-                kernel = kernel.replace(f"triton.{op}", f"tvm.{op}")
-        grid = [] if backend in ("library", "tvm", "reference") else _grid(kind, anchor, types, tiles)
-        # AttnRes kernels carry an output RMSNorm: the runtime (target triton) runs an absorbed RMSNorm of the
-        # same eps there (backends/runtime.py, CompiledModule._fused_norm_epilogues)
-        in_kernel = (target == "triton" and backend == "triton" and anchor.name in norm_epis
-                     and epilogue == ["rmsnorm"])
-        # any other epilogue of elementwise / row-norm ops (and reshapes) becomes one generated kernel
-        # (backends/triton/codegen.py), run right after the template kernel
-        epi_nodes = [m for m in ms if pos[m.name] > pos[anchor.name]] if anchor.attr("fusion") == key else []
-        generated = (target == "triton" and backend in ("triton", "library") and not in_kernel and bool(epilogue)
-                     and all(m.op in CODEGEN_OPS or m.op == "reshape" for m in epi_nodes))
-        launches.append(Launch(len(launches), kernel, backend, anchor.name, [m.name for m in ms],
-                               [m.op for m in ms], ins, outs, grid, tiles, prologue, epilogue, in_kernel,
-                               generated))
-    return KernelProgram(g.name, target, g.symbols, launches)
+                if key in norm_epis and [m.op for m in epi if m.op not in VIEWS] == ["rmsnorm"]:
+                    continue                # the AttnRes kernel's own output norm takes it
+                k = plan_kernel(len(gen_at), [m.name for m in epi], _group_outputs(ms, g, users), g, prefix="ep")
+                if k is None:
+                    raise ValueError(f"lower: the epilogue of %{key} ({' -> '.join(m.op for m in epi)}) fits the "
+                                     f"generator's ops but it cannot build a kernel for it")
+            else:
+                continue
+            if k is not None:
+                twin = next((o for o in gen_at.values() if same_body(o, k)), None)
+                if twin is not None:        # one jit function serves launches of one body
+                    k.source = twin.source
+                    k.name = twin.name
+                gen_at[k.members[-1]] = k
+                gen_skip.update(k.members[:-1])
+        chains = conv_chains(g)
+        norm_at = {a: c for a, c in norm_epilogues(g).items() if c.name not in gen_at and c.name not in gen_skip}
+
+    # -- the launches, in the graph order of the node that triggers each -----------------------------------
+    launches: list[Launch] = []
+    done: set[str] = set()
+
+    def add(kernel, op, anchor, ms, ins, outs, **kw):
+        launches.append(Launch(len(launches), kernel, op, anchor.name, [m.name for m in ms], [m.op for m in ms],
+                               ins, outs, group=anchor.attr("fusion"), **kw))
+
+    def ref_types(refs):
+        return [(str(r), types[r]) for r in refs]
+
+    for n in g.nodes:
+        if n.op in SOURCE_OPS or n.name in gen_skip or n.name in done:
+            continue
+        if n.name in gen_at:
+            k = gen_at[n.name]
+            ms = [nodes[x] for x in k.members]
+            ins = [(r, types[_parse_ref(r)]) for r in k.inputs]
+            outs = [(r, types[_parse_ref(r)]) for r in k.outputs]
+            D = int(k.width)
+            block_d = 1 << max(0, D - 1).bit_length()
+            rows = max(1, TILE_ELEMS // block_d)
+            n_rows = sympy.Mul(*types[_parse_ref(k.outputs[0])].shape) / D
+            add(f"generated.{k.name}", "pointwise", ms[-1], ms, ins, outs, generated=k,
+                meta={"BLOCK_D": block_d, "ROWS": rows}, grid=[_cdiv(n_rows, rows)])
+            continue
+        if n.name in chains:
+            ms = [nodes[x] for x in chains[n.name]]
+            done.update(chains[n.name][1:])
+            add("triton.conv_silu_norm", "conv_silu_norm", n, ms, ref_types(n.inputs), ref_types([ms[-1].out()]))
+            continue
+        if n.name in norm_at:
+            c = norm_at[n.name]
+            done.add(c.name)
+            add(f"triton.{n.op}+rmsnorm", f"{n.op}+rmsnorm", n, [n, c], ref_types(list(n.inputs) + [c.inputs[1]]),
+                ref_types([c.out()]))
+            continue
+        in_t = [types[r] for r in n.inputs]
+        chosen, refused = resolve(target, n, in_t, training=training)
+        if chosen is None:
+            from dsl.ops import OPS
+            od = OPS.get(n.op)
+            hint = (" (a layer block: the pass pipeline lacks 'canonicalize', which expands layer blocks into "
+                    "primitive ops; passes='default' has it)" if od is not None and od.is_layer else "")
+            raise MtcError(f"target '{target}' has no kernel for op '{n.op}'{hint}"
+                           + (f"; none of its implementations takes this node ({'; '.join(refused)})" if refused
+                              else ""), n.loc)
+        meta = chosen.meta(n, in_t) if chosen.meta is not None else {}
+        aliases = {0: 0} if chosen.name.startswith("view.") else (
+            chosen.aliases(n, in_t) if chosen.aliases is not None else {})
+        add(chosen.name, n.op, n, [n], ref_types(n.inputs), ref_types([n.out(i) for i in range(len(n.types))]),
+            meta=meta, refused=refused, aliases=aliases)
+
+    # -- buffers: definition, last use, storage ------------------------------------------------------------
+    buffers: dict[str, Buffer] = {}
+    for n in g.inputs():
+        buffers[str(n.out())] = Buffer(str(n.out()), n.type, -1, -1)
+    for L in launches:
+        for r, _t in L.inputs:
+            if r in buffers:
+                buffers[r].last = L.index
+        for j, (r, t) in enumerate(L.outputs):
+            src = L.inputs[L.aliases[j]][0] if j in L.aliases else None
+            buffers[r] = Buffer(r, t, L.index, L.index, alias=src if src in buffers else None,
+                                weight_view=src is not None and (src not in buffers or buffers[src].weight_view))
+    for r in g.outputs:
+        buffers[str(r)].last = len(launches)
+    for b in buffers.values():
+        if 0 <= b.last < len(launches):
+            launches[b.last].frees.append(b.name)
+        elif b.last == -1:                  # a graph input no launch reads
+            pass
+    return KernelProgram(g.name, target, g.symbols, launches, buffers, training, groups)
+
+
+def _parse_ref(text: str) -> Ref:
+    name, _, idx = text.lstrip("%").partition("#")
+    return Ref(name, int(idx or 0))
+
+
+TILE_ELEMS = 4096            # elements of one generated kernel program's [ROWS, BLOCK_D] tile (codegen.launch_config)

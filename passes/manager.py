@@ -43,6 +43,13 @@ PIPELINES = {
 STAGES = ["graph", "typed", "canonical", "fused"]
 
 
+def pipeline(target: str = "triton") -> list[str]:
+    """The default passes a compiled module of ``target`` runs: the TVM target keeps Block AttnRes in its direct
+    form (its kernels cover attn_residual, not the two-phase phase-1 / merge pair)."""
+    names = PIPELINES["default"]
+    return [p for p in names if p != "batch_attn_residual"] if target == "tvm" else list(names)
+
+
 class PassManager:
     """Runs passes in order. ``stages`` maps stage name -> the Graph after the pass producing it ("graph": the
     input), filled on every run; ``keep_stages`` is accepted for compatibility and has no effect."""

@@ -23,7 +23,7 @@ The parallel layout it assumes (simple, and stated so the numbers can be checked
   keeps a full copy of the cache of its tokens: per GPU = total / (gpus / tp_size).
 * **KDA state**: every GPU holds, for each sequence, the state of its own segment (the segment-parallel
   scan hands each segment its predecessor's state) for its 1/tp_size of the heads:
-  per GPU = batch x per-sequence state / tp_size. The totals come from :func:`dsl.stats.compute_stats`.
+  per GPU = batch x per-sequence state / tp_size. The totals come from :func:`passes.stats.compute_stats`.
 * **Activations** are the sizes of the values of the canonical graph (primitive ops) at B = batch and
   T = seq_len; views (reshape, slice, broadcast) alias their input and cost nothing. ``checkpointing``:
 
@@ -32,8 +32,9 @@ The parallel layout it assumes (simple, and stated so the numbers can be checked
     Block AttnRes bank, each counted once); during the backward pass one layer at a time is recomputed:
     kept + the largest layer's values.
   - ``"block"``: the same with Block AttnRes blocks (``block_size`` layers) as the unit.
-  - ``"inference"``: forward only, values freed after their last use: the peak of the live set in the
-    canonical graph's order.
+  - ``"inference"``: forward only, values freed after their last use: the peak of the live buffers of the program
+    a compiled module of ``target`` runs (passes/lower.py; ``m.last_run.peak_bytes`` measures the same), and
+    separately the largest launch's workspace at that point (buffers a kernel allocates inside itself).
 
   The graph sized is the one the default pipeline runs: the canonical graph with Block AttnRes in its
   two-phase form (each block's phase-1 accumulators live until the block's last merge; at T = 1M on 128 GPUs
@@ -133,6 +134,8 @@ class MemoryPlan:
     kda_state_total_bytes: float
     moe_comm: list[MoEComm] = field(default_factory=list)
     two_phase_attn_res: bool = False       # activations of the two-phase Block AttnRes form (phase-1 buffers)
+    workspace_bytes: float = 0.0           # ("inference") the largest launch's buffers inside itself, at its peak
+    target: str = "reference"              # ("inference") the target whose program is planned
 
     @property
     def weight_bytes(self) -> float:
@@ -141,7 +144,8 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> float:
         """weights + activations + KV cache + KDA state, per GPU."""
-        return self.weight_bytes + self.activation_bytes + self.kv_cache_bytes + self.kda_state_bytes
+        return (self.weight_bytes + self.activation_bytes + self.workspace_bytes + self.kv_cache_bytes
+                + self.kda_state_bytes)
 
     @property
     def a2a_bytes_per_layer(self) -> float:
@@ -174,9 +178,11 @@ class MemoryPlan:
              f"EP {self.ep_size})" if self.moe_layers else "routed experts (no MoE layer)", self.expert_weight_bytes),
             (f"other weights, >= 2-D (split over TP {self.tp_size})", self.sharded_weight_bytes),
             ("other weights, 1-D and buffers (replicated)", self.replicated_weight_bytes),
-            (("activations (forward only, peak live set)" if self.checkpointing == "inference" else
-              f"activations ({self.checkpointing!r} checkpointing)")
+            ((f"activations (forward only, target {self.target}: peak of live buffers)"
+              if self.checkpointing == "inference" else f"activations ({self.checkpointing!r} checkpointing)")
              + (", two-phase AttnRes" if self.two_phase_attn_res else ""), self.activation_bytes),
+        ] + ([("  + the peak launch's own workspace", self.workspace_bytes)] if self.checkpointing == "inference"
+             else []) + [
             ("MLA latent KV cache", self.kv_cache_bytes),
             ("KDA state", self.kda_state_bytes),
         ]
@@ -348,6 +354,25 @@ def _two_phase(canonical: Graph, compute_dtype: str) -> Graph:
     return g.with_nodes(out)
 
 
+def _program_peak(canonical: Graph, size: "_Sizer", target: str, two_phase: bool) -> tuple[float, float]:
+    """(peak bytes of live buffers, the peak launch's workspace beyond them) of the program a compiled module of
+    ``target`` runs without autograd (passes/lower.py), for the whole batch."""
+    from backends.memory import workspace
+    from .manager import PassManager
+    from .lower import lower
+    from backends.registry import CHAINS
+    if target not in CHAINS:
+        raise ValueError(f"plan_memory: target must be one of {', '.join(map(repr, CHAINS))}, got {target!r}")
+    names = (["batch_attn_residual"] if two_phase else []) + (["fuse_tiles"] if target != "reference" else [])
+    g = PassManager(names, verify_each=False).run(canonical) if names else canonical
+    program = lower(g, target)
+
+    def elem(t) -> float:
+        return size(TensorType(t.dtype, ())) if t.dtype in DTYPES else 4.0
+    live, with_ws = program.memory(size.bind, elem, workspace(program, size.bind, elem))
+    return live, with_ws - live
+
+
 def _moe_prefix(graph: Graph, n, nodes) -> str:
     for r in n.inputs:
         name = nodes[r.node].attr("name") or ""
@@ -359,7 +384,8 @@ def _moe_prefix(graph: Graph, n, nodes) -> str:
 def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkpointing: str = "layer",
                 ep_size: int | None = None, dtype_bytes: float | None = None, tp_size: int | None = None,
                 num_slots: int | None = None, block_size: int | None = None,
-                canonical: Graph | None = None, two_phase_attn_res: bool = True) -> MemoryPlan:
+                canonical: Graph | None = None, two_phase_attn_res: bool = True,
+                target: str = "reference") -> MemoryPlan:
     """Per-GPU memory for weights, activations, MLA latent KV cache and KDA state, and the
     expert-parallel all-to-all volume per MoE layer (the layout is described in the module docstring).
 
@@ -385,6 +411,8 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
             (accumulators [n_queries, B, T, d] in the compute dtype when that is 16-bit, as the Triton runtime
             stores them, else float32, plus two float32 [n_queries, B, T] statistics) lives until the block's
             last merge. False: the direct form (one attn_residual per read; the TVM target).
+        target: ("inference") the target whose program is planned: "reference" runs the graph op by op;
+            "triton" its fused program (the default pipeline with fuse_tiles).
     Returns:
         A :class:`MemoryPlan` (bytes per GPU; ``summary()`` for a table, ``to_dict()`` for JSON).
     Raises:
@@ -399,12 +427,12 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
     3.2) and DeepSeek-V3 (arXiv 2412.19437, sec. 3.4, node-limited dispatch); the figures of
     ../shared/spec/MODEL.md ("Memory arithmetic at one million tokens") are what the tests check.
     """
-    from dsl.stats import compute_stats
+    from passes.stats import compute_stats
     if not isinstance(graph, Graph):
         raise TypeError(f"plan_memory: expected a dsl Graph, got {type(graph).__name__}")
     seq_len = _pos_int("seq_len", seq_len)
     gpus = _pos_int("gpus", gpus)
-    from dsl.stats import MAX_GPUS
+    from passes.stats import MAX_GPUS
     if gpus > MAX_GPUS:
         raise ValueError(f"plan_memory: gpus = {gpus:,} is more than {MAX_GPUS:,} (per-GPU figures would round to 0)")
     batch = _pos_int("batch", batch)
@@ -485,8 +513,13 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
 
     # -- activations --------------------------------------------------------------------------
     size = _Sizer(batch, seq_len, compute_dtype, dtype_bytes)
-    act_total, kept, recompute = _activations(_two_phase(canonical, compute_dtype) if two_phase_attn_res
-                                              else canonical, size, checkpointing, block_size)
+    ws_total = 0.0
+    if checkpointing == "inference":
+        act_total, ws_total = _program_peak(canonical, size, target, two_phase_attn_res)
+        kept, recompute = act_total, 0.0
+    else:
+        act_total, kept, recompute = _activations(_two_phase(canonical, compute_dtype) if two_phase_attn_res
+                                                  else canonical, size, checkpointing, block_size)
 
     # -- caches and state ---------------------------------------------------------------------
     kv_total = stats.kv_cache_bytes * (eb / act_b)
@@ -530,4 +563,5 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
         activation_recompute_bytes=recompute / gpus, kv_cache_bytes=kv_total / (gpus // tp),
         kda_state_bytes=kda_total / tp, weights_total_bytes=stats.weights_bytes, activation_total_bytes=act_total,
         kv_cache_total_bytes=kv_total, kda_state_total_bytes=kda_total, moe_comm=comm,
-        two_phase_attn_res=bool(two_phase_attn_res) and any(n.op == "attn_residual" for n in canonical.nodes))
+        two_phase_attn_res=bool(two_phase_attn_res) and any(n.op == "attn_residual" for n in canonical.nodes),
+        workspace_bytes=ws_total / gpus, target=target)

@@ -555,7 +555,7 @@ def test_a_statement_after_the_return_is_an_error():
 
 def test_values_the_outputs_do_not_use_are_warned_about_and_their_parameters_dropped():
     from dsl.errors import MtcWarning
-    from dsl.stats import compute_stats
+    from passes.stats import compute_stats
     import passes
     import torch
     text = ("model m {\n  forward(ids: i64[B, T]) {\n    x = embedding(ids, vocab=100, dim=32)\n"

@@ -21,6 +21,11 @@ DATA = Path(__file__).parent / "data"
 GOLDEN = Path(__file__).parent / "golden"
 
 
+def _generated(m):
+    """(GeneratedKernel, jit function) of each generated launch of a compiled module's program."""
+    return [(L.generated, getattr(m._generated, L.generated.name)) for L in m.program.launches if L.generated]
+
+
 def _fused(path, variant=None, **kw):
     return PassManager().run(dsl.load(path, variant, **kw))
 
@@ -67,7 +72,7 @@ def test_generated_pointwise_kernel_matches_reference(tmp_path):
     out = b.rmsnorm(b.silu(h), name="norm")
     g = PassManager().run(b.build([out]))
     m = dsl.compile(g, target="triton", emit_dir=tmp_path)
-    assert len(m._gen) == 1 and (tmp_path / "kernels.py").exists()
+    assert len(_generated(m)) == 1 and (tmp_path / "kernels.py").exists()
     src = (tmp_path / "kernels.py").read_text()
     assert "tl.sum" in src and "tl.sigmoid" in src
     with torch.no_grad():
@@ -86,7 +91,7 @@ def test_generated_situ_glu_small_inputs_and_nan(tmp_path):
     y = b.input("y", "f32", ["N", 100])
     out = b.situ_glu(b.sigmoid(x), y)
     m = dsl.compile(PassManager().run(b.build([out])), target="triton", emit_dir=tmp_path)
-    assert len(m._gen) == 1
+    assert len(_generated(m)) == 1
     for scale in (1e-6, 1e-3, 1.0, 10.0):     # (not past |x| ~ 87, where float32 sigmoid underflows to 0)
         xs, ys = torch.randn(37, 100) * scale, torch.randn(37, 100) * scale
         with torch.no_grad():
@@ -96,7 +101,7 @@ def test_generated_situ_glu_small_inputs_and_nan(tmp_path):
         assert ((got - want).abs() / want.abs()).max().item() < 1e-5, scale
     # NaN (which the module's input check refuses on the CPU) straight through the generated kernel
     from backends.triton import codegen
-    (k, fn), = m._gen.values()
+    (k, fn), = _generated(m)
     xs, ys = torch.randn(3, 100), torch.randn(3, 100)
     xs[0, 5], ys[1, 7] = float("nan"), float("nan")
     outs = [torch.empty_like(xs) for _ in k.outputs]
@@ -130,7 +135,7 @@ def test_generated_kernel_tiled_launch(tmp_path, rows, d):
     out = b.l2norm(b.rmsnorm(x, name="norm"))
     g = PassManager().run(b.build([out]))
     m = dsl.compile(g, target="triton", emit_dir=tmp_path)
-    (k, fn), = m._gen.values()
+    (k, fn), = _generated(m)
     with torch.no_grad():
         m.norm.weight.normal_()
     xs = torch.randn(rows, d) * 3
@@ -139,7 +144,7 @@ def test_generated_kernel_tiled_launch(tmp_path, rows, d):
     args = []
     for ref in k.inputs:               # resolved as the runtime resolves them (inputs, then parameters)
         name, _, idx = ref.lstrip("%").partition("#")
-        args.append(m._value(env, Ref(name, int(idx or 0))).detach().contiguous())
+        args.append((env[name] if name in env else m._arg({}, ref)).detach().contiguous())
     outs = [torch.empty_like(xs) for _ in k.outputs]
     cfg = codegen.launch_config(rows, d)
     assert cfg["ROWS"] * cfg["BLOCK_D"] <= codegen.TILE_ELEMS or cfg["ROWS"] == 1

@@ -105,21 +105,9 @@ def tiny():
 
 def _measured(m, B, T):
     """Run the tiny model op by op and record every op's output tensors (held, so storages stay unique)."""
-    rec = []
-    orig = m._exec
-
-    def spy(n, args, bind):
-        out = orig(n, args, bind)
-        rec.append((n, args, out if isinstance(out, tuple) else (out,)))
-        return out
-
-    m._exec = spy
-    try:
-        with torch.no_grad():
-            m(torch.randint(0, 256, (B, T)))
-    finally:
-        del m._exec
-    return rec
+    with torch.no_grad(), m.tracing(values=True) as trace:
+        m(torch.randint(0, 256, (B, T)))
+    return [(t.node, t.args, t.outs) for t in trace]
 
 
 def _live_peak(m, rec):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import dsl
-from dsl.stats import compute_stats
+from passes.stats import compute_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,7 +129,7 @@ def test_layers_the_outputs_do_not_use_are_not_counted():
 
 
 def test_human_formats_have_no_exponent_and_json_counts_are_ints():
-    from dsl.stats import human, human_bytes
+    from passes.stats import human, human_bytes
     assert human_bytes(1008 * 1024) == "1008 KiB"          # .3g printed 1.01e+03 KiB
     assert human_bytes(2.5 * 2 ** 30) == "2.5 GiB" and human_bytes(5) == "5 B"
     assert human_bytes(3 * 2 ** 50) == "3 PiB" and human_bytes(2 ** 61) == "2 EiB"   # (was 3072 TiB, 2097152 TiB)

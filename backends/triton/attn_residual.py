@@ -43,7 +43,6 @@ Public functions: ``attn_residual``, ``attn_residual_phase1``, ``attn_residual_m
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -53,7 +52,7 @@ import triton.language as tl
 import importlib
 
 from backends.cuda_device import on_tensor_device
-from .guard import (DeviceTableCache, cdiv, device_table, next_power_of_2, no_create_graph, sm_count,
+from .guard import (DeviceTableCache, cdiv, device_table, interpreted, next_power_of_2, no_create_graph, sm_count,
                     warn_interpreter_bf16)
 
 # the module itself (backends.reference re-exports a function of the same name)
@@ -61,7 +60,7 @@ _ref = importlib.import_module("backends.reference.attn_residual")
 
 __all__ = ["attn_residual", "attn_residual_phase1", "attn_residual_merge"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = interpreted()
 
 
 # ----------------------------------------------------------------------------------------------------

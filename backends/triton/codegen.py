@@ -32,18 +32,19 @@ from pathlib import Path
 from dsl.ir import Graph, Ref
 
 from passes.lower import CODEGEN_OPS as ROW_OPS  # noqa: E402  (the lowering labels exactly these)
+from passes.lower import TILE_ELEMS  # noqa: E402,F401  (elements of one program's [ROWS, BLOCK_D] tile)
 
 
 @dataclass
 class GeneratedKernel:
     name: str
-    launch: int
     members: list[str]          # node names computed by this kernel
     inputs: list[str]           # printed refs, in argument order
     row_inputs: list[bool]      # True: [rows, D] operand; False: [D] vector (a norm weight)
     outputs: list[str]          # printed refs written by the kernel
     scalars: dict               # name -> value (eps)
     source: str
+    width: int = 0              # D: the row width of the [rows, D] tiling
 
 
 def cache_dir() -> Path:
@@ -59,12 +60,14 @@ def _numel(t):
     return n
 
 
-def _gen_one(idx: int, launch, g: Graph, ops: list[str] | None = None, prefix: str = "pw") -> GeneratedKernel | None:
-    """Kernel for the member ops ``ops`` (default: all of ``launch.ops``), elementwise / row-norm ops and
-    reshapes (identities on contiguous memory). Every operand has the row width D of the row-norm ops (or of
-    the last op) or the same number of elements as the result, so one flat [rows, D] tiling serves all."""
+def plan_kernel(idx: int, ops: list[str], outputs: list, g: Graph, prefix: str = "pw") -> GeneratedKernel | None:
+    """The generated kernel computing the graph nodes ``ops`` (elementwise / row-norm ops and reshapes, which are
+    identities on contiguous memory) and writing those of ``outputs`` ((printed ref, type) of the values used
+    outside) that they define; None where the generator cannot build it. Every operand has the row width D of
+    the row-norm ops (or of the last op) or the same number of elements as the result, so one flat [rows, D]
+    tiling serves all."""
     nodes = g.node_map()
-    ms = [nodes[m] for m in (ops if ops is not None else launch.ops)]
+    ms = [nodes[m] for m in ops]
     if not ms or any(m.op not in ROW_OPS and m.op != "reshape" for m in ms):
         return None
     comp = [m for m in ms if m.op != "reshape"]
@@ -141,7 +144,7 @@ def _gen_one(idx: int, launch, g: Graph, ops: list[str] | None = None, prefix: s
             var[str(m.out())] = t
     except _Unsupported:
         return None
-    outs = [r for r, _t in launch.outputs if r.split("#")[0].lstrip("%") in names]
+    outs = [r for r, _t in outputs if r.split("#")[0].lstrip("%") in names]
     if not outs:
         return None
     name = f"{prefix}{idx}_" + "_".join(m.op for m in comp)[:60]
@@ -157,8 +160,8 @@ def _gen_one(idx: int, launch, g: Graph, ops: list[str] | None = None, prefix: s
     lines += body
     for i, r in enumerate(outs):
         lines.append(f"    tl.store(out{i} + offs, {var[r]}.to(out{i}.dtype.element_ty), mask=mask)")
-    return GeneratedKernel(name, launch.index, [m.name for m in ms], in_refs, row_in, outs, scalars,
-                           "\n".join(lines) + "\n")
+    return GeneratedKernel(name, [m.name for m in ms], in_refs, row_in, outs, scalars, "\n".join(lines) + "\n",
+                           int(D))
 
 
 class _Unsupported(Exception):
@@ -166,7 +169,6 @@ class _Unsupported(Exception):
 
 
 N_DEFAULT = 1 << 62          # the row count assumed by a launch that does not pass N (one row per program)
-TILE_ELEMS = 4096            # elements of one program's [ROWS, BLOCK_D] tile when rows are short
 
 
 def launch_config(n_rows: int, D: int) -> dict:
@@ -206,41 +208,34 @@ from backends.triton.moe_kernels import _tanh   # _tanh(x, False): float32-accur
 '''
 
 
-def generate(program, g: Graph) -> tuple[str, list[GeneratedKernel]]:
-    """Triton source for every pointwise launch of ``program`` that the generator covers, and for every
-    template epilogue the kernel IR marks as a generated kernel (its members after the anchor)."""
-    kernels, sources, by_body = [], [], {}
+def generate(program) -> tuple[str, list[GeneratedKernel]]:
+    """Triton source for every generated.* launch of ``program`` (launches of one body share one jit function:
+    the lowering gives them one name) and their kernels in launch order."""
+    kernels, sources = [], {}
     for L in program.launches:
-        if L.kernel.startswith("triton.pointwise"):
-            k = _gen_one(len(sources), L, g)
-        elif L.epilogue_generated:              # L.ops is in graph order: the epilogue follows the anchor
-            k = _gen_one(len(sources), L, g, L.ops[L.ops.index(L.anchor) + 1:], prefix="ep")
-            if k is None:
-                raise ValueError(f"codegen: launch k{L.index} ({L.kernel}) promises a generated epilogue "
-                                 f"({' -> '.join(L.epilogue)}) that the generator cannot build")
-        else:
-            continue
+        k = L.generated
         if k is None:
             continue
-        # launches with the same body share one jit function
-        body = k.source.split("\n", 3)[3]
-        sig = (k.source.split("(", 1)[1].split(")", 1)[0], body)
-        if sig in by_body:
-            k.name = by_body[sig]
-        else:
-            by_body[sig] = k.name
-            sources.append(k.source)
+        sources.setdefault(k.name, k.source)
         kernels.append(k)
     key = program.cache_key()
-    src = HEADER.format(name=program.name, key=key) + "\n\n".join(sources)
+    src = HEADER.format(name=program.name, key=key) + "\n\n".join(sources.values())
     return src, kernels
+
+
+def same_body(a: GeneratedKernel, b: GeneratedKernel) -> bool:
+    """The two kernels have one argument list and one body (their sources differ at most in the function's name
+    and its comment line): one jit function serves both."""
+    def sig(k):
+        return k.source.split("(", 1)[1].split(")", 1)[0], k.source.split("\n", 3)[3]
+    return sig(a) == sig(b)
 
 
 #: the files of a cache entry or an --emit directory
 EMIT_FILES = ("kernels.py", "kernel_ir.txt")
 
 
-def write_and_load(program, g: Graph, directory=None):
+def write_and_load(program, directory=None):
     """Write the generated source (to the cache, or ``directory``) and import it.
 
     ``directory``: a path or a ``dsl.fileio.OutputDir`` (``mtc compile --emit``, ``dsl.compile(emit_dir=)``):
@@ -251,7 +246,7 @@ def write_and_load(program, g: Graph, directory=None):
     Returns (path, module, kernels). Raises MtcError when the files cannot be written."""
     from dsl.errors import MtcError
     from dsl.fileio import OutputDir
-    src, kernels = generate(program, g)
+    src, kernels = generate(program)
     files = {"kernels.py": src, "kernel_ir.txt": program.text()}
     if directory is not None:
         out = directory if isinstance(directory, OutputDir) else OutputDir(directory, "emit_dir")

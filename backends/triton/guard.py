@@ -1,7 +1,6 @@
 """Checks and host-side helpers shared by the Triton entry points."""
 from __future__ import annotations
 
-import os
 import warnings
 from collections import OrderedDict
 from typing import Callable, Hashable
@@ -13,7 +12,8 @@ from backends.reference.ops import check_devices
 
 def interpreted() -> bool:
     """True when Triton runs its kernels under the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    from backends import interpreting
+    return interpreting()
 
 
 def check_kernel_device(where: str, **tensors) -> None:

@@ -76,8 +76,8 @@ from backends.cuda_device import on_tensor_device
 from backends.reference import kda as _ref
 from backends.reference.ops import check_finite_cpu, check_flag
 from .guard import (DeviceTableCache, cdiv, check_forward_only, check_interpreter_dot_dtype, check_kernel_device,
-                    check_kernel_dtype, device_table, mark_phase, next_power_of_2, no_create_graph, scan_values,
-                    sm_count)
+                    check_kernel_dtype, device_table, interpreted, mark_phase, next_power_of_2, no_create_graph,
+                    scan_values, sm_count)
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "FAST_LOWER_BOUND_LIMIT"]
 
@@ -2686,9 +2686,36 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     return o, final
 
 
+def forward_workspace(B, T, H, K, V, elem, sms=132):
+    """Bytes the forward without autograd allocates inside one kda_chunk call beyond its output o (B sequences
+    of T tokens, elem bytes per element of q, k, v; sms: the GPU's SM count, the H200's by default): the
+    per-token intermediates WK, QG, KD [N, H, K], U [N, H, V], AQK [N, H, 64] and the chunk gates GAM, plus
+    the larger of the v5 intra kernels' scratch (NBUF, GCS, TB: _intra5_scratch) and the state pass's HB
+    [NC, H, K, V] and VN [N, H, V]; a pipelined sequence (_pipeline_pieces) holds the scratch of one piece and
+    no HB. K and V as the kernels run them (powers of two >= 16; padded copies of q, k, v, g otherwise)."""
+    KP, VP = max(16, next_power_of_2(K)), max(16, next_power_of_2(V))
+    N, NC = B * T, -(-T // CHUNK) * B
+    pad = 0 if (KP, VP) == (K, V) else N * H * ((3 * KP + VP) * elem + KP * 4)
+    ib = elem                                                   # _interm_dtype: the inputs' dtype
+    base = N * H * (3 * KP + VP + 64) * ib + max(NC, 1) * H * KP * 4
+
+    def scratch(rows):
+        nb = 2 if ib == 2 and INTRA5_CFG.get("nb_lowp") else 4
+        tb = ib if INTRA5_CFG.get("tb_lowp") else 4
+        return rows * H * (64 * nb + KP * 4 + 64 * tb)
+    n_chunks = -(-T // CHUNK)
+    bv = min(VP, int(PIPE_CFG.get("bv") or 32))
+    while bv < VP and H * (VP // bv) > sms // 2:
+        bv *= 2
+    if (PIPE_CFG.get("on") and B == 1 and n_chunks >= max(2, int(PIPE_CFG["min_chunks"]))
+            and H * (VP // bv) <= sms // 2):
+        P = max(2, min(int(PIPE_CFG["max_pieces"]), n_chunks // max(1, int(PIPE_CFG["piece_chunks"]))))
+        return pad + base + scratch(-(-N // P))
+    return pad + base + max(scratch(N), max(NC, 1) * H * KP * VP * ib + N * H * VP * ib)
+
+
 def _interpret():
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreted()
 
 
 @on_tensor_device

@@ -918,7 +918,9 @@ def _wgrad_w13(da, db, q, d, i, l, dw1, dw3, *, qtok=None):
 
 class _ExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weight, w1, w3, w2, act, bg, bu):
+    def forward(ctx, x, topk_idx, topk_weight, w1, w3, w2, act, bg, bu, grad):
+        # grad: autograd was on at the call and an input needs a gradient (inside forward grad mode is off, and
+        # needs_input_grad says True under no_grad too: the backward's intermediates would be kept for nothing)
         n, l = x.shape
         _mark("fwd: start")
         e, i, _ = w1.shape
@@ -930,8 +932,8 @@ class _ExpertsFn(torch.autograd.Function):
         w1, w3, w2 = w1.to(x.dtype), w3.to(x.dtype), w2.to(x.dtype)
         if w1.stride() != w3.stride():
             w1, w3 = w1.contiguous(), w3.contiguous()
-        need_grad = any(ctx.needs_input_grad)
-        if any(ctx.needs_input_grad[3:6]):
+        need_grad = grad and any(ctx.needs_input_grad)
+        if need_grad and any(ctx.needs_input_grad[3:6]):
             d.prefetch_counts()  # the weight gradients' v3 launches read them; copied now, in the GPU's order
         # GEMM 1 + SiTU-GLU, scaled by the routing weight of the row:
         #   hw[r] = p[r] glu(x[tok r] w1^T, x[tok r] w3^T)      (N = I, K = l)
@@ -970,7 +972,7 @@ class _ExpertsFn(torch.autograd.Function):
         if ctx.empty:
             x, tw, w1, w3, w2 = ctx.saved_tensors
             z = torch.zeros_like
-            return z(x), None, z(tw), z(w1), z(w3), z(w2), None, None, None
+            return z(x), None, z(tw), z(w1), z(w3), z(w2), None, None, None, None
         x, wt, w1, w3, w2 = ctx.saved_tensors
         if ctx.inter is None:
             raise RuntimeError("backends.triton.moe_experts: a second backward through the same graph "
@@ -1018,7 +1020,7 @@ class _ExpertsFn(torch.autograd.Function):
             q, qtok = (xs, None) if xs is not None else (x, d.tok)
             _wgrad_w13(da, db, q, d, i, l, dw1, dw3, qtok=qtok)
             _mark("bwd: dW1|dW3")
-        return dx, None, dwt, dw1, dw3, dw2, None, None, None
+        return dx, None, dwt, dw1, dw3, dw2, None, None, None, None
 
 
 @on_tensor_device
@@ -1047,8 +1049,9 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
     check_kernel_device("triton.moe_experts", x_lat=x_lat)
     _check_gemm_operands("triton.moe_experts", x_lat=x_lat, w1=w1, w3=w3, w2=w2)
     check_interpreter_dot_dtype("triton.moe_experts", x_lat=x_lat)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x_lat, topk_weight, w1, w3, w2))
     return _ExpertsFn.apply(x_lat.contiguous(), topk_idx, topk_weight, w1, w3, w2, _ACT[activation],
-                            float(beta_gate), float(beta_up))
+                            float(beta_gate), float(beta_up), grad)
 
 
 @on_tensor_device

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import sympy
 
-from .ir import DEFAULT_DTYPE, DTYPES, SOURCE_OPS, Graph, as_expr, sym
+from dsl.ir import DEFAULT_DTYPE, DTYPES, SOURCE_OPS, Graph, as_expr, sym
 
 
 @dataclass
@@ -76,22 +76,22 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
         batch: number of sequences (for the KV cache and state).
         gpus: devices to spread weights and caches over (an even split).
     """
-    from .ops import flops_of
+    from dsl.ops import flops_of
     if canonical is None:
-        from passes import PassManager
+        from .manager import PassManager
         canonical = PassManager().run(graph)
     config = dict(graph.meta_get("config", ()))
     T = int(seq_len or config.get("max_seq_len", 4096))
     if gpus > MAX_GPUS:
-        from .errors import MtcError
+        from dsl.errors import MtcError
         raise MtcError(f"gpus = {gpus:,} is more than {MAX_GPUS:,}: per-GPU figures would round to 0 B; check --gpus")
     if T < 1 or batch < 1 or gpus < 1:
-        from .errors import MtcError
+        from dsl.errors import MtcError
         raise MtcError(f"sequence length, batch and GPU count must be >= 1 (got T={T}, batch={batch}, gpus={gpus}); "
                        f"check --seq-len or the spec's max_seq_len")
     act_bytes = DTYPES[config.get("dtype", DEFAULT_DTYPE)]      # the dtype the graph builder typed it in
     emb_params = {r.node for n in graph.nodes if n.op == "embedding" for r in n.inputs[1:]}
-    from passes.canonicalize import live_nodes
+    from dsl.ir import live_nodes
     live = live_nodes(graph)              # parameters only dead ops use are not part of the model
     total = 0
     active = 0.0
@@ -118,7 +118,7 @@ def compute_stats(graph: Graph, canonical: Graph | None = None, *, seq_len: int 
     free = sorted({str(s) for n in ins for d in n.types[0].shape for s in d.free_symbols}
                   - {"B", "T"})
     if free:
-        from .errors import MtcError
+        from dsl.errors import MtcError
         raise MtcError(f"{graph.name}: the input shape symbol(s) {', '.join(free)} have no size here: statistics "
                        f"count per token at batch B and context T, so name the token dims B and T "
                        f"(e.g. x: f32[B, T, 64])", ins[0].loc)

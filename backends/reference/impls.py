@@ -1,0 +1,101 @@
+"""The reference target's implementations of every graph op (plain float32 PyTorch), and the data-movement
+ops every target shares (views cost nothing and launch no kernel)."""
+from __future__ import annotations
+
+import torch
+
+from backends.registry import impl
+from dsl.errors import MtcError
+
+import backends.reference as R
+
+REF = "reference"
+
+
+def _mla_scores_bytes(c, shapes, elem) -> float:
+    """The scores reference mla_attention holds at once: s, its masked copy and the softmax, f32 [B, H, T, T]."""
+    B, T, H = shapes[0][:3]
+    return 3.0 * B * H * T * T * 4
+
+
+def _f32_copies(L, shapes, elem) -> float:
+    """The elementwise reference ops compute in float32: a float32 copy of every 16-bit operand and of the result
+    (before it is rounded to the output's dtype)."""
+    def n(shape):
+        out = 1
+        for d in shape:
+            out *= d
+        return out
+    ins = [(sh, t) for sh, (_r, t) in zip(shapes, L.inputs)]
+    copies = sum(n(sh) * 4 for sh, t in ins if elem(t) < 4)
+    out_t = L.outputs[0][1]
+    return copies + (n([int(d) for d in shapes[0]]) * 4 if elem(out_t) < 4 else 0)
+
+
+impl(REF, "embedding")(lambda c, ids, w: R.embedding(ids, w))
+impl(REF, "linear")(lambda c, x, w: R.linear(x, w))
+impl(REF, "lm_head")(lambda c, x, w: R.lm_head(x, w))
+impl(REF, "rmsnorm")(lambda c, x, w: R.rmsnorm(x, w, eps=c.attr("eps")))
+impl(REF, "l2norm")(lambda c, x: R.l2norm(x, eps=c.attr("eps")))
+impl(REF, "short_conv")(lambda c, x, w: R.short_conv(x, w)[0])
+impl(REF, "silu", workspace=_f32_copies)(lambda c, x: R.silu(x))
+impl(REF, "sigmoid", workspace=_f32_copies)(lambda c, x: R.sigmoid(x))
+impl(REF, "add", workspace=_f32_copies)(lambda c, a, b: R.add(a, b))
+impl(REF, "mul", workspace=_f32_copies)(lambda c, a, b: R.mul(a, b))
+impl(REF, "kda_gate")(lambda c, x, a, d: R.kda_gate(x, a, d, lower_bound=c.attr("lower_bound"), gate=c.attr("gate")))
+impl(REF, "kda_chunk")(lambda c, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=c.attr("scale"))[0])
+impl(REF, "mla_attention", workspace=_mla_scores_bytes)(
+    lambda c, q, k, v: R.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))
+impl(REF, "qb_route")(lambda c, x, w, b: R.qb_route(x, w, b, top_k=c.attr("top_k"), routed_scaling=c.attr("routed_scaling")))
+impl(REF, "situ_glu")(lambda c, a, b: R.situ_glu(a, b, beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))
+impl(REF, "moe_experts")(lambda c, x, i, w, w1, w3, w2: R.moe_experts(
+    x, i, w, w1, w3, w2, activation=c.attr("activation"), beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))
+impl(REF, "attn_residual")(lambda c, q, w, *src: R.attn_residual(q, list(src), w, eps=c.attr("eps")))
+
+
+def phase1(fn, c, args, **kw):
+    """attn_residual_phase1's graph inputs (n_queries queries, n_queries norm weights, the bank's sources) in the
+    op's call form."""
+    Q = c.attr("n_queries")
+    return fn(torch.stack(args[:Q]), list(args[2 * Q:]), torch.stack(args[Q:2 * Q]), eps=c.attr("eps"), **kw)
+
+
+def merge(fn, c, args, output_rms_weight=None):
+    """attn_residual_merge's graph inputs (acc, m, s, query, norm weight[, partial]) in the op's call form; the
+    output takes the activation dtype of the running module (that of the pseudo-query parameter)."""
+    acc, m, s, q, w, *partial = args
+    i = c.attr("index")
+    return fn(acc[i], m[i], s[i], partial[0] if partial else None, q, w, eps=c.attr("eps"),
+              out_dtype=partial[0].dtype if partial else q.dtype, output_rms_weight=output_rms_weight)
+
+
+impl(REF, "attn_residual_phase1")(lambda c, *a: phase1(R.attn_residual_phase1, c, a))
+impl(REF, "attn_residual_merge")(lambda c, *a: merge(R.attn_residual_merge, c, a))
+
+
+# -- data movement: views of their input (reshape of a contiguous value, slice, broadcast) and concat -----------
+VIEW = "view"
+
+
+@impl(REF, "reshape", name="view.reshape")
+def _reshape(c, x):
+    return x.reshape(c.shape(c.attr("shape")))
+
+
+@impl(REF, "slice", name="view.slice",
+      meta=lambda n, types: {"dim": n.attr("dim"), "start": n.attr("start"), "end": n.attr("end")})
+def _slice(c, x):
+    dim, start, end = c.attr("dim"), c.attr("start"), c.attr("end")
+    size = x.shape[dim]
+    if end > size:                          # a symbolic dimension the spec could not bound
+        raise MtcError(f"slice [{start}:{end}] needs dimension {c.in_types[0].shape[dim]} >= {end}, but this input "
+                       f"has {size} there", c.loc)
+    return x.narrow(dim, start, end - start)
+
+
+@impl(REF, "broadcast", name="view.broadcast")
+def _broadcast(c, x):
+    return x.expand(c.shape(c.attr("shape")))
+
+
+impl(REF, "concat")(lambda c, *xs: torch.cat(xs, dim=c.attr("dim")))

@@ -1,0 +1,122 @@
+"""Op implementations per target, declared beside each backend's code, and the targets' fallback chain.
+
+A backend registers what it can run with :func:`impl`::
+
+    @impl("triton", "kda_chunk", accepts=_kda_shapes)
+    def _kda_chunk(node, q, k, v, g, beta):
+        ...
+
+``fn(node, *tensors)`` takes the graph node (its attributes) and the op's input tensors in graph order and
+returns the op's output (a tuple for several outputs). ``accepts(node, types)`` states the input condition the
+implementation needs (``types``: the node's input TensorTypes); it returns None when it takes the node, else
+the reason it does not, which the lowered listing prints beside the implementation that runs instead.
+``grad=False`` marks a forward-only implementation: a program lowered for training (autograd recording)
+skips it. ``workspace(node, shapes, elem)`` gives the bytes an implementation allocates inside one call beyond
+its outputs (the memory plan adds the largest); ``meta(node, types)`` the meta-parameters the kernel reads (the
+lowered listing prints them); ``aliases(node, types)`` the outputs that are views of an input ({output index: input
+index}: the memory plan counts their storage once).
+
+Targets fall back along one chain (:data:`CHAINS`): an op or a node the target's own backend does not take runs
+on the next target of the chain.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+#: where each target's ops run when its own backend has no implementation that accepts them
+CHAINS: dict[str, tuple[str, ...]] = {
+    "reference": ("reference",),
+    "triton": ("triton", "reference"),
+    "tvm": ("tvm", "triton", "reference"),
+}
+#: the module whose import registers a target's implementations
+_MODULES = {"reference": "backends.reference.impls", "triton": "backends.triton.impls",
+            "tvm": "backends.tvm.impls"}
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of one op on one target (see the module docstring)."""
+
+    target: str
+    op: str
+    name: str                                   # as the lowered listing prints it, e.g. "triton.kda_chunk"
+    fn: Callable
+    accepts: Callable | None = None
+    grad: bool = True
+    workspace: Callable | None = None
+    meta: Callable | None = None                # meta(node, types) -> the meta-parameters the kernel reads
+    aliases: Callable | None = None             # aliases(node, types) -> {output index: input index it views}
+
+    def refusal(self, node, types) -> str | None:
+        """None when this implementation takes ``node`` (input types ``types``), else why not."""
+        return None if self.accepts is None else self.accepts(node, types)
+
+
+_IMPLS: dict[tuple[str, str], list[Impl]] = {}
+
+
+def impl(target: str, op: str, *, name: str | None = None, accepts: Callable | None = None, grad: bool = True,
+         workspace: Callable | None = None, meta: Callable | None = None, aliases: Callable | None = None):
+    """Decorator: register ``fn(node, *tensors)`` as ``target``'s implementation of ``op`` (see the module
+    docstring). Several implementations of one op on one target are tried in registration order."""
+    if target not in CHAINS:
+        raise ValueError(f"impl: unknown target {target!r}; targets: {', '.join(CHAINS)}")
+
+    def deco(fn):
+        _IMPLS.setdefault((target, op), []).append(
+            Impl(target, op, name or f"{target}.{op}", fn, accepts, grad, workspace, meta, aliases))
+        return fn
+    return deco
+
+
+def register_target(name: str, chain: tuple[str, ...]) -> None:
+    """Declare a target ``name`` (e.g. a benchmark's baseline) whose ops fall back along ``chain`` (it starts with
+    ``name``; the rest are declared targets); its implementations are registered with :func:`impl` by the caller.
+    ValueError for a name already declared with another chain, or a chain that does not start with it."""
+    chain = tuple(chain)
+    if not chain or chain[0] != name or any(t not in CHAINS for t in chain[1:]):
+        raise ValueError(f"register_target: the chain of {name!r} starts with it and continues with declared "
+                         f"targets ({', '.join(CHAINS)}); got {chain}")
+    if CHAINS.get(name, chain) != chain:
+        raise ValueError(f"register_target: target {name!r} is declared with the chain {CHAINS[name]}")
+    CHAINS[name] = chain
+
+
+def load(target: str) -> None:
+    """Import the backends of ``target``'s chain, which registers their implementations (a target declared with
+    register_target registers its own)."""
+    for t in CHAINS[target]:
+        if t in _MODULES:
+            importlib.import_module(_MODULES[t])
+
+
+def resolve(target: str, node, types, *, training: bool = False) -> tuple[Impl | None, list[str]]:
+    """The implementation that runs ``node`` on ``target``: the first along the target's chain that accepts it
+    (with ``training``, that also has a backward). Returns (impl or None, the refusals met on the way, as
+    'name: reason' strings)."""
+    load(target)
+    refused = []
+    for t in CHAINS[target]:
+        for cand in _IMPLS.get((t, node.op), ()):
+            why = "forward only (autograd records)" if training and not cand.grad else cand.refusal(node, types)
+            if why is None:
+                return cand, refused
+            refused.append(f"{cand.name}: {why}")
+    return None, refused
+
+
+def by_name(name: str) -> Impl:
+    """The registered implementation printed as ``name`` (KeyError if none, with every target's backends
+    loaded)."""
+    for attempt in range(2):
+        for impls in _IMPLS.values():
+            for cand in impls:
+                if cand.name == name:
+                    return cand
+        if attempt == 0:
+            for t in list(CHAINS):
+                load(t)
+    raise KeyError(name)
