@@ -10,20 +10,12 @@ Times are medians of triton.testing.do_bench (CUDA events).  Columns:
   TF/s, TB/s, %mm, %bw  achieved rates and their fraction of the H200 limits (bf16 matmul 720 TFLOP/s,
          device copy 4.2 TB/s).
   err    relative RMS difference of o between the two implementations (every 16th token at T >= 256K).
-Diagnostics (forward): --phases prints the time of each forward phase of mtc (CUDA events at the phase
-boundaries: intra (v4/v5: cumsum, strip, solve), w/u, segment maps + combine, serial state pass, o; a forward that
-runs as the pipeline (one sequence from 64K tokens, backends.triton.kda.PIPE_CFG) overlaps them and
-reports one "pipelined forward" phase: --timeline shows its kernels per stream); --sweep times the mtc forward at the
-largest case for several segment counts and state-kernel launch settings (backends.triton.kda.H_CFG).
---intra v2,v3,v4 times each listed forward intra-chunk implementation (backends.triton.kda.INTRA_IMPL: v2 =
-_fwd_intra2_kernel + _fwd_wu_kernel, v3 = _fwd_intra3_kernel, v4 = _fwd_strip4_kernel + _fwd_solve4_kernel +
-_fwd_wu_kernel, v5 = v4 with the in-chunk cumulative gate precomputed: _chunk_cumsum_kernel + _fwd_strip5_kernel)
-against the same fla time, one row each; --intra4-sweep / --intra5-sweep likewise for v4 / v5 (INTRA4_CFG / INTRA5_CFG);
---intra3-sweep times the v3 forward (and its intra phase) at the largest case over launch settings
-(backends.triton.kda.INTRA3_CFG: channel slice BK, value slice BV, warps, split into two launches).
---bwd v1,v2 times each listed backward (backends.triton.kda.BWD_IMPL; v2@WARPSxSTAGES sets the dS chain's
-launch settings, v2:BKxWARPS the pair kernel's) in the fwd+bwd rows, one row each; with --phases also the time
-of each backward phase.
+Diagnostics: --phases prints the time of each phase of mtc's forward (and backward, in the fwd+bwd rows; CUDA events
+at the phase boundaries, backends.triton.kda.KdaConfig.profile: intra (cumsum, strip, solve), w/u, segment maps +
+combine, serial state pass, o; a forward that runs as the pipeline (one sequence from 64K tokens, KdaConfig.pipeline)
+overlaps them and reports one "pipelined forward" phase: --timeline shows its kernels per stream); --sweep times the
+mtc forward at the largest case for several segment counts and state-pass launch settings.  --set changes launch
+settings (KdaConfig fields) for the whole run, --alt adds rows with other settings beside the default's.
 Usage (a CUDA GPU, fla-core 0.6.0 installed: pip install fla-core==0.6.0; benchmarks/README.md):
   python benchmarks/kda.py [--quick] [--out benchmarks/results/kda.md]
 """
@@ -79,33 +71,19 @@ def main():
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     ap.add_argument("--rep", type=int, default=300, help="do_bench repetition budget in ms")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
-    ap.add_argument("--phases", action="store_true", help="per-phase times of the mtc forward")
+    ap.add_argument("--phases", action="store_true",
+                    help="per-phase times of the mtc forward (and backward, in the fwd+bwd rows)")
     ap.add_argument("--sweep", action="store_true",
                     help="mtc forward at the largest case over segment counts / state-kernel settings")
-    ap.add_argument("--intra", default="v5",
-                    help="comma-separated forward intra implementations to time, e.g. v4,v5 (default v5, "
-                         "backends.triton.kda's default)")
-    ap.add_argument("--bwd", default="v2",
-                    help="comma-separated backwards to time in the fwd+bwd rows, e.g. v1,v2 "
-                         "(backends.triton.kda.BWD_IMPL; default v2). Launch-setting variants of v2: "
-                         "v2@WARPSxSTAGES for the dS chain (BWD_DH_CFG), v2:BKxWARPS for the pair kernel "
-                         "(BWD_INTRA_CFG), e.g. v2@4x2:16x4")
-    ap.add_argument("--intra3-sweep", action="store_true",
-                    help="v3 forward at the largest case over INTRA3_CFG launch settings")
-    ap.add_argument("--intra4-sweep", action="store_true",
-                    help="v4 forward at the largest case over INTRA4_CFG launch settings")
-    ap.add_argument("--intra5-sweep", action="store_true",
-                    help="v5 forward (precomputed in-chunk cumsum) at the largest case over its launch settings")
-    ap.add_argument("--set", action="append", default=[], metavar="CFG:key=value,...",
-                    help="update a launch-setting dict of backends.triton.kda before timing, e.g. "
-                         "--set INTRA4_CFG:BK=64,nw_strip=8,r_fast=True (repeatable; values are Python literals)")
-    ap.add_argument("--alt", action="append", default=[], metavar="CFG:key=value,...",
-                    help="also time the default with these settings (same syntax as --set; several dicts joined "
-                         "by ';'), one extra row per case and pass tagged [alt N], e.g. --alt \"H_CFG:bv='auto'\" "
-                         "(repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="key=value,...",
+                    help="launch settings for the whole run: fields of backends.triton.kda.KdaConfig, e.g. "
+                         "--set bk_strip32=64,nw_strip32=8 (repeatable; values are Python literals)")
+    ap.add_argument("--alt", action="append", default=[], metavar="key=value,...",
+                    help="also time the default with these settings (same syntax as --set), one extra row per case "
+                         "and pass tagged [alt N], e.g. --alt bv=64 (repeatable)")
     ap.add_argument("--timeline", action="store_true",
                     help="per-kernel timeline of one mtc forward at the largest case: CUDA events around every "
-                         "launch on the stream it is queued on (the pipelined forward runs three streams); per "
+                         "launch on the stream it is queued on (the pipelined forward runs two streams); per "
                          "kernel the summed time, first start and last end, and each state pass's interval")
     ap.add_argument("--no-fwd", action="store_true", help="forward+backward rows only")
     ap.add_argument("--only", choices=("fla", "mtc"), default=None,
@@ -115,18 +93,13 @@ def main():
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
-    intras = [x.strip() for x in args.intra.split(",") if x.strip()]
-    if not intras or any(x not in ("v2", "v3", "v4", "v5") for x in intras):
-        ap.error(f"--intra: expected a comma-separated subset of v2,v3,v4,v5, got {args.intra!r}")
-    bwds = [x.strip() for x in args.bwd.split(",") if x.strip()]
-    for b in bwds:
-        try:
-            parse_bwd(b)
-        except ValueError:
-            ap.error(f"--bwd: expected v1, v2, v2@WARPSxSTAGES (the dS chain) and/or v2:BKxWARPS (the pair "
-                     f"kernel), e.g. v2@4x2 or v2:16x4 or v2@4x2:16x4; got {b!r}")
-    if not bwds:
-        ap.error("--bwd: give at least one implementation")
+    try:
+        settings = {}
+        for item in args.set:
+            settings.update(parse_settings(item))
+        alts = [parse_settings(item) for item in args.alt]
+    except ValueError as e:
+        ap.error(f"--set / --alt: {e}")
     if args.rep <= 0:
         ap.error(f"--rep: expected a positive number of milliseconds, got {args.rep}")
     if args.cases:
@@ -149,14 +122,12 @@ def main():
     from fla.ops.kda import chunk_kda
     import backends.triton.kda as tk
     from backends.triton.kda import kda_chunk
-    try:
-        settings = [apply_set(tk, item) for item in args.set]
-        snap = _snapshot(tk)
-        for item in args.alt:        # validated now, applied per row
-            apply_alt(tk, item)
-            _restore(tk, snap)
-    except ValueError as e:
-        ap.error(f"--set / --alt: {e}")
+    with tk.config(**settings):
+        return run(args, cases, settings, alts, triton, chunk_kda, tk, kda_chunk)
+
+
+def run(args, cases, settings, alts, triton, chunk_kda, tk, kda_chunk):
+    """The table of main(), with the --set settings in force."""
 
     def write():
         if args.out:
@@ -168,12 +139,11 @@ def main():
              "| H | T | pass | fla ms | mtc ms | speed-up | GFLOP | GB | mtc TF/s | %mm | mtc TB/s | %bw | err o |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if settings:
-        lines[1:1] = ["launch settings changed (--set): " + "; ".join(settings), ""]
-    for n, item in enumerate(args.alt, 1):
-        lines[1:1] = [f"[alt {n}]: the default forward with {item}", ""]
+        lines[1:1] = [f"launch settings changed (--set): {settings}", ""]
+    for n, alt in enumerate(alts, 1):
+        lines[1:1] = [f"[alt {n}]: the default with {alt}", ""]
     print("\n".join(lines), flush=True)
     ratios = {}
-    default_intra = tk.INTRA_IMPL
     warm_up(None if args.only == "mtc" else chunk_kda, None if args.only == "fla" else kda_chunk, cases[0][1],
             cases[0][0], grad=wants_bwd(*cases[0], args.no_bwd))
     for H, T in cases:
@@ -219,19 +189,13 @@ def main():
                         for t in gn:
                             t.grad = None
                         torch.cuda.empty_cache()
-                    # forward rows: one per intra implementation; fwd+bwd rows: one per backward (default intra)
-                    alts = [(default_intra, bwds[0], n) for n in range(1, len(args.alt) + 1)]
-                    variants = ([(i, bwds[0], None) for i in intras] if not grad
-                                else [(default_intra, b, None) for b in bwds]) + alts
+                    # one row with the settings in force, one per --alt
+                    variants = list(enumerate([{}] + alts))
                     if args.only == "fla":
                         variants = []
                         res["fla only"] = (float("nan"), float("nan"))
-                    for impl, bwd, alt in variants:
-                        tk.INTRA_IMPL = impl
-                        set_bwd(tk, bwd)
-                        if alt:
-                            apply_alt(tk, args.alt[alt - 1])
-                        try:
+                    for alt, changes in variants:
+                        with tk.config(**changes):
                             o2 = run_mtc().detach()
                             err = rel(o2[:, ::stride], o1) if o1 is not None else float("nan")
                             del o2
@@ -240,12 +204,9 @@ def main():
                                     t.grad = None
                             t_mtc = triton.testing.do_bench(run_mtc, warmup=50, rep=args.rep, grad_to_none=gn,
                                                             return_mode="median")
-                            # phases under the row's own settings (forward rows of plain intra variants get
-                            # theirs below the table row)
-                            ph = phases(tk, kda_chunk, T, H, bwd=grad) if args.phases and (alt or grad) else None
-                        finally:
-                            _restore(tk, snap)
-                        key = f"alt {alt}" if alt else (bwd if grad else impl)
+                            # phases under the row's own settings
+                            ph = phases(tk, kda_chunk, T, H, bwd=grad) if args.phases else None
+                        key = f"alt {alt}" if alt else "default"
                         res[key] = (t_mtc, err) + ((ph,) if ph else ())
                     del o1
             except torch.OutOfMemoryError as e:  # noqa: PERF203
@@ -255,16 +216,13 @@ def main():
                 write()
                 continue
             finally:
-                tk.INTRA_IMPL = default_intra
-                set_bwd(tk, None)
                 q = k = v = g = beta = do = None
                 torch.cuda.empty_cache()
             fl = flops_fwd(T, H) * (3.5 if grad else 1.0)
             by = bytes_fwdbwd(T, H) if grad else bytes_fwd(T, H)
             for impl, (t_mtc, err, *ph) in res.items():
                 tf, tb = fl / (t_mtc * 1e-3), by / (t_mtc * 1e-3)
-                tag = (f" [{impl}]" if args.alt or (len(intras) > 1 and not grad) or (len(bwds) > 1 and grad)
-                       else "")
+                tag = f" [{impl}]" if alts else ""
                 if args.only:
                     tag += f" ({args.only} only: the other in its own process)"
                 f3 = lambda x, fmt, unit="": "-" if math.isnan(x) else format(x, fmt) + unit  # noqa: E731
@@ -280,16 +238,6 @@ def main():
                     lines.append(f"|   | phases ({'bwd ' if grad else ''}{impl}) H={H} T={T} | {ph[0]} |")
                     print(lines[-1], flush=True)
                 write()
-            if args.phases and mode == "fwd":
-                for impl in intras:
-                    tk.INTRA_IMPL = impl
-                    try:
-                        ph = phases(tk, kda_chunk, T, H)
-                    finally:
-                        tk.INTRA_IMPL = default_intra
-                    lines.append(f"|   | phases{' ' + impl if len(intras) > 1 else ''} H={H} T={T} | {ph} |")
-                    print(lines[-1], flush=True)
-                    write()
     if args.timeline and cases:
         H, T = max(cases, key=lambda c: c[0] * c[1])
         lines += ["", f"timeline of one mtc forward at H={H} T={T} (ms from the call's start):"]
@@ -304,26 +252,16 @@ def main():
             lines.append("- " + item)
             print(lines[-1], flush=True)
             write()
-    for impl, on in (("v3", args.intra3_sweep), ("v4", args.intra4_sweep), ("v5", args.intra5_sweep)):
-        if not (on and cases):
-            continue
-        H, T = max(cases, key=lambda c: c[0] * c[1])
-        lines += ["", f"{impl} launch settings at H={H} T={T} (forward ms; phase ms):"]
-        for item in intra3_sweep(tk, kda_chunk, T, H, triton, impl):
-            lines.append("- " + item)
-            print(lines[-1], flush=True)
-            write()
     parts = []
-    groups = ([("forward rows, ", ("fwd",), i) for i in intras]
-              + [("fwd+bwd rows, backward ", ("fwd+bwd",), b) for b in bwds]
-              + [("", ("fwd", "fwd+bwd"), f"alt {n}") for n in range(1, len(args.alt) + 1)])
+    groups = ([("forward rows", ("fwd",), "default"), ("fwd+bwd rows", ("fwd+bwd",), "default")]
+              + [(f"alt {n}", ("fwd", "fwd+bwd"), f"alt {n}") for n in range(1, len(alts) + 1)])
     for what, modes, impl in groups:
         rs = [r for key, r in ratios.items() if key[3] == impl and key[2] in modes]
         if not rs:
             continue
         gm = math.exp(sum(math.log(r) for r in rs) / len(rs))
         big = ratios.get((16, 1048576, "fwd", impl)) if "fwd" in modes else None
-        parts.append(f"{what}{impl}: geometric mean {gm:.2f}x over {len(rs)} rows, min {min(rs):.2f}x"
+        parts.append(f"{what}: geometric mean {gm:.2f}x over {len(rs)} rows, min {min(rs):.2f}x"
                      + (f", at H=16 T=1M fwd {big:.2f}x" if big else ""))
     last = "ratio fla/mtc (speed-up, >1 = mtc faster): " + ("; ".join(parts) or "no side-by-side rows")
     lines += ["", last]
@@ -372,73 +310,28 @@ def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
     torch.cuda.empty_cache()
 
 
-def _snapshot(tk):
-    """Copies of backends.triton.kda's launch-setting dicts (for _restore)."""
-    return {n: dict(v) for n, v in vars(tk).items() if n.isupper() and isinstance(v, dict)}
-
-
-def _restore(tk, snap):
-    for n, v in snap.items():
-        getattr(tk, n).clear()
-        getattr(tk, n).update(v)
-
-
-def apply_set(tk, item):
-    """Apply one --set item 'NAME:key=value,...' to the dict tk.NAME; returns 'NAME {...}' (ValueError)."""
+def parse_settings(item):
+    """One --set / --alt item 'key=value,...' -> {KdaConfig field: value} (ValueError naming the problem)."""
     import ast
-    name, sep, body = item.partition(":")
-    table = getattr(tk, name, None)
-    if not sep or not isinstance(table, dict) or not name.isupper():
-        raise ValueError(f"expected NAME:key=value,... with NAME a launch-setting dict of backends.triton.kda "
-                         f"(e.g. INTRA4_CFG, INTRA5_CFG, H_CFG, BWD_INTRA_CFG), got {item!r}")
-    upd = {}
-    for kv in filter(None, body.split(",")):
+    import dataclasses
+    from backends.triton.kda.settings import KdaConfig
+    fields = [f.name for f in dataclasses.fields(KdaConfig) if f.name != "profile"]
+    out = {}
+    for kv in filter(None, (x.strip() for x in item.split(","))):
         key, eq, val = kv.partition("=")
-        if not eq or key not in table:
-            raise ValueError(f"{name} has no key {key!r} (keys: {', '.join(table)}), in {item!r}")
+        key = key.strip()
+        if not eq or key not in fields:
+            raise ValueError(f"expected key=value,... with keys of backends.triton.kda.KdaConfig "
+                             f"({', '.join(fields)}), got {kv!r} in {item!r}")
         try:
-            upd[key] = ast.literal_eval(val)
+            out[key] = ast.literal_eval(val.strip())
         except (ValueError, SyntaxError):
-            raise ValueError(f"{name}:{key}: {val!r} is not a Python literal") from None
-    table.update(upd)
-    return f"{name} {upd}"
-
-
-def apply_alt(tk, item):
-    """Apply one --alt item: --set items joined by ';' (e.g. 'H_CFG:bv=32;INTRA5_CFG:kgb=False')."""
-    return "; ".join(apply_set(tk, part) for part in item.split(";") if part.strip())
-
-
-def parse_bwd(spec):
-    """'v2@4x2:16x4' -> ('v2', (4, 2) or None, (16, 4) or None); ValueError if malformed."""
-    head, _, pair = spec.partition(":")
-    impl, _, dh = head.partition("@")
-
-    def pair_of(x):
-        a, b = x.split("x")
-        return int(a), int(b)
-    if impl not in ("v1", "v2") or ((dh or pair) and impl != "v2"):
-        raise ValueError(spec)
-    return impl, (pair_of(dh) if dh else None), (pair_of(pair) if pair else None)
-
-
-def set_bwd(tk, spec):
-    """Select the backward (tk.BWD_IMPL) and its launch settings from a --bwd item ('v1', 'v2', 'v2@4x2',
-    'v2:16x4'); None restores the module defaults."""
-    if not hasattr(set_bwd, "saved"):
-        snap = _snapshot(tk)
-        set_bwd.saved = (tk.BWD_IMPL, {n: snap[n] for n in ("BWD_DH_CFG", "BWD_INTRA_CFG")})
-    impl, snap = set_bwd.saved
-    _restore(tk, snap)
-    tk.BWD_IMPL = impl
-    if spec is None:
-        return
-    impl, dh, pair = parse_bwd(spec)
-    tk.BWD_IMPL = impl
-    if dh:
-        tk.BWD_DH_CFG.update(num_warps=dh[0], num_stages=dh[1])
-    if pair:
-        tk.BWD_INTRA_CFG.update(BK=pair[0], nw_pair=pair[1])
+            raise ValueError(f"{key}: {val!r} is not a Python literal") from None
+    try:
+        KdaConfig(**out)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{item!r}: {e}") from None
+    return out
 
 
 def phases(tk, kda_chunk, T, H, reps=5, bwd=False):
@@ -452,20 +345,20 @@ def phases(tk, kda_chunk, T, H, reps=5, bwd=False):
         do = torch.randn(1, T, H, 128, device="cuda").bfloat16()
     with torch.enable_grad() if bwd else torch.no_grad():
         for _ in range(reps):
-            tk.PROFILE = []
-            o, _ = kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
-            if bwd:
-                o.backward(do)
+            ev = []
+            with tk.config(profile=ev):
+                o, _ = kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+                if bwd:
+                    o.backward(do)
             torch.cuda.synchronize()
-            ev, tk.PROFILE = tk.PROFILE, None
             for (_, a), (name, b) in zip(ev[:-1], ev[1:]):
                 per.setdefault(name, []).append(a.elapsed_time(b))
     return ", ".join(f"{n} {sorted(x)[len(x) // 2]:.2f}" for n, x in per.items())
 
 
 class _TimedKernel:
-    """Stands in for a Triton kernel of backends.triton.kda: kernel[grid](...) launches it between two CUDA
-    events recorded on the current stream, logged as (name, start, end)."""
+    """Stands in for a Triton kernel of backends.triton.kda's modules: kernel[grid](...) launches it between two
+    CUDA events recorded on the current stream, logged as (name, start, end)."""
 
     def __init__(self, kernel, name, log):
         self.kernel, self.name, self.log = kernel, name, log
@@ -485,13 +378,15 @@ def timeline(tk, kda_chunk, T, H):
     stream: lines of per-kernel sums (ms), first start and last end relative to the call's start, and the
     state passes' intervals (one per piece of the pipelined forward)."""
     q, k, v, g, beta = make(T, H)
-    names = [n for n in ("_chunk_cumsum_kernel", "_fwd_strip5_kernel", "_fwd_strip32_kernel", "_fwd_solve4_kernel",
-                         "_fwd_wu_kernel", "_fwd_h_kernel", "_combine_kernel", "_fwd_o_kernel") if hasattr(tk, n)]
+    names = ("_chunk_cumsum_kernel", "_intra_strip16_kernel", "_intra_strip32_kernel", "_wy_solve_kernel",
+             "_wy_apply_kernel", "_state_pass_kernel", "_combine_kernel", "_output_kernel")
+    # every module of the package that launches one (each looks the kernel up in its own namespace)
+    mods = [m for name, m in sorted(sys.modules.items()) if name.startswith(tk.__name__ + ".")]
     log = []
-    orig = {n: getattr(tk, n) for n in names}
+    orig = [(m, n, getattr(m, n)) for m in mods for n in names if hasattr(m, n)]
     try:
-        for n in names:
-            setattr(tk, n, _TimedKernel(orig[n], n, log))
+        for m, n, fn in orig:
+            setattr(m, n, _TimedKernel(fn, n, log))
         with torch.no_grad():
             kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
             torch.cuda.synchronize()
@@ -502,8 +397,8 @@ def timeline(tk, kda_chunk, T, H):
             e.record()
             torch.cuda.synchronize()
     finally:
-        for n in names:
-            setattr(tk, n, orig[n])
+        for m, n, fn in orig:
+            setattr(m, n, fn)
     out = [f"whole forward {s.elapsed_time(e):.2f} ms (with the events)"]
     spans = {}
     for n, a, b in log:
@@ -511,100 +406,35 @@ def timeline(tk, kda_chunk, T, H):
     for n, iv in spans.items():
         out.append(f"{n}: {len(iv)} launches, {sum(b - a for a, b in iv):.2f} ms in all, first start {iv[0][0]:.2f}, "
                    f"last end {iv[-1][1]:.2f}")
-    if "_fwd_h_kernel" in spans:
-        out.append("state passes: " + ", ".join(f"{a:.1f}-{b:.1f}" for a, b in spans["_fwd_h_kernel"]))
-    return out
-
-
-def intra3_sweep(tk, kda_chunk, T, H, triton, impl="v3"):
-    """Forward times of intra implementation impl ("v3", "v4" or "v5") over its launch settings (INTRA3_CFG /
-    INTRA4_CFG / INTRA5_CFG; restores them and INTRA_IMPL)."""
-    q, k, v, g, beta = make(T, H)
-    table = {"v3": tk.INTRA3_CFG, "v5": tk.INTRA5_CFG}.get(impl, tk.INTRA4_CFG)
-    saved, saved_impl = dict(table), tk.INTRA_IMPL
-    out = []
-    if impl == "v3":
-        base = dict(BK=32, BV=32, num_warps=4, split=False, maxnreg=None)
-        cfgs = [dict(base), dict(base, BK=64, BV=64), dict(base, num_warps=8), dict(base, split=True),
-                dict(base, maxnreg=168), dict(base, maxnreg=128), dict(base, split=True, maxnreg=168),
-                dict(base, BK=64, BV=64, num_warps=8, split=True), dict(base, BK=16)]
-    elif impl == "v5":
-        base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, nw_cumsum=8,
-                    r_fast=False)
-        # (H200, H=16, T=1M, 2026-11-29: BK 32 / 4 warps 72.9 ms, BK 16 / 1 warp 80.8, BK 16 / 2 warps 77.2,
-        # BK 32 / 2 warps 78.7: more warps per strip program pay; this list goes further that way)
-        # second round (BK 64 / 4 warps 69.7 ms, BK 32 / 4 warps / 2 stages 71.1, BK 64 / 8 warps 73.2,
-        # BK 32 / 8 warps 74.9, BK 16 / 4 warps 79.1; a register cap of 128 or 8 w/u warps: no gain): now
-        # around BK 64 / 4 warps
-        # third round: the strip kernel's 4 row blocks of a chunk as consecutive programs (r_fast: its
-        # [64, K] column operands then come from L2 for 3 of the 4; see INTRA5_CFG)
-        base = dict(base, BK=64, nw_strip=4, nw_cumsum=4)
-        # fourth round: the solve kernel's 16x16 products on tensor cores (tf32x3, about float32 accuracy) instead
-        # of float32 FMAs (solve phase 6.0 ms at 1M, ~3x its memory floor), 1 and 4 warps (H200, 8th session:
-        # 63.43 / 62.96 / 73.18 ms; tf32x3 with 1 warp is now the default)
-        cur = dict(base, r_fast=True, nw_strip=8, solve_prec="ieee")
-        # (the first four of the third round were timed in the fifth session; the 8th session's ieee setting, then
-        # tf32x3 (now the default) and tf32x3 with 4 warps)
-        cfgs = [dict(cur), dict(cur, solve_prec="tf32x3"), dict(cur, solve_prec="tf32x3", nw_solve=4)]
-    else:
-        base = dict(BK=16, nw_strip=1, nw_solve=1, nw_wu=4, ns_strip=1, tiles=False, maxnreg=None, r_fast=False)
-        # (the H200 sweep of 2026-11-29 found BK 16 / 1 warp best among the first nine; the last four: the strip
-        # kernel with r_fast and v5's winning widths, i.e. v5 without its cumsum kernel; BK 64 / 8 warps timed in
-        # the 8th session: 174.8 ms at 1M, far slower than v5)
-        cfgs = [dict(base), dict(base, tiles=True), dict(base, tiles=True, maxnreg=128),
-                dict(base, tiles=True, nw_strip=2), dict(base, tiles=True, nw_strip=2, maxnreg=128),
-                dict(base, nw_strip=2, maxnreg=128), dict(base, nw_solve=2), dict(base, nw_wu=8),
-                dict(base, tiles=True, BK=32, nw_strip=2),
-                dict(base, r_fast=True, BK=64, nw_strip=8), dict(base, r_fast=True, BK=64, nw_strip=4),
-                dict(base, r_fast=True, BK=32, nw_strip=4), dict(base, r_fast=True, BK=128, nw_strip=8)]
-    try:
-        tk.INTRA_IMPL = impl
-        for cfg in cfgs:
-            table.update(cfg)
-            with torch.no_grad():
-                def f():
-                    return kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
-                f()
-                t = triton.testing.do_bench(f, warmup=20, rep=60, return_mode="median")
-            ph = phases(tk, kda_chunk, T, H)
-            out.append(f"{cfg}: {t:.2f} ms; {ph}")
-    finally:
-        table.clear()
-        table.update(saved)
-        tk.INTRA_IMPL = saved_impl
+    if "_state_pass_kernel" in spans:
+        out.append("state passes: " + ", ".join(f"{a:.1f}-{b:.1f}" for a, b in spans["_state_pass_kernel"]))
     return out
 
 
 def sweep(tk, kda_chunk, T, H, triton):
-    """Forward times over segment lengths and state-kernel launch settings (restores H_CFG)."""
+    """Forward times over segment lengths and state-pass launch settings (KdaConfig fields)."""
     q, k, v, g, beta = make(T, H)
     n = (T + 63) // 64
-    saved = dict(tk.H_CFG)
     out = []
-    # (settings, segment lengths): the default over several splits, then variants unsplit and at the model's
-    # choice (stages_one_wave: stages of a pass with at most one program per SM, see H_CFG)
-    base = dict(num_warps=4, num_stages=2, ctas_per_sm=2, bv="auto", stages_one_wave=3)
+    # (settings, segment lengths): the settings in force over several splits, then variants unsplit and at the
+    # model's choice (stages_one_wave: stages of a pass with at most one program per SM)
+    base = {}
     splits = [math.ceil(n / ns) for ns in (2, 8, 33) if ns < n]
     cfgs = [(base, [None, 1 << 30] + splits),
-            (dict(base, stages_one_wave=2), [1 << 30]),
-            (dict(base, stages_one_wave=4), [1 << 30]),
-            (dict(base, num_warps=2), [1 << 30]),
-            (dict(base, num_warps=8), [1 << 30]),
-            (dict(base, bv=32), [1 << 30])]
-    try:
-        for cfg, segs in cfgs:
-            tk.H_CFG.update(cfg)
+            (dict(stages_one_wave=2), [1 << 30]),
+            (dict(stages_one_wave=4), [1 << 30]),
+            (dict(state_warps=2), [1 << 30]),
+            (dict(state_warps=8), [1 << 30]),
+            (dict(bv=32), [1 << 30])]
+    for cfg, segs in cfgs:
+        with tk.config(**cfg):
             for seg in segs:
                 with torch.no_grad():
                     def f():
                         return kda_chunk(q, k, v, g, beta, lower_bound=-5.0, segment_chunks=seg)
                     f()
                     t = triton.testing.do_bench(f, warmup=20, rep=60, return_mode="median")
-                diff = {key: val for key, val in cfg.items() if base.get(key) != val}
-                out.append(f"{diff or 'default'}: seg={seg if seg != 1 << 30 else 'off'}: {t:.2f} ms")
-    finally:
-        tk.H_CFG.clear()
-        tk.H_CFG.update(saved)
+                out.append(f"{cfg or 'default'}: seg={seg if seg != 1 << 30 else 'off'}: {t:.2f} ms")
     return out
 
 

@@ -54,34 +54,34 @@ def rel_rms(a, b):
 
 def test_no_block_pointers_in_the_kernels():
     """triton 3.9 removed tl.make_block_ptr / tl.advance (NotImplementedError at the first launch)."""
-    hits = [f"{p.name}:{i}" for p in sorted((ROOT / "backends" / "triton").glob("*.py"))
+    hits = [f"{p.name}:{i}" for p in sorted((ROOT / "backends" / "triton").rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if re.search(r"\b(make_block_ptr|tl\.advance)\b", line.split("#")[0])]
     assert not hits, hits
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's masks (CPU)")
-def test_kda_chunk_with_bool_masks_only(strict_masks, monkeypatch):
+def test_kda_chunk_with_bool_masks_only(strict_masks):
     """kda_chunk's forward (the 32-row strip kernel and the state pass, whose masks combine a scalar comparison
     with a block) and its gradients, against the reference, with the interpreter's masks checked as triton 3.9's
     interpreter checks them."""
     import backends.triton.kda as tk
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, rows32=True))
-    B, T, H, K, V = 1, 83, 2, 16, 32
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1).requires_grad_()
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1).requires_grad_()
-    v = torch.randn(B, T, H, V, requires_grad=True)
-    g = -5.0 * torch.rand(B, T, H, K)
-    beta = torch.rand(B, T, H)
-    S0 = torch.randn(B, H, K, V)
-    o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
-    o_r, S_r = ref.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
-    assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
-    w = torch.randn_like(o)
-    gr = torch.autograd.grad((o * w).sum(), (q, k, v))
-    gr_r = torch.autograd.grad((o_r * w).sum(), (q, k, v))
-    for a, b in zip(gr, gr_r):
-        assert rel_rms(a, b) < 1e-4
+    with tk.config(bk=16):
+        B, T, H, K, V = 1, 83, 2, 16, 32
+        q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1).requires_grad_()
+        k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1).requires_grad_()
+        v = torch.randn(B, T, H, V, requires_grad=True)
+        g = -5.0 * torch.rand(B, T, H, K)
+        beta = torch.rand(B, T, H)
+        S0 = torch.randn(B, H, K, V)
+        o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+        o_r, S_r = ref.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+        assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
+        w = torch.randn_like(o)
+        gr = torch.autograd.grad((o * w).sum(), (q, k, v))
+        gr_r = torch.autograd.grad((o_r * w).sum(), (q, k, v))
+        for a, b in zip(gr, gr_r):
+            assert rel_rms(a, b) < 1e-4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's masks (CPU)")

@@ -1,4 +1,5 @@
-"""Triton KDA (backends/triton/kda.py) vs the reference; interpreter (float32) on CPU, bf16 on the GPU."""
+"""Triton KDA (backends/triton/kda/) vs the reference; interpreter (float32) on CPU, bf16 on the GPU."""
+import contextlib
 import math
 import os
 
@@ -31,19 +32,20 @@ def naive(q, k, v, g, beta, scale, S0):
     return (torch.stack(outs, 0) if outs else None), S
 
 
-@pytest.fixture(params=["v2", "v3", "v4", "v4-tiles", "v4-rfast", "v5", "v5-rfast", "v5-rows32"])
-def impl(request, monkeypatch):
-    """Run the test with each forward intra-chunk implementation (tk.INTRA_IMPL; "v4-tiles": v4 with
-    _fwd_tiles4_kernel; "v4-rfast" / "v5-rfast": v4 / v5 with the strip kernel's row blocks as consecutive
-    programs; "v5-rows32": v5 with _fwd_strip32_kernel's 32-row pairs); v3, v4 and v5 with the smallest
-    channel/value slices so that their slice loops run more than once."""
-    monkeypatch.setattr(tk, "INTRA_IMPL", request.param.split("-")[0])
-    monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16))
-    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=request.param.endswith("tiles"),
-                                               r_fast=request.param.endswith("rfast")))
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, r_fast=request.param.endswith("rfast"),
-                                               rows32=request.param.endswith("rows32")))
-    return request.param
+@pytest.fixture
+def settings():
+    """settings(**changes): backends.triton.kda's launch settings for the rest of the test (tk.config blocks,
+    nested, left at the test's end)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(tk.config(**changes))
+
+
+@pytest.fixture
+def small_slices():
+    """Run the test with the strip kernels' smallest channel slices (16), so that their slice loops run more
+    than once."""
+    with tk.config(bk=16):
+        yield
 
 
 def make(B, T, H, K, V, gate="sigmoid", at_bound=False, dtype=torch.float32, device="cpu"):
@@ -62,7 +64,7 @@ def make(B, T, H, K, V, gate="sigmoid", at_bound=False, dtype=torch.float32, dev
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 100, 1000])
-def test_forward_matches_reference(T, impl):
+def test_forward_matches_reference(T, small_slices):
     B, H, K, V = (1, 1, 16, 16) if T == 1000 else (2, 2, 16, 32)
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
     for lb in (None, -5.0):
@@ -72,19 +74,19 @@ def test_forward_matches_reference(T, impl):
         assert rel_rms(o, o_r) < 2e-5 and rel_rms(S, S_r) < 2e-5
 
 
-def test_head_major_grids_same_result(monkeypatch):
-    # INTRA5_CFG["head_major"] only reorders the programs of the intra kernels (forward and the v2 backward's
-    # per-chunk kernels): forward, final state and every gradient must be bit for bit those of the chunk-major
-    # grids, with 3 heads, T = 1000 (16 chunks, the last partial) and an initial state
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16))
+def test_head_major_grids_same_result():
+    # the head-major grids (up to KdaConfig.head_major_max_chunks chunks; chunk-major past it) only reorder the
+    # programs of the per-chunk kernels (forward and the backward's per-chunk kernels): forward, final state and
+    # every gradient must be bit for bit those of the chunk-major grids, with 3 heads, T = 1000 (16 chunks, the
+    # last partial) and an initial state
     B, T, H, K, V = 1, 1000, 3, 16, 32
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
     do = torch.randn(B, T, H, V)
     res = []
     for hm in (False, True):
-        monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, head_major=hm))
         ins = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
-        o, S = tk.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, lower_bound=-5.0)
+        with tk.config(bk=16, head_major_max_chunks=65535 if hm else 0):
+            o, S = tk.kda_chunk(*ins[:5], initial_state=ins[5], output_final_state=True, lower_bound=-5.0)
         ((o * do).sum() + S.square().sum()).backward()
         res.append([o.detach(), S.detach()] + [x.grad for x in ins])
     assert all(torch.equal(a, b) for a, b in zip(*res))
@@ -92,47 +94,40 @@ def test_head_major_grids_same_result(monkeypatch):
     assert rel_rms(res[1][0], o_r) < 2e-5 and rel_rms(res[1][1], S_r) < 2e-5
 
 
-@pytest.mark.parametrize("piece_chunks,max_pieces,pieces,fuse_o,merge_wq,both_gates", [
-    (5, 32, 3, True, False, True), (1, 16, 16, True, False, False), (5, 32, 3, False, False, False),
-    (5, 32, 3, True, True, False)])
-def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, fuse_o, merge_wq, both_gates, monkeypatch):
+@pytest.mark.parametrize("piece_chunks,max_pieces,pieces,both_gates", [(5, 32, 3, True), (1, 16, 16, False)])
+def test_pipelined_forward_pieces(piece_chunks, max_pieces, pieces, both_gates, monkeypatch):
     # the no-autograd forward of one long sequence as a pipeline over chunk ranges (_fwd_pipelined; on the GPU
-    # two or three streams, here the same launches in order): the same kernels over slices of the chunk tables,
-    # so the result must equal the one-stream forward exactly, with the output formed in the state pass
-    # (fuse_o; merge_wq: Wk S and QG S as one product) or by the output kernel; T = 1000 is 16 chunks, the last
-    # one partial. With the bound promised (dense diagonal tiles), and in the first case also without it (safe
-    # tiles; the pipeline is the same code for both, so the other cases run the bound only)
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16))
+    # two streams, here the same launches in order): the same kernels over slices of the chunk tables, with the
+    # output formed in the state pass (Wk S and QG S as one product), so the result must equal the one-stream
+    # forward's up to that product's rounding, the final state exactly; T = 1000 is 16 chunks, the last one
+    # partial. With the bound promised (dense diagonal tiles), and in the first case also without it (safe
+    # tiles; the pipeline is the same code for both, so the other case runs the bound only)
     B, T, H, K, V = 1, 1000, 2, 16, 32
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
     calls = []
-    real = tk._fwd_pipelined
-    monkeypatch.setattr(tk, "_fwd_pipelined", lambda *a: calls.append(len(a[11])) or real(*a))
+    real = tk.forward._fwd_pipelined
+    monkeypatch.setattr(tk.forward, "_fwd_pipelined", lambda *a: calls.append(len(a[11])) or real(*a))
     gates = ((-5.0, S0), (None, None)) if both_gates else ((-5.0, S0),)
     for lb, h0 in gates:
         want = {}
         for on in (False, True):
-            monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, on=on, min_chunks=2, piece_chunks=piece_chunks,
-                                                     max_pieces=max_pieces, fuse_o=fuse_o, merge_wq=merge_wq))
-            want[on] = tk.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, lower_bound=lb)
-        if merge_wq:
-            # (the merged [128, K] product may round its rows differently from two [64, K] ones)
-            assert rel_rms(want[True][0], want[False][0]) < 1e-6 and torch.equal(want[True][1], want[False][1])
-        else:
-            assert torch.equal(want[True][0], want[False][0]) and torch.equal(want[True][1], want[False][1])
+            with tk.config(bk=16, pipeline=on, pipe_min_chunks=2, pipe_piece_chunks=piece_chunks,
+                           pipe_max_pieces=max_pieces):
+                want[on] = tk.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, lower_bound=lb)
+        # (the merged [128, K] product may round its rows differently from two [64, K] ones)
+        assert rel_rms(want[True][0], want[False][0]) < 1e-6 and torch.equal(want[True][1], want[False][1])
         o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         assert rel_rms(want[True][0], o_r) < 2e-5 and rel_rms(want[True][1], S_r) < 2e-5
     assert calls == [pieces] * len(gates)
 
 
-def test_pipelined_forward_not_under_autograd(monkeypatch):
+def test_pipelined_forward_not_under_autograd(settings, monkeypatch):
     # under autograd the forward keeps what the backward needs: no pipeline, even where it would apply
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16))
-    monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, on=True, min_chunks=2, piece_chunks=5, max_pieces=32))
+    settings(bk=16, pipeline=True, pipe_min_chunks=2, pipe_piece_chunks=5, pipe_max_pieces=32)
     q, k, v, g, beta, _ = make(1, 1000, 2, 16, 32)
     calls = []
-    real = tk._fwd_pipelined
-    monkeypatch.setattr(tk, "_fwd_pipelined", lambda *a: calls.append(len(a[11])) or real(*a))
+    real = tk.forward._fwd_pipelined
+    monkeypatch.setattr(tk.forward, "_fwd_pipelined", lambda *a: calls.append(len(a[11])) or real(*a))
     with torch.no_grad():
         tk.kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
     assert calls == [3]                              # (the same call without autograd does take it)
@@ -144,7 +139,7 @@ def test_pipelined_forward_not_under_autograd(monkeypatch):
     assert rel_rms(o.detach(), o_r) < 2e-5 and qg.grad is not None and torch.isfinite(qg.grad).all()
 
 
-def test_forward_against_token_loop_at_the_bound_segmented(impl):
+def test_forward_against_token_loop_at_the_bound_segmented(small_slices):
     # every third channel random, the rest exactly at the bound; 3 segments of 1 chunk (+ a partial one);
     # V = 64 > K: two value blocks in the state pass, and the augmented [M | D] pass has unequal halves
     B, T, H, K, V = 1, 150, 2, 16, 64
@@ -155,7 +150,7 @@ def test_forward_against_token_loop_at_the_bound_segmented(impl):
     assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < 2e-5
 
 
-def test_bound_violation_is_caught_not_assumed(impl):
+def test_bound_violation_is_caught_not_assumed(small_slices):
     # promise lower_bound=-5 but feed g down to -40 in one chunk: the per-chunk check takes the safe path
     B, T, H, K, V = 1, 130, 1, 16, 16
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
@@ -170,15 +165,16 @@ def test_bound_violation_is_caught_not_assumed(impl):
 
 
 @pytest.mark.parametrize("K,slices", [(16, 1), (32, 1), (32, 2)])
-def test_rows32_dense_pairs_and_fallbacks(K, slices, monkeypatch):
-    # _fwd_strip32_kernel: a 32-row pair is one dense strip only when both its 16-row blocks keep the bound and
+def test_rows32_dense_pairs_and_fallbacks(K, slices, settings):
+    # _intra_strip32_kernel: a 32-row pair is one dense strip only when both its 16-row blocks keep the bound and
     # G falls by at most 161 across the pair in every channel; here lower_bound=-8 is promised and one chunk
     # holds a 16-row block at -8 <= g < -5 (its pair falls by more than 161: two 16-row dense blocks), another
     # a block at -40 (breaks the bound: safe path), the rest is in [-5, 0) with a third of the channels at -5;
     # slices = 2: the cumsum kernel's flags come from two channel slices (ANDed by the strip kernels), and the
-    # low gates sit in the second slice's channels only
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, rows32=True, cumsum_slices=slices))
-    assert tk._cumsum_slices(K) == slices
+    # low gates sit in the second slice's channels only; against the safe path (no bound promised: the 16-row
+    # strip kernel, every diagonal tile pair by pair) as well
+    cfg = settings(bk=16, cumsum_slices=slices)
+    assert tk.intra._cumsum_slices(K, cfg) == slices
     B, T, H, V = 1, 230, 2, 16
     q, k, v, g, beta, S0 = make(B, T, H, K, V, at_bound=True)
     lo = K // 2 if slices == 2 else 0
@@ -187,16 +183,15 @@ def test_rows32_dense_pairs_and_fallbacks(K, slices, monkeypatch):
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-8.0)
     o_n, S_n = naive(q[0], k[0], v[0], g[0], beta[0], K ** -0.5, S0[0])
     assert rel_rms(o[0], o_n) < 2e-5 and rel_rms(S[0], S_n) < g32_bound(g)
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, rows32=False, cumsum_slices=1))
-    o16, S16 = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-8.0)
+    o16, S16 = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=None)
     assert rel_rms(o, o16) < 1e-5 and rel_rms(S, S16) < 1e-5
 
 
-def test_rows32_overflow_redone_as_16_row_blocks(monkeypatch):
+def test_rows32_overflow_redone_as_16_row_blocks(settings):
     # a dense 32-row pair scales q and k by up to e^80.5: q entries of ~2e3 (q x 1e4, with G falling by 160.9
     # across each pair) or k x 2e5 (stable here: beta = 1e-11) overflow it; the pair must be redone as two
     # 16-row blocks, not return NaN (found by a user trial)
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, BK=16, rows32=True))
+    settings(bk=16)
     B, T, H, K, V = 1, 64, 1, 16, 16
     q, k, v, _, beta, _ = make(B, T, H, K, V)
     g = torch.full((B, T, H, K), -5.19)
@@ -231,7 +226,7 @@ def g32_bound(g, floor=2e-5):
     return max(floor, 2.0 ** -23 * gmax)
 
 
-def test_softplus_gate_strong_decay(impl):
+def test_softplus_gate_strong_decay(small_slices):
     B, T, H, K, V = 1, 80, 1, 16, 16
     q, k, v, _, beta, S0 = make(B, T, H, K, V)
     g = -torch.rand(B, T, H, K) * 60          # far below any bound: cumulative sums overflow exp if misused
@@ -242,7 +237,7 @@ def test_softplus_gate_strong_decay(impl):
     assert rel_rms(S[0], S_n) < g32_bound(g)
 
 
-def test_cu_seqlens_uneven(impl):
+def test_cu_seqlens_uneven(small_slices):
     lens = [1, 64, 37, 0, 65, 3]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     T, H, K, V = int(cu[-1]), 2, 16, 16
@@ -260,11 +255,11 @@ def test_cu_seqlens_uneven(impl):
 
 @pytest.mark.parametrize("seg", [None, 2])
 @pytest.mark.parametrize("bv", [16, 64])
-def test_value_blocks_forward_and_backward(bv, seg, monkeypatch):
-    # H_CFG["bv"] = 16 / 64: the serial passes (state pass, segment maps, the backward's dS chain) on 16 / 64
+def test_value_blocks_forward_and_backward(bv, seg, settings):
+    # KdaConfig.bv = 16 / 64: the serial passes (state pass, segment maps, the backward's dS chain) on 16 / 64
     # state columns per program (16: what "auto" picks for forwards without autograd when 16-column programs
     # fit one per SM); V = 64 + initial and final state, gradients of every input against the reference.
-    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=bv))
+    settings(bv=bv)
     B, T, H, K, V = 1, 150, 2, 16, 64
     q, k, v, g, beta, S0 = make(B, T, H, K, V)
     ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S0)]
@@ -284,33 +279,28 @@ def test_segment_model_one_wave_forward():
     # H200 figures (132 SMs, 2 programs per SM): the forward without autograd at H=16, T=1M (16384 chunks, 16-column
     # programs, 128 <= 132) runs unsplit at the one-wave step cost; with autograd the split model stays (33
     # segments of 497 chunks at 32 columns); a pass with few programs (H=1) still splits, at either cost
-    w = tk.H_CFG["w_one_wave"]
-    assert tk._seg_model(16384, 16, 128, 128, 16, 264, w) == 1 << 30
-    assert tk._seg_model(16384, 16, 128, 128, 32, 264) == 497
-    assert tk._seg_model(16384, 1, 128, 128, 16, 264, w) < 16384
-    assert tk._seg_model(16384, 1, 128, 128, 16, 264) < 16384
+    w = tk.KdaConfig().w_one_wave
+    seg_model = tk.tables._seg_model
+    assert seg_model(16384, 16, 128, 128, 16, 264, w) == 1 << 30
+    assert seg_model(16384, 16, 128, 128, 32, 264) == 497
+    assert seg_model(16384, 1, 128, 128, 16, 264, w) < 16384
+    assert seg_model(16384, 1, 128, 128, 16, 264) < 16384
 
 
 def test_value_block_rule():
     # "auto": 64 columns when 32-column programs would not fit one wave of slots (H=96, V=128: 384 > 264)
-    saved = dict(tk.H_CFG)
-    try:
-        tk.H_CFG["bv"] = "auto"
-        assert tk._value_block(96, 128, 264) == 64 and tk._value_block(16, 128, 264) == 32
-        assert tk._value_block(96, 32, 264) == 32 and tk._value_block(96, 128, None) == 32
-        # without autograd: 16 columns when they fit one program per SM (H=16: 128 <= 132), else as before
-        assert tk._value_block(16, 128, 264, 132, grad=False) == 16
-        assert tk._value_block(16, 128, 264, 132, grad=True) == 32
-        assert tk._value_block(32, 128, 264, 132, grad=False) == 32
-        assert tk._value_block(96, 128, 264, 132, grad=False) == 64
-        tk.H_CFG["bv"] = 32
-        assert tk._value_block(96, 128, 264) == 32 and tk._value_block(1, 16, 264) == 16
-        tk.H_CFG["bv"] = 48
-        with pytest.raises(ValueError, match="must be 16, 32, 64 or 'auto'"):
-            tk._value_block(16, 128, 264)
-    finally:
-        tk.H_CFG.clear()
-        tk.H_CFG.update(saved)
+    vb = tk.state._value_block
+    assert tk.KdaConfig().bv == "auto"
+    assert vb(96, 128, 264) == 64 and vb(16, 128, 264) == 32
+    assert vb(96, 32, 264) == 32 and vb(96, 128, None) == 32
+    # without autograd: 16 columns when they fit one program per SM (H=16: 128 <= 132), else as before
+    assert vb(16, 128, 264, 132, grad=False) == 16
+    assert vb(16, 128, 264, 132, grad=True) == 32
+    assert vb(32, 128, 264, 132, grad=False) == 32
+    assert vb(96, 128, 264, 132, grad=False) == 64
+    assert vb(96, 128, 264, bv=32) == 32 and vb(1, 16, 264, bv=32) == 16
+    with pytest.raises(ValueError, match="must be 16, 32, 64 or 'auto'"):
+        tk.config(bv=48).__enter__()
 
 
 def test_chunk_tables_are_cached_per_geometry_and_right():
@@ -319,13 +309,13 @@ def test_chunk_tables_are_cached_per_geometry_and_right():
     H, K, V = 1, 16, 16
     packs = ([0, 30, 100, 130], [0, 64, 65, 130])
     q, k, v, g, beta, _ = make(1, 130, H, K, V)
-    before = len(tk._TABLE_CACHE)
+    before = len(tk.tables._TABLE_CACHE)
     seen = {}
     for cs in packs + packs:
         cu = torch.tensor(cs, dtype=torch.int32)
         o, _ = tk.kda_chunk(q, k, v, g, beta, cu_seqlens=cu, lower_bound=-5.0, segment_chunks=1)
         bounds = list(zip(cs[:-1], cs[1:]))
-        tab = tk._tables(1, 130, bounds, 1, q.device)
+        tab = tk.tables._tables(1, 130, bounds, 1, q.device)
         assert seen.setdefault(tuple(cs), tab) is tab           # the same dict on every call
         for s, e in bounds:
             o_n, _ = naive(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e], K ** -0.5,
@@ -333,18 +323,15 @@ def test_chunk_tables_are_cached_per_geometry_and_right():
             assert rel_rms(o[0, s:e], o_n) < 2e-5
     assert seen[tuple(packs[0])] is not seen[tuple(packs[1])]
     assert seen[tuple(packs[0])]["clen"].tolist() == [30, 64, 6, 30]
-    assert len(tk._TABLE_CACHE) <= max(before + 2, tk._TABLE_CACHE.max_entries)
-    for n in range(tk._TABLE_CACHE.max_entries + 3):                # bounded
-        tk._tables(1, 1000 + n, None, 4, q.device)
-    assert len(tk._TABLE_CACHE) == tk._TABLE_CACHE.max_entries
+    assert len(tk.tables._TABLE_CACHE) <= max(before + 2, tk.tables._TABLE_CACHE.max_entries)
+    for n in range(tk.tables._TABLE_CACHE.max_entries + 3):                # bounded
+        tk.tables._tables(1, 1000 + n, None, 4, q.device)
+    assert len(tk.tables._TABLE_CACHE) == tk.tables._TABLE_CACHE.max_entries
 
 
-@pytest.mark.parametrize("lb,seg,gate,intra", [(None, None, "sigmoid", "v2"), (-5.0, 1, "sigmoid", "v2"),
-                                               (None, 1, "softplus", "v2"), (-5.0, None, "sigmoid", "v3"),
-                                               (-5.0, None, "sigmoid", "v4"), (None, 1, "softplus", "v4"),
-                                               (-5.0, 1, "sigmoid", "v5")])
-def test_gradients_match_reference_autograd(lb, seg, gate, intra, monkeypatch):
-    monkeypatch.setattr(tk, "INTRA_IMPL", intra)
+@pytest.mark.parametrize("lb,seg,gate", [(None, None, "sigmoid"), (-5.0, 1, "sigmoid"), (None, 1, "softplus"),
+                                         (-5.0, None, "sigmoid")])
+def test_gradients_match_reference_autograd(lb, seg, gate):
     B, T, H, K, V = 1, 100, 2, 16, 16
     ins = [t.requires_grad_() for t in make(B, T, H, K, V, gate=gate)]
     do, dS = torch.randn(B, T, H, V), torch.randn(B, H, K, V)
@@ -357,15 +344,13 @@ def test_gradients_match_reference_autograd(lb, seg, gate, intra, monkeypatch):
         assert rel_rms(a, b) < 5e-5, name
 
 
-@pytest.mark.parametrize("bwd,K,lb", [("v1", 16, -5.0), ("v2", 16, -5.0), ("v2", 64, -5.0), ("v2", 64, None)])
-def test_backward_impls_with_cu_seqlens_segments_and_states(bwd, K, lb, monkeypatch):
-    # both backwards (BWD_IMPL) against the reference's autograd: packed sequences of uneven lengths (one
-    # empty, ones shorter than a chunk), segments of 2 chunks, initial and final states; at K = 64 the v2
-    # intra backward runs in 4 channel slices of 16, with the bound promised (dense diagonal tiles; the
-    # gate breaks it in some channels of some rows, so slices differ) and without (safe diagonal tiles)
-    monkeypatch.setattr(tk, "BWD_IMPL", bwd)
-    monkeypatch.setattr(tk, "BWD_INTRA_CFG", dict(tk.BWD_INTRA_CFG, BK=16))
-    monkeypatch.setattr(tk, "BWD_CHUNK_KV", 16 * K)      # the chunk kernel's sums over V in two blocks of 16
+@pytest.mark.parametrize("K,lb", [(16, -5.0), (64, -5.0), (64, None)])
+def test_backward_with_cu_seqlens_segments_and_states(K, lb, settings):
+    # the backward against the reference's autograd: packed sequences of uneven lengths (one empty, ones shorter
+    # than a chunk), segments of 2 chunks, initial and final states; at K = 64 the intra backward runs in 4
+    # channel slices of 16, with the bound promised (dense diagonal tiles; the gate breaks it in some channels of
+    # some rows, so slices differ) and without (safe diagonal tiles)
+    settings(bwd_pair_bk=16, bwd_chunk_kv=16 * K)      # (the chunk kernel's sums over V in two blocks of 16)
     lens = [130, 5, 0, 200, 64]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     T, H, V = int(cu[-1]), 2, 32
@@ -381,11 +366,6 @@ def test_backward_impls_with_cu_seqlens_segments_and_states(bwd, K, lb, monkeypa
     gr = torch.autograd.grad((o_r * do).sum() + (S_r * dS).sum(), ins)
     for name, a, b in zip("q k v g beta h0".split(), gx, gr):
         assert rel_rms(a, b) < 5e-5, name
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tk, "BWD_IMPL", "v9")
-        o, _ = tk.kda_chunk(*ins[:5], lower_bound=-5.0)
-        with pytest.raises(ValueError, match="BWD_IMPL"):
-            o.sum().backward()
 
 
 def test_argument_checks_and_no_double_backward():
@@ -431,24 +411,26 @@ def test_float16_with_a_bound_past_its_range():
 
 @pytest.mark.parametrize("T", [100, 333])
 def test_forward_keeps_n_in_bfloat16_for_16bit_inputs(T, monkeypatch):
-    # nb_lowp: a 16-bit forward without autograd passes N = diag(beta) Akk from the strip to the solve kernel in
-    # bfloat16; its result stays within float16 rounding of the float32-N forward and of the float32 reference
+    # a 16-bit forward without autograd passes N = diag(beta) Akk from the strip to the solve kernel in bfloat16;
+    # its result stays within float16 rounding of the forward under autograd (N and T in float32, kept for the
+    # backward) and of the float32 reference
     B, H, K, V = 1, 2, 32, 32
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.float16)
     seen = []
-    scratch = tk._intra5_scratch
+    scratch = tk.intra._intra_scratch
 
     def spy(*a, **kw):
         out = scratch(*a, **kw)
         seen.append(out[0].dtype)
         return out
 
-    monkeypatch.setattr(tk, "_intra5_scratch", spy)
+    monkeypatch.setattr(tk.intra, "_intra_scratch", spy)
+    runs = {}
     with torch.no_grad():
-        runs = {}
-        for low in (True, False):
-            monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, nb_lowp=low))
-            runs[low] = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-1.0)
+        runs[True] = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-1.0)
+    o, S = tk.kda_chunk(q.clone().requires_grad_(), k, v, g, beta, initial_state=S0, output_final_state=True,
+                        lower_bound=-1.0)
+    runs[False] = o.detach(), S.detach()
     assert seen == [torch.bfloat16, torch.float32]
     f32 = [t.float() for t in (q, k, v, g, beta)]
     o_r, S_r = R.kda_chunk(*f32, initial_state=S0, output_final_state=True)
@@ -458,15 +440,10 @@ def test_forward_keeps_n_in_bfloat16_for_16bit_inputs(T, monkeypatch):
     assert rel_rms(o.float(), o_r) < 5e-3 and rel_rms(S, S_r) < 5e-3
 
 
-@pytest.mark.parametrize("split", [False, True, "v4", "v4-tiles", "v5"])
-def test_intra3_channel_slices_and_per_block_bound_check(split, monkeypatch):
-    # K = 64 in slices of 16: the gate breaks the promised bound only in channels 20..40 (slices 1 and 2)
-    # of rows 70..90 (chunk 1, row blocks 0 and 1), so fast and safe diagonal tiles mix inside one chunk
-    # (split = "v4": the same through the v4 kernels, whose strip programs check the bound per slice too;
-    # "v5": per row block over all channels, from _chunk_cumsum_kernel's flags)
-    monkeypatch.setattr(tk, "INTRA_IMPL", split[:2] if isinstance(split, str) else "v3")
-    monkeypatch.setattr(tk, "INTRA3_CFG", dict(tk.INTRA3_CFG, BK=16, BV=16, split=bool(split)))
-    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, BK=16, tiles=split == "v4-tiles"))
+def test_per_block_bound_check_with_channel_slices():
+    # K = 64: the gate breaks the promised bound only in channels 20..40 of rows 70..90 (chunk 1, row blocks 0 and
+    # 1), so fast and safe diagonal tiles mix inside one chunk (the check is per row block over all channels,
+    # from _chunk_cumsum_kernel's flags; the 32-row strips take K in slices of 32)
     B, T, H, K, V = 1, 150, 1, 64, 32
     q, k, v, g, beta, S0 = make(B, T, H, K, V, at_bound=True)
     g[:, 70:90, :, 20:40] = -30.0 * torch.rand(1, 20, H, 20)
@@ -551,10 +528,6 @@ def test_errors():
         tk.kda_chunk(qb, kb, vb, gb, bb)
     with pytest.raises(TypeError, match=r"k is torch.float64; the Triton kernels take float32, float16 or bfloat16"):
         tk.kda_chunk(q, k.double(), v, g, beta)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tk, "INTRA_IMPL", "v9")
-        with pytest.raises(ValueError, match="INTRA_IMPL"):
-            tk.kda_chunk(q, k, v, g, beta)
     with pytest.raises(ValueError, match="B == 1"):
         q2, k2, v2, g2, b2, _ = make(2, 10, 1, 16, 16)
         tk.kda_chunk(q2, k2, v2, g2, b2, cu_seqlens=torch.tensor([0, 10], dtype=torch.int32))
@@ -564,134 +537,110 @@ _COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+import triton.language as tl
 import backends.triton.kda as tk
+from backends.triton.kda import backward as kb, gate as kg, intra as ki, state as ks, step as kst
+cfg = tk.KdaConfig()
 P, F, I = "*bf16", "*fp32", "*i32"
-def build(fn, sig, consts, nw, ns):
+def build(fn, sig, consts, nw, ns, **opts):
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=nw, num_stages=ns))
-sig = dict(q=P, k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, QG=P, KD=P, AQK=P, GAM=F,
-           scale="fp32", lb="fp32", H="i32", K="constexpr", V="constexpr", FAST="constexpr", DT="constexpr")
-ck = build(tk._fwd_intra2_kernel, sig, dict(K=128, V=128, FAST=True, DT=tk.tl.bfloat16), 8, 1)
-assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "intra kernel: no tensor-core instruction"
-assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
-sig = dict(k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, WK=P, U=P, H="i32", K="constexpr", V="constexpr",
-           DT="constexpr")
-ck = build(tk._fwd_wu_kernel, sig, dict(K=128, V=128, DT=tk.tl.bfloat16), 8, 1)
+                          options=dict(num_warps=nw, num_stages=ns, **opts))
+def tc(ck, what):
+    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], what + ": no tensor-core instruction"
+sig = dict(KGB=P, v=P, beta=P, cstart=I, clen=I, TB=F, WK=P, U=P, H="i32", K="constexpr", V="constexpr",
+           DT="constexpr", HM="constexpr")
+ck = build(ki._wy_apply_kernel, sig, dict(K=128, V=128, DT=tl.bfloat16, HM=True), cfg.nw_wu, 1)
 assert "wgmma" in ck.asm["ptx"], "w/u kernel: no wgmma"
-sig = dict(q=P, k=P, v=P, g=F, beta=P, cstart=I, clen=I, WK=P, U=P, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
-           lb="fp32", H="i32", K="constexpr", V="constexpr", BK="constexpr", BV="constexpr", FAST="constexpr",
-           DT="constexpr", PART="constexpr")
-for part in ((1, 2) if tk.INTRA3_CFG["split"] else (0,)):
-    ck = build(tk._fwd_intra3_kernel, sig, dict(K=128, V=128, BK=tk.INTRA3_CFG["BK"], BV=tk.INTRA3_CFG["BV"],
-                                                FAST=True, DT=tk.tl.bfloat16, PART=part),
-               tk.INTRA3_CFG["num_warps"], tk.INTRA3_CFG["num_stages"])
-    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "intra3 kernel: no tensor-core instruction"
-    assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
-cfg4 = tk.INTRA4_CFG
-sig4 = sig = dict(q=P, k=P, g=F, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
-                  lb="fp32", H="i32", K="constexpr", BK="constexpr", FAST="constexpr", DT="constexpr")
-for fn in (tk._fwd_strip4_kernel, tk._fwd_tiles4_kernel):
-    ck = build(fn, sig, dict(K=128, BK=cfg4["BK"], FAST=True, DT=tk.tl.bfloat16), cfg4["nw_strip"], cfg4["ns_strip"])
-    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v4 strip kernel: no tensor-core instruction"
-    assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
-cfg5 = tk.INTRA5_CFG
 sig5 = dict(q=P, k=P, GCS=F, FB=I, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
-            H="i32", K="constexpr", BK="constexpr", DT="constexpr", NS="constexpr")
-for r_fast in (False, True):
-    ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr"),
-               dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=r_fast, NS=2), cfg5["nw_strip"],
-               cfg5["ns_strip"])
-    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v5 strip kernel: no tensor-core instruction"
-ck = build(tk._fwd_strip5_kernel, dict(sig5, R_FAST="constexpr", FTZ="constexpr"),
-           dict(K=128, BK=cfg5["BK"], DT=tk.tl.bfloat16, R_FAST=True, FTZ=True, NS=1), cfg5["nw_strip"],
-           cfg5["ns_strip"])
-assert "ex2.approx.ftz.f32" in ck.asm["ptx"], "v5 strip kernel (ftz): no flush-to-zero exponential"
+            H="i32", K="constexpr", BK="constexpr", DT="constexpr", BM=F, SAVE_B="constexpr", KGB=P,
+            FTZ="constexpr", NS="constexpr")
+for save_b in (False, True):
+    ck = build(ki._intra_strip16_kernel, sig5, dict(K=128, BK=cfg.bk, DT=tl.bfloat16, SAVE_B=save_b, FTZ=True, NS=2),
+               cfg.nw_strip, 1)
+    tc(ck, "16-row strip kernel")
+    assert "ex2.approx.ftz.f32" in ck.asm["ptx"], "16-row strip kernel (ftz): no flush-to-zero exponential"
 for ns in (1, 2):
-    # (the forward without autograd stores N in bfloat16: nb_lowp)
-    ck = build(tk._fwd_strip32_kernel, dict(sig5, FTZ="constexpr", NB=P if ns == 2 else F),
-               dict(K=128, BK=cfg5.get("bk_strip32") or cfg5["BK"], DT=tk.tl.bfloat16, FTZ=True, NS=ns),
-               cfg5["nw_strip32"], cfg5["ns_strip"])
-    assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "32-row strip kernel: no tensor-core instruction"
+    # (the forward without autograd stores N in bfloat16)
+    ck = build(ki._intra_strip32_kernel, dict(sig5, NB=P if ns == 2 else F, HM="constexpr"),
+               dict(K=128, BK=cfg.bk_strip32, DT=tl.bfloat16, SAVE_B=ns == 1, FTZ=True, NS=ns, HM=True),
+               cfg.nw_strip32, 1, maxnreg=cfg.maxnreg_strip32)
+    tc(ck, "32-row strip kernel")
     assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
-    ck = build(tk._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
-                                             FAST="constexpr", ROWS32="constexpr", NS="constexpr"),
-               dict(K=128, FAST=True, ROWS32=True, NS=ns), cfg5["nw_cumsum"], 1)
+    ck = build(ki._chunk_cumsum_kernel, dict(g=F, cstart=I, clen=I, GCS=F, FB=I, lb="fp32", H="i32", K="constexpr",
+                                             FAST="constexpr", ROWS32="constexpr", NS="constexpr", HM="constexpr"),
+               dict(K=128, FAST=True, ROWS32=True, NS=ns, HM=True), cfg.nw_cumsum, 1)
     assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
-build(tk._step_kernel, dict(q=P, k=P, v=P, g=F, beta=P, S_in=F, S_out=F, o=P, scale="fp32", K="constexpr",
-                           V="constexpr", BV="constexpr", KP="constexpr"), dict(K=24, V=40, BV=64, KP=32), 4, 1)
-build(tk._gate_kernel, dict(x=P, A_log=F, dt_bias=F, g=F, n_rows="i32", H="i32", lb="fp32", K="constexpr",
-                           BR="constexpr", SOFTPLUS="constexpr", KP="constexpr"),
+build(kst._step_kernel, dict(q=P, k=P, v=P, g=F, beta=P, S_in=F, S_out=F, o=P, scale="fp32", K="constexpr",
+                             V="constexpr", BV="constexpr", KP="constexpr"), dict(K=24, V=40, BV=64, KP=32), 4, 1)
+build(kg._gate_kernel, dict(x=P, A_log=F, dt_bias=F, g=F, n_rows="i32", H="i32", lb="fp32", K="constexpr",
+                            BR="constexpr", SOFTPLUS="constexpr", KP="constexpr"),
       dict(K=24, BR=32, SOFTPLUS=False, KP=32), 4, 1)
-ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32"), {}, cfg4["nw_solve"], 1)
+solve = dict(NB=F, cstart=I, clen=I, TB=F, H="i32", PREC="constexpr", HM="constexpr")
+ck = build(ki._wy_solve_kernel, solve, dict(PREC="ieee", HM=True), cfg.nw_solve, 1)
 assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
-ck = build(tk._fwd_solve4_kernel, dict(NB=F, cstart=I, clen=I, TB=F, H="i32", PREC="constexpr"),
-           dict(PREC="tf32x3"), cfg4["nw_solve"], 1)
-assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "solve kernel (tf32x3): no tensor-core instruction"
-ck = build(tk._fwd_solve4_kernel, dict(NB=P, cstart=I, clen=I, TB=P, H="i32", PREC="constexpr"),
-           dict(PREC=cfg5["solve_prec_fwd"]), cfg5["nw_solve"], 1)
-assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "solve kernel (tf32): no tensor-core instruction"
-ck = build(tk._fwd_strip4_kernel, dict(sig4, R_FAST="constexpr"),
-           dict(K=128, BK=64, FAST=True, DT=tk.tl.bfloat16, R_FAST=True), 8, 1)
-assert "mma.sync" in ck.asm["ptx"] or "wgmma" in ck.asm["ptx"], "v4 strip kernel (r_fast): no tensor-core instruction"
+ck = build(ki._wy_solve_kernel, solve, dict(PREC=cfg.solve_prec, HM=True), cfg.nw_solve, 1)
+tc(ck, "solve kernel (tf32x3)")
+ck = build(ki._wy_solve_kernel, dict(solve, NB=P, TB=P), dict(PREC=cfg.solve_prec_fwd, HM=True), cfg.nw_solve, 1)
+tc(ck, "solve kernel (tf32)")
 sig = dict(WK=P, U=P, KD=P, GAM=F, VN=P, HB=P, S_IN=F, S_OUT=F, seg_t0=I, seg_t1=I, seg_c0=I, seg_c1=I,
            H="i32", K="constexpr", V="constexpr", BV="constexpr", SW="constexpr", MODE="constexpr",
            STORE="constexpr", STORE_VN="constexpr")
 for mode, sw in ((0, 128), (1, 256)):
-    ck = build(tk._fwd_h_kernel, sig, dict(K=128, V=128, BV=32, SW=sw, MODE=mode, STORE=mode == 0,
-                                              STORE_VN=mode == 0),
-               tk.H_CFG["num_warps"], tk.H_CFG["num_stages"])
-    assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "state kernel: no tensor-core instruction"
-    assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
-    ck = build(tk._fwd_h_kernel, sig, dict(K=128, V=128, BV=64, SW=sw, MODE=mode, STORE=mode == 0,
-                                              STORE_VN=mode == 0),                       # H_CFG["bv"] = 64
-               tk.H_CFG["num_warps"], tk.H_CFG["num_stages"])
-    assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
+    for bv in (32, 64):                     # two programs per SM
+        ck = build(ks._state_pass_kernel, sig, dict(K=128, V=128, BV=bv, SW=sw, MODE=mode, STORE=mode == 0,
+                                                    STORE_VN=mode == 0), cfg.state_warps, cfg.state_stages)
+        tc(ck, "state kernel")
+        assert ck.metadata.shared * cfg.ctas_per_sm <= 227 * 1024, ck.metadata.shared
     for bv in (16, 32):     # one program per SM (_pass_stages): stages_one_wave
-        ck = build(tk._fwd_h_kernel, sig, dict(K=128, V=128, BV=bv, SW=sw, MODE=mode, STORE=mode == 0,
-                                                  STORE_VN=mode == 0),
-                   tk.H_CFG["num_warps"], tk.H_CFG["stages_one_wave"])
-        assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "state kernel: no tensor-core instruction"
+        ck = build(ks._state_pass_kernel, sig, dict(K=128, V=128, BV=bv, SW=sw, MODE=mode, STORE=mode == 0,
+                                                    STORE_VN=mode == 0), cfg.state_warps, cfg.stages_one_wave)
+        tc(ck, "state kernel")
         assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
+ck = build(ks._state_pass_kernel, dict(sig, QG=P, AQK=P, O=P, FUSE_O="constexpr"),
+           dict(K=128, V=128, BV=cfg.pipe_bv, SW=128, MODE=0, STORE=False, STORE_VN=False, FUSE_O=True),
+           cfg.state_warps, cfg.stages_one_wave)
+tc(ck, "fused state kernel")
+assert ck.metadata.shared <= 227 * 1024, ck.metadata.shared
 sig = dict(QG=P, WK=P, KD=P, AQK=P, GAM=F, DO=P, HB=P, DS_END=F, DHB=P, DU=P, DGP=F, DS_OUT=F, seg_t0=I,
            seg_t1=I, seg_c0=I, seg_c1=I, H="i32", K="constexpr", V="constexpr", BV="constexpr")
 for bv in (32, 64):
-    ck = build(tk._bwd_dh_kernel, sig, dict(K=128, V=128, BV=bv), tk.BWD_DH_CFG["num_warps"],
-               tk.BWD_DH_CFG["num_stages"])
-    assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward dS chain: no tensor-core instruction"
-    assert ck.metadata.shared * tk.H_CFG["ctas_per_sm"] <= 227 * 1024, ck.metadata.shared
+    ck = build(kb._bwd_state_chain_kernel, sig, dict(K=128, V=128, BV=bv), cfg.bwd_chain_warps,
+               cfg.bwd_chain_stages)
+    tc(ck, "backward dS chain")
+    assert ck.metadata.shared * cfg.ctas_per_sm <= 227 * 1024, ck.metadata.shared
 sig = dict(k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, BM=F, DU=P, DWK=P, DB=F, DKG=F, dv_=P, dbeta=P, H="i32",
-           K="constexpr", V="constexpr", DT="constexpr")
-ck = build(tk._bwd_ut_kernel, sig, dict(K=128, V=128, DT=tk.tl.bfloat16), tk.BWD_INTRA_CFG["nw_ut"], 1)
-assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward UT kernel: no tensor-core instruction"
+           K="constexpr", V="constexpr", DT="constexpr", HM="constexpr")
+ck = build(kb._bwd_ut_kernel, sig, dict(K=128, V=128, DT=tl.bfloat16, HM=True), cfg.bwd_ut_warps, 1)
+tc(ck, "backward UT kernel")
 sig = dict(q=P, k=P, g=F, beta=P, cstart=I, clen=I, DKG=F, DB=F, DAQK=P, DQG=P, DKD=P, DGAM=F, dq=P, dk_=P,
            dg=F, scale="fp32", lb="fp32", H="i32", K="constexpr", BK="constexpr", FAST="constexpr", DT="constexpr",
-           SAFE="constexpr")
+           SAFE="constexpr", HM="constexpr")
 for safe in (False, True):
-    ck = build(tk._bwd_pair_kernel, sig, dict(K=128, BK=tk.BWD_INTRA_CFG["BK"], FAST=True, DT=tk.tl.bfloat16,
-                                              SAFE=safe), tk.BWD_INTRA_CFG["nw_pair"], 1)
-    assert "wgmma" in ck.asm["ptx"] or "mma.sync" in ck.asm["ptx"], "backward pair kernel: no tensor-core instruction"
+    ck = build(kb._bwd_pair_kernel, sig, dict(K=128, BK=cfg.bwd_pair_bk, FAST=True, DT=tl.bfloat16, SAFE=safe,
+                                              HM=True), cfg.bwd_pair_warps, 1)
+    tc(ck, "backward pair kernel")
 sig = dict(WK=P, U=P, QG=P, AQK=P, DO=P, HB=P, DHB=P, DU=P, DWK=P, DQG=P, DKD=P, DAQK=P, cstart=I, clen=I,
-           H="i32", K="constexpr", V="constexpr")
+           H="i32", K="constexpr", V="constexpr", BVC="constexpr", HM="constexpr")
 for K_, V_ in ((128, 128), (256, 256), (64, 256)):
-    ck = build(tk._bwd_chunk_kernel, dict(sig, BVC="constexpr"), dict(K=K_, V=V_, BVC=min(V_, 16384 // K_)), 8, 1)
+    ck = build(kb._bwd_chunk_kernel, sig, dict(K=K_, V=V_, BVC=min(V_, cfg.bwd_chunk_kv // K_), HM=True), 8, 1)
     assert "wgmma" in ck.asm["ptx"], "backward chunk kernel: no wgmma"
     assert ck.metadata.shared <= 227 * 1024, (K_, V_, ck.metadata.shared)
 sig = dict(QG=P, AQK=P, VN=P, HB=P, O=P, cstart=I, clen=I, H="i32", K="constexpr", V="constexpr",
-           BV="constexpr")
-ck = build(tk._fwd_o_kernel, sig, dict(K=128, V=128, BV=128), 4, 1)
+           BV="constexpr", HM="constexpr")
+ck = build(ks._output_kernel, sig, dict(K=128, V=128, BV=128, HM=True), 4, 1)
 assert "wgmma" in ck.asm["ptx"], "o kernel: no wgmma"
 sig = dict(MD=F, S_INIT=F, S_ENTRY=F, S_FIN=F, seq_s0=I, seq_s1=I, H="i32", K="constexpr", V="constexpr",
            BV="constexpr", HAS_INIT="constexpr", REVERSE="constexpr", PREC="constexpr")
-ck = build(tk._combine_kernel, sig, dict(K=128, V=128, BV=32, HAS_INIT=True, REVERSE=False, PREC="tf32x3"), 8, 1)
+ck = build(ks._combine_kernel, sig, dict(K=128, V=128, BV=32, HAS_INIT=True, REVERSE=False, PREC="tf32x3"), 8, 1)
 assert "wgmma" in ck.asm["ptx"], "combine kernel: no wgmma (the float32 FMA dot spills ~14 KB)"
 print("OK")
 """
 
 
 def test_hopper_compile_uses_tensor_cores():
-    """Compile the forward kernels for sm_90 without a GPU (fresh process, interpreter off); the PTX must
-    use wgmma/mma and fit Hopper's shared memory."""
+    """Compile the kernels for sm_90 without a GPU (fresh process, interpreter off); the PTX must use wgmma/mma
+    and fit Hopper's shared memory."""
     import subprocess
     import sys
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -704,25 +653,13 @@ def test_hopper_compile_uses_tensor_cores():
 
 # ------------------------------------------------------------------ GPU (bf16, real sizes)
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,seg,intra", [(4, None, "v2"), (4, 8, "v2"), (4, None, "v3"), (4, 8, "v3"),
-                                         (4, None, "v4"), (4, 8, "v4"), (4, 8, "v4-tiles"), (4, 8, "v4-rfast"),
-                                         (4, None, "v5"), (4, 8, "v5"), (4, 8, "v5-rfast"), (4, 8, "v5-tf32solve"),
-                                         (4, 8, "v5-bv64"), (96, None, "v5-bv64"), (4, 8, "v5-bv16"),
-                                         (16, None, "v5"), (4, 8, "v5-ftz"), (4, 8, "v5-default"),
-                                         (16, None, "v5-default"), (4, 8, "v5-rows32"), (16, None, "v5-rows32")])
-def test_gpu_bf16_t4096(H, seg, intra, monkeypatch):
-    # "v5-default": the forward exactly as configured (INTRA5_CFG, H_CFG untouched: rows32, the "tf32" solve of
-    # a forward without autograd); the other v5 rows set r_fast, solve_prec (solve_prec_fwd off) and ftz themselves
-    monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
-    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles"),
-                                               **(dict(r_fast=True, BK=64, nw_strip=8) if intra == "v4-rfast" else {})))
-    if intra != "v5-default":
-        monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast") or intra == "v5-ftz",
-                                                   solve_prec="tf32x3" if intra.endswith("tf32solve") else "ieee",
-                                                   ftz=intra == "v5-ftz", rows32=intra.endswith("rows32"),
-                                                   solve_prec_fwd=None))
-        monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv={"bv64": 64, "bv16": 16}.get(intra.split("-")[-1],
-                                                                                       tk.H_CFG["bv"])))
+@pytest.mark.parametrize("H,seg,intra", [(4, None, "default"), (4, 8, "default"), (16, None, "default"),
+                                         (4, 8, "tf32x3-solve"), (4, 8, "bv64"), (96, None, "bv64"), (4, 8, "bv16")])
+def test_gpu_bf16_t4096(H, seg, intra, settings):
+    # "default": the forward exactly as configured (the 32-row strips, the "tf32" solve of a forward without
+    # autograd); the other rows set the solve's precision or the state columns
+    settings(**{"default": {}, "tf32x3-solve": dict(solve_prec_fwd="tf32x3"), "bv64": dict(bv=64),
+                "bv16": dict(bv=16)}[intra])
     B, T, K, V = 1, 4096, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0,
@@ -752,32 +689,24 @@ def test_gpu_rows32_overflow_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipe", [{"merge_wq": False}, {"merge_wq": True}])
-def test_gpu_pipelined_forward_bf16(pipe, monkeypatch):
-    # T = 140001 is 2188 chunks: past PIPE_CFG's min_chunks, so the no-autograd forward runs as the pipeline over
-    # its pieces (the output formed in the state pass by default): bit for bit the one-stream forward with the
-    # same state columns (with merge_wq, Wk S and QG S as one product: the output within rounding), right against
-    # the reference, and the same again when captured in a CUDA graph (the side streams fork from and join the
-    # capturing stream)
-    monkeypatch.setattr(tk, "PIPE_CFG", dict(tk.PIPE_CFG, **pipe))
+def test_gpu_pipelined_forward_bf16():
+    # T = 140001 is 2188 chunks: past KdaConfig.pipe_min_chunks, so the no-autograd forward runs as the pipeline
+    # over its pieces (the output formed in the state pass, Wk S and QG S as one product): the one-stream forward
+    # with the same state columns within rounding (the final state bit for bit), right against the reference, and
+    # the same again when captured in a CUDA graph (the side stream forks from and joins the capturing stream)
     B, T, H, K, V = 1, 140001, 4, 128, 128
     q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
-    plan = tk._pipeline_pieces(tk._tables(B, T, None, 1 << 30, q.device), True, q.device, H, V, 16)
-    assert plan is not None and plan[1] == tk.PIPE_CFG["bv"]
+    cfg = tk.KdaConfig()
+    tab = tk.tables._tables(B, T, None, 1 << 30, q.device)
+    plan = tk.forward._pipeline_pieces(tab, True, q.device, H, V, 16, cfg)
+    assert plan is not None and plan[1] == cfg.pipe_bv
     # at H = 96 the state pass would hold every SM: no pipeline
-    assert tk._pipeline_pieces(tk._tables(B, T, None, 1 << 30, q.device), True, q.device, 96, V, 16) is None
+    assert tk.forward._pipeline_pieces(tab, True, q.device, 96, V, 16, cfg) is None
     with torch.no_grad():
         o, S = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
-        monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=plan[1]))
-        pipe_cfg = tk.PIPE_CFG
-        monkeypatch.setattr(tk, "PIPE_CFG", dict(pipe_cfg, on=False))
-        o1, S1 = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
-        monkeypatch.undo()
-        monkeypatch.setattr(tk, "PIPE_CFG", pipe_cfg)
-        if pipe.get("merge_wq"):
-            assert rel_rms(o, o1) < 1e-3 and torch.equal(S, S1)
-        else:
-            assert torch.equal(o, o1) and torch.equal(S, S1)
+        with tk.config(bv=plan[1], pipeline=False):
+            o1, S1 = tk.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+        assert rel_rms(o, o1) < 1e-3 and torch.equal(S, S1)
         o_r, S_r = R.kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
         eo, es = rel_rms(o, o_r), rel_rms(S, S_r)
         print(f"\nGPU bf16 T={T} H={H} pipelined: rel RMS o {eo:.2e}, final state {es:.2e}")
@@ -808,8 +737,8 @@ def test_gpu_cuda_graph_replay_uses_live_tables():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, _ = tk.kda_chunk(*static, lower_bound=-5.0)
-    for n in range(tk._TABLE_CACHE.max_entries + 4):
-        tk._tables(1, 2000 + 64 * n, None, 1 << 30, static[0].device)
+    for n in range(tk.tables._TABLE_CACHE.max_entries + 4):
+        tk.tables._tables(1, 2000 + 64 * n, None, 1 << 30, static[0].device)
     junk = [torch.full((1 << 20,), -7, dtype=torch.int32, device="cuda") for _ in range(8)]   # reuse freed blocks
     fresh = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")[:5]
     for dst, src in zip(static, fresh):
@@ -822,13 +751,9 @@ def test_gpu_cuda_graph_replay_uses_live_tables():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("intra", ["v2", "v3", "v4", "v4-tiles", "v5", "v5-rfast", "v5-bwd1", "v5-bv64"])
-def test_gpu_bf16_grad(intra, monkeypatch):
-    monkeypatch.setattr(tk, "INTRA_IMPL", intra.split("-")[0])
-    monkeypatch.setattr(tk, "H_CFG", dict(tk.H_CFG, bv=64 if intra.endswith("bv64") else tk.H_CFG["bv"]))
-    monkeypatch.setattr(tk, "BWD_IMPL", "v1" if intra.endswith("bwd1") else "v2")
-    monkeypatch.setattr(tk, "INTRA4_CFG", dict(tk.INTRA4_CFG, tiles=intra.endswith("tiles")))
-    monkeypatch.setattr(tk, "INTRA5_CFG", dict(tk.INTRA5_CFG, r_fast=intra.endswith("rfast")))
+@pytest.mark.parametrize("intra", ["default", "bv64"])
+def test_gpu_bf16_grad(intra, settings):
+    settings(**({"bv": 64} if intra == "bv64" else {}))
     B, T, H, K, V = 1, 1024, 2, 128, 128
     ins = make(B, T, H, K, V, dtype=torch.bfloat16, device="cuda")
     ins = [t.requires_grad_() for t in ins]

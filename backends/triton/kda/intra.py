@@ -1,0 +1,424 @@
+"""Intra-chunk kernels: the in-chunk cumulative gate, the decay products Akk and P (strips), the solve
+T = (I + diag(beta) Akk)^-1 (WY / UT representation) and Wk = T diag(beta) (k e^G), U = T diag(beta) v.
+
+Per (chunk, head) of C = 64 tokens, in 16-row blocks:
+* ``_chunk_cumsum_kernel``: G = the in-chunk cumulative gate (float32) and per-block flags: bit 0 = the block's
+  gates are >= lb (its diagonal tile can be one dense dot), bit 1 = both blocks of a 32-row pair have bit 0 and G
+  falls by at most _SPAN32 across the pair in every channel (the pair can be one dense 32-row strip).
+* ``_intra_strip32_kernel`` (a bound is promised, bf16 / float32 inputs) or ``_intra_strip16_kernel`` (no usable
+  bound, or float16 inputs, whose range ends at e^11): the strips Akk[r] and P[r] [16, 64] of each row block r
+  from one dense dot per channel slice with the anchored operands  x_i e^(G_i - c)  and  k_j e^(c - G_j),  with the
+  anchor c in the middle of the block's (pair's) G range when its flags allow, else G before the block (all
+  exponents <= 0; the diagonal 16x16 tile then summed token pair by token pair).  They also store
+  QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and KGB = diag(beta) k e^G (into WK's buffer).
+* ``_wy_solve_kernel``: T by inverting the diagonal 16x16 tiles and blocked forward substitution.
+* ``_wy_apply_kernel``: Wk = T KGB, U = T diag(beta) V.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _diag_pair, _ex, _head_major, _interpret, _mark,
+                     _maxnreg, _mmp, _put)
+
+# _intra_strip32_kernel's dense 32-row pairs: G may fall by at most this much across a pair (exponents within
+# +-80.5 about its middle); 32 gates at the bound -5 fall by 160, the slack absorbs the rounding of the float32 G
+_SPAN32 = tl.constexpr(161.0)
+
+
+@triton.jit
+def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST: tl.constexpr,
+                         ROWS32: tl.constexpr = False, NS: tl.constexpr = 1, HM: tl.constexpr = False):
+    """One (chunk, head): GCS = the in-chunk cumulative gate G (float32 [N, H, K]; rows past the chunk's end
+    not written) and FB[c, h, r] = 1 when every g of 16-row block r (all K channels) is >= lb (the dense
+    diagonal tile is in range), else 0 (always 0 without FAST); ROWS32: plus 2 in both blocks of a 32-row pair
+    when both have bit 0 and G falls by at most _SPAN32 (161) across the pair in every channel
+    (_intra_strip32_kernel's dense pair: exponents within +-80.5 about the pair's middle).
+    NS: grid (NC, H, NS), each program one slice of K / NS channels; FB [NC, H, NS * 4] then holds each slice's
+    flags at s * 4 + r (_fb ANDs them).  HM (head-major): grid (H * NS, NC) instead."""
+    c_, h, sl = _chunk_head(HM, NS)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows = tl.arange(0, 64)
+    if NS == 1:
+        dk = tl.arange(0, K)
+    else:
+        dk = sl * (K // NS) + tl.arange(0, K // NS)
+    off = (t0.to(tl.int64) * H + h) * K + rows[:, None] * (H * K) + dk[None, :]
+    m = (rows < L)[:, None]
+    gg = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
+    Gc = tl.cumsum(gg, axis=0)
+    tl.store(GCS + off, Gc, mask=m)
+    r4 = tl.arange(0, 4)
+    if FAST:
+        low = tl.min(tl.reshape(gg, [4, 16 * (K // NS)]), axis=1)       # padded rows read 0 >= lb
+        fb = (low >= lb).to(tl.int32)
+        if ROWS32:
+            # bit 1 in both blocks of a 32-row pair: both blocks within lb and G falls by at most _SPAN32 over the
+            # pair in every channel (padded rows add 0, so row 63 holds G at the chunk's end)
+            G31 = tl.sum(tl.where(rows[:, None] == 31, Gc, 0.0), axis=0)
+            G63 = tl.sum(tl.where(rows[:, None] == 63, Gc, 0.0), axis=0)
+            fall0 = tl.min(G31, axis=0)
+            fall1 = tl.min(G63 - G31, axis=0)
+            okp = (tl.where(tl.arange(0, 2) == 0, fall0, fall1) >= -_SPAN32).to(tl.int32)
+            okp = okp & tl.min(tl.reshape(fb, [2, 2]), axis=1)
+            fb += 2 * tl.reshape(tl.broadcast_to(okp[:, None], [2, 2]), [4])
+    else:
+        fb = tl.zeros([4], dtype=tl.int32)
+    tl.store(FB + (tl.cast(c_, tl.int64) * H + h) * (4 * NS) + sl * 4 + r4, fb)
+
+
+@triton.jit
+def _fb(FB, c_, h, H, r, NS: tl.constexpr):
+    """The flags of 16-row block r of chunk c_, head h from _chunk_cumsum_kernel's FB [NC, H, NS * 4]: the AND
+    over its NS channel slices."""
+    ptr = FB + (tl.cast(c_, tl.int64) * H + h) * (4 * NS) + r
+    f = tl.load(ptr)
+    for s in tl.static_range(1, NS):
+        f = f & tl.load(ptr + 4 * s)
+    return f
+
+
+@triton.jit
+def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr, ROWS: tl.constexpr = 16):
+    """The row geometry of strip program (chunk c_, head h, row block R of ROWS rows): (t0, L, rows64, rows, base,
+    m64, mr) = chunk start and length, the chunk's 64 rows and the block's ROWS, the 64-bit element base of
+    (t0, h) and the in-chunk row masks of both."""
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows64 = tl.arange(0, 64)
+    rows = R * ROWS + tl.arange(0, ROWS)
+    base = (t0.to(tl.int64) * H + h) * K                 # 64-bit scalar base, 32-bit offsets in the chunk
+    return t0, L, rows64, rows, base, (rows64 < L)[:, None], (rows < L)[:, None]
+
+
+@triton.jit
+def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
+                 scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False, ROWS: tl.constexpr = 16):
+    """One channel slice of a strip program, given the slice's operands and cumulative gates: G64 [64, BK] of the
+    chunk, Gr [ROWS, BK] of row block R, GC / cl / ch [BK] at the chunk's last row / before the block / the
+    block's last row, fr = 1 when the block is dense (its gates are >= lb; always 1 for ROWS = 32).  Adds the
+    slice's share to the strips a (Akk) and p (P) [ROWS, 64] and stores its QG, KD (and GAM for R = 0); returns
+    (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only)."""
+    if ROWS == 16:
+        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+        lim = R * 16 + 16 * fr
+    else:
+        c = cl + 0.5 * (ch - cl)
+        lim = R * ROWS + ROWS
+    er = _ex(Gr - c[None, :], FTZ)
+    col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
+    a += tl.dot((kr * er).to(DT), tl.trans(col))
+    p += tl.dot((qr * er).to(DT), tl.trans(col))
+    if ROWS == 16:
+        if fr == 0:
+            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
+            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+    eG = _ex(Gr, FTZ)
+    tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
+    tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
+    if R == 0:
+        tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
+    return a, p, eG
+
+
+@triton.jit
+def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: tl.constexpr):
+    """A strip program's outputs: NB = diag(beta) Akk (strictly lower) and AQK = scale P (lower incl. the
+    diagonal) for the 16 rows of its block; with SAVE_B also BM = Akk before beta (for the backward)."""
+    bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
+    cols = tl.arange(0, 64)
+    ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
+    a = tl.where(cols[None, :] < rows[:, None], a, 0.0)
+    tl.store(NB + ob, (a * bb[:, None]).to(NB.dtype.element_ty), mask=mr)
+    if SAVE_B:
+        tl.store(BM + ob, a, mask=mr)
+    tl.store(AQK + ob, (tl.where(cols[None, :] <= rows[:, None], p, 0.0) * scale).to(AQK.dtype.element_ty),
+             mask=mr)
+
+
+@triton.jit
+def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
+                 BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr,
+                 ROWS: tl.constexpr = 16):
+    """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h.  ROWS = 16: fr = 1
+    when the block's gates are >= lb (the dense diagonal tile), 0 for the safe path.  ROWS = 32 (fr = 1): a
+    dense pair, when G falls by at most _SPAN32 across it in every channel (FB bit 1): the anchor c is the middle
+    of the pair's G range, so |G_i - c| <= 80.5 on its rows (e^80.5 ~ 9e34, within float32 / bf16 range), and
+    every causal tile of the strip, the two diagonal 16x16 tiles and the one between them included, is one dense
+    [32, BK] x [BK, 64] dot.  Loads only the column-operand rows that the block uses (rows < R * ROWS + ROWS;
+    the others are masked to 0 in the dot anyway) and also stores KGB = diag(beta) (k e^G) (input dtype) for the
+    block's rows, the w/u kernel's operand."""
+    t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K, ROWS)
+    m64 = m64 & (rows64 < R * ROWS + ROWS)[:, None]
+    bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
+    # rows past the chunk's end have G = G of its last row (as a scan of zero-padded gates gives)
+    last = L - 1
+    row_lo = tl.minimum(R * ROWS - 1, last)
+    row_hi = tl.minimum(R * ROWS + ROWS - 1, last)
+    a = tl.zeros([ROWS, 64], dtype=tl.float32)
+    p = tl.zeros([ROWS, 64], dtype=tl.float32)
+    for ks in range(0, K, BK):
+        d = ks + tl.arange(0, BK)
+        o64 = rows64[:, None] * (H * K) + d[None, :]
+        orr = rows[:, None] * (H * K) + d[None, :]
+        G64 = tl.load(GCS + base + o64, mask=m64, other=0.0)
+        k64 = tl.load(k + base + o64, mask=m64, other=0.0).to(tl.float32)
+        kr = tl.load(k + base + orr, mask=mr, other=0.0).to(tl.float32)
+        qr = tl.load(q + base + orr, mask=mr, other=0.0).to(tl.float32)
+        # `!= 0` keeps a mask with a scalar term bool under the triton 3.9 interpreter (its loads and stores take
+        # only bool masks, and it broadcasts a scalar comparison as int32); the compiler folds it away
+        cl = tl.load(GCS + base + row_lo * (H * K) + d, mask=((R > 0) & (d < K)) != 0, other=0.0)
+        ch = tl.load(GCS + base + row_hi * (H * K) + d)
+        GC = tl.load(GCS + base + last * (H * K) + d)
+        Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
+        Gr = tl.where(mr, Gr, ch[None, :])
+        a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD,
+                                GAM, c_, h, H, scale, K, DT, FTZ, ROWS)
+        tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
+    if ROWS == 16:
+        ok = 1
+    else:
+        # the 32-row tile scales q and k by up to e^80.5: entries of |q| or |k| beyond ~3e3 overflow it to inf /
+        # NaN in the causal entries (never to a wrong finite value); then nothing is stored and the caller redoes
+        # the pair as two 16-row blocks (e^40.5 at most)
+        cols = tl.arange(0, 64)
+        fin = (tl.abs(a) < float("inf")) & (tl.abs(p) < float("inf"))
+        fin = tl.where(cols[None, :] <= rows[:, None], fin, True)
+        ok = tl.min(tl.min(fin.to(tl.int32), axis=1), axis=0)
+    if ok != 0:
+        _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
+    return ok
+
+
+@triton.jit
+def _intra_strip16_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+                          K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB,
+                          FTZ: tl.constexpr, NS: tl.constexpr):
+    """One (chunk, head, 16-row block R), from the cumulative gate GCS and the flags FB of _chunk_cumsum_kernel:
+    NB[rows of R] = diag(beta) Akk (strictly lower, 64 columns), AQK[rows of R] = scale P (lower incl. the
+    diagonal), QG, KD and KGB for the rows of R, GAM (R = 0 only); with SAVE_B also BM = Akk before beta.  The
+    anchor c of row block R: the middle of its G range when FB bit 0 says the block's gates are >= lb (then one
+    dense [16, BK] x [BK, 64] dot covers every causal tile, the diagonal one included), else G before the block
+    (exponents <= 0; the diagonal tile token pair by token pair).
+    Grid (4 NC, H): the 4 row blocks of a chunk as consecutive programs, so that the [64, K] column operands (k, G)
+    the 4 programs each load are still in L2 for 3 of them.  FTZ: the dense path's exponentials as
+    ex2.approx.ftz (see _ex; GPU only).  NS: the cumsum kernel's channel slices (FB [NC, H, NS * 4], ANDed by
+    _fb)."""
+    c_ = tl.program_id(0) // 4
+    R = tl.program_id(0) % 4
+    h = tl.program_id(1)
+    fr = _fb(FB, c_, h, H, R, NS) & 1
+    _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM, SAVE_B,
+                 KGB, FTZ)
+
+
+@triton.jit
+def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+                          K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB,
+                          FTZ: tl.constexpr, NS: tl.constexpr, HM: tl.constexpr):
+    """_intra_strip16_kernel's outputs with one program per (chunk, head, 32-row pair RR): grid (2 NC, H) (HM,
+    head-major: (2 H, NC)), the two pairs of a chunk as consecutive programs.  When FB bit 1 says both blocks keep
+    the bound and G falls by at most _SPAN32 across the pair, it is one dense 32-row strip (_strip_block with
+    ROWS = 32: the [64, BK] column operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead
+    of four times); otherwise, and when that strip overflows (|q| or |k| entries beyond ~3e3), its two 16-row
+    blocks run as in _intra_strip16_kernel, one after the other, each dense or safe by its own FB bit 0."""
+    if HM:
+        c_ = tl.program_id(1)
+        h = tl.program_id(0) // 2
+    else:
+        c_ = tl.program_id(0) // 2
+        h = tl.program_id(1)
+    RR = tl.program_id(0) % 2
+    f0 = _fb(FB, c_, h, H, 2 * RR, NS)
+    ok = tl.zeros([], dtype=tl.int32)
+    if (f0 & 2) != 0:
+        ok = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
+                          DT, BM, SAVE_B, KGB, FTZ, 32)
+    # (also keeps the 16-row blocks' work below from being scheduled into the dense pair's: fewer registers)
+    tl.debug_barrier()
+    if ok == 0:
+        # (a dense pair that overflowed stored the same QG, KD, KGB and GAM as the 16-row blocks store again)
+        _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
+                     DT, BM, SAVE_B, KGB, FTZ)
+        f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS) & 1
+        _strip_block(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K,
+                     BK, DT, BM, SAVE_B, KGB, FTZ)
+
+
+@triton.jit
+def _inv16p(N, PREC: tl.constexpr):
+    """(I + N)^-1 for a strictly lower-triangular N [16, 16] (float32), by recursive block doubling:
+    with T the inverse of the diagonal s-blocks, the inverse of the 2s-blocks is T - T (N restricted to
+    the lower-left s-blocks inside each 2s-block) T.  Eight 16x16 products (tl.dot input precision PREC),
+    no per-row loop."""
+    i = tl.arange(0, 16)
+    lower1 = ((i[:, None] // 2) == (i[None, :] // 2)) & (i[:, None] > i[None, :])
+    T = tl.where(i[:, None] == i[None, :], 1.0, 0.0) - tl.where(lower1, N, 0.0)
+    for lvl in tl.static_range(1, 4):
+        m = ((i[:, None] >> (lvl + 1)) == (i[None, :] >> (lvl + 1))) & ((i[:, None] >> lvl) > (i[None, :] >> lvl))
+        Nm = tl.where(m, N, 0.0)
+        T = T - tl.dot(tl.dot(T, Nm, input_precision=PREC), T, input_precision=PREC)
+    return T
+
+
+@triton.jit
+def _tile16(ptr, t0, L, h, H, R: tl.constexpr, C: tl.constexpr):
+    """The 16x16 tile (row block R, column block C) of one chunk of a [N, H, 64] float32 tensor."""
+    r16 = tl.arange(0, 16)
+    rows = R * 16 + r16
+    off = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + C * 16 + r16[None, :]
+    return tl.load(ptr + off, mask=(rows < L)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _wy_solve_kernel(NB, cstart, clen, TB, H, PREC: tl.constexpr, HM: tl.constexpr):
+    """One (chunk, head): TB = T = (I + N)^-1 (the 10 lower 16x16 tiles) from N = NB (float32 or bfloat16,
+    computed in float32), by inverting the diagonal tiles (_inv16p) and blocked forward substitution
+    T_rj = -T_rr sum_{j<=m<r} N_rm T_mj.  PREC: the 16x16 products' tl.dot input precision ("ieee": float32 FMAs;
+    "tf32x3": three TF32 tensor-core products, about float32 accuracy; "tf32": one, inputs rounded to 10 mantissa
+    bits)."""
+    c_, h, _ = _chunk_head(HM)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    T00 = _inv16p(_tile16(NB, t0, L, h, H, 0, 0), PREC)
+    T11 = _inv16p(_tile16(NB, t0, L, h, H, 1, 1), PREC)
+    N10 = _tile16(NB, t0, L, h, H, 1, 0)
+    T10 = -_mmp(T11, _mmp(N10, T00, PREC), PREC)
+    _put(TB, T00, t0, L, h, H, 0, 64, 0)
+    _put(TB, T10, t0, L, h, H, 1, 64, 0)
+    _put(TB, T11, t0, L, h, H, 1, 64, 16)
+    T22 = _inv16p(_tile16(NB, t0, L, h, H, 2, 2), PREC)
+    N21 = _tile16(NB, t0, L, h, H, 2, 1)
+    N20 = _tile16(NB, t0, L, h, H, 2, 0)
+    T21 = -_mmp(T22, _mmp(N21, T11, PREC), PREC)
+    T20 = -_mmp(T22, _mmp(N20, T00, PREC) + _mmp(N21, T10, PREC), PREC)
+    _put(TB, T20, t0, L, h, H, 2, 64, 0)
+    _put(TB, T21, t0, L, h, H, 2, 64, 16)
+    _put(TB, T22, t0, L, h, H, 2, 64, 32)
+    T33 = _inv16p(_tile16(NB, t0, L, h, H, 3, 3), PREC)
+    N32 = _tile16(NB, t0, L, h, H, 3, 2)
+    N31 = _tile16(NB, t0, L, h, H, 3, 1)
+    N30 = _tile16(NB, t0, L, h, H, 3, 0)
+    T32 = -_mmp(T33, _mmp(N32, T22, PREC), PREC)
+    T31 = -_mmp(T33, _mmp(N31, T11, PREC) + _mmp(N32, T21, PREC), PREC)
+    T30 = -_mmp(T33, _mmp(N30, T00, PREC) + _mmp(N31, T10, PREC) + _mmp(N32, T20, PREC), PREC)
+    _put(TB, T30, t0, L, h, H, 3, 64, 0)
+    _put(TB, T31, t0, L, h, H, 3, 64, 16)
+    _put(TB, T32, t0, L, h, H, 3, 64, 32)
+    _put(TB, T33, t0, L, h, H, 3, 64, 48)
+
+
+@triton.jit
+def _wy_apply_kernel(KGB, v, beta, cstart, clen, TB, WK, U, H, K: tl.constexpr, V: tl.constexpr,
+                     DT: tl.constexpr, HM: tl.constexpr):
+    """One (chunk, head): Wk = T KGB, U = T (beta v) with T [64, 64] from _wy_solve_kernel (lower
+    block-triangular; the blocks above the diagonal are never written and are masked here; float32 or the input
+    dtype: it is rounded to the input dtype for the dots either way) and KGB = diag(beta) k e^G from the strip
+    kernels (WK's own buffer: each program reads its chunk's rows before it writes them)."""
+    c_, h, _ = _chunk_head(HM)
+    t0 = tl.load(cstart + c_)
+    L = tl.load(clen + c_)
+    rows = tl.arange(0, 64)
+    rm = rows < L
+    tok = (t0.to(tl.int64) * H + h)
+    bb = tl.load(beta + tok + rows * H, mask=rm, other=0.0).to(tl.float32)
+    T = tl.load(TB + tok * 64 + rows[:, None] * (H * 64) + rows[None, :],
+                mask=rm[:, None] & ((rows[None, :] // 16) <= (rows[:, None] // 16)), other=0.0)
+    T = T.to(DT)
+    # [64, K] / [64, V] tiles of the chunk's rows (rows past L masked: zero loads, no stores), 64-bit offsets:
+    # plain pointers, as the compiler rewrites block pointers (triton 3.9 removed tl.make_block_ptr)
+    rows64 = rows.to(tl.int64)[:, None]
+    ok = tok * K + rows64 * (H * K) + tl.arange(0, K)[None, :]
+    ov = tok * V + rows64 * (H * V) + tl.arange(0, V)[None, :]
+    m2 = rm[:, None]
+    kg = tl.load(KGB + ok, mask=m2, other=0.0).to(DT)
+    tl.store(WK + ok, tl.dot(T, kg).to(WK.dtype.element_ty), mask=m2)
+    vb = (tl.load(v + ov, mask=m2, other=0.0).to(tl.float32) * bb[:, None]).to(DT)
+    tl.store(U + ov, tl.dot(T, vb).to(U.dtype.element_ty), mask=m2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------
+def _solve_prec(cfg, fwd_only=False):
+    """tl.dot input precision of the solve kernel: cfg.solve_prec, or cfg.solve_prec_fwd for a forward that keeps
+    no T for the backward (fwd_only); "ieee" under the interpreter."""
+    if _interpret():
+        return "ieee"
+    return cfg.solve_prec_fwd if fwd_only else cfg.solve_prec
+
+
+def _cumsum_slices(K, cfg):
+    """Channel slices of _chunk_cumsum_kernel (cfg.cumsum_slices, at most K / 16 and dividing K)."""
+    ns = int(cfg.cumsum_slices or 1)
+    while ns > 1 and (K % ns or K // ns < 16):
+        ns //= 2
+    return max(ns, 1)
+
+
+def _intra_scratch(rows, NC, H, K, idt, save_b, dev, cfg):
+    """The intra kernels' scratch for `rows` tokens and NC chunks: (NBUF [rows, H, 64], GCS [rows, H, K] float32,
+    FB [NC, H, 4 * _cumsum_slices(K)] int32, TB [rows, H, 64], BM [rows, H, 64] float32 with save_b, else None).
+    save_b (autograd: the backward reads T and BM) keeps N and T in float32; without it, 16-bit inputs pass N in
+    bfloat16 (the solve's products round it to TF32 anyway) and T is in the input dtype (the w/u kernel rounds it to
+    that dtype for its dots anyway)."""
+    tdt = torch.float32 if save_b else idt
+    ndt = torch.float32 if save_b or idt == torch.float32 else torch.bfloat16
+    return (torch.empty(rows, H, 64, dtype=ndt, device=dev),
+            torch.empty(rows, H, K, dtype=torch.float32, device=dev),
+            torch.empty(NC, H, 4 * _cumsum_slices(K, cfg), dtype=torch.int32, device=dev),
+            torch.empty(rows, H, 64, dtype=tdt, device=dev),
+            torch.empty(rows, H, 64, dtype=torch.float32, device=dev) if save_b else None)
+
+
+def _intra_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, FB, NBUF, GCS, TB,
+                  BM, KGB, cfg, marks=True):
+    """The cumsum, strip and solve launches over the NC chunks of the tables cstart / clen (a slice of a chunk
+    table is a range of chunks): the token-indexed outputs go to their tokens' rows, the chunk-indexed ones (GAM,
+    FB [NC, H, ...]) to rows 0 .. NC-1 of the given tensors.  BM: Akk before beta for the backward, or None.
+    marks: record the phase boundaries (cfg.profile)."""
+    mark = (lambda name: _mark(cfg, name)) if marks else (lambda name: None)
+    # the dense 32-row pairs where a bound is promised and the operands' range holds e^80 (not float16)
+    rows32 = fast and idt != torch.float16
+    ns = FB.shape[-1] // 4
+    hm = _head_major(NC, cfg)
+    _chunk_cumsum_kernel[_ch_grid(NC, H, hm, ns)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast, ROWS32=rows32,
+                                                  NS=ns, HM=hm, num_warps=cfg.nw_cumsum, num_stages=1)
+    mark("intra: cumsum")
+    save_b = BM is not None
+    common = dict(NS=ns, BM=BM if save_b else NBUF, SAVE_B=save_b, KGB=KGB, FTZ=not _interpret())
+    if rows32:
+        _intra_strip32_kernel[(2 * H, NC) if hm else (2 * NC, H)](
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K, HM=hm,
+            BK=min(K, cfg.bk_strip32), DT=_TL[idt], **common, num_warps=cfg.nw_strip32, num_stages=1,
+            **_maxnreg(cfg.maxnreg_strip32))
+    else:
+        _intra_strip16_kernel[(4 * NC, H, 1)](
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
+            BK=min(K, cfg.bk), DT=_TL[idt], **common, num_warps=cfg.nw_strip, num_stages=1)
+    mark("intra: strip")
+    _wy_solve_kernel[_ch_grid(NC, H, hm)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg, BM is None), HM=hm,
+                                          num_warps=cfg.nw_solve, num_stages=1)
+    mark("intra: solve")
+
+
+def _intra(q2, k2, g2, b2, tab, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM, save_b, KGB, cfg):
+    """The intra-chunk products of every (chunk, head): the in-chunk cumulative gate GCS, the strips (QG, KD, AQK,
+    GAM and KGB = diag(beta) k e^G written into the given tensors) and T = (I + diag(beta) Akk)^-1 (TB
+    [N, H, 64]); with save_b also Bm = Akk before beta (BM, float32 [N, H, 64], for the backward).
+    Returns (TB, GCS, BM or None)."""
+    NC = tab["n_chunks"]
+    NBUF, GCS, FB, TB, BM = _intra_scratch(q2.shape[0], NC, H, K, idt, save_b, q2.device, cfg)
+    _intra_launch(q2, k2, g2, b2, tab["cstart"], tab["clen"], NC, H, K, scale, lb, fast, idt, QG, KD, AQK, GAM,
+                  FB, NBUF, GCS, TB, BM, KGB, cfg)
+    return TB, GCS, BM
+
+
+def _wu_launch(v2, b2, cstart, clen, NC, H, K, V, idt, TB, WK, U, cfg):
+    """The w/u kernel over the NC chunks of cstart / clen; WK holds diag(beta) k e^G on entry (the strips' KGB)."""
+    hm = _head_major(NC, cfg)
+    _wy_apply_kernel[_ch_grid(NC, H, hm)](WK, v2, b2, cstart, clen, TB, WK, U, H, K=K, V=V, DT=_TL[idt], HM=hm,
+                                          num_warps=cfg.nw_wu, num_stages=1)
