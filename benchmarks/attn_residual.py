@@ -2,9 +2,10 @@
 
 Sections (one process, random bf16 data, d = 7168):
   1. the device-copy ceiling (torch copy of 4 GiB: bytes read + written over the median time);
-  2. (--sweep) a sweep of our forward's launch settings (kernel v1 and v2 variants, N = --sweep-n) and of
-     phase 1's (mix v1/v2, logits split, acc float32 and bf16; --p1-bank); the best of each is used below and printed as
-     "SWEEP RESULT" (what to write into FWD_DEFAULT / P1_DEFAULT);
+  2. (--sweep) a sweep of our forward's launch settings (the pipelined kernel's warps, rows, sources per step,
+     stages, programs per SM; N = --sweep-n) and of phase 1's and the merges' (acc float32 and bf16; --p1-bank);
+     the best of each is used below and printed as "SWEEP RESULT" (the AttnResConfig fields to change in
+     backends/triton/attn_residual/config.py);
   3. the main table: N in {16384, 65536} tokens x L in {2, 8, 16, 25} sources: median time
      (triton.testing.do_bench), effective TB/s (bytes = every source read once + the output written
      once), fraction of the measured copy and of 4.2 TB/s, TFLOP/s (6 flops per source element), and the
@@ -147,49 +148,42 @@ def fla_retune() -> None:
         k.cache.clear()
 
 
-#: settings for few sources (the flat loop has only L steps per row there, so fewer bytes are in flight per
-#: program at the same stages): both sources in one step, two rows per step, deeper rings, 3 programs per SM
-SMALL_L_CANDS = [
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2},       # the default
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 5, "progs_per_sm": 2},
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 2, "progs_per_sm": 2},
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
-    {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1},
-    {"impl": "v2", "num_warps": 8, "bt": 2, "bl": 1, "ns": 3, "progs_per_sm": 1},
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 3, "maxnreg": 168},
-    {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
-    # (24th session) the exact-width kernel: the row in power-of-two pieces, no masked lanes
-    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2},
-    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
-    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
-    # (24th session) program p on the tiles p, p + grid, ...: the programs running together read neighbouring rows
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "strided": True},
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2, "strided": True},
-    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2, "strided": True},
-    {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2, "strided": True},
-    {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 2, "progs_per_sm": 2, "strided": True},
-]
+#: the settings in force for the sections after the sweeps (AttnResConfig fields: the sweeps' winners)
+ACTIVE: dict = {}
 
+
+def fwd(nw, bt, bl, ns, pps, wide=True):
+    """A forward candidate as AttnResConfig fields: nw warps, bt rows per tile, bl sources per step (below the wide
+    threshold, and from it too when `wide`), ns stages, pps programs per SM."""
+    c = dict(fwd_num_warps=nw, fwd_bt=bt, fwd_bl=bl, fwd_ns=ns, fwd_progs_per_sm=pps)
+    if wide:
+        c["fwd_bl_wide"] = bl
+    return c
+
+
+#: settings for few sources (the flat loop has only L steps per row there, so fewer bytes are in flight per
+#: program at the same stages): both sources in one step, two rows per step, deeper rings (measured history:
+#: benchmarks/results/attn_residual.md)
+SMALL_L_CANDS = [fwd(4, 1, 1, 3, 2, False), fwd(4, 1, 1, 4, 2, False), fwd(4, 1, 1, 5, 2, False),
+                 fwd(4, 1, 2, 2, 2, False), fwd(4, 1, 2, 3, 2, False), fwd(8, 1, 2, 3, 1, False),
+                 fwd(8, 2, 1, 3, 1, False), fwd(8, 1, 1, 4, 2, False), fwd(4, 1, 1, 2, 2, False)]
+
+#: the forward's settings at any L: the default first, then the settings around it
+CANDS = [fwd(4, 1, 1, 3, 2), fwd(4, 1, 1, 4, 2), fwd(4, 1, 1, 5, 2), fwd(4, 1, 2, 3, 2), fwd(2, 1, 1, 3, 4),
+         fwd(8, 1, 1, 8, 1), fwd(8, 1, 2, 4, 1), fwd(8, 1, 4, 2, 1), fwd(8, 1, 4, 3, 1), fwd(4, 1, 2, 4, 2),
+         fwd(4, 1, 4, 2, 2), fwd(8, 1, 1, 6, 2)]
 
 #: changes to the forward's default launch settings with the fused output norm (--sweep-onorm)
-ONORM_CANDS = [{}, {"qw_reg": False}, {"num_warps": 8, "progs_per_sm": 1}, {"num_warps": 8, "qw_reg": False},
-               {"num_warps": 8, "progs_per_sm": 1, "qw_reg": False}, {"num_warps": 16, "progs_per_sm": 1},
-               {"ns": 4, "qw_reg": False}, {"ns": 2}, {"num_warps": 8, "progs_per_sm": 1, "ns": 4},
-               {"bt": 2, "num_warps": 8, "progs_per_sm": 1}, {"bl": 1}, {"bl": 2}, {"bl": 1, "ow_reg": False},
-               {"ow_reg": False}, {"bl": 1, "ns": 4}, {"bl": 1, "ow_reg": False, "ns": 4},
-               {"bl": 1, "progs_per_sm": 3, "maxnreg": 168},
-               # (24th session) the exact-width kernel (no masked lanes: two sources per step fit without spills)
-               {"impl": "v3", "bl": 1, "ow_reg": False}, {"impl": "v3", "bl": 2, "ow_reg": False},
-               {"impl": "v3", "bl": 2, "ow_reg": False, "ns": 4}, {"impl": "v3", "bl": 2, "ow_reg": False, "strided": True},
-               {"impl": "v3", "bl": 1, "ow_reg": False, "strided": True}]
+ONORM_CANDS = [{}, {"fwd_num_warps": 8, "fwd_progs_per_sm": 1}, {"fwd_num_warps": 16, "fwd_progs_per_sm": 1},
+               {"fwd_ns": 2}, {"fwd_ns": 4}, {"fwd_num_warps": 8, "fwd_progs_per_sm": 1, "fwd_ns": 4},
+               {"fwd_bt": 2, "fwd_num_warps": 8, "fwd_progs_per_sm": 1}, {"fwd_bl_onorm": 1},
+               {"fwd_bl_onorm": 1, "fwd_ns": 4}]
 
 
-def _sweep_forward(n, Ls, copy_bw, cands, setting: dict, onorm: bool):
-    """Time the forward at N = n for every L in Ls with each candidate written into `setting` (a launch-setting
-    dict of the backend, cleared first), GPU time from CUDA-graph replays; a table row per candidate (a failing
-    one says so). Returns the best right one (geometric mean of TB/s over Ls) and its score: (None, -1) if none
-    was right. `setting` is left cleared, the test data freed."""
+def _sweep_forward(n, Ls, copy_bw, cands, onorm: bool):
+    """Time the forward at N = n for every L in Ls under each candidate (AttnResConfig fields over ACTIVE), GPU
+    time from CUDA-graph replays; a table row per candidate (a failing one says so). Returns the best right one
+    (geometric mean of TB/s over Ls) and its score: (None, -1) if none was right. The test data are freed."""
     emit("| setting | " + " | ".join(f"L={L} TB/s" for L in Ls) + f" | err (L={Ls[-1]}, 4096 rows) |")
     emit("|---|" + "---|" * (len(Ls) + 1))
     data = {L: make(L, n) for L in Ls}
@@ -199,15 +193,14 @@ def _sweep_forward(n, Ls, copy_bw, cands, setting: dict, onorm: bool):
     ref = chunked_reference(qc, sc, wc, ow, rows=rows)
     best, best_score = None, -1.0
     for cfg in cands:
-        setting.clear()
-        setting.update(cfg)
         tbs = []
         try:
-            err = rel(T.attn_residual(qc, sc, wc, output_rms_weight=ow)[rows], ref)
-            for L in Ls:
-                q, s, w = data[L]
-                t = bench_graph(lambda: T.attn_residual(q, s, w, output_rms_weight=ow))
-                tbs.append((L + 1) * n * D * 2 / t)
+            with T.config(**dict(ACTIVE, **cfg)):
+                err = rel(T.attn_residual(qc, sc, wc, output_rms_weight=ow)[rows], ref)
+                for L in Ls:
+                    q, s, w = data[L]
+                    t = bench_graph(lambda: T.attn_residual(q, s, w, output_rms_weight=ow))
+                    tbs.append((L + 1) * n * D * 2 / t)
         except Exception as e:  # a setting that does not compile/launch is skipped, and said so
             emit(f"| {cfg or 'default'} | failed: {type(e).__name__}: {str(e)[:80]} |")
             continue
@@ -216,58 +209,30 @@ def _sweep_forward(n, Ls, copy_bw, cands, setting: dict, onorm: bool):
              + f" | {err:.1e}" + (" WRONG, not eligible" if not err < 1e-2 else "") + " |")
         if err < 1e-2 and score > best_score:
             best, best_score = dict(cfg), score
-    setting.clear()
     data = qc = sc = wc = ref = None  # free
     torch.cuda.empty_cache()
     return best, best_score
 
 
 def sweep_onorm(n, Ls, copy_bw):
-    """The forward with the fused output norm: each of ONORM_CANDS applied over the default settings (as
-    T.FWD_DEFAULT_ONORM); the best (geometric mean over Ls) is kept."""
+    """The forward with the fused output norm: each of ONORM_CANDS applied over the settings in force; the best
+    (geometric mean over Ls) is kept (ACTIVE)."""
     emit(f"\n## Sweep of the forward's launch settings with the output norm (changes to the default; N = {n}, "
          f"d = {D}, bf16, CUDA-graph replays)\n")
-    T.FWD_CONFIG.clear()
-    best, best_score = _sweep_forward(n, Ls, copy_bw, ONORM_CANDS, T.FWD_DEFAULT_ONORM, onorm=True)
+    best, best_score = _sweep_forward(n, Ls, copy_bw, ONORM_CANDS, onorm=True)
     best = best or {}
-    T.FWD_DEFAULT_ONORM.update(best)
+    ACTIVE.update(best)
     emit(f"\nbest change with the output norm: {best or 'none'} (geometric mean {best_score / 1e12:.2f} TB/s)")
     return best
 
 
 def sweep(n, Ls, copy_bw, small=False):
     emit(f"\n## Sweep of our forward's launch settings (N = {n}, d = {D}, bf16; GPU time from CUDA-graph replays)\n")
-    # the settings measured in the 2nd-4th sessions are in git history (benchmarks/results/attn_residual.md
-    # holds their table); the 4th session's winner (the default) is first, then the settings around it that
-    # were never run, then (5th session) what the TVM backend's pipelined kernel found on the H200: ~100 KB
-    # of rows in flight per SM (8-row ring, one block of 7 warps per SM) and 4 sources per cross-warp
-    # reduction reached 100% of copy bandwidth at L = 25 (benchmarks/results/tvm.md)
-    cands = [
-        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2},       # the default
-        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2},
-        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 5, "progs_per_sm": 2},
-        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
-        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 3, "maxnreg": 168},
-        {"impl": "v2", "num_warps": 2, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 4},
-        {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 8, "progs_per_sm": 1},
-        {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 2, "ns": 4, "progs_per_sm": 1},
-        {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 1},
-        {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 4, "ns": 3, "progs_per_sm": 1},
-        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 4, "progs_per_sm": 2},
-        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 2},
-        {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 6, "progs_per_sm": 2},
-        {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
-        {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 4, "ns": 2, "progs_per_sm": 2},
-        {"impl": "v2", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2, "strided": True},
-        {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2, "strided": True},
-    ]
-    if small:
-        cands = SMALL_L_CANDS
-    best, best_score = _sweep_forward(n, Ls, copy_bw, cands, T.FWD_CONFIG, onorm=False)
+    best, best_score = _sweep_forward(n, Ls, copy_bw, SMALL_L_CANDS if small else CANDS, onorm=False)
     if best is None:
         emit("\nno setting gave a right result: the default stays")
-        return dict(T.FWD_DEFAULT)
-    T.FWD_CONFIG.update(best)
+        return {}
+    ACTIVE.update(best)
     emit(f"\nbest: {best} (geometric mean {best_score / 1e12:.2f} TB/s)")
     return best
 
@@ -281,37 +246,24 @@ def sweep_phase1(n, B, copy_bw):
     bank = [torch.randn(n, D, device="cuda").to(torch.bfloat16) for _ in range(B)]
     qs = (torch.randn(Q, D, device="cuda") * 0.05)
     ws = 1 + 0.3 * torch.randn(Q, D, device="cuda")
-    cands = [{},
-             {"mix_impl": "v2"}, {"mix_impl": "v2", "mix_bc": 1024},
-             {"mix_impl": "v2", "mix_bc": 1024, "mix_nw": 8}, {"mix_impl": "v2", "mix_bc": 2048, "mix_qb": 4, "mix_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 512, "mix_qb": 32, "mix_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 1024, "mix_qb": 16, "mix_nw": 8, "mix_ns": 4},
-             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True},
-             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True, "p1_bk": 128, "p1_ns": 3},
-             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True, "p1_ns": 3},
-             {"mix_impl": "v2", "mix_bc": 1024, "p1_split": True, "p1_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 2048, "mix_qb": 4, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 1024, "mix_qb": 4, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 512, "mix_qb": 8, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 1024, "mix_ns": 2, "p1_split": True, "p1_bt": 128, "p1_nw": 8},
-             {"mix_impl": "v2", "mix_bc": 2048, "mix_qb": 8, "mix_nw": 8, "p1_split": True, "p1_bt": 128,
-              "p1_nw": 8},
-             # (25th session) every query per program, the bank's chunks loaded at once
-             {"mix_impl": "v3", "mix3_bc": 2048, "mix3_nw": 8}, {"mix_impl": "v3", "mix3_bc": 512, "mix3_nw": 2}]
+    groups = {"mix_bank_max_sources": 0}          # the query-group mix (the one for banks over 16 sources)
+    cands = [{}, {"mix_bank_bc": 2048, "mix_bank_nw": 8}, {"mix_bank_bc": 512, "mix_bank_nw": 2},
+             {"p1_bt": 64, "p1_nw": 4}, {"p1_bk": 128, "p1_ns": 3}, {"p1_ns": 3}, {"p1_nw": 4},
+             dict(groups), dict(groups, mix_groups_nw=8), dict(groups, mix_groups_bc=2048, mix_groups_qb=4),
+             dict(groups, mix_groups_bc=512, mix_groups_qb=8), dict(groups, mix_groups_ns=2),
+             dict(groups, mix_groups_bc=2048, mix_groups_qb=8, mix_groups_nw=8)]
     best, best_t = {}, float("inf")
-    T.P1_CONFIG.clear()
-    want = T.attn_residual_phase1(qs, bank, ws)
+    with T.config(**ACTIVE):
+        want = T.attn_residual_phase1(qs, bank, ws)
     for cfg in cands:
-        T.P1_CONFIG.clear()
-        T.P1_CONFIG.update(cfg)
         ts = []
         try:
-            got = T.attn_residual_phase1(qs, bank, ws)
-            err = max(rel(got[0], want[0]), rel(got[1], want[1]), rel(got[2], want[2]))
-            got = None
-            for acc_dtype in (torch.float32, torch.bfloat16):
-                ts.append(bench(lambda: T.attn_residual_phase1(qs, bank, ws, acc_dtype=acc_dtype)))
+            with T.config(**dict(ACTIVE, **cfg)):
+                got = T.attn_residual_phase1(qs, bank, ws)
+                err = max(rel(got[0], want[0]), rel(got[1], want[1]), rel(got[2], want[2]))
+                got = None
+                for acc_dtype in (torch.float32, torch.bfloat16):
+                    ts.append(bench(lambda: T.attn_residual_phase1(qs, bank, ws, acc_dtype=acc_dtype)))
         except Exception as e:
             emit(f"| {cfg or 'default'} | failed: {type(e).__name__}: {str(e)[:80]} | | | | |")
             continue
@@ -324,27 +276,21 @@ def sweep_phase1(n, B, copy_bw):
         score = math.sqrt(ts[0] * ts[1])
         if err < 1e-4 and score < best_t:
             best, best_t = dict(cfg), score
-    T.P1_CONFIG.clear()
-    T.P1_CONFIG.update(best)
+    ACTIVE.update(best)
     emit(f"\nbest (geometric mean of both acc dtypes): {best or 'default'}")
     xs = [b.view(-1, D) for b in bank]
-    t_lg = bench(lambda: T._phase1_launch(qs, xs, ws, 1e-6, torch.float32, logits_only=True))
+    with T.config(**ACTIVE):
+        t_lg = bench(lambda: T._phase1_launch(qs, xs, ws, 1e-6, torch.float32, logits_only=True))
     emit(f"of which the logits kernel (tensor-core [tokens, d] x [d, Q], one read of the bank): {t_lg * 1e3:.2f} ms "
          f"= {B * n * D * 2 / t_lg / 1e12:.2f} TB/s of bank read")
-    for split in (False, True):
-        T.P1_CONFIG["p1_split"] = split
-        t_lg = bench(lambda: T._phase1_launch(qs, xs, ws, 1e-6, torch.float32, logits_only=True))
-        emit(f"logits kernel with p1_split={split} (best setting otherwise): {t_lg * 1e3:.2f} ms = "
-             f"{B * n * D * 2 / t_lg / 1e12:.2f} TB/s of bank read")
-    T.P1_CONFIG.clear()
-    T.P1_CONFIG.update(best)
     out = torch.empty(Q * n * D, dtype=torch.bfloat16, device="cuda")
     t_w = bench(lambda: out.fill_(1.0))
     emit(f"write-only ceiling for the acc bf16 bytes (torch fill_ of {out.numel() * 2 / 1e9:.1f} GB): "
          f"{t_w * 1e3:.2f} ms = {out.numel() * 2 / t_w / 1e12:.2f} TB/s")
     out = None
     # the 24 merges of a block (acc bf16, the partial for reads 1..23, output norm), per merge setting
-    acc, m, s = T.attn_residual_phase1(qs, bank, ws, acc_dtype=torch.bfloat16)
+    with T.config(**ACTIVE):
+        acc, m, s = T.attn_residual_phase1(qs, bank, ws, acc_dtype=torch.bfloat16)
     part = torch.randn(n, D, device="cuda").to(torch.bfloat16)
     ows = 1 + 0.3 * torch.randn(Q, D, device="cuda")
     mbytes = (Q * 2 + (Q - 1)) * n * D * 2                       # acc read + output written, partial read
@@ -353,22 +299,19 @@ def sweep_phase1(n, B, copy_bw):
         return [T.attn_residual_merge(acc[r], m[r], s[r], part if r else None, qs[r], ws[r], output_rms_weight=ows[r],
                                       out_dtype=torch.bfloat16) for r in range(Q)]
 
-    ref = merges()
+    with T.config(**ACTIVE):
+        ref = merges()
     emit(f"\n## Sweep of the merge kernel's launch settings (24 merges, acc bf16, N = {n})\n")
     emit("| setting | 24 merges ms | TB/s | err vs default |")
     emit("|---|---|---|---|")
     mbest, mbest_t = {}, float("inf")
-    for cfg in ({}, {"num_warps": 16}, {"num_warps": 4}, {"bt": 2, "num_warps": 16}, {"bt": 2, "num_warps": 8},
-                {"num_warps": 8},
-                # (25th session) the persistent, software-pipelined merge (_merge2_kernel)
-                {"impl": "v1"}, {"impl": "v2"}, {"impl": "v2", "ns": 2}, {"impl": "v2", "ns": 4},
-                {"impl": "v2", "strided": False}, {"impl": "v2", "num_warps": 8, "progs_per_sm": 1},
-                {"impl": "v2", "progs_per_sm": 3}, {"impl": "v2", "num_warps": 8, "progs_per_sm": 2}):
-        T.MERGE_CONFIG.clear()
-        T.MERGE_CONFIG.update(cfg)
+    for cfg in ({}, {"merge_num_warps": 8}, {"merge_num_warps": 16}, {"merge_ns": 2}, {"merge_ns": 4},
+                {"merge_num_warps": 8, "merge_progs_per_sm": 1}, {"merge_progs_per_sm": 3},
+                {"merge_persistent": False}):               # (the row kernel of the small tiles, for comparison)
         try:
-            err = max(rel(a_, b_) for a_, b_ in zip(merges(), ref))
-            t = bench(merges)
+            with T.config(**dict(ACTIVE, **cfg)):
+                err = max(rel(a_, b_) for a_, b_ in zip(merges(), ref))
+                t = bench(merges)
         except Exception as e:
             emit(f"| {cfg or 'default'} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
             continue
@@ -376,8 +319,8 @@ def sweep_phase1(n, B, copy_bw):
              + (" WRONG, not eligible" if not err < 1e-3 else "") + " |")
         if err < 1e-3 and t < mbest_t:
             mbest, mbest_t = dict(cfg), t
-    T.MERGE_CONFIG.clear()
-    T.MERGE_CONFIG.update(mbest)
+    mbest.pop("merge_persistent", None)          # the kernel follows the rows, not a setting
+    ACTIVE.update(mbest)
     emit(f"\nbest merge setting: {mbest or 'default'}")
     bank = xs = want = acc = m = s = part = ref = None  # free
     torch.cuda.empty_cache()
@@ -590,10 +533,10 @@ def main(argv=None):
     ap.add_argument("--sweep-n", type=int, default=65536, help="token count of the forward sweep (default 65536)")
     ap.add_argument("--sweep-l", default="2,8,25",
                     help="comma list of source counts of the forward sweep (default 2,8,25); with only counts "
-                         "below the wide threshold (FWD_WIDE_L) the small-L settings are swept")
+                         "below the wide threshold (AttnResConfig.fwd_wide_l) the small-L settings are swept")
     ap.add_argument("--sweep-onorm", action="store_true",
                     help="sweep the forward's launch settings with the fused output norm first (N = 16384, L in "
-                         "--sweep-l), use the best (FWD_DEFAULT_ONORM)")
+                         "--sweep-l), use the best")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla baseline")
     ap.add_argument("--fla-pruned", action="store_true", help="let fla autotune over 8 of its 24 configs (8/16 warps, "
                                                              "2 stages) instead of all")
@@ -645,25 +588,24 @@ def main(argv=None):
     Ls = [2, 25] if a.quick else [2, 8, 16, 25]
     if a.sweep_onorm:
         obest = sweep_onorm(16384, sLs, copy_bw)
-        emit(f"\nSWEEP RESULT: FWD_DEFAULT_ONORM <- {obest}")
+        emit(f"\nSWEEP RESULT: with the output norm {obest or '{} (default)'}")
     if a.sweep:
-        fbest = sweep(a.sweep_n, sLs, copy_bw, small=max(sLs) < T.FWD_WIDE_L) if "fsweep" not in skip else {}
+        small = max(sLs) < T.current().fwd_wide_l
+        fbest = sweep(a.sweep_n, sLs, copy_bw, small=small) if "fsweep" not in skip else {}
         pbest, mbest = sweep_phase1(16384, a.p1_bank, copy_bw) if "p1sweep" not in skip else ({}, {})
-        emit(f"\nSWEEP RESULT: forward FWD_DEFAULT <- {fbest}; phase 1 P1_DEFAULT updated with "
-             f"{pbest or '{} (default)'}; MERGE_DEFAULT <- {mbest or '{} (default)'}")
-    fwd_set = T.FWD_CONFIG or f"{T.FWD_DEFAULT} below L = {T.FWD_WIDE_L}, {T.FWD_DEFAULT_WIDE} from there"
-    emit(f"\nour forward launch settings: {fwd_set}; with the output norm changed by "
-         f"{T.FWD_DEFAULT_ONORM or 'nothing'}; phase 1: {T.P1_CONFIG or T.P1_DEFAULT}; "
-         f"merge: {T.MERGE_CONFIG or 'default'}")
+        emit(f"\nSWEEP RESULT (AttnResConfig fields): forward {fbest or '{} (default)'}; phase 1 "
+             f"{pbest or '{} (default)'}; merge {mbest or '{} (default)'}")
+    emit(f"\nour launch settings: {T.current()}, changed by {ACTIVE or 'nothing'}")
     ratios = []
-    if "table" not in skip:
-        ratios = main_table(Ns, Ls, copy_bw, fla_fused)
-    if "onorm" not in skip:
-        main_table([16384], [8], copy_bw, fla_fused, onorm=True)
-    if "2e32" not in skip and not a.quick:
-        past_2_32(fla_fused, fla_naive)
-    if "block" not in skip:
-        block(16384, banks if not a.quick else [8], fla_fused, copy_bw)
+    with T.config(**ACTIVE):
+        if "table" not in skip:
+            ratios = main_table(Ns, Ls, copy_bw, fla_fused)
+        if "onorm" not in skip:
+            main_table([16384], [8], copy_bw, fla_fused, onorm=True)
+        if "2e32" not in skip and not a.quick:
+            past_2_32(fla_fused, fla_naive)
+        if "block" not in skip:
+            block(16384, banks if not a.quick else [8], fla_fused, copy_bw)
     emit(f"\n(total benchmark wall time {time.time() - t0:.0f} s)")
     if ratios:
         g = math.exp(sum(math.log(r) for r in ratios) / len(ratios))

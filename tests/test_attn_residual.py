@@ -14,6 +14,7 @@ import torch
 # the modules themselves (the package __init__ files re-export functions of the same names)
 R = importlib.import_module("backends.reference.attn_residual")
 T = importlib.import_module("backends.triton.attn_residual")
+TF = importlib.import_module("backends.triton.attn_residual.forward")
 
 EPS = 1e-6
 
@@ -182,28 +183,34 @@ def test_triton_forward_fp16_batched(L, shape, onorm):
     assert _rel(out, _naive(query, sources, w, EPS, ow)) < _tol(torch.float16)
 
 
-@pytest.mark.parametrize("cfg", [{"pf": 0, "ns": 3, "qw_reg": False}, {"pf": 1}, {"pf": 2, "qw_reg": False},
-                                 {"impl": "v2", "bl": 1, "ns": 3, "maxnreg": 64}, {"impl": "v2", "bl": 2, "ns": 2, "qw_reg": False},
-                                 {"impl": "v2", "bl": 4, "ns": 1, "progs_per_sm": 0, "bt": 2}])
-def test_triton_forward_launch_settings(cfg, monkeypatch):
-    # every software-pipelining variant, with few programs so that prefetches (v1) and the flat
-    # (tile, source block) loop (v2) cross token tiles; v2 with L not a multiple of its source block bl
-    monkeypatch.setattr(T, "FWD_CONFIG", dict({"progs_per_sm": 1, "bt": 4}, **cfg))
-    for L, n, onorm in ((1, 37, False), (2, 30, True), (5, 19, False), (7, 3, True)):
-        query, sources, w = _inputs(L, (n, 40), torch.float32)
-        ow = torch.randn(40) if onorm else None
-        out = T.attn_residual(query, sources, w, output_rms_weight=ow)
-        assert _rel(out, _naive(query, sources, w, EPS, ow)) < _tol(torch.float32)
+def _pipelined(bl=None, **settings):
+    """T.config forcing the pipelined forward (the GPU's kernels for wide rows) under the interpreter, with bl
+    sources per step for every L and with or without the output norm."""
+    if bl is not None:
+        settings.update(fwd_bl=bl, fwd_bl_wide=bl, fwd_bl_onorm=bl, fwd_bl_onorm_padded=bl)
+    return T.config(fwd_pipelined=True, **settings)
 
 
-def test_triton_forward_v2_backward(monkeypatch):
-    # the v2 forward also saves the logits and log-sum-exp that the backward reads
-    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v2", "bl": 2, "ns": 2, "progs_per_sm": 1, "bt": 2})
+@pytest.mark.parametrize("cfg", [{"bl": 1, "fwd_ns": 3}, {"bl": 2, "fwd_ns": 2}, {"bl": 4, "fwd_ns": 1, "fwd_bt": 2}])
+def test_triton_forward_launch_settings(cfg):
+    # the pipelined forward on padded rows (d = 40) with few programs, so that the flat (tile, source block) loop
+    # crosses token tiles; L not a multiple of its source block bl
+    with _pipelined(**dict({"fwd_progs_per_sm": 1, "fwd_bt": 4}, **cfg)):
+        for L, n, onorm in ((1, 37, False), (2, 30, True), (5, 19, False), (7, 3, True)):
+            query, sources, w = _inputs(L, (n, 40), torch.float32)
+            ow = torch.randn(40) if onorm else None
+            out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+            assert _rel(out, _naive(query, sources, w, EPS, ow)) < _tol(torch.float32)
+
+
+def test_triton_forward_padded_backward():
+    # the pipelined forward on padded rows also saves the logits and log-sum-exp that the backward reads
     L, n, d = 5, 23, 40
     query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=0.5)
     gy = torch.randn(n, d)
-    got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o),
-                 query, sources, w, None, gy)
+    with _pipelined(bl=2, fwd_ns=2, fwd_progs_per_sm=1, fwd_bt=2):
+        got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o),
+                     query, sources, w, None, gy)
     want = _grads(lambda q, s, w_, e, o: _naive(q, s, w_, e, o), query.double(), [s.double() for s in sources],
                   w.double(), None, gy.double())
     for a, b in zip(got, want):
@@ -211,7 +218,7 @@ def test_triton_forward_v2_backward(monkeypatch):
 
 
 def test_pow2_parts():
-    # the v3 forward's column pieces: at most three powers of two, none narrower than 512
+    # the exact-width forward's column pieces: at most three powers of two, none narrower than 512
     assert T._pow2_parts(7168) == (4096, 2048, 1024)
     assert T._pow2_parts(4096) == (4096, 0, 0)
     assert T._pow2_parts(5120) == (4096, 1024, 0)
@@ -222,58 +229,58 @@ def test_pow2_parts():
 
 @pytest.mark.parametrize("d", [1024, 1536, 3584], ids=["1024", "1024+512", "2048+1024+512"])
 @pytest.mark.parametrize("bl", [1, 2])
-def test_triton_forward_v3(d, bl, monkeypatch):
+def test_triton_forward_pieces(d, bl, monkeypatch):
     # the exact-width forward (row as one, two or three power-of-two pieces), forced under the interpreter;
-    # _fwd2_kernel removed, so a silent fall-back to v2 fails. L = 5 with bl = 2: a half-empty last block;
+    # _fwd_padded_kernel removed, so a silent fall-back to it fails. L = 5 with bl = 2: a half-empty last block;
     # N = 37 in tiles of 4 / 2 / 1 rows (_row_tile at d = 1024 / 1536 / 3584) over 8 programs: every program
     # walks several token tiles (the reset at a tile's first block) and the last tile is partly past N
-    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v3", "bl": bl, "progs_per_sm": 2, "ns": 2})
-    monkeypatch.setattr(T, "_fwd2_kernel", None)
+    monkeypatch.setattr(TF, "_fwd_padded_kernel", None)
     n = 37
-    for L in (1, 2, 3, 5):
-        for onorm in (False, True):
-            query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=3 / d ** 0.5)
-            ow = torch.randn(d) if onorm else None
-            out = T.attn_residual(query, sources, w, output_rms_weight=ow)
-            assert out.shape == (n, d) and out.dtype == torch.float32
-            assert _rel(out, _naive(query, sources, w, EPS, ow)) < 1e-5, (L, onorm)
+    with _pipelined(bl=bl, fwd_progs_per_sm=2, fwd_ns=2, fwd_bt=T._row_tile(d, n)[0]):
+        for L in (1, 2, 3, 5):
+            for onorm in (False, True):
+                query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=3 / d ** 0.5)
+                ow = torch.randn(d) if onorm else None
+                out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+                assert out.shape == (n, d) and out.dtype == torch.float32
+                assert _rel(out, _naive(query, sources, w, EPS, ow)) < 1e-5, (L, onorm)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v3"])
-def test_triton_forward_strided_tiles(impl, monkeypatch):
-    # "strided": program p takes the token tiles p, p + grid, ... (N = 37 in tiles of 2 rows at d = 1536: 19
-    # tiles over 7 programs of 3, the last ones past N), with and without the output norm
-    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": impl, "bl": 2, "progs_per_sm": 2, "ns": 2, "strided": True})
-    monkeypatch.setattr(T, "_fwd3_kernel" if impl == "v2" else "_fwd2_kernel", None)
-    n, d = 37, 1536
-    for L in (1, 3):
-        for onorm in (False, True):
-            query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=3 / d ** 0.5)
-            ow = torch.randn(d) if onorm else None
-            out = T.attn_residual(query, sources, w, output_rms_weight=ow)
-            assert _rel(out, _naive(query, sources, w, EPS, ow)) < 1e-5, (L, onorm)
+@pytest.mark.parametrize("kernel,d", [("padded", 1500), ("pieces", 1536)])
+def test_triton_forward_strided_tiles(kernel, d, monkeypatch):
+    # program p takes the token tiles p, p + grid, ... (N = 37 in tiles of 2 rows at d = 1500 / 1536: 19 tiles
+    # over 7 programs of 3, the last ones past N), with and without the output norm
+    monkeypatch.setattr(TF, "_fwd_pieces_kernel" if kernel == "padded" else "_fwd_padded_kernel", None)
+    n = 37
+    with _pipelined(bl=2, fwd_progs_per_sm=2, fwd_ns=2, fwd_bt=T._row_tile(d, n)[0]):
+        for L in (1, 3):
+            for onorm in (False, True):
+                query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=3 / d ** 0.5)
+                ow = torch.randn(d) if onorm else None
+                out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+                assert _rel(out, _naive(query, sources, w, EPS, ow)) < 1e-5, (L, onorm)
 
 
-def test_triton_forward_v3_falls_back_to_v2(monkeypatch):
-    # d = 40 has no power-of-two pieces of >= 512 columns: "v3" runs _fwd2_kernel
-    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v3", "bl": 2, "progs_per_sm": 1, "ns": 2})
-    monkeypatch.setattr(T, "_fwd3_kernel", None)
+def test_triton_forward_padded_where_no_pieces(monkeypatch):
+    # d = 40 has no power-of-two pieces of >= 512 columns: the pipelined forward runs _fwd_padded_kernel
+    monkeypatch.setattr(TF, "_fwd_pieces_kernel", None)
     query, sources, w = _inputs(3, (29, 40), torch.float32)
-    out = T.attn_residual(query, sources, w)
+    with _pipelined(bl=2, fwd_progs_per_sm=1, fwd_ns=2, fwd_bt=T._row_tile(40, 29)[0]):
+        out = T.attn_residual(query, sources, w)
     assert _rel(out, _naive(query, sources, w)) < _tol(torch.float32)
 
 
 @pytest.mark.parametrize("onorm", [False, True])
-def test_triton_forward_v3_backward(onorm, monkeypatch):
-    # the v3 forward saves the logits and log-sum-exp that the (unchanged) backward reads
-    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v3", "bl": 2, "ns": 2, "progs_per_sm": 2})
-    monkeypatch.setattr(T, "_fwd2_kernel", None)
+def test_triton_forward_pieces_backward(onorm, monkeypatch):
+    # the exact-width forward saves the logits and log-sum-exp that the (unchanged) backward reads
+    monkeypatch.setattr(TF, "_fwd_padded_kernel", None)
     L, n, d = 5, 23, 1536
     query, sources, w = _inputs(L, (n, d), torch.float32, scale_q=3 / d ** 0.5)
     ow = torch.randn(d) if onorm else None
     gy = torch.randn(n, d)
-    got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o),
-                 query, sources, w, ow, gy)
+    with _pipelined(bl=2, fwd_ns=2, fwd_progs_per_sm=2, fwd_bt=T._row_tile(d, n)[0]):
+        got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o),
+                     query, sources, w, ow, gy)
     want = _grads(lambda q, s, w_, e, o: _naive(q, s, w_, e, o), query.double(), [s.double() for s in sources],
                   w.double(), ow.double() if ow is not None else None, gy.double())
     names = ["query", "rms_weight"] + [f"source{i}" for i in range(L)] + (["output_rms_weight"] if onorm else [])
@@ -393,17 +400,19 @@ def test_triton_backward_aliased_source():
     assert _rel(gx, hx) < 1e-4 and _rel(gyy, hy) < 1e-4
 
 
-@pytest.mark.parametrize("mix", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("mix", ["groups", "bank"])
 @pytest.mark.parametrize("Q,B,n,dtype", [(1, 1, 20, torch.float32), (5, 3, 100, torch.float32),
                                          (24, 8, 37, torch.float32), (4, 13, 29, torch.float32),
                                          (3, 25, 17, torch.float16), (24, 1, 33, torch.float16)])
-def test_triton_phase1_matches_naive(Q, B, n, dtype, mix, monkeypatch):
-    monkeypatch.setattr(T, "P1_CONFIG", {"mix_impl": mix})
+def test_triton_phase1_matches_naive(Q, B, n, dtype, mix):
+    # "bank": the default rule (the bank mix up to 16 sources, the query-group mix for B = 25), "groups": the
+    # query-group mix at every B
     d = 48
     bank = [torch.randn(n, d).mul_(1 + i % 3).to(dtype) for i in range(B)]
     queries = torch.randn(Q, d)
     ws = 1 + 0.3 * torch.randn(Q, d)
-    acc, m, s = T.attn_residual_phase1(queries, bank, ws)
+    with T.config(**({"mix_bank_max_sources": 0} if mix == "groups" else {})):
+        acc, m, s = T.attn_residual_phase1(queries, bank, ws)
     assert acc.shape == (Q, n, d) and acc.dtype == torch.float32
     for k in range(Q):
         # independent: acc/s is the attn_residual of the bank; m is the max logit; s = sum exp(logit - m)
@@ -456,11 +465,11 @@ def test_triton_two_phase_equals_direct(B, with_partial, onorm, acc_dtype):
                                                                        else _tol(dtype))
 
 
-@pytest.mark.parametrize("mcfg", [{"impl": "v2"}, {"impl": "v2", "strided": False}, {"impl": "v2", "ns": 1}])
+@pytest.mark.parametrize("mcfg", [{}, {"merge_ns": 1}])
 @pytest.mark.parametrize("with_partial,onorm", [(False, False), (True, False), (True, True)])
-def test_triton_merge_v2_persistent(mcfg, with_partial, onorm, monkeypatch):
-    # the persistent merge (_merge2_kernel: several rows per program, strided or contiguous, the last program's
-    # rows partly past N, d not a power of two) against the float64 naive form and the one-row-per-program kernel
+def test_triton_merge_persistent(mcfg, with_partial, onorm):
+    # the persistent merge (_merge_persistent_kernel: several rows per program, the last program's rows partly past
+    # N, d not a power of two) against the float64 naive form and the row kernel
     Q, B, n, d = 3, 4, 65, 48
     bank = [torch.randn(n, d) * (1 + i) for i in range(B)]
     queries = torch.randn(Q, d)
@@ -470,12 +479,11 @@ def test_triton_merge_v2_persistent(mcfg, with_partial, onorm, monkeypatch):
     acc, m, s = T.attn_residual_phase1(queries, bank, ws)
     srcs = bank + ([partial] if with_partial else [])
     for k in range(Q):
-        monkeypatch.setattr(T, "MERGE_CONFIG", {})
-        v1 = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
-        monkeypatch.setattr(T, "MERGE_CONFIG", mcfg)
-        out = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
+        rows = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
+        with T.config(merge_persistent=True, **mcfg):
+            out = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
         assert _rel(out, _naive(queries[k], srcs, ws[k], EPS, ow)) < _tol(torch.float32)
-        assert _rel(out, v1) < 1e-6
+        assert _rel(out, rows) < 1e-6
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -515,12 +523,9 @@ def compile_(fn, sig, const, nw):
 
 fsig = {"base": "*bf16", "offs": "*i64", "q_buf": "*bf16", "w_buf": "*bf16", "ow": "*bf16", "out": "*bf16", "logit_buf": "*fp32",
         "lse_buf": "*fp32", "N": "i32", "L": "i32", "eps": "fp32", "TPP": "i32"}
-ptx = compile_(T._fwd_kernel, fsig, {"D": 7168, "BT": 2, "BD": 8192, "VEC": 8, "HAS_ONORM": True, "SAVE": False,
-                                     "PF": 1, "NS": 1, "QW_REG": True}, 16)
+ptx = compile_(T._fwd_rows_kernel, fsig, {"D": 7168, "BT": 2, "BD": 8192, "VEC": 8, "HAS_ONORM": True,
+                                          "SAVE": False}, 16)
 assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "forward: no 16-byte loads/stores"
-ptx = compile_(T._fwd_kernel, fsig, {"D": 7168, "BT": 1, "BD": 8192, "VEC": 8, "HAS_ONORM": True, "SAVE": False,
-                                     "PF": 0, "NS": 3, "QW_REG": False}, 16)
-assert "cp.async" in ptx, "forward with NS=3: the source loads are not staged through shared memory"
 for split, qt, kind in ((False, "*fp32", "tf32"), (True, "*bf16", "bf16")):
     ptx = compile_(T._phase1_logits_kernel, {"base": "*bf16", "offs": "*i64", "qwT": qt, "logit_buf": "*fp32",
                                              "N": "i32"},
@@ -529,32 +534,31 @@ for split, qt, kind in ((False, "*fp32", "tf32"), (True, "*bf16", "bf16")):
 f2sig = dict(fsig, NB="i32", TSTEP="i32")
 f2sig = {k: f2sig[k] for k in ("base", "offs", "q_buf", "w_buf", "ow", "out", "logit_buf", "lse_buf", "N", "L", "NB", "eps",
                                "TPP", "TSTEP")}
-for bt, bl, ns, nw, qr in ((1, 1, 4, 16, True), (1, 2, 3, 16, True), (2, 1, 3, 16, True), (1, 1, 4, 8, True),
-                           (1, 2, 1, 16, True), (2, 2, 2, 16, False)):
-    ptx = compile_(T._fwd2_kernel, f2sig, {"D": 7168, "BT": bt, "BD": 8192, "BL": bl, "VEC": 8, "HAS_ONORM": True,
-                                           "SAVE": True, "NS": ns, "QW_REG": qr, "OW_REG": qr}, nw)
-    assert "st.global.v4.b32" in ptx, ("forward v2: no 16-byte stores", bt, bl, ns)
-    assert ("cp.async" in ptx) == (ns > 1), ("forward v2: shared-memory staging iff NS > 1", bt, bl, ns)
-    assert ns > 1 or "ld.global.v4.b32" in ptx, ("forward v2: no 16-byte loads", bt, bl, ns)
+for bt, bl, ns, nw in ((1, 1, 4, 16), (1, 2, 3, 16), (2, 1, 3, 16), (1, 1, 4, 8), (1, 2, 1, 16), (2, 2, 2, 16)):
+    ptx = compile_(T._fwd_padded_kernel, f2sig, {"D": 7168, "BT": bt, "BD": 8192, "BL": bl, "VEC": 8,
+                                                 "HAS_ONORM": True, "SAVE": True, "NS": ns}, nw)
+    assert "st.global.v4.b32" in ptx, ("forward, padded rows: no 16-byte stores", bt, bl, ns)
+    assert ("cp.async" in ptx) == (ns > 1), ("forward, padded rows: shared-memory staging iff NS > 1", bt, bl, ns)
+    assert ns > 1 or "ld.global.v4.b32" in ptx, ("forward, padded rows: no 16-byte loads", bt, bl, ns)
 for parts, bl, on in (((4096, 2048, 1024), 1, True), ((4096, 2048, 1024), 2, True), ((4096, 0, 0), 2, False)):
-    ptx = compile_(T._fwd3_kernel, f2sig, {"D": sum(parts), "BT": 1, "BL": bl, "P1": parts[0], "P2": parts[1],
-                                           "P3": parts[2], "VEC": 8, "HAS_ONORM": on, "SAVE": True, "NS": 3,
-                                           "QW_REG": True, "OW_REG": False}, 4)
-    assert "cp.async" in ptx and "st.global.v4.b32" in ptx, ("forward v3: loads not staged / narrow stores", parts, bl)
+    ptx = compile_(T._fwd_pieces_kernel, f2sig, {"D": sum(parts), "BT": 1, "BL": bl, "P1": parts[0], "P2": parts[1],
+                                                 "P3": parts[2], "VEC": 8, "HAS_ONORM": on, "SAVE": True, "NS": 3}, 4)
+    assert "cp.async" in ptx and "st.global.v4.b32" in ptx, ("forward, pieces: loads not staged / narrow stores", parts,
+                                                             bl)
 msig = {"base": "*bf16", "offs": "*i64", "wts": "*fp32", "acc": "*fp32", "N": "i32", "NQP": "i32", "L": "i32",
         "Q": "i32"}
 for acc_t in ("*fp32", "*bf16"):
-    ptx = compile_(T._phase1_mix2_kernel, dict(msig, acc=acc_t),
+    ptx = compile_(T._phase1_mix_groups_kernel, dict(msig, acc=acc_t),
                    {"D": 7168, "BC": 1024, "QP": 32, "QB": 8, "NG": 3, "VEC": 8, "NS": 3}, 8)
-    assert "cp.async" in ptx and "st.global.v4.b32" in ptx, "phase 1 mix v2: loads not staged / narrow stores"
+    assert "cp.async" in ptx and "st.global.v4.b32" in ptx, "phase 1 group mix: loads not staged / narrow stores"
 compile_(T._phase1_stats_kernel, {"logit_buf": "*fp32", "m_out": "*fp32", "s_out": "*fp32", "N": "i32",
                                   "NQP": "i32", "L": "i32", "Q": "i32"}, {"QP": 32, "BN": 64, "NS": 2}, 4)
 m3sig = {k: v for k, v in msig.items() if k != "Q"}
 for acc_t in ("*fp32", "*bf16"):
-    ptx = compile_(T._phase1_mix3_kernel, dict(m3sig, acc=acc_t),
+    ptx = compile_(T._phase1_mix_bank_kernel, dict(m3sig, acc=acc_t),
                    {"D": 7168, "BC": 1024, "QP": 32, "LB": 8, "Q": 24, "VEC": 8}, 4)
-    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "phase 1 mix v3: narrow loads or stores"
-    assert "cp.async" not in ptx, "phase 1 mix v3: the bank chunks go to registers, not through shared memory"
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "phase 1 bank mix: narrow loads or stores"
+    assert "cp.async" not in ptx, "phase 1 bank mix: the bank chunks go to registers, not through shared memory"
 gsig = {"acc": "*bf16", "m_in": "*fp32", "s_in": "*fp32", "part": "*bf16", "q": "*bf16", "w": "*bf16", "ow": "*bf16",
         "out": "*bf16", "N": "i32", "eps": "fp32", "TPP": "i32", "TSTEP": "i32"}
 for part, on in ((True, True), (False, True), (True, False)):
@@ -562,11 +566,13 @@ for part, on in ((True, True), (False, True), (True, False)):
     sig = dict(gsig)
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
-    k = triton.compile(triton.compiler.ASTSource(fn=T._merge2_kernel, signature=sig, constexprs=const, attrs=attrs),
+    k = triton.compile(triton.compiler.ASTSource(fn=T._merge_persistent_kernel, signature=sig, constexprs=const,
+                                                 attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert "cp.async" in k.asm["ptx"] and "st.global.v4.b32" in k.asm["ptx"], ("merge v2", part, on)
+    assert "cp.async" in k.asm["ptx"] and "st.global.v4.b32" in k.asm["ptx"], ("persistent merge", part, on)
     # only acc and the partial are staged (2 stages x 2 x 16 KB): two programs fit an SM's 228 KB
-    assert k.metadata.shared <= 96 * 1024, ("merge v2: the pipeline stages more than acc and partial", k.metadata.shared)
+    assert k.metadata.shared <= 96 * 1024, ("persistent merge: the pipeline stages more than acc and partial",
+                                            k.metadata.shared)
 print("OK")
 """
 
@@ -638,26 +644,22 @@ def test_gpu_forward_bf16(L, onorm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [{"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1},
-                                 {"impl": "v2", "num_warps": 8, "bt": 1, "bl": 1, "ns": 4, "progs_per_sm": 2,
-                                  "maxnreg": 128},
-                                 {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 1, "progs_per_sm": 0},
-                                 {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2},
-                                 {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 1, "ns": 3, "progs_per_sm": 2,
-                                  "ow_reg": False}])
-def test_gpu_forward_v2_bf16(cfg, monkeypatch):
-    # the v2 (and v3: 7168 = 4096 + 2048 + 1024) schedules at the model's size, L = 3 (not a multiple of
-    # bl = 2), forward and the saved logits
-    monkeypatch.setattr(T, "FWD_CONFIG", cfg)
+@pytest.mark.parametrize("bl", [1, 2])
+def test_gpu_forward_pieces_bf16(bl):
+    # the exact-width schedule (7168 = 4096 + 2048 + 1024) at the model's size with one and two sources per step,
+    # L = 3 (not a multiple of bl = 2), forward and the saved logits
     n, d, L = 16384 + 17, 7168, 3
     query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
     ow = torch.randn(d, device="cuda", dtype=torch.bfloat16)
-    out = T.attn_residual(query, sources, w, output_rms_weight=ow)
+    with T.config(fwd_bl=bl, fwd_bl_wide=bl, fwd_bl_onorm=bl):
+        out = T.attn_residual(query, sources, w, output_rms_weight=ow)
     rows = torch.arange(n, device="cuda")
     assert _rel(out, _naive_rows(query, sources, w, ow, rows)) < _tol(torch.bfloat16)
     small = [s[:1000 + 3] for s in sources]
     gy = torch.randn(1003, d, device="cuda")
-    got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o), query, small, w, None, gy)
+    with T.config(fwd_bl=bl, fwd_bl_wide=bl, fwd_bl_onorm=bl):
+        got = _grads(lambda q, s, w_, e, o: T.attn_residual(q, s, w_, eps=e, output_rms_weight=o), query, small, w,
+                     None, gy)
     want = _grads(lambda q, s, w_, e, o: _naive(q, s, w_, e, o), query.double(), [s.double() for s in small],
                   w.double(), None, gy.double())
     for a, b in zip(got, want):
@@ -665,26 +667,23 @@ def test_gpu_forward_v2_bf16(cfg, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_forward_v2_float32_fits(monkeypatch):
-    # a v2 setting sized for bf16 (4 sources x 3 stages) on float32 rows of 7168: stages are cut to fit
-    monkeypatch.setattr(T, "FWD_CONFIG", {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 4, "ns": 4,
-                                          "progs_per_sm": 1, "qw_reg": False})
+def test_gpu_forward_float32_fits():
+    # a setting sized for bf16 (4 sources x 4 stages) on float32 rows of 7168: stages are cut to fit
     n, d, L = 1000 + 3, 7168, 6
     query, sources, w = _inputs(L, (n, d), torch.float32, device="cuda", scale_q=0.05)
-    out = T.attn_residual(query, sources, w)
+    with T.config(fwd_num_warps=16, fwd_bl_wide=4, fwd_ns=4, fwd_progs_per_sm=1):
+        out = T.attn_residual(query, sources, w)
     assert _rel(out, _naive(query, sources, w)) < _tol(torch.float32)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [{}, {"impl": "v2", "num_warps": 16, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 1},
-                                 {"impl": "v3", "num_warps": 4, "bt": 1, "bl": 2, "ns": 3, "progs_per_sm": 2}],
-                         ids=["default", "v2", "v3"])
-def test_gpu_forward_past_2_32_elements(cfg, monkeypatch):
+@pytest.mark.parametrize("cfg", [{}, {"fwd_bl_wide": 1}], ids=["default", "bl1"])
+def test_gpu_forward_past_2_32_elements(cfg):
     # N = 65536, L = 16, d = 7168: 7.5e9 source elements, every offset past 2^32 must be right
-    monkeypatch.setattr(T, "FWD_CONFIG", cfg)
     n, d, L = 65536, 7168, 16
     query, sources, w = _inputs(L, (n, d), torch.bfloat16, device="cuda", scale_q=0.05)
-    out = T.attn_residual(query, sources, w)
+    with T.config(**cfg):
+        out = T.attn_residual(query, sources, w)
     rows = torch.cat([torch.arange(512, device="cuda"), torch.arange(n - 4096, n, device="cuda"),
                       torch.randint(0, n, (2048,), device="cuda")])
     assert _rel(out[rows], _naive_rows(query, sources, w, None, rows)) < _tol(torch.bfloat16)
@@ -705,41 +704,31 @@ def test_gpu_backward_bf16(onorm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg,B", [({"mix_impl": "v1"}, 8), ({"mix_impl": "v2"}, 8), ({"mix_impl": "v3"}, 7),
-                                   ({"mix_impl": "v3"}, 16), ({"p1_split": True}, 3),
-                                   ({"merge": {"impl": "v1", "num_warps": 4}}, 3),
-                                   ({"merge": {"impl": "v2", "strided": False}}, 3),
-                                   ({"p1_split": False}, 3), ({}, 1)])
+@pytest.mark.parametrize("cfg,B", [({"mix_bank_max_sources": 0}, 8), ({}, 7), ({}, 16), ({}, 3),
+                                   ({"merge_persistent": False, "merge_num_warps": 4}, 3), ({}, 1)])
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_two_phase_bf16(acc_dtype, cfg, B, monkeypatch):
-    cfg = dict(cfg)
-    monkeypatch.setattr(T, "MERGE_CONFIG", cfg.pop("merge", {}))
-    monkeypatch.setattr(T, "P1_CONFIG", cfg)
+def test_gpu_two_phase_bf16(acc_dtype, cfg, B):
+    # the bank mix (B <= 16), the query-group mix (forced at B = 8), the row merge (forced), a bank of one source
     n, d, Q = 4096 + 5, 7168, 24
     bank = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * (1 + i) for i in range(B)]
     partial = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
     queries = torch.randn(Q, d, device="cuda") * 0.05
     ws = 1 + 0.3 * torch.randn(Q, d, device="cuda")
     ow = torch.randn(d, device="cuda")
-    acc, m, s = T.attn_residual_phase1(queries, bank, ws, acc_dtype=acc_dtype)
-    for k in (0, 11, 23):
-        out = T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
+    with T.config(**cfg):
+        acc, m, s = T.attn_residual_phase1(queries, bank, ws, acc_dtype=acc_dtype)
+        outs = {k: T.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k], output_rms_weight=ow)
+                for k in (0, 11, 23)}
+    for k, out in outs.items():
         assert out.dtype == torch.bfloat16
         want = _naive(queries[k], bank + [partial], ws[k], EPS, ow)
         assert _rel(out, want) < (2 if acc_dtype == torch.bfloat16 else 1) * _tol(torch.bfloat16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True])
-def test_gpu_phase1_logits_of_a_bf16_bank_keep_float32_precision(split, monkeypatch):
-    # the phase-1 logits of a bf16 bank (tf32x3 MMAs on the float32 tile): the max logit m and the softmax sum s
-    # match float64 to float32 accuracy (H200: 4.1e-7). 14th session, not kept: qw split into bf16 parts for
-    # bf16 MMAs on the tile as loaded read the bank 2.6x faster, but gave 8.4e-6 (hi, mid, lo side by side in one
-    # MMA) and 2.7e-5 (three chained MMAs) here, and the two-phase read's error against the float32 reference
-    # rose from 4e-5 to 2e-4 (two parts) and up to 8e-3 (three)
-    # split: bf16 MMAs of the tile against queries * rms_weights in three bf16 parts, each step promoted to a
-    # float32 sum, which must keep the same precision
-    monkeypatch.setattr(T, "P1_CONFIG", {"p1_split": split})
+def test_gpu_phase1_logits_of_a_bf16_bank_keep_float32_precision():
+    # the phase-1 logits of a bf16 bank (bf16 MMAs of the tile against queries * rms_weights in three bf16 parts,
+    # each step promoted to a float32 sum): the max logit m and the softmax sum s match float64 to float32 accuracy
     n, d, Q, B = 1000 + 3, 7168, 24, 4
     bank = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * (1 + i) for i in range(B)]
     queries = torch.randn(Q, d, device="cuda") * 0.05

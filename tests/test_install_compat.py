@@ -85,12 +85,10 @@ def test_kda_chunk_with_bool_masks_only(strict_masks):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's masks (CPU)")
-@pytest.mark.parametrize("pf", [1, 2])
-def test_attn_residual_with_bool_masks_only(strict_masks, monkeypatch, pf):
-    """The direct attn_residual kernel with its software-pipelined loads (pf sources ahead: a mask of a scalar
+def test_attn_residual_with_bool_masks_only(strict_masks):
+    """The direct attn_residual kernel with its software-pipelined loads (the next source ahead: a mask of a scalar
     comparison and a row block), against the reference, with triton 3.9's mask check."""
     ta = importlib.import_module("backends.triton.attn_residual")    # the package exports the function
-    monkeypatch.setattr(ta, "FWD_CONFIG", {"pf": pf})
     L, N, D = 5, 37, 48
     srcs = [torch.randn(N, D) for _ in range(L)]
     qv, nw = torch.randn(D), 1 + 0.1 * torch.randn(D)
@@ -101,17 +99,17 @@ def test_attn_residual_with_bool_masks_only(strict_masks, monkeypatch, pf):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's masks (CPU)")
 def test_two_phase_attn_residual_with_bool_masks_only(strict_masks, monkeypatch):
-    """Phase 1 over a bank (its statistics stored by one column block: a mask of a scalar comparison) and the
-    persistent merge (rows past N: a scalar row mask with the column mask), against the reference."""
+    """Phase 1 over a bank and the persistent merge (rows past N: a scalar row mask with the column mask), against
+    the reference."""
     ta = importlib.import_module("backends.triton.attn_residual")
-    monkeypatch.setattr(ta, "MERGE_CONFIG", {"impl": "v2"})
     Q, B, n, d = 3, 4, 29, 40
     bank = [torch.randn(n, d) for _ in range(B)]
     queries, ws = torch.randn(Q, d), 1 + 0.3 * torch.randn(Q, d)
     partial = torch.randn(n, d)
     acc, m, s = ta.attn_residual_phase1(queries, bank, ws)
     for k in range(Q):
-        out = ta.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k])
+        with ta.config(merge_persistent=True):
+            out = ta.attn_residual_merge(acc[k], m[k], s[k], partial, queries[k], ws[k])
         assert rel_rms(out, ref.attn_residual(queries[k], bank + [partial], ws[k])) < 1e-5
 
 
