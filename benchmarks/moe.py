@@ -14,13 +14,14 @@ Timing: triton.testing.do_bench (median, CUDA events). FLOPs: expert GEMMs 6*N*k
 forward+backward). Bytes: the weights read once (the floor for a weight-streaming layer) plus the
 token activations in and out. Limits: bf16 dense matmul ~720 TFLOP/s, device copy ~4.2 TB/s.
 
-Weight-gradient implementations (backends.triton.moe.WGRAD_IMPL "auto" (default) / "v1" / "v2" / "v3"; per-kernel
-launch-setting sweeps, v3 included: benchmarks/moe_tiles.py): --wgrad-compare times v1 and v2 in one run, the two weight-gradient launches alone (dW1|dW3: 4*N*k*l*I FLOPs, dW2:
-2*N*k*l*I, on random bf16 operands of the real shapes and the real routing) and the routed experts
-forward+backward with each (rows "triton:wgrad-<impl>"); it also checks that v2 matches v1.
+Weight gradients (backends.triton.moe: the held kernel below MoeConfig.wgrad_few_rows rows per expert, the tile
+kernel otherwise; per-kernel launch-setting sweeps: benchmarks/moe_tiles.py): --wgrad-compare times the default
+("auto") and the tile kernel at every size ("tile": wgrad_few_rows 0) in one run, the weight-gradient launches alone
+(dW1|dW3: 4*N*k*l*I FLOPs, dW2: 2*N*k*l*I, on random bf16 operands of the real shapes and the real routing) and
+the routed experts forward+backward with each (rows "triton:wgrad-<form>"); it also checks that the two agree.
 
 Usage: python benchmarks/moe.py [--quick] [--tokens 8192 32768] [--out benchmarks/results/moe.md]
-       python benchmarks/moe.py --wgrad-compare --no-layer --tokens 32768 8192   (v1 vs v2 only)
+       python benchmarks/moe.py --wgrad-compare --no-layer --tokens 32768 8192   (the weight gradients only)
        python benchmarks/moe.py --cpu-smoke      (tiny shapes, checks the code paths, no timing)
 """
 import argparse
@@ -63,31 +64,21 @@ def _sort_rows(idx, e):
     return order, order // idx.shape[1], counts
 
 
-#: module attributes of backends.triton.moe that a --variants trial may set (besides TILE_CONFIGS entries)
-TRIAL_ATTRS = ("GLU_BWD_IMPL", "WGRAD_IMPL", "WGRAD_FEW_ROWS")
+def trial(tm, change):
+    """A --variants trial as a backends.triton.moe config block: change maps GPU tile entries to their changed
+    settings, or a MoeConfig field (e.g. wgrad_few_rows) to its value."""
+    fields = {kk: v for kk, v in change.items() if not isinstance(v, dict)}
+    tiles = {kk: v for kk, v in change.items() if isinstance(v, dict)}
+    return tm.config(tiles={"cuda": tiles} if tiles else None, **fields)
 
 
-def trial_base(tm):
-    """What set_trial restores: a copy of TILE_CONFIGS["cuda"] and of the TRIAL_ATTRS."""
-    return dict({kk: dict(v) for kk, v in tm.TILE_CONFIGS["cuda"].items()},
-                **{a: getattr(tm, a) for a in TRIAL_ATTRS})
+#: the weight-gradient forms --wgrad-compare times: the default, and the tile kernel at every size
+WGRAD_FORMS = {"auto": {}, "tile": {"wgrad_few_rows": 0}}
 
 
 def alloc_retries():
     """The CUDA caching allocator's retries so far (a retry frees cached blocks and synchronises)."""
     return torch.cuda.memory_stats().get("num_alloc_retries", 0)
-
-
-def set_trial(tm, change, base=None):
-    """Apply a --variants trial ({config name: settings} or {one of TRIAL_ATTRS: value}) to backends.triton.moe;
-    with base (from trial_base), undo it."""
-    for kk, v in change.items():
-        if kk in TRIAL_ATTRS:
-            setattr(tm, kk, base[kk] if base is not None else v)
-        elif base is not None:
-            tm.TILE_CONFIGS["cuda"][kk] = dict(base[kk])
-        else:
-            tm.TILE_CONFIGS["cuda"][kk].update(v)
 
 
 class PowerSampler:
@@ -157,20 +148,17 @@ def profile_steps(step, label, steps=2, top=20):
 
 
 def experts_phases(tm, fwd, inputs, grad_out, reps=5):
-    """Median time (ms) of each phase of moe_experts' forward and backward (backends.triton.moe.PROFILE events),
+    """Median time (ms) of each phase of moe_experts' forward and backward (MoeConfig.profile events),
     as 'name a.bc, ...', and the caching allocator's retries over the reps (a retry frees cached blocks and
     synchronises: the 9th session's weight-gradient phases took ~25% longer in the layer than alone)."""
     per = {}
     retries0 = alloc_retries()
     for _ in range(reps):
-        tm.PROFILE = []
-        try:
+        ev = []
+        with tm.config(profile=ev):
             u = fwd()
             gr = torch.autograd.grad(u, inputs, grad_out)
             torch.cuda.synchronize()
-            ev = tm.PROFILE
-        finally:
-            tm.PROFILE = None
         del gr, u
         for (_, a), (name, b) in zip(ev[:-1], ev[1:]):
             if name != "bwd: start":           # the gap between forward and backward is not a phase
@@ -258,9 +246,10 @@ def main():
                     help="seed of the random weights and inputs (default: a fresh one, printed in the header, so "
                          "that a run can be repeated)")
     ap.add_argument("--wgrad-compare", action="store_true",
-                    help="time the weight-gradient kernels v1 and v2 side by side (alone and in experts fwd+bwd)")
+                    help="time the weight gradients as the default runs them and on the tile kernel at every size, "
+                         "side by side (alone and in experts fwd+bwd)")
     ap.add_argument("--no-layer", action="store_true",
-                    help="with --wgrad-compare: time only the v1/v2 rows (no other effect)")
+                    help="with --wgrad-compare: time only the weight-gradient rows (no other effect)")
     args = ap.parse_args()
     t_start = time.time()
     if not args.cpu_smoke and not torch.cuda.is_available():
@@ -271,7 +260,6 @@ def main():
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from backends.triton import moe as tm  # noqa: E402  (after TRITON_INTERPRET)
-    wgrad_default = tm.WGRAD_IMPL
     import triton  # noqa: E402
 
     dev = "cpu" if args.cpu_smoke else "cuda"
@@ -365,13 +353,14 @@ def main():
                 if a and b and not math.isnan(a):
                     ratios.append(f"{what} T={T}: {b / a:.2f}x")
         for T in tokens:
-            for what in ("dW1|dW3 (dual)", "dW2 (single)"):
-                a, b = get.get(("wgrad-v2", T, what)), get.get(("wgrad-v1", T, what))
+            for what in ("dW1|dW3", "dW2"):
+                a, b = get.get(("wgrad-auto", T, what)), get.get(("wgrad-tile", T, what))
                 if a and b and not math.isnan(a):
-                    ratios.append(f"[v1/v2 time] {what} T={T}: {b / a:.2f}x")
-            a, b = get.get(("triton:wgrad-v2", T, "experts fwd+bwd")), get.get(("triton:wgrad-v1", T, "experts fwd+bwd"))
+                    ratios.append(f"[tile/auto time] {what} T={T}: {b / a:.2f}x")
+            a, b = get.get(("triton:wgrad-auto", T, "experts fwd+bwd")), get.get(("triton:wgrad-tile", T,
+                                                                                    "experts fwd+bwd"))
             if a and b and not math.isnan(a):
-                ratios.append(f"[v1/v2 time] experts fwd+bwd T={T}: {b / a:.2f}x")
+                ratios.append(f"[tile/auto time] experts fwd+bwd T={T}: {b / a:.2f}x")
         dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)"
         head = [f"# MoE layer benchmark ({dev_name}, torch {torch.__version__}, triton {triton.__version__})", "",
                 f"K3 MoE layer: d {d}, latent {lat}, {e} experts, top-{k}, intermediate {inter}, shared Is {i_s}, "
@@ -396,7 +385,7 @@ def main():
     reps = 300 if args.quick else 1000
 
     def wgrad_compare(T, x):
-        """v1 vs v2 weight-gradient kernels on the real routing of x: alone, then in experts fwd+bwd."""
+        """The weight gradients (WGRAD_FORMS) on the real routing of x: alone, then in experts fwd+bwd."""
         nk = T * k
         with torch.no_grad():
             idx, wt, _ = tm.qb_route(x, p["rw"], p["rb"], top_k=k, routed_scaling=scaling)
@@ -410,24 +399,21 @@ def main():
             b_dual = 2 * e * inter * lat * 2 + (2 * nk * inter + nk * lat) * 2
             b_one = e * inter * lat * 2 + (nk * inter + nk * lat) * 2
             ref_out = {}
-            for impl in ("v1", "v2"):
-                tm.WGRAD_IMPL = impl
-                try:
-                    # dW1|dW3 = [dA dB]^T xs (dual); dW2-shaped single launch: xs^T dB -> [E, l, I]
-                    record(f"wgrad-{impl}", T, "dW1|dW3 (dual)",
-                           lambda: tm._wgrad(da, xs, dsp, inter, lat, dw1, p2=db, out2=dw3), f_dual, b_dual, reps)
-                    tm._wgrad(da, xs, dsp, inter, lat, dw1, p2=db, out2=dw3)
-                    ref_out[impl] = [dw1[:, :256].float().clone(), dw3[-64:, :, :256].float().clone()]
+            for form, fields in WGRAD_FORMS.items():
+                with tm.config(**fields):
+                    # dW1, dW3 = dA^T xs, dB^T xs; dW2-shaped launch: xs^T dB -> [E, l, I]
+                    record(f"wgrad-{form}", T, "dW1|dW3",
+                           lambda: tm._wgrad_w13(da, db, xs, dsp, inter, lat, dw1, dw3), f_dual, b_dual, reps)
+                    tm._wgrad_w13(da, db, xs, dsp, inter, lat, dw1, dw3)
+                    ref_out[form] = [dw1[:, :256].float().clone(), dw3[-64:, :, :256].float().clone()]
                     dw2 = dw1.view(e, lat, inter)
-                    record(f"wgrad-{impl}", T, "dW2 (single)",
+                    record(f"wgrad-{form}", T, "dW2",
                            lambda: tm._wgrad(xs, db, dsp, lat, inter, dw2), f_one, b_one, reps)
                     tm._wgrad(xs, db, dsp, lat, inter, dw2)
-                    ref_out[impl].append(dw2[:, :256].float().clone())
-                finally:
-                    tm.WGRAD_IMPL = wgrad_default
+                    ref_out[form].append(dw2[:, :256].float().clone())
             if len(ref_out) == 2:
-                errs = [rel(a_, b_) for a_, b_ in zip(ref_out["v2"], ref_out["v1"])]
-                notes.append(f"T={T}: wgrad v2 vs v1 rel-RMS (dW1 part, dW3 part, dW2 part) = "
+                errs = [rel(a_, b_) for a_, b_ in zip(ref_out["tile"], ref_out["auto"])]
+                notes.append(f"T={T}: wgrad tile vs auto rel-RMS (dW1 part, dW3 part, dW2 part) = "
                              + ", ".join(f"{x_:.1e}" for x_ in errs))
                 print("  " + notes[-1], flush=True)
             da = db = xs = dw1 = dw3 = ref_out = None  # (not del: the lambdas above close over these names)
@@ -439,20 +425,17 @@ def main():
         ws = {kk: p[kk].detach().requires_grad_() for kk in ("w1", "w3", "w2")}
         wtg = wt.clone().requires_grad_()
         gu = torch.randn(T, lat, device=dev, dtype=dt)
-        for impl in ("v1", "v2"):
+        for form, fields in WGRAD_FORMS.items():
             def estep():
                 u = tm.moe_experts(xl, idx, wtg, ws["w1"], ws["w3"], ws["w2"])
                 gr = torch.autograd.grad(u, (xl, wtg, ws["w1"], ws["w3"], ws["w2"]), gu)
                 del gr, u
 
-            tm.WGRAD_IMPL = impl
-            try:
+            with tm.config(**fields):
                 if dev == "cuda":
                     torch.cuda.empty_cache()
-                record(f"triton:wgrad-{impl}", T, "experts fwd+bwd", estep, 3 * 6.0 * nk * lat * inter,
+                record(f"triton:wgrad-{form}", T, "experts fwd+bwd", estep, 3 * 6.0 * nk * lat * inter,
                        3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
-            finally:
-                tm.WGRAD_IMPL = wgrad_default
         xl = wtg = gu = ws = None  # (not del: estep closes over these names)
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -495,20 +478,16 @@ def main():
             record("loop", T, "experts fwd", lambda: loop_experts(xl, idx, wt, p["w1"], p["w3"], p["w2"]),
                    f_exp, ebytes, reps)
             if args.variants and not args.cpu_smoke:
-                base = trial_base(tm)
                 trials = {
                     "glu-gather": {"glu_fwd": dict(A_TMA=False)},
                     "mm128x128s4": {"mm": dict(BN=128, num_stages=4)},
-                    # every m-tile at full height (the 11th session's kernels; HALF: see HALF_TILE_MAX_ROWS)
+                    # every m-tile at full height (HALF: see MoeConfig.half_tile_max_rows)
                     "no-half": {"glu_fwd": dict(HALF=False), "mm": dict(HALF=False)},
                 }
                 for name, ch in trials.items():
-                    set_trial(tm, ch)
-                    try:
+                    with trial(tm, ch):
                         record("triton:" + name, T, "experts fwd",
                                lambda: tm.moe_experts(xl, idx, wt, p["w1"], p["w3"], p["w2"]), f_exp, ebytes, reps)
-                    finally:
-                        set_trial(tm, ch, base)
             lbytes = wbytes_exp + wbytes_dense + 2 * T * d * 2
             for impl in ("triton", "gmm", "loop"):
                 layer = make_layer(impl, tm)
@@ -547,35 +526,19 @@ def main():
                 (xl, wtg, leaves["w1"], leaves["w3"], leaves["w2"]), gu))
             print("  " + notes[-1], flush=True)
         if args.variants and dev == "cuda":
-            base = trial_base(tm)
-            # backward variants beside the default
+            # backward settings beside the default
             trials = {
-                # the weight gradients on 128 x 256 tiles at every size (the 9th session's default; "wgrad_few"
-                # takes over below WGRAD_FEW_ROWS rows per expert since the 10th)
-                "wgrad-wide": {"WGRAD_FEW_ROWS": 0},
-                # (the 9th session's dx, one K loop over both operand pairs on 128 x 128 tiles, is no longer a
-                # variant: with today's dx tail stages it needs 295 KB of shared memory, 16th session)
-                # the weight gradients by v1 at every size (the 12th session's default: "wgrad_few" tiles below
-                # WGRAD_FEW_ROWS rows per expert), against the default "auto" (v3 with depth classes there)
-                "wgrad-v1": {"WGRAD_IMPL": "v1"},
-                # the few-row weight-gradient tiles as in the 11th session (64-row K blocks in 2 stages, maxnreg 168,
-                # pointer stores)
-                "wgrad-11th": {"WGRAD_IMPL": "v1", "wgrad_few": dict(BK=64, num_stages=2, maxnreg=168, O_TMA=False)},
+                # the weight gradients by the tile kernel on 128 x 256 tiles at every size
+                "wgrad-wide": {"wgrad_few_rows": 0},
                 # every token-side m-tile at full height
                 "no-half": {n_: dict(HALF=False) for n_ in ("glu_fwd", "mm", "dx", "glu_bwd_mm")},
-                # the 11th session's experts: no half-height tiles, few-row weight gradients as then
-                "11th": dict({n_: dict(HALF=False) for n_ in ("glu_fwd", "mm", "dx", "glu_bwd_mm")},
-                             WGRAD_IMPL="v1", wgrad_few=dict(BK=64, num_stages=2, maxnreg=168, O_TMA=False)),
             }
 
             for name, ch in trials.items():
-                set_trial(tm, ch)
-                try:
+                with trial(tm, ch):
                     torch.cuda.empty_cache()
                     record("triton:" + name, T, "experts fwd+bwd", lambda: estep(tm.moe_experts), 3 * f_exp,
                            3 * wbytes_exp + 4 * T * lat * 2, reps * 2)
-                finally:
-                    set_trial(tm, ch, base)
         xl = wtg = gu = None  # (not del: the timed closures read these names)
         # the baseline first: its peak is the higher one (~126 of 139 GiB at 32768 tokens), and after our layer had
         # run, the caching allocator retried 6 times in each of its timings (15th session; the same live memory)

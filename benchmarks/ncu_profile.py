@@ -13,8 +13,8 @@ reports each kernel of exactly one call (leave the clocks alone: --clock-control
                  intermediate 3072) at --tokens (default 8192); with many sections ncu replays each kernel, and
                  the 20 GB weight-gradient writes may not fit a replay's save/restore: ask for metrics only
   wgrad          one dW2 weight-gradient launch of the K3 experts (dW2[e] = du_e^T h_e over dispatch-order
-                 rows) at --tokens (default 8192), with the implementation --wgrad-impl and its TILE_CONFIGS
-                 settings from --wgrad-set (e.g. "BN=128,KX=32" for v3); metrics only, as for experts
+                 rows) at --tokens (default 8192), by the kernel --wgrad-kernel with its tile settings from
+                 --wgrad-set (e.g. "BN=128,KX=32" for the held kernel); metrics only, as for experts
   kda            backends.triton.kda_chunk forward (no autograd), B 1, H --heads (16), T --tokens (65536),
                  K = V = 128, gate lower bound -5
 The 12th session's profiles (benchmarks/results/*.md) were taken this way.
@@ -37,11 +37,11 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=None, help="tokens (default: see above)")
     ap.add_argument("--sources", type=int, default=2, help="attn_residual: number of sources L (default 2)")
     ap.add_argument("--heads", type=int, default=16, help="kda: heads (default 16)")
-    ap.add_argument("--wgrad-impl", default="v1", choices=["v1", "v2", "v3"],
-                    help="wgrad: backends.triton.moe.WGRAD_IMPL (default v1)")
+    ap.add_argument("--wgrad-kernel", default="held", choices=["held", "tile"],
+                    help="wgrad: the held kernel (the default at few rows per expert) or the tile kernel for every "
+                         "expert (MoeConfig.wgrad_few_rows 0; default held)")
     ap.add_argument("--wgrad-set", default="", metavar="K=V,...",
-                    help="wgrad: integer settings of that implementation's TILE_CONFIGS entry (v3: wgrad3, "
-                         "v2: wgrad2, v1: wgrad_few)")
+                    help="wgrad: integer settings of that kernel's tile entry (held: wgrad_held, tile: wgrad)")
     ap.add_argument("--warmup", type=int, default=3, help="unprofiled calls first (default 3)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -76,18 +76,22 @@ def main(argv=None):
         from backends.triton import moe as tm
         e, lat, inter, k = 896, 3584, 3072, 16
         t = args.tokens or 8192
-        tm.WGRAD_IMPL = args.wgrad_impl
-        entry = {"v1": "wgrad_few", "v2": "wgrad2", "v3": "wgrad3"}[args.wgrad_impl]
+        entry = {"held": "wgrad_held", "tile": "wgrad"}[args.wgrad_kernel]
+        change = {}
         for kv in filter(None, args.wgrad_set.split(",")):
             key, _, val = kv.partition("=")
             if not val.lstrip("-").isdigit():
                 ap.error(f"--wgrad-set: expected KEY=INTEGER items, got {kv!r}")
-            tm.TILE_CONFIGS["cuda"][entry][key.strip()] = int(val)
+            change[key.strip()] = int(val)
         d = tm._Dispatch(torch.randn(t, e, device=dev).topk(k, dim=1).indices, e)
         dus = torch.randn(d.nk, lat, device=dev, dtype=bf)
         hw = torch.randn(d.nk, inter, device=dev, dtype=bf)
         dw2 = torch.empty(e, lat, inter, device=dev, dtype=bf)
-        fn = lambda: tm._wgrad(dus, hw, d, lat, inter, dw2)  # noqa: E731
+        fields = {"wgrad_few_rows": 0} if args.wgrad_kernel == "tile" else {}
+
+        def fn():
+            with tm.config(tiles={"cuda": {entry: change}}, **fields):
+                tm._wgrad(dus, hw, d, lat, inter, dw2)
     else:
         from backends.triton.kda import kda_chunk
         h, t = args.heads, args.tokens or 65536

@@ -314,11 +314,18 @@ def _check_experts(n, l, e, i, k, idx=None, wt=None, act="situ", weights=None, g
             assert err < 1e-4, (name, err)
 
 
-@pytest.fixture(params=["v1", "v2", "v3"])
-def wgrad_impl(request, monkeypatch):
-    """Runs a test with each weight-gradient implementation (tm.WGRAD_IMPL)."""
-    monkeypatch.setattr(tm, "WGRAD_IMPL", request.param)
-    return request.param
+@pytest.fixture(params=["tile", "held"])
+def wgrad_impl(request):
+    """Runs a test with each weight-gradient kernel: "held" (the default at the tests' few rows per expert) and
+    "tile" (the tile kernel for every expert: wgrad_few_rows 0, as at many rows per expert)."""
+    with tm.config(**({"wgrad_few_rows": 0} if request.param == "tile" else {})):
+        yield request.param
+
+
+def _cpu_tiles(names=None, **change):
+    """tm.config(tiles=...) changing the interpreter's tile entries `names` (default: all) by `change`."""
+    names = names or list(tm.TILE_CONFIGS["cpu"])
+    return {"cpu": {n_: dict(change) for n_ in names}}
 
 
 @pytest.mark.parametrize("n,l,e,i,k", [(1, 32, 4, 16, 1), (63, 40, 7, 24, 3), (33, 37, 5, 21, 2)])
@@ -327,25 +334,18 @@ def test_moe_experts_matches_naive_and_reference(n, l, e, i, k, wgrad_impl):
     _check_experts(n, l, e, i, k)
 
 
-def test_moe_experts_pointer_paths_and_split_wgrad(monkeypatch, wgrad_impl):
-    # no TMA anywhere (token rows gathered through pointers in every kernel) and the weight
-    # gradients of w1 and w3 from two launches instead of the dual kernel
-    cfgs = {k_: dict(v, A_TMA=False, W_TMA=False, P_TMA=False, Q_TMA=False, O_TMA=False)
-            for k_, v in tm.TILE_CONFIGS["cpu"].items()}
-    cfgs["wgrad_dual"]["DUAL"] = False
-    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
-    _check_experts(29, 32, 6, 16, 3)
+def test_moe_experts_pointer_paths(wgrad_impl):
+    # no TMA anywhere (token rows gathered through pointers in every kernel, pointer stores of the weight gradients)
+    with tm.config(tiles=_cpu_tiles(A_TMA=False, W_TMA=False, O_TMA=False)):
+        _check_experts(29, 32, 6, 16, 3)
 
 
-@pytest.mark.parametrize("pair", [2, 3])
 @pytest.mark.parametrize("tma", [True, False])
-def test_moe_experts_dx_pair_forms(pair, tma, monkeypatch):
-    # dx = dA w1 + dB w3 as one K loop over both operand pairs (PAIR 2) or two loops in sequence (PAIR 3, the
-    # default), through TMA descriptors or pointers; partial K tiles (i = 21)
-    cfgs = {k_: dict(v) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
-    cfgs["dx"].update(PAIR=pair, A_TMA=tma, W_TMA=tma)
-    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
-    _check_experts(31, 40, 5, 21, 3)
+def test_moe_experts_dx_pair_forms(tma):
+    # dx = dA w1 + dB w3 as two K loops in sequence (PAIR 3), through TMA descriptors or pointers; partial K tiles
+    # (i = 21)
+    with tm.config(tiles=_cpu_tiles(["dx"], A_TMA=tma, W_TMA=tma)):
+        _check_experts(31, 40, 5, 21, 3)
 
 
 def test_moe_experts_forward_without_gradients_gathers_in_the_gemm(monkeypatch):
@@ -369,40 +369,27 @@ def test_moe_experts_forward_without_gradients_gathers_in_the_gemm(monkeypatch):
 
 
 @pytest.mark.parametrize("tma", [True, False])
-@pytest.mark.parametrize("glu_bwd", ["split", "fused"])
-def test_moe_experts_half_height_tail_tiles(tma, glu_bwd, monkeypatch):
+def test_moe_experts_half_height_tail_tiles(tma):
     # HALF: an expert's last m-tile with at most BM / 2 rows runs at BM / 2 rows (32-row tiles here, so tails of
-    # 1..16 rows take the 16-row path and 17..31 the full one); every token-side GEMM, A through TMA or pointers,
-    # both GLU backward forms. Experts of 8 rows (one 16-row tile), 50 (32 + a full-height 18-row tail), none,
-    # and 44 (32 + a 16-row 12-row tail); tokens in shuffled order, so the dispatch gathers them.
-    cfgs = {k_: dict(v) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
-    for name in ("glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm"):
-        cfgs[name].update(BM=32, HALF=True, A_TMA=tma)
-    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
-    monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)
+    # 1..16 rows take the 16-row path and 17..31 the full one); every token-side GEMM, A through TMA or pointers.
+    # Experts of 8 rows (one 16-row tile), 50 (32 + a full-height 18-row tail), none, and 44 (32 + a 16-row 12-row
+    # tail); tokens in shuffled order, so the dispatch gathers them.
     slots = torch.tensor([0] * 8 + [1] * 50 + [3] * 44, device=DEV)
     idx = torch.stack([slots[:51], slots[51:]], dim=1)          # distinct experts per token: (0,1) (0,3) (1,3)
     idx = idx[torch.randperm(51, device=DEV)]
     assert torch.bincount(idx.flatten(), minlength=4).tolist() == [8, 50, 0, 44]
     wt = torch.rand(51, 2, device=DEV)
-    _check_experts(51, 40, 4, 24, 2, idx=idx, wt=wt)
+    with tm.config(tiles=_cpu_tiles(("glu_fwd", "mm", "dx", "glu_bwd_mm"), BM=32, HALF=True, A_TMA=tma)):
+        _check_experts(51, 40, 4, 24, 2, idx=idx, wt=wt)
 
 
 @pytest.mark.parametrize("tma", [True, False])
-@pytest.mark.parametrize("glu_bwd", ["split", "fused"])
-@pytest.mark.parametrize("pair", [2, 3])
-def test_moe_experts_swapped_tail_rows(tma, glu_bwd, pair, monkeypatch):
+def test_moe_experts_swapped_tail_rows(tma):
     # TAIL: m-tiles of BM + TAIL rows (32 + 16 here); a tile with more than BM rows runs its last TAIL rows swapped on
     # the same weight tiles (weight tile as the MMA's A operand), one with at most BM rows without them, and (HALF)
     # one with at most BM / 2 rows at half height. Experts of 8 rows (half), 50 (a 48-row swapped tile + a 2-row
     # half tile), none, 44 (32 + a 12-row swapped tail), 30 (one plain tile) and 63 (48 swapped + 15 half); every
-    # token-side GEMM, A through TMA or pointers, both GLU backward forms, dx as PAIR 2 and 3
-    cfgs = {k_: dict(v) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
-    for name in ("glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm"):
-        cfgs[name].update(BM=32, HALF=True, TAIL=16, A_TMA=tma)
-    cfgs["dx"]["PAIR"] = pair
-    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
-    monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)
+    # token-side GEMM, A through TMA or pointers
     counts = [8, 50, 0, 44, 30, 63]
     slots = torch.cat([torch.full((c,), j, device=DEV) for j, c in enumerate(counts)])
     n = slots.numel() // 3
@@ -411,31 +398,31 @@ def test_moe_experts_swapped_tail_rows(tma, glu_bwd, pair, monkeypatch):
     idx = idx[torch.randperm(n, device=DEV)]
     assert torch.bincount(idx.flatten(), minlength=6).tolist() == counts
     wt = torch.rand(n, 3, device=DEV)
-    _check_experts(n, 40, 6, 24, 3, idx=idx, wt=wt)
+    with tm.config(tiles=_cpu_tiles(("glu_fwd", "mm", "dx", "glu_bwd_mm"), BM=32, HALF=True, TAIL=16, A_TMA=tma)):
+        _check_experts(n, 40, 6, 24, 3, idx=idx, wt=wt)
 
 
-def test_moe_experts_tail_rows_must_be_a_power_of_two(monkeypatch):
-    cfgs = {k_: dict(v) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
-    cfgs["glu_fwd"].update(BM=32, TAIL=24)
-    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
-    with pytest.raises(ValueError, match="TAIL must be a power of two"):
-        _check_experts(20, 32, 4, 16, 2)
+def test_moe_experts_tail_rows_must_be_a_power_of_two():
+    with tm.config(tiles=_cpu_tiles(["glu_fwd"], BM=32, TAIL=24)):
+        with pytest.raises(ValueError, match="TAIL must be a power of two"):
+            _check_experts(20, 32, 4, 16, 2)
 
 
-@pytest.mark.parametrize("act", ["situ", "silu"])
-def test_moe_experts_glu_backward_fused_and_split(act, monkeypatch):
-    # GLU_BWD_IMPL: the GLU backward in the epilogue of the G = du w2 GEMM ("fused"), or a plain GEMM then a
-    # row kernel that overwrites the saved pre-activations ("split", the default); both against the reference
-    for impl in ("fused", "split"):
-        monkeypatch.setattr(tm, "GLU_BWD_IMPL", impl)
-        _check_experts(37, 40, 5, 24, 3, act=act)
-    monkeypatch.setattr(tm, "GLU_BWD_IMPL", "epilogue")
-    x = torch.randn(4, 16, device=DEV, requires_grad=True)
-    idx, wt = random_routing(4, 3, 1)
-    w1, w3, w2 = expert_weights(3, 16, 16)
-    u = tm.moe_experts(x, idx, wt, w1, w3, w2)
-    with pytest.raises(ValueError, match="GLU_BWD_IMPL"):
-        u.sum().backward()
+def test_moe_config_overrides_and_checks():
+    # the override context: entries merged, restored on exit, nested blocks stacking; unknown names refused
+    before = tm.current()
+    with tm.config(tiles=_cpu_tiles(["dx"], BM=32), wgrad_few_rows=0) as c1:
+        assert c1.tiles["cpu"]["dx"]["BM"] == 32 and c1.tiles["cpu"]["dx"]["BN"] == 16 and c1.wgrad_few_rows == 0
+        with tm.config(half_tile_max_rows=7) as c2:
+            assert c2.tiles["cpu"]["dx"]["BM"] == 32 and (c2.wgrad_few_rows, c2.half_tile_max_rows) == (0, 7)
+        assert tm.current() is c1
+    assert tm.current() is before and tm.current().tiles["cpu"]["dx"]["BM"] == 16
+    with pytest.raises(TypeError):
+        tm.TILE_CONFIGS["cpu"]["dx"]["BM"] = 8                      # the table is read-only
+    for bad in ({"wgrad_impl": "v2"}, {"tiles": {"gpu": {}}}, {"tiles": {"cpu": {"glu_bwd": {}}}}):
+        with pytest.raises(ValueError):
+            with tm.config(**bad):
+                pass
 
 
 def test_moe_experts_silu_activation():
@@ -530,12 +517,10 @@ def _naive_wgrad(p, q, offs, ptok=None, qtok=None):
     return out
 
 
-def _v3_launches(counts, kx, max_rows, base=16):
-    """The (KP, NX) depth classes v3 launches for these row counts (an independent restatement of the rule in
-    backends.triton.moe._wgrad_v3_groups: next power of two up to `base` rows, then `base` + NX blocks of kx;
-    experts over max_rows rows or 4 blocks are left to v1)."""
-    if not kx:
-        return int(max(counts) <= max_rows)
+def _held_launches(counts, kx, max_rows, base=16):
+    """The (KP, NX) depth classes the held kernel launches for these row counts (an independent restatement of the
+    rule in backends.triton.moe._wgrad_held_groups: next power of two up to `base` rows, then `base` + NX blocks of
+    kx; experts over max_rows rows or 4 blocks are left to the tile kernel)."""
     keys = set()
     for c in counts:
         if c <= base:
@@ -545,27 +530,25 @@ def _v3_launches(counts, kx, max_rows, base=16):
     return len(keys)
 
 
-@pytest.mark.parametrize("impl", ["v1", "v2", "v3", "v3-pow2", "v3-fallback", "auto"])
+@pytest.mark.parametrize("impl", ["tile", "held", "held-fallback"])
 @pytest.mark.parametrize("counts", [[0, 37, 0, 16, 1, 0, 50], [0, 0, 70, 0], [5, 0, 0, 0, 0, 0]])
 @pytest.mark.parametrize("tma,gather", [(True, False), (False, False), (True, True)])
 def test_wgrad_kernels_match_loop(monkeypatch, impl, counts, tma, gather):
-    """The weight-gradient kernels on their own (dual dW1|dW3 form and single dW2 form): experts
-    with zero rows, all rows on one expert, row counts that are and are not multiples of the
-    K block (16 on CPU), widths with partial tiles; TMA descriptors on and off, gathered rows.
-    v3 holds each expert's rows at a depth of 16 plus 16-row blocks (CPU "wgrad3": KP_BASE 16, KX 16; experts
-    grouped by depth, one launch per group); "v3-pow2": one launch at the next power of two of the largest
-    count (no KX); "v3-fallback": the experts over WGRAD_V3_MAX_ROWS go to v1 (an expert list), the others to v3;
-    "auto": v3 here (fewer than WGRAD_FEW_ROWS rows per expert)."""
-    monkeypatch.setattr(tm, "WGRAD_IMPL", impl[:2] if impl != "auto" else impl)
-    v3_calls = []
-    real_v3 = tm._wgrad_v3
-    monkeypatch.setattr(tm, "_wgrad_v3", lambda *a, **k: (v3_calls.append(1), real_v3(*a, **k)))
-    if impl == "v3-fallback":
-        monkeypatch.setattr(tm, "WGRAD_V3_MAX_ROWS", 32)
-    cfgs = {k_: dict(v, P_TMA=tma, Q_TMA=tma, O_TMA=tma) for k_, v in tm.TILE_CONFIGS["cpu"].items()}
-    if impl == "v3-pow2":
-        cfgs["wgrad3"]["KX"] = None
-    monkeypatch.setitem(tm.TILE_CONFIGS, "cpu", cfgs)
+    """The weight-gradient kernels on their own (dW1, dW3 and dW2 forms): experts with zero rows, all rows on one
+    expert, row counts that are and are not multiples of the K block (16 on CPU), widths with partial tiles; TMA
+    stores on and off, gathered rows. "held" (the default at few rows per expert) holds each expert's rows at a
+    depth of 16 plus 16-row blocks (CPU "wgrad_held": KP_BASE 16, KX 16; experts grouped by depth, one launch per
+    group); "held-fallback": the experts over wgrad_held_max_rows go to the tile kernel (an expert list), the others
+    to the held one; "tile": the tile kernel for every expert (wgrad_few_rows 0)."""
+    held_calls = []
+    real_held = tm._wgrad_held
+    monkeypatch.setattr(tm, "_wgrad_held", lambda *a, **k: (held_calls.append(1), real_held(*a, **k)))
+    fields = {"tile": {"wgrad_few_rows": 0}, "held": {}, "held-fallback": {"wgrad_held_max_rows": 32}}[impl]
+    with tm.config(tiles=_cpu_tiles(O_TMA=tma), **fields):
+        _wgrad_check(impl, counts, gather, held_calls)
+
+
+def _wgrad_check(impl, counts, gather, held_calls):
     offs = torch.tensor([0] + counts, device=DEV).cumsum(0)
     rows, e = int(offs[-1]), len(counts)
     mm, nn = 36, 20  # partial 16-wide tiles; float32 rows are 16-byte aligned (TMA allowed)
@@ -580,7 +563,7 @@ def test_wgrad_kernels_match_loop(monkeypatch, impl, counts, tma, gather):
     q = torch.randn(rows, nn, device=DEV)
     out, out2 = (torch.full((e, mm, nn), float("nan"), device=DEV) for _ in range(2))
     qtok = d.tok if gather else None
-    tm._wgrad(p, q, d, mm, nn, out, p2=p2, out2=out2, qtok=qtok)
+    tm._wgrad_w13(p, p2, q, d, mm, nn, out, out2, qtok=qtok)
     assert rel_rms(out, _naive_wgrad(p, q, offs, qtok=qtok)) < 1e-5
     assert rel_rms(out2, _naive_wgrad(p2, q, offs, qtok=qtok)) < 1e-5
     ptok = d.tok if gather else None
@@ -590,16 +573,10 @@ def test_wgrad_kernels_match_loop(monkeypatch, impl, counts, tma, gather):
     for j, c in enumerate(counts):
         if c == 0:
             assert torch.equal(out[j], torch.zeros_like(out[j])), j  # exact zeros, no NaN left
-    # v3 ran (dual form: two launches per depth class, then the single form) on the experts it takes
-    max_rows = 32 if impl == "v3-fallback" else tm.WGRAD_V3_MAX_ROWS
-    ran_v3 = impl.startswith("v3") or impl == "auto"
-    assert len(v3_calls) == (3 * _v3_launches(counts, cfgs["wgrad3"]["KX"], max_rows) if ran_v3 else 0)
-
-
-def test_wgrad_impl_switch_rejects_unknown(monkeypatch):
-    monkeypatch.setattr(tm, "WGRAD_IMPL", "v9")
-    with pytest.raises(ValueError, match="WGRAD_IMPL"):
-        _check_experts(5, 32, 4, 16, 2)
+    # the held kernel ran (dW1, dW3 and dW2: three launches per depth class) on the experts it takes
+    ran = impl.startswith("held")
+    launches = _held_launches(counts, tm._cfg("wgrad_held", p)["KX"], tm.current().wgrad_held_max_rows)
+    assert len(held_calls) == (3 * launches if ran else 0)
 
 
 # ================================================================= Hopper code generation (CPU)
@@ -738,7 +715,7 @@ for name in ("glu_fwd", "mm", "glu_bwd_mm", "dx"):
                      c2_ptr=bf, c3_ptr=bf, pa_ptr=bf, pb_ptr=bf, wrow_ptr="*fp32", dwrow_ptr="*fp32",
                      tile_expert_ptr="*i64", tile_start_ptr="*i64", offs_ptr="*i64", beta_gate="fp32", beta_up="fp32")
         glu = name == "glu_fwd"
-        consts = dict(PAIR=1 if glu else c.get("PAIR", 0), EPI=int(glu), SAVE=glu, ROW_SCALE=glu, ACT=0, FAST=True,
+        consts = dict(PAIR=1 if glu else (3 if name == "dx" else 0), EPI=int(glu), SAVE=glu, ROW_SCALE=glu, ACT=0, FAST=True,
                       A_MODE=2, W_DESC=True, W_KN=w_kn, PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK,
                       HALF=bool(c.get("HALF")), TAIL=tail)
         sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -772,74 +749,48 @@ def test_grouped_gemm_wgmma_pipeline_not_serialized_by_ptxas():
         assert (pipe, spill, smem_ok) == ("pipelined", "0", "1"), (kernel, pipe, spill, smem_ok)
 
 
-_COMPILE_WGRAD_V2 = r"""
+_COMPILE_WGRAD_HELD = r"""
 import os, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from backends.triton import moe_kernels as K
 
-fn = K._wgrad_v2_kernel
 bf = "*bf16"
-types = {n: "i32" for n in fn.arg_names}
-types.update(p_src="tensordesc<bf16[64,128]>", p2_src="tensordesc<bf16[64,128]>",
-             q_src="tensordesc<bf16[64,128]>", p_ptr=bf, p2_ptr=bf, q_ptr=bf, ptok_ptr="*i64",
-             qtok_ptr="*i64", offs_ptr="*i64", o_dst=bf, o2_dst=bf)
-consts = dict(P_DESC=True, Q_DESC=True, O_DESC=False, P_GATHER=False, Q_GATHER=False, DUAL=True,
-              PREC="tf32", BM=128, BN=128, BK=64)
-sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
-ptx = k.asm["ptx"]
 d = tempfile.mkdtemp()
-open(os.path.join(d, "k.ptx"), "w").write(ptx)
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-r = subprocess.run([ptxas, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
-                   capture_output=True, text=True)
-spill = sum(int(w) for line in r.stderr.splitlines() if "spill" in line
-            for w, nxt in zip(line.split(), line.split()[1:]) if nxt == "bytes" and w.isdigit())
-# the swapped 32-row tail: weight tile (128 rows) x tail^T, a 64 x 32 wgmma shape the 128-row tile does not use
-print("tailmma", ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"))
-print("wgmma", ptx.count("wgmma.mma_async"), "tma", ptx.count("cp.async.bulk.tensor"), "spill", spill,
-      "rc", r.returncode)
-# v3 (few rows per expert) at its deepest class, 128 + 4 x KX = 256 rows, with the stage count the launcher picks:
-# the Q loads pipelined (cp.async), within the shared memory, no spills; pointers and strides 16-divisible as the
-# JIT specialises them at run time
+# the held kernel (few rows per expert) at its deepest class, 128 + 4 x KX = 256 rows, with the stage count the
+# launcher picks: the Q loads pipelined (cp.async), within the shared memory, no spills; pointers and strides
+# 16-divisible as the JIT specialises them at run time
 from backends.triton import moe as M
-fn = K._wgrad_v3_kernel
+fn = K._wgrad_held_kernel
 types = {n: "i32" for n in fn.arg_names}
 types.update(p_ptr=bf, q_ptr=bf, out_ptr=bf, ptok_ptr="*i64", qtok_ptr="*i64", offs_ptr="*i64", exp_ptr="*i32")
-c = M.TILE_CONFIGS["cuda"]["wgrad3"]
+c = M.TILE_CONFIGS["cuda"]["wgrad_held"]
 consts = dict(P_GATHER=False, Q_GATHER=False, PREC="tf32", BM=c["BM"], BN=c["BN"], KP=128, KX=c["KX"], NX=4,
               EXP_LIST=True, O_DESC=False)
-stages = M._wgrad_v3_stages(c, 128 + 4 * c["KX"], 2)
+stages = M._wgrad_held_stages(c, 128 + 4 * c["KX"], 2)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
          for n in fn.arg_names if n not in consts and not n.endswith("tiles")}
 k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"], "num_stages": stages})
-open(os.path.join(d, "k3.ptx"), "w").write(k.asm["ptx"])
-r = subprocess.run([ptxas, "-v", "-arch=sm_90a", os.path.join(d, "k3.ptx"), "-o", os.path.join(d, "k3.o")],
+open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
+r = subprocess.run([ptxas, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
                    capture_output=True, text=True)
 spill3 = sum(int(w) for line in r.stderr.splitlines() if "spill" in line
              for w, nxt in zip(line.split(), line.split()[1:]) if nxt == "bytes" and w.isdigit())
-print("v3_cpasync", k.asm["ptx"].count("cp.async.cg"), "v3_fits", int(k.metadata.shared <= M.SHARED_BYTES),
-      "v3_spill", spill3, "v3_rc", r.returncode)
+print("held_cpasync", k.asm["ptx"].count("cp.async.cg"), "held_fits", int(k.metadata.shared <= M.SHARED_BYTES),
+      "held_spill", spill3, "held_rc", r.returncode)
 """
 
 
-def test_wgrad_v2_v3_compile_without_spills_for_hopper():
-    """The v2 dual weight-gradient kernel (dW1|dW3 shape, the default GPU tile config) compiles
-    for sm_90 to wgmma MMAs fed by TMA loads, and ptxas -v reports no spilled bytes; v3 at 256 rows
-    per expert compiles with its Q loads pipelined (cp.async) within the shared memory, no spills."""
-    out = _compile_for_hopper(_COMPILE_WGRAD_V2, timeout=300)
+def test_wgrad_held_compiles_without_spills_for_hopper():
+    """The held weight-gradient kernel at 256 rows per expert compiles for sm_90 with its Q loads pipelined
+    (cp.async) within the shared memory, and ptxas -v reports no spilled bytes."""
+    out = _compile_for_hopper(_COMPILE_WGRAD_HELD, timeout=300)
     counts = dict(zip(*[iter(out.stdout.split())] * 2))
-    assert int(counts["rc"]) == 0
-    assert int(counts["wgmma"]) > 0
-    assert int(counts["tma"]) > 0
-    assert int(counts["spill"]) == 0
-    # v3: pipelined Q loads, within shared memory, no spills
-    assert int(counts["v3_rc"]) == 0 and int(counts["v3_cpasync"]) > 0
-    assert counts["v3_fits"] == "1" and int(counts["v3_spill"]) == 0
+    assert int(counts["held_rc"]) == 0 and int(counts["held_cpasync"]) > 0
+    assert counts["held_fits"] == "1" and int(counts["held_spill"]) == 0
 
 
 # ================================================================= GPU (bf16, real sizes)
@@ -890,10 +841,8 @@ def test_gpu_moe_experts_float32_forward():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("glu_bwd", ["split", "fused"])
-def test_gpu_moe_experts_float32_gradients(glu_bwd, monkeypatch):
+def test_gpu_moe_experts_float32_gradients():
     # the backward's grouped GEMMs and weight-gradient launches in float32, on the float32 tile configs as above
-    monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)
     x, idx, wt, w1, w3, w2 = _f32_case()
     u = tm.moe_experts(x, idx, wt, w1, w3, w2)
     ru = ref.moe_experts(x, idx, wt, w1, w3, w2)
@@ -901,16 +850,14 @@ def test_gpu_moe_experts_float32_gradients(glu_bwd, monkeypatch):
     got = torch.autograd.grad((u * g).sum(), (x, wt, w1, w3, w2))
     want = torch.autograd.grad((ru * g).sum(), (x, wt, w1, w3, w2))
     errs = {name: rel_rms(a_, b_) for name, a_, b_ in zip(("x", "wt", "w1", "w3", "w2"), got, want)}
-    print(f"\nGPU moe_experts float32 ({glu_bwd}): gradients {errs}")
+    print(f"\nGPU moe_experts float32: gradients {errs}")
     assert all(v < 1e-4 for v in errs.values()), errs
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,l,e,i,k", [(1000, 1024, 64, 768, 8), (4097, 512, 896, 256, 16),
                                        (8191, 512, 896, 256, 16)])  # ~146 rows per expert: the swapped tails (TAIL)
-@pytest.mark.parametrize("glu_bwd", ["split", "fused"])
-def test_gpu_moe_experts_bf16(n, l, e, i, k, glu_bwd, monkeypatch):
-    monkeypatch.setattr(tm, "GLU_BWD_IMPL", glu_bwd)
+def test_gpu_moe_experts_bf16(n, l, e, i, k):
     x = torch.randn(n, l, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     logits = torch.randn(n, e, device="cuda") + torch.linspace(-2, 2, e, device="cuda")
     idx = ref.biased_topk(logits, k)
@@ -931,26 +878,20 @@ def test_gpu_moe_experts_bf16(n, l, e, i, k, glu_bwd, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,e,k", [(4097, 896, 16), (1000, 64, 8), (8191, 896, 16)])
-@pytest.mark.parametrize("form", ["classes", "pow2"])
-def test_gpu_wgrad_v3_bf16_matches_float32(n, e, k, form, monkeypatch):
-    # v3 (few rows per expert: 73 / 125 / 146 on average here) in bf16 against a float32 einsum per expert;
-    # "classes": through _wgrad with the default "wgrad3" depth classes (KX), "pow2": one launch at the next
-    # power of two of the largest count
+def test_gpu_wgrad_held_bf16_matches_float32(n, e, k, monkeypatch):
+    # the held kernel (few rows per expert: 73 / 125 / 146 on average here) through _wgrad with the default
+    # "wgrad_held" depth classes (KX), in bf16 against a float32 einsum per expert
     l, i = 512, 384
     idx = torch.randn(n, e, device="cuda").topk(k, dim=1).indices
     d = tm._Dispatch(idx, e)
     p = torch.randn(d.nk, i, device="cuda").bfloat16()
     q = torch.randn(n, l, device="cuda").bfloat16()
     out = torch.full((e, i, l), float("nan"), device="cuda", dtype=torch.bfloat16)
-    if form == "classes":
-        monkeypatch.setattr(tm, "WGRAD_IMPL", "v3")
-        calls = []
-        real_v3 = tm._wgrad_v3
-        monkeypatch.setattr(tm, "_wgrad_v3", lambda *a, **kw: (calls.append(kw["nx"]), real_v3(*a, **kw)))
-        tm._wgrad(p, q, d, i, l, out, qtok=d.tok)
-        assert calls and (n < 8000 or max(calls) >= 1)  # v3 ran, with 32-row blocks past 128 rows
-    else:
-        tm._wgrad_v3(p, q, d, i, l, out, tm.next_power_of_2(int((d.offs[1:] - d.offs[:-1]).max())), qtok=d.tok)
+    calls = []
+    real_held = tm._wgrad_held
+    monkeypatch.setattr(tm, "_wgrad_held", lambda *a, **kw: (calls.append(kw["nx"]), real_held(*a, **kw)))
+    tm._wgrad(p, q, d, i, l, out, qtok=d.tok)
+    assert calls and (n < 8000 or max(calls) >= 1)  # the held kernel ran, with 32-row blocks past 128 rows
     want = torch.zeros(e, i, l, device="cuda")
     qf = q.float()[d.tok]
     for j in range(e):

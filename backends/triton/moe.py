@@ -13,23 +13,32 @@ Pipeline of ``moe_experts`` (forward):
   3. grouped GEMM 2: y = h w2^T per expert;
   4. weighted combine: u[t] = sum_j p[t, j] y[pos[t, j]] in float32.
 Backward (torch.autograd.Function): G = du w2 by a plain grouped GEMM, then a row kernel forms the
-activation's derivative dA, dB and d topk_weight (a row sum of G * h) over the saved pre-activations
-(GLU_BWD_IMPL "split", the default; "fused" puts that in the GEMM's epilogue); dx = dA w1 + dB w3
-through one grouped GEMM that runs its K loop over (dA, w1) and then over (dB, w3) into one accumulator
-(PAIR 3); the weight gradients by a grouped "K = tokens of the expert" GEMM, one of three kernels chosen
-by the module attribute WGRAD_IMPL ("auto" default: "v3" below WGRAD_FEW_ROWS rows per expert, which
-holds an expert's P^T tile and groups the experts by their row counts on the host, else "v1", two
-single-output launches on 128 x 256 tiles; "v2" persistent + TMA; see their definitions). The
-SiTU-GLU's sigmoid and tanh run on the special-function unit (tanh.approx) on the GPU and exactly under
-the interpreter. Otherwise no host synchronisation in the
-GEMM path: the grids are upper bounds and the schedule lives on the device; the argument checks read
-back the expert-id range (moe_experts) and the non-finite-row flags (qb_route) once per call, and v3's
-row counts come through a copy to pinned memory that the forward starts (the backward waits for it only).
+activation's derivative dA, dB and d topk_weight (a row sum of G * h) over the saved pre-activations;
+dx = dA w1 + dB w3 through one grouped GEMM that runs its K loop over (dA, w1) and then over (dB, w3) into
+one accumulator (PAIR 3); the weight gradients by a grouped "K = tokens of the expert" GEMM: where the experts
+average fewer than MoeConfig.wgrad_few_rows rows, _wgrad_held_kernel (one program per expert and m-tile holds
+the expert's P^T tile; experts grouped by row count on the host) for the experts of at most
+wgrad_held_max_rows rows, else (and for the experts left over) _wgrad_tile_kernel, one program per output
+tile; dW1 and dW3 are two single-output launches. The SiTU-GLU's sigmoid and tanh run on the
+special-function unit (tanh.approx) on the GPU and exactly under the interpreter. Otherwise no host
+synchronisation in the GEMM path: the grids are upper bounds and the schedule lives on the device; the
+argument checks read back the expert-id range (moe_experts) and the non-finite-row flags (qb_route) once per
+call, and the held kernel's row counts come through a copy to pinned memory that the forward starts (the
+backward waits for it only).
+
+Launch settings: MoeConfig (tile table per device class, row-count thresholds), overridden in a with block by
+config(...). Measurements behind every value, and the retired variants: benchmarks/results/moe.md.
 
 Sources: DeepSeek-V3 (arXiv 2412.19437) Sec. 2.1.2 for the router; the Kimi K3 report
 (arXiv 2607.24653) / spec/OPS.md for Quantile Balancing, SiTU-GLU and Stable LatentMoE.
 """
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 import triton
@@ -42,7 +51,7 @@ from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise
 from . import moe_kernels as _k
 from .norm import rms_norm
 from .guard import (cdiv, check_interpreter_dot_dtype, check_kernel_device, check_kernel_dtype, device_table,
-                    mark_phase, next_power_of_2, no_create_graph, sm_count)
+                    mark_phase, next_power_of_2, no_create_graph)
 
 __all__ = [
     "qb_route",
@@ -53,80 +62,47 @@ __all__ = [
     "moe_experts",
     "latent_moe",
     "TILE_CONFIGS",
+    "MoeConfig",
+    "config",
 ]
 
-# Tile configurations per kernel. GPU (bf16/fp16, Hopper) and CPU (interpreter) sets; tests and
-# benchmarks may edit these dicts. BM rows x BN cols x BK depth; warps; software-pipeline stages.
-TILE_CONFIGS = {
-    "cuda": {
-        "router": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        # GEMM 1 + SiTU-GLU: 4 stages since the 13th session (moe_tiles.py, H200, ms with 3 / 4 stages: 8192 tokens
-        # 17.51 / 16.07, 17.49 / 16.94, 17.50 / 17.01, 17.09 / 15.61; 32768 tokens 45.85 / 44.03)
-        # TAIL 32 (14th session): 160-row m-tiles, rows 129..160 swapped onto the weight tile in the same program
-        # (see HALF_TILE_MAX_ROWS). H200, 8192 tokens, ms without / with, the 13th session's kernel against this one in
-        # one process (best of 3): GEMM 1 + GLU 15.65 / 14.10, GEMM 2 7.53 / 6.36, dx 15.08 / 12.92, G 7.34 / 6.29
-        # (TAIL_STAGES 4); moe_tiles.py: TAIL 16 no gain (146 rows = 128 + 18), TAIL 64 between; at 32768 tokens the
-        # tails are off (HALF_TILE_MAX_ROWS; moe_tiles.py with them on: 2-10% slower)
-        "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True, HALF=True,
-                        TAIL=32),
-        "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True, TAIL=32,
-                   TAIL_STAGES=4),
-        # dx = dA w1 + dB w3: PAIR 3 (the two products one after the other, so one operand pair per pipeline stage
-        # and 128 x 256 tiles fit; PAIR 2 loads both pairs per stage, 128 x 128 tiles). 10th session, moe_tiles.py:
-        # 39.8 ms (580 TFLOP/s) at 32768 tokens against PAIR 2's 46.5, 16.8 against 19.2 at 8192
-        "dx": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, PAIR=3, HALF=True,
-                   TAIL=32, TAIL_STAGES=4),
-        "glu_bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
-        "glu_bwd_mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True,
-                           TAIL=32, TAIL_STAGES=4),
-        "glu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=8, num_stages=1),
-        # v1 weight gradients: two launches of the single-output kernel on 128 x 256 tiles ("wgrad_dual" DUAL False);
-        # H200, K3 layer (9th session, benchmarks/moe_tiles.py, ms at 8192 / 32768 tokens): dW1|dW3 23.9 / 49.0 against the
-        # dual kernel's 26.9 / 54.3 (v2 dual 28.5 / 50.9), dW2 12.8 / 25.2 against 13.0 / 30.4 at 128 x 128 (v2
-        # 12.6 / 27.4)
-        "wgrad": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
-        # ... and below WGRAD_FEW_ROWS rows per expert on average: 128 x 128 tiles, 4 warps, 2 stages, so that two
-        # programs share an SM and one's stores overlap the other's products (10th session, moe_tiles.py with
-        # random operands, ms at 8192 tokens: dW1|dW3 21.9 against 23.8 on 128 x 256 tiles, dW2 11.7 against 12.6;
-        # at 32768 tokens slower: 53.3 against 52.0, 26.4 against 25.0)
-        # 12th session: O_TMA (the tile leaves through shared memory and the copy engine) and 32-row K blocks in 3
-        # stages. moe_tiles.py at 8192 tokens, two runs (ms, dW1|dW3 / dW2): 19.07, 19.11 / 9.76, 10.42 against
-        # 21.25 / 10.64 for the 11th session's BK 64 / 2 stages / pointer stores and 20.03 / 10.15 for that with
-        # O_TMA; run-to-run spread of one setting up to 10%. At 32768 tokens TMA stores gain nothing (128 x 128:
-        # 26.9 against 26.5 ms for one dW launch; 128 x 256: 30.5 against 24.8), so "wgrad" keeps pointer stores.
-        "wgrad_few": dict(BM=128, BN=128, BK=32, num_warps=4, num_stages=3, O_TMA=True),
-        "wgrad_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, DUAL=False),
-        # WGRAD_IMPL "v2" (persistent, TMA): PROGS_PER_SM programs per SM; P_TMA / Q_TMA / O_TMA
-        # choose descriptors (else pointers) for the token-side operands and the output
-        # (maxnreg 128: 2 x 8 warps fit an SM's registers; ptxas then spills ~60 bytes, sm_90)
-        "wgrad2": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=2, maxnreg=128,
-                       P_TMA=True, Q_TMA=True, O_TMA=False),
-        "wgrad2_dual": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, PROGS_PER_SM=1,
-                            P_TMA=True, Q_TMA=True, O_TMA=False),
-        # WGRAD_IMPL "v3" (few rows per expert): the expert's P^T tile held, BN-column Q tiles pipelined. 10th session
-        # (moe_tiles.py, 8192 tokens, one power-of-two depth KP 256): 31.8 / 16.2 ms (dW1|dW3 / dW2) on 128 x 128
-        # tiles, 23.1 / 11.6 on 128 x 64, against v1 on "wgrad_few" tiles 21.9 / 11.7. 13th session: KX 32 (the depth
-        # follows each expert's rows in 32-row steps, 146 rows -> 160 deep; experts grouped by depth, one launch per
-        # group), two runs: 18.66, 18.31 / 9.18, 9.24 against v1's 20.13, 19.63 / 9.69, 9.73 ("v3x" rows of
-        # moe_tiles.py; 128 x 64 nw4 9.43, 256 x 64 9.41-9.46, KX 16 10.13, TMA stores 10.2-14.8: slower)
-        "wgrad3": dict(BM=128, BN=128, num_warps=8, num_stages=3, KX=32),  # (stages cut to what fits at large KP)
-    },
-    "cpu": {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1,
-                       A_TMA=True, W_TMA=True, P_TMA=True, Q_TMA=True, O_TMA=True, NUM_PROGS=3)
-            for name in ("router", "glu_fwd", "mm", "dx", "glu_bwd", "glu_bwd_mm", "wgrad", "wgrad_few", "wgrad_dual", "wgrad2",
-                         "wgrad2_dual", "wgrad3")}
-           | {"glu_bwd_rows": dict(BLOCK_R=2, BLOCK_N=16, num_warps=4, num_stages=1)},
+# Tile configurations per kernel: BM rows x BN cols x BK depth, warps, software-pipeline stages; A_TMA / W_TMA /
+# O_TMA: TMA descriptors for the token rows / weights / weight-gradient output where the tensor allows them (else
+# pointers); HALF: an expert's last m-tile of at most BM / 2 rows at half height; TAIL T: m-tiles of BM + T rows whose
+# last T rows run swapped on the same weight tile (TAIL_STAGES: the stages then); both only where the experts
+# average fewer than half_tile_max_rows rows. KX / KP_BASE: the held weight gradient's depth classes. The values are
+# the measured best on an H200 at the K3 layer's shapes (benchmarks/moe_tiles.py; history: benchmarks/results/moe.md).
+_CUDA_TILES = {
+    "router": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True),
+    "glu_fwd": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, A_TMA=True, W_TMA=True, HALF=True, TAIL=32),
+    "mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True, TAIL=32,
+               TAIL_STAGES=4),
+    # dx = dA w1 + dB w3 as two K loops in sequence (PAIR 3: one operand pair per pipeline stage, so 128 x 256 fit)
+    "dx": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True, TAIL=32,
+               TAIL_STAGES=4),
+    "glu_bwd_mm": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, A_TMA=True, W_TMA=True, HALF=True,
+                       TAIL=32, TAIL_STAGES=4),
+    "glu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=8, num_stages=1),
+    # weight gradients, tile kernel: 128 x 256 tiles with pointer stores; below wgrad_few_rows rows per expert
+    # 128 x 128 x 32 at 4 warps with TMA stores, so that two programs share an SM and one's stores overlap the other's
+    # products
+    "wgrad": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+    "wgrad_few": dict(BM=128, BN=128, BK=32, num_warps=4, num_stages=3, O_TMA=True),
+    # the held kernel (few rows per expert): depth in 32-row steps past 128 (stages cut to what fits at large depth)
+    "wgrad_held": dict(BM=128, BN=128, num_warps=8, num_stages=3, KX=32),
 }
-TILE_CONFIGS["cpu"]["dx"]["PAIR"] = 3  # as on the GPU (tests set 2 for the other form)
-TILE_CONFIGS["cpu"]["wgrad3"].update(KX=16, KP_BASE=16)  # v3's depth classes at the CPU tiles' scale
+# the interpreter's tiles: 16 wide, so that every kernel runs several tiles and partial tiles
+_CPU_TILES = {name: dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1, A_TMA=True, W_TMA=True, O_TMA=True)
+              for name in _CUDA_TILES if name != "glu_bwd_rows"}
+_CPU_TILES["glu_bwd_rows"] = dict(BLOCK_R=2, BLOCK_N=16, num_warps=4, num_stages=1)
+_CPU_TILES["wgrad_held"].update(KX=16, KP_BASE=16)  # the held kernel's depth classes at the CPU tiles' scale
 
 
 def _f32_tiles(cfg):
     """The float32 form of a GPU tile config: tiles of at most 64 x 64 x 32 at 4 warps and 2 stages.  The GPU
     entries are sized for 2-byte operands; with float32 ones the products run in IEEE precision on the FMA units
-    (_prec), and on 128 x 256 tiles they took twice the shared memory per stage (_fit_launch compiled each launch
-    again for every stage count it tried) and long compiles: on the H200 the first float32 backward call was still
-    compiling after 170 s; on these tiles the forward test takes 9 s and a backward one 9-18 s, compiles included."""
+    (_prec), and the bf16 tiles took twice the shared memory per stage and compiled for minutes
+    (benchmarks/results/moe.md)."""
     cfg = dict(cfg)
     if "BM" in cfg:
         cfg.update(BM=min(cfg["BM"], 64), BN=min(cfg["BN"], 64), num_warps=4, num_stages=min(cfg["num_stages"], 2))
@@ -134,73 +110,82 @@ def _f32_tiles(cfg):
             cfg["BK"] = min(cfg["BK"], 32)
         if "TAIL_STAGES" in cfg:
             cfg["TAIL_STAGES"] = 2
-        cfg.pop("maxnreg", None)
     return cfg
 
 
-#: GPU launches with float32 operands (derived from TILE_CONFIGS["cuda"] at import)
-TILE_CONFIGS["cuda_f32"] = {name: _f32_tiles(cfg) for name, cfg in TILE_CONFIGS["cuda"].items()}
+def _frozen_tiles(tiles):
+    return MappingProxyType({dev: MappingProxyType({name: MappingProxyType(dict(e)) for name, e in entries.items()})
+                             for dev, entries in tiles.items()})
 
-# Which weight-gradient kernels (dW1|dW3 and dW2) the backward of moe_experts runs:
-#   "v1": _wgrad_kernel, one program per (expert, m-tile, n-tile), pointer loads (measured in
-#         benchmarks/results/moe.md);
-#   "v2": _wgrad_v2_kernel, persistent grid, TMA descriptors for the token-side operands with a
-#         peeled masked tail block per expert (configs "wgrad2" / "wgrad2_dual");
-#   "v3": _wgrad_v3_kernel, one program per (expert, m-tile) holding the expert's whole P^T tile and looping over
-#         n-tiles with the Q loads pipelined behind the products and stores, so that each Q element is read once per
-#         m-tile; for few rows per expert (8192 tokens of the K3 layer: 146 on average). The depth follows each
-#         expert's rows ("wgrad3" KX, see there). Experts over WGRAD_V3_MAX_ROWS rows go to v1 (one launch over
-#         those experts). Reads the row counts on the host: the forward starts their copy to pinned memory when the
-#         weights need gradients, so the backward waits for that small copy only (Dispatch.prefetch_counts).
-#   "auto" (default): v3 when the experts average fewer than WGRAD_FEW_ROWS rows (N * k / E), else v1.
-# Measured on the H200 (K3 layer, benchmarks/moe.py --wgrad-compare, 2026-11-29): at 32768 tokens (585 rows per
-# expert) v2 took 49.9 / 26.1 ms (dW1|dW3 / dW2) against v1's 54.2 / 28.9; at 8192 tokens (146 rows) 28.2 / 12.4
-# against 26.7 / 12.8.  With v1 on 128 x 256 tiles and two single-output launches (9th session, see TILE_CONFIGS)
-# v1 is the faster at 32768 tokens (49.0 + 25.2 ms against v2's 50.9 + 27.4) and within 3% of v2 at 8192 (23.9 + 12.8
-# against 23.3 + 12.6); at 8192 v3 with KX 32 is faster than both (13th session, see "wgrad3").  Tests and
-# benchmarks may set this module attribute.
-WGRAD_IMPL = "auto"
-WGRAD_V3_MAX_ROWS = 256
-# (A persistent "v4", one flat software-pipelined loop over each program's (tile, K block) pairs so that the next
-# tile's loads overlap a tile's store, was timed in the 10th session and removed: 72.4 / 36.6 ms (dW1|dW3 / dW2) at
-# 32768 tokens against v1's 49.9 / 25.5, 25.2 / 12.9 at 8192 against 21.9 / 11.0; not profiled, most likely the
-# accumulator reset at tile ends, which makes each MMA wait for the one before it.)
-# v1's single-output launches use the "wgrad_few" tiles when the experts average fewer rows than this (N * k / E; the
-# K3 layer: 146 at 8192 tokens, 585 at 32768)
-WGRAD_FEW_ROWS = 256
-# The token-side GEMMs (TILE_CONFIGS entries with HALF True) run an expert's last m-tile at half height when it has at
-# most BM / 2 rows, if the experts average fewer rows than this (N * k / E). 12th session, moe_tiles.py on the H200,
-# ms without / with HALF: at 8192 tokens (146 rows per expert: 128 + 18) GEMM 1 + GLU 18.41 / 16.91, GEMM 2 8.21 /
-# 7.43, dx 16.31 / 14.88, G = du w2 (split GLU backward) 8.88 / 8.05; at 32768 tokens (585 rows: 4 x 128 + 73) the
-# two-path kernel is slower (GEMM 1 45.0 / 48.7, dx 39.3 / 42.2, GEMM 2 20.3 / 20.2), hence the threshold.
-# The same threshold gates TAIL (entries with TAIL T: m-tiles of BM + T rows whose last T rows run swapped, the weight
-# tile as the MMA's A operand, in the same program as the first BM; 8192 tokens: 146 rows = one 160-row tile, one
-# weight pass, where HALF runs 128 + 64 rows in two programs that each stream the weights).
-HALF_TILE_MAX_ROWS = 256
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch settings of the MoE kernels.
+
+    tiles: device class ("cuda"; "cuda_f32" for float32 operands on the GPU; "cpu", the interpreter) -> kernel
+        entry -> its settings (read-only; see the comment above _CUDA_TILES).
+    wgrad_few_rows: below this many rows per expert on average (N k / E; the K3 layer: 146 at 8192 tokens, 585 at
+        32768), the weight gradients run the held kernel for the experts it takes and the tile kernel on its
+        "wgrad_few" tiles for the others; else the tile kernel on "wgrad" tiles for all.
+    wgrad_held_max_rows: the held kernel takes experts of at most this many rows.
+    half_tile_max_rows: HALF and TAIL apply where the experts average fewer rows than this.
+    profile: None, or a list that moe_experts appends (phase name, CUDA event) pairs to at its phase boundaries
+        (benchmarks/moe.py --phases).
+    """
+    tiles: Mapping = field(default_factory=lambda: _frozen_tiles(
+        {"cuda": _CUDA_TILES, "cuda_f32": {n: _f32_tiles(c) for n, c in _CUDA_TILES.items()}, "cpu": _CPU_TILES}))
+    wgrad_few_rows: int = 256
+    wgrad_held_max_rows: int = 256
+    half_tile_max_rows: int = 256
+    profile: Optional[list] = field(default=None, compare=False)
+
+
+_DEFAULT = MoeConfig()
+_current = _DEFAULT
+#: the default tile table (read-only): device class -> kernel entry -> settings
+TILE_CONFIGS = _DEFAULT.tiles
 SHARED_BYTES = 232448  # an sm_90 block's shared-memory limit (227 KB)
 
-# How the backward computes dA, dB (and d topk_weight) from G = du[tok] w2[e]:
-#   "split" (default): a plain grouped GEMM writes G (config "glu_bwd_mm"), then _glu_bwd_rows_kernel reads G and
-#            the saved pre-activations and writes dA, dB over them (in place);
-#   "fused": the GLU backward in the GEMM's epilogue (config "glu_bwd", EPI 2).
-# Measured on the H200 (K3 layer, bf16, 9th session): benchmarks/moe_tiles.py put the fused kernel's 128 x 64 tiles at
-# 206 TFLOP/s at 32768 tokens (55.9 ms; its best launch setting, 6 stages, 42.5 ms; 128 x 128 tiles spill, 64-row
-# tiles re-read the weights); in benchmarks/moe.py --phases the phase went from 63.96 to 27.64 ms at 32768 tokens and
-# from 23.70 to 8.91 at 8192 with "split" (the GEMM on 128 x 256 tiles like GEMM 2, the GLU a bandwidth-bound pass).
-GLU_BWD_IMPL = "split"
 
-# (64-row tiles for the token-side GEMMs, "SMALL_M", were timed in the 9th session and removed: at 8192 tokens, 146
-# rows per expert, the experts' forward took 32.1 ms against 27.5 with 128-row tiles and forward+backward 139.8 against
-# 111.2: each extra m-tile reads the expert's weights again, and the weights dominate the bytes at that size.)
+def current() -> MoeConfig:
+    """The settings in force."""
+    return _current
 
 
-# set to a list to record (phase name, CUDA event) pairs at moe_experts' phase boundaries (benchmarks only:
-# benchmarks/moe.py --phases)
-PROFILE = None
+@contextlib.contextmanager
+def config(tiles=None, **fields):
+    """``with config(tiles={"cpu": {"dx": {"BM": 32}}}, wgrad_few_rows=0): ...``: the settings in force inside the
+    block. tiles: per device class and kernel entry, the settings that change (merged into the entry; a value None
+    removes the key); fields: MoeConfig's other fields. Nested blocks stack. ValueError for an unknown field, device
+    class or entry."""
+    global _current
+    old = _current
+    names = {f.name for f in dataclasses.fields(MoeConfig)} - {"tiles"}
+    bad = sorted(set(fields) - names)
+    if bad:
+        raise ValueError(f"moe config: unknown setting(s) {', '.join(bad)}")
+    new = dataclasses.replace(old, **fields)
+    if tiles:
+        merged = {dev: {name: dict(e) for name, e in entries.items()} for dev, entries in old.tiles.items()}
+        for dev, entries in tiles.items():
+            if dev not in merged:
+                raise ValueError(f"moe config: unknown device class {dev!r} (one of {', '.join(merged)})")
+            for name, change in entries.items():
+                if name not in merged[dev]:
+                    raise ValueError(f"moe config: unknown kernel entry {name!r}")
+                merged[dev][name].update(change)
+                for k_ in [k_ for k_, v in merged[dev][name].items() if v is None]:
+                    del merged[dev][name][k_]
+        new = dataclasses.replace(new, tiles=_frozen_tiles(merged))
+    _current = new
+    try:
+        yield new
+    finally:
+        _current = old
 
 
 def _mark(name):
-    mark_phase(PROFILE, name)
+    mark_phase(_current.profile, name)
 
 
 _ACT = {"situ": 0, "silu": 1}
@@ -217,28 +202,28 @@ def _check_gemm_operands(where, **named):
 
 
 def _cfg(name, t):
-    """The TILE_CONFIGS entry `name` for operand t: "cpu" (interpreter), "cuda", or "cuda_f32" for float32."""
+    """The tile entry `name` in force for operand t: "cpu" (interpreter), "cuda", or "cuda_f32" for float32."""
+    tiles = _current.tiles
     if not t.is_cuda:
-        return TILE_CONFIGS["cpu"][name]
-    return TILE_CONFIGS["cuda_f32" if t.dtype == torch.float32 else "cuda"][name]
+        return tiles["cpu"][name]
+    return tiles["cuda_f32" if t.dtype == torch.float32 else "cuda"][name]
 
 
 def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-#: launch key (the TILE_CONFIGS entry and what else sets the shared memory a stage takes: the operand dtype, swapped
-#: tails, dual outputs) -> the pipeline stages that fit the GPU's shared memory, where fewer than configured
-#: (_fit_launch)
+#: launch key (the tile entry and what else sets the shared memory a stage takes: the operand dtype, swapped
+#: tails) -> the pipeline stages that fit the GPU's shared memory, where fewer than configured (_fit_launch)
 _STAGES_FIT: dict = {}
 
 
 def _fit_launch(kernel, grid, key, launch, *args, **kwargs):
     """kernel[grid](*args, **kwargs, **launch), with launch["num_stages"] lowered one at a time while the GPU's
     shared memory cannot hold that many stages (triton raises OutOfResources when it loads the kernel, before
-    anything runs), and the count that fits remembered under key.  The GPU entries of TILE_CONFIGS are sized for
-    2-byte operands; float32 ones take twice the shared memory per stage (a float32 model on the GPU asked for
-    360 KB of the H200's 227 KB in the grouped GEMM)."""
+    anything runs), and the count that fits remembered under key.  The GPU tile entries are sized for 2-byte
+    operands; float32 ones take twice the shared memory per stage (a float32 model on the GPU asked for 360 KB of
+    the H200's 227 KB in the grouped GEMM)."""
     if key in _STAGES_FIT:
         launch = dict(launch, num_stages=min(launch["num_stages"], _STAGES_FIT[key]))
     while True:
@@ -251,14 +236,12 @@ def _fit_launch(kernel, grid, key, launch, *args, **kwargs):
             _STAGES_FIT[key] = launch["num_stages"]
 
 
-def _launch_cfg(cfg, t=None, tail=0):
-    """num_warps / num_stages of a TILE_CONFIGS entry ("TAIL_STAGES" instead when a grouped GEMM runs swapped tails:
-    each stage then holds the tail's rows too), and its register cap "maxnreg" (on the GPU) when set."""
+def _launch_cfg(cfg, tail=0):
+    """num_warps / num_stages of a tile entry ("TAIL_STAGES" instead when a grouped GEMM runs swapped tails: each
+    stage then holds the tail's rows too)."""
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if tail and cfg.get("TAIL_STAGES"):
         launch["num_stages"] = cfg["TAIL_STAGES"]
-    if cfg.get("maxnreg") and t is not None and t.is_cuda:
-        launch["maxnreg"] = cfg["maxnreg"]
     return launch
 
 
@@ -355,8 +338,7 @@ class _RouteFn(torch.autograd.Function):
             dlog.scatter_add_(1, idx, wt * (g - inner) * (1.0 - scores.gather(1, idx)))
         # the two backward GEMMs in the forward GEMM's dtype (float32 accumulation in cuBLAS), as autograd
         # through a bf16 x @ W^T runs them (the torch._grouped_mm baseline of benchmarks/moe.py does): in
-        # float32 they are 2 x 105 GFLOP off the tensor cores for a K3 layer at 8192 tokens, an estimated
-        # ~4 ms of its backward (H200 float32 ~50 TFLOP/s; not measured separately)
+        # float32 they would run off the tensor cores
         dt = ctx.gemm_dtype
         dlog = dlog.to(dt)
         dx = dw = None
@@ -483,33 +465,6 @@ def expert_load(topk_idx, num_experts):
 # ------------------------------------------------------------------------------------------------
 # SiTU-GLU elementwise (used by the shared experts)
 # ------------------------------------------------------------------------------------------------
-import triton.language as tl  # noqa: E402
-
-
-@triton.jit
-def _situ_fwd_ew(a_ptr, b_ptr, h_ptr, M, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < M
-    a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    h = _k._glu_fwd(a, b, beta_gate, beta_up, ACT, FAST)
-    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _situ_bwd_ew(a_ptr, b_ptr, dh_ptr, da_ptr, db_ptr, M, beta_gate, beta_up, ACT: tl.constexpr,
-                 FAST: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < M
-    a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    dh = tl.load(dh_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    _, da, db = _k._glu_bwd(a, b, dh, beta_gate, beta_up, ACT, FAST)
-    tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=m)
-    tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=m)
-
-
 class _GluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, act, beta_gate, beta_up):
@@ -518,7 +473,7 @@ class _GluFn(torch.autograd.Function):
         h = torch.empty(a.shape, dtype=dtype, device=a.device)
         m = a_c.numel()
         if m:
-            _situ_fwd_ew[(cdiv(m, 1024),)](a_c, b_c, h, m, float(beta_gate), float(beta_up),
+            _k._situ_fwd_ew[(cdiv(m, 1024),)](a_c, b_c, h, m, float(beta_gate), float(beta_up),
                                             ACT=act, FAST=a.is_cuda, BLOCK=1024, num_warps=4)
         ctx.save_for_backward(a_c, b_c)
         ctx.cfg = (act, float(beta_gate), float(beta_up))
@@ -533,7 +488,7 @@ class _GluFn(torch.autograd.Function):
         da, db = torch.empty_like(a), torch.empty_like(b)
         m = a.numel()
         if m:
-            _situ_bwd_ew[(cdiv(m, 1024),)](a, b, dh, da, db, m, bg, bu, ACT=act, FAST=a.is_cuda,
+            _k._situ_bwd_ew[(cdiv(m, 1024),)](a, b, dh, da, db, m, bg, bu, ACT=act, FAST=a.is_cuda,
                                             BLOCK=1024, num_warps=4)
         return da, db, None, None, None
 
@@ -626,8 +581,8 @@ def _check_tile_rows(what, stride, bm):
 
 
 def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=None, pair=0,
-        w2=None, a2=None, epi=0, save=False, c2=None, c3=None, pa=None, pb=None, wrow=None,
-        dwrow=None, act=0, bg=4.0, bu=25.0, row_scale=False):
+        w2=None, a2=None, epi=0, save=False, c2=None, c3=None, wrow=None, act=0, bg=4.0, bu=25.0,
+        row_scale=False):
     """Launch the grouped GEMM kernel (see its docstring). a: [rows, kk] (gathered through tok
     when `gather`); w: [E, nn, kk] (w_kn False) or [E, kk, nn] (w_kn True). sched: (tile_expert, tile_start,
     max_tiles, tile height) from _sched (height BM + TAIL with a swapped tail, else BM)."""
@@ -637,7 +592,7 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     tail = height - bm
     if tail and (tail < 16 or tail > bm or tail & (tail - 1)):
         raise ValueError(f"moe_experts: {name}: a tile of {height} rows on {bm}-row tiles leaves a tail of {tail} "
-                         f"rows; TAIL must be a power of two from 16 to BM (TILE_CONFIGS)")
+                         f"rows; TAIL must be a power of two from 16 to BM (MoeConfig.tiles)")
     _check_tile_rows("output", c.stride(0), bm)
     n_tiles = cdiv(nn, bn)
     if gather:
@@ -671,11 +626,10 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     a_t_src, a2_t_src = row_srcs(tail, tail)
     dummy = c
     _fit_launch(
-        _k._grouped_gemm_kernel, (mt * n_tiles,), (name, a.dtype, bool(tail)), _launch_cfg(cfg, a, tail=tail),
+        _k._grouped_gemm_kernel, (mt * n_tiles,), (name, a.dtype, bool(tail)), _launch_cfg(cfg, tail=tail),
         a_src, tok if tok is not None else offs, w_src, a2_src, w2_src,
         c, c2 if c2 is not None else dummy, c3 if c3 is not None else dummy,
-        pa if pa is not None else dummy, pb if pb is not None else dummy,
-        wrow if wrow is not None else dummy, dwrow if dwrow is not None else dummy,
+        wrow if wrow is not None else dummy,
         te, ts, offs, kk, nn, num_experts, n_tiles,
         a.stride(0), w.stride(0), swn, swk, c.stride(0), float(bg), float(bu),
         PAIR=pair, EPI=epi, SAVE=save, ROW_SCALE=row_scale, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=w_desc,
@@ -686,7 +640,7 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
 
 def _sched(d, name, a):
     """The m-tile schedule of dispatch d for the grouped GEMM `name`: tiles BM + TAIL rows tall when the config
-    has a TAIL and the experts average fewer than HALF_TILE_MAX_ROWS rows (as HALF), else BM."""
+    has a TAIL and the experts average fewer than half_tile_max_rows rows (as HALF), else BM."""
     cfg = _cfg(name, a)
     tail = int(cfg.get("TAIL") or 0)
     if not (tail and _few_rows(d.nk, d.e)):
@@ -695,8 +649,8 @@ def _sched(d, name, a):
 
 
 def _few_rows(rows, num_experts):
-    """Whether the experts average fewer than HALF_TILE_MAX_ROWS rows: the gate of HALF and TAIL."""
-    return rows < HALF_TILE_MAX_ROWS * max(num_experts, 1)
+    """Whether the experts average fewer than half_tile_max_rows rows: the gate of HALF and TAIL."""
+    return rows < _current.half_tile_max_rows * max(num_experts, 1)
 
 
 def _pregather(name, t, d):
@@ -707,48 +661,40 @@ def _pregather(name, t, d):
     return None
 
 
-def _combine(y, d, wt, out_dtype):
+def _combine(y, d, out_dtype):
+    """out[t] = sum_j y[pos[t, j]] in float32 (the rows carry their routing weights already)."""
     n, lw = d.n, y.shape[1]
     out = torch.empty(n, lw, dtype=out_dtype, device=y.device)
     block = min(1024, next_power_of_2(max(lw, 16)))
     if n:
         _k._combine_kernel[(n, cdiv(lw, block))](
-            y, d.pos, wt if wt is not None else y, out, lw, y.stride(0), out.stride(0),
-            TOPK=d.k, WEIGHTED=wt is not None, BLOCK=block, num_warps=4)
+            y, d.pos, out, lw, y.stride(0), out.stride(0), TOPK=d.k, BLOCK=block, num_warps=4)
     return out
 
 
-def _wgrad(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, pscale=None, qtok=None):
-    """out[e] = P_e^T Q_e (and out2[e] = P2_e^T Q_e) over each expert's rows; see the kernels."""
-    if WGRAD_IMPL not in ("auto", "v1", "v2", "v3"):
-        raise ValueError(f"moe_experts: WGRAD_IMPL must be 'auto', 'v1', 'v2' or 'v3', got {WGRAD_IMPL!r}")
-    impl = WGRAD_IMPL
-    if impl == "auto":
-        impl = "v3" if d.nk < WGRAD_FEW_ROWS * d.e else "v1"
-    if impl == "v2" and pscale is None:
-        return _wgrad_v2(p, q, d, mm, nn, out, p2=p2, out2=out2, ptok=ptok, qtok=qtok)
-    rest = None  # the experts left to v1 (None: all of them)
-    if impl == "v3" and pscale is None:
-        groups, rest = _wgrad_v3_groups(_counts_of(d), _cfg("wgrad3", p))
-        for pp, oo in ((p, out),) + (((p2, out2),) if p2 is not None else ()):
-            for (kp, nx), experts in groups:
-                _wgrad_v3(pp, q, d, mm, nn, oo, kp, ptok=ptok, qtok=qtok, nx=nx, experts=experts)
+def _wgrad(p, q, d, mm, nn, out, *, ptok=None, qtok=None):
+    """out[e] = P_e^T Q_e over each expert's rows (P[r] = p[ptok[r]], Q[r] = q[qtok[r]] when given): where the
+    experts average fewer than wgrad_few_rows rows, the held kernel for the experts it takes (_wgrad_held_groups)
+    and the tile kernel on "wgrad_few" tiles for the rest; else the tile kernel on "wgrad" tiles for all."""
+    few = d.nk < _current.wgrad_few_rows * d.e
+    rest = None  # the experts left to the tile kernel (None: all of them)
+    if few:
+        groups, rest = _wgrad_held_groups(_counts_of(d), _cfg("wgrad_held", p))
+        for (kp, nx), experts in groups:
+            _wgrad_held(p, q, d, mm, nn, out, kp, ptok=ptok, qtok=qtok, nx=nx, experts=experts)
         if rest == []:
             return
-    dual = p2 is not None
-    cfg = _cfg("wgrad_dual" if dual else ("wgrad_few" if d.nk < WGRAD_FEW_ROWS * d.e else "wgrad"), p)
+    cfg = _cfg("wgrad_few" if few else "wgrad", p)
     bm, bn = cfg["BM"], cfg["BN"]
     m_tiles, n_tiles = cdiv(mm, bm), cdiv(nn, bn)
-    o_desc, o_dst, o2_dst = _wgrad_out(cfg, out, out2 if dual else out, dual, bm, bn)
+    o_desc, o_dst = _wgrad_out(cfg, out, bm, bn)
     exp = d.offs if rest is None else _device_list(rest, p.device)
     _fit_launch(
-        _k._wgrad_kernel, ((d.e if rest is None else len(rest)) * m_tiles * n_tiles,), ("wgrad", dual, p.dtype),
-        _launch_cfg(cfg, p), p, p2 if dual else p, ptok if ptok is not None else d.tok,
-        pscale if pscale is not None else p, q, qtok if qtok is not None else d.tok,
-        o_dst, o2_dst, d.offs, exp, mm, nn, m_tiles, n_tiles,
-        p.stride(0), q.stride(0), out.stride(0), out.stride(1),
-        P_GATHER=ptok is not None, P_SCALE=pscale is not None, Q_GATHER=qtok is not None,
-        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=cfg["BK"], O_DESC=o_desc, EXP_LIST=rest is not None)
+        _k._wgrad_tile_kernel, ((d.e if rest is None else len(rest)) * m_tiles * n_tiles,), ("wgrad", p.dtype),
+        _launch_cfg(cfg), p, ptok if ptok is not None else d.tok, q, qtok if qtok is not None else d.tok,
+        o_dst, d.offs, exp, mm, nn, m_tiles, n_tiles, p.stride(0), q.stride(0), out.stride(0), out.stride(1),
+        P_GATHER=ptok is not None, Q_GATHER=qtok is not None, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=cfg["BK"],
+        O_DESC=o_desc, EXP_LIST=rest is not None)
 
 
 def _device_list(experts, device):
@@ -756,20 +702,18 @@ def _device_list(experts, device):
     return torch.tensor(experts, dtype=torch.int32).to(device, non_blocking=True)
 
 
-def _wgrad_out(cfg, out, out2, dual, bm, bn):
-    """The weight-gradient kernels' output slots: (True, descriptor, descriptor) with [1, bm, bn] blocks when cfg
-    asks for TMA stores ("O_TMA") and both outputs allow them (alike strides), else (False, out, out2)."""
-    if not (cfg.get("O_TMA") and _tma_ok(out, [1, bm, bn]) and _tma_ok(out2, [1, bm, bn])
-            and out2.stride() == out.stride()):
-        return False, out, out2
-    o_dst = TensorDescriptor.from_tensor(out, [1, bm, bn])
-    return True, o_dst, (TensorDescriptor.from_tensor(out2, [1, bm, bn]) if dual else o_dst)
+def _wgrad_out(cfg, out, bm, bn):
+    """The weight-gradient kernels' output slot: (True, descriptor) with [1, bm, bn] blocks when cfg asks for TMA
+    stores ("O_TMA") and out allows them, else (False, out)."""
+    if not (cfg.get("O_TMA") and _tma_ok(out, [1, bm, bn])):
+        return False, out
+    return True, TensorDescriptor.from_tensor(out, [1, bm, bn])
 
 
-def _wgrad_v3_stages(cfg, kp, es):
-    """Pipeline stages of _wgrad_v3_kernel that fit SHARED_BYTES: the held [BM, KP] P tile, one [KP, BN] Q tile per
-    stage and the epilogue's [BM, BN] staging (sm_90a compile, 9th session: KP 256, 128 x 128 -> 224 KB at 2 stages;
-    KP 128 -> 160 KB at 3). es: element size in bytes."""
+def _wgrad_held_stages(cfg, kp, es):
+    """Pipeline stages of _wgrad_held_kernel that fit SHARED_BYTES: the held [BM, KP] P tile, one [KP, BN] Q tile per
+    stage and the epilogue's [BM, BN] staging (sm_90a compile: KP 256, 128 x 128 -> 224 KB at 2 stages; KP 128 ->
+    160 KB at 3). es: element size in bytes."""
     bm, bn = cfg["BM"], cfg["BN"]
     fit = (SHARED_BYTES - bm * kp * es - bm * bn * es) // (kp * bn * es)
     return max(1, min(cfg["num_stages"], fit))
@@ -781,25 +725,18 @@ def _counts_of(d):
     return d.host_counts() if hasattr(d, "host_counts") else (d.offs[1:] - d.offs[:-1]).tolist()
 
 
-def _wgrad_v3_groups(counts, cfg):
-    """The v3 launches for experts of these row counts, and the experts left to v1: ([((KP, NX), experts or
-    None)], rest), rest = [] when v3 takes every expert, None when it takes none (v1 then runs over all of them).
-    v3 takes an expert of at most WGRAD_V3_MAX_ROWS rows (and at most KP_BASE + 4 KX with "KX").
-    Without "KX" in cfg: one launch over every expert at KP = the next power of two of the largest count (>= 16),
-    or none when an expert is too large. With "KX": experts grouped by depth, an expert of c rows at KP = next
-    power of two of c (>= 16) when c <= KP_BASE (default 128), else KP = KP_BASE and NX = ceil((c - KP_BASE) / KX)
-    more KX-row blocks; the experts too large for that go to v1."""
-    rows_max = max(counts, default=0)
-    kx = cfg.get("KX")
-    if not kx:
-        if rows_max > WGRAD_V3_MAX_ROWS:
-            return [], None
-        return [((max(16, next_power_of_2(max(rows_max, 1))), 0), None)], []
+def _wgrad_held_groups(counts, cfg):
+    """The held kernel's launches for experts of these row counts, and the experts left to the tile kernel:
+    ([((KP, NX), experts)], rest), rest = [] when the held kernel takes every expert, None when it takes none (the
+    tile kernel then runs over all of them). Experts grouped by depth: an expert of c rows at KP = next power of
+    two of c (>= 16) when c <= KP_BASE (default 128), else KP = KP_BASE and NX = ceil((c - KP_BASE) / KX) more
+    KX-row blocks; experts of more than wgrad_held_max_rows rows or 4 such blocks go to the tile kernel."""
+    kx = cfg["KX"]
     base = cfg.get("KP_BASE", 128)
     groups, rest = {}, []
     for e, c in enumerate(counts):
         key = (max(16, next_power_of_2(max(c, 1))), 0) if c <= base else (base, cdiv(c - base, kx))
-        if key[1] > 4 or c > WGRAD_V3_MAX_ROWS:
+        if key[1] > 4 or c > _current.wgrad_held_max_rows:
             rest.append(e)
         else:
             groups.setdefault(key, []).append(e)
@@ -808,66 +745,25 @@ def _wgrad_v3_groups(counts, cfg):
     return sorted(groups.items()), rest
 
 
-def _wgrad_v3(p, q, d, mm, nn, out, kp, *, ptok=None, qtok=None, nx=0, experts=None):
-    """Launch _wgrad_v3_kernel: out[e] = P_e^T Q_e for experts of at most kp + nx * KX rows (kp a power of two
-    >= 16; KX from the "wgrad3" config, 16 when unset), over every expert or over the list `experts`."""
-    cfg = _cfg("wgrad3", p)
+def _wgrad_held(p, q, d, mm, nn, out, kp, *, ptok=None, qtok=None, nx=0, experts=None):
+    """Launch _wgrad_held_kernel: out[e] = P_e^T Q_e for experts of at most kp + nx * KX rows (kp a power of two
+    >= 16; KX from the "wgrad_held" entry), over every expert or over the list `experts`."""
+    cfg = _cfg("wgrad_held", p)
     bm, bn = cfg["BM"], cfg["BN"]
-    kx = cfg.get("KX") or 16
+    kx = cfg["KX"]
     m_tiles = cdiv(mm, bm)
     _check_tile_rows("weight-gradient", out.stride(1), bm)
-    launch = _launch_cfg(cfg, p)
+    launch = _launch_cfg(cfg)
     if p.is_cuda:
-        launch["num_stages"] = _wgrad_v3_stages(cfg, kp + nx * kx, p.element_size())
+        launch["num_stages"] = _wgrad_held_stages(cfg, kp + nx * kx, p.element_size())
     exp = d.offs if experts is None else _device_list(experts, p.device)
     n_exp = d.e if experts is None else len(experts)
-    o_desc, o_dst, _ = _wgrad_out(cfg, out, out, False, bm, bn)
-    _k._wgrad_v3_kernel[(n_exp * m_tiles,)](
+    o_desc, o_dst = _wgrad_out(cfg, out, bm, bn)
+    _k._wgrad_held_kernel[(n_exp * m_tiles,)](
         p, ptok if ptok is not None else d.tok, q, qtok if qtok is not None else d.tok, o_dst, d.offs, exp,
         mm, nn, m_tiles, p.stride(0), q.stride(0), out.stride(0), out.stride(1),
         P_GATHER=ptok is not None, Q_GATHER=qtok is not None, PREC=_prec(p.dtype), BM=bm, BN=bn, KP=kp, KX=kx,
         NX=nx, EXP_LIST=experts is not None, O_DESC=o_desc, **launch)
-
-
-def _num_sms(t):
-    return sm_count(t.device) if t.is_cuda else 1
-
-
-def _wgrad_v2(p, q, d, mm, nn, out, *, p2=None, out2=None, ptok=None, qtok=None):
-    """Launch _wgrad_v2_kernel (persistent, TMA where the operands allow it)."""
-    dual = p2 is not None
-    cfg = _cfg("wgrad2_dual" if dual else "wgrad2", p)
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    m_tiles, n_tiles = cdiv(mm, bm), cdiv(nn, bn)
-    total = d.e * m_tiles * n_tiles
-    nprog = cfg.get("NUM_PROGS") or _num_sms(p) * cfg.get("PROGS_PER_SM", 1)
-    nprog = max(1, min(nprog, total))
-    p2_ = p2 if dual else p
-    p_desc = (ptok is None and cfg.get("P_TMA") and _tma_ok(p, [bk, bm]) and _tma_ok(p2_, [bk, bm])
-              and p2_.stride() == p.stride())
-    q_desc = qtok is None and cfg.get("Q_TMA") and _tma_ok(q, [bk, bn])
-    o_desc, o_dst, o2_dst = _wgrad_out(cfg, out, out2 if dual else out, dual, bm, bn)
-    if p_desc:
-        p_src = TensorDescriptor.from_tensor(p, [bk, bm])
-        p2_src = TensorDescriptor.from_tensor(p2_, [bk, bm]) if dual else p_src
-    else:
-        p_src, p2_src = p, p2_
-    q_src = TensorDescriptor.from_tensor(q, [bk, bn]) if q_desc else q
-    _fit_launch(
-        _k._wgrad_v2_kernel, (nprog,), ("wgrad2", dual, p.dtype), _launch_cfg(cfg, p),
-        p_src, p2_src, q_src, p, p2_, ptok if ptok is not None else d.tok, q, qtok if qtok is not None else d.tok,
-        o_dst, o2_dst, d.offs, mm, nn, d.e, m_tiles, n_tiles, nprog,
-        p.stride(0), q.stride(0), out.stride(0), out.stride(1),
-        P_DESC=bool(p_desc), Q_DESC=bool(q_desc), O_DESC=bool(o_desc),
-        P_GATHER=ptok is not None, Q_GATHER=qtok is not None,
-        DUAL=dual, PREC=_prec(p.dtype), BM=bm, BN=bn, BK=bk)
-
-
-def _glu_bwd_gemm():
-    """The TILE_CONFIGS entry of the backward's G = du w2 GEMM under GLU_BWD_IMPL (ValueError for another value)."""
-    if GLU_BWD_IMPL not in ("split", "fused"):
-        raise ValueError(f"moe_experts: GLU_BWD_IMPL must be 'split' or 'fused', got {GLU_BWD_IMPL!r}")
-    return "glu_bwd_mm" if GLU_BWD_IMPL == "split" else "glu_bwd"
 
 
 def _glu_bwd_rows(g, a, b, w_rows, da, db, dwrow, act, bg, bu):
@@ -881,39 +777,25 @@ def _glu_bwd_rows(g, a, b, w_rows, da, db, dwrow, act, bg, bu):
 
 
 def _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu, da=None, db=None):
-    """The backward of GEMM 1's GLU epilogue: G = du[tok] w2[e] (K = l, N = i), then dA, dB from the saved
-    pre-activations a, b [rows, i] and d w_rows (float32 [rows], the row sums of G h), as GLU_BWD_IMPL says
-    ("split": a plain GEMM, then _glu_bwd_rows_kernel; "fused": the GLU in the GEMM's epilogue). dus: du's rows
-    in dispatch order (from _pregather) or None (the GEMM gathers du). da, db: output buffers; by default a, b
-    themselves ("split", written in place) or new tensors ("fused"). Returns (da, db, dwrow)."""
-    gb = _glu_bwd_gemm()
-    split = gb == "glu_bwd_mm"
+    """The backward of GEMM 1's GLU epilogue: G = du[tok] w2[e] (K = l, N = i) by a plain grouped GEMM, then
+    _glu_bwd_rows_kernel forms dA, dB from the saved pre-activations a, b [rows, i] and d w_rows (float32 [rows],
+    the row sums of G h). dus: du's rows in dispatch order (from _pregather) or None (the GEMM gathers du). da, db:
+    output buffers; by default a, b themselves (written in place). Returns (da, db, dwrow)."""
     src = dus if dus is not None else du
-    sched = _sched(d, gb, a)
-    if split:
-        da = a if da is None else da
-        db = b if db is None else db
-        dwrow = torch.empty(d.nk, dtype=torch.float32, device=a.device)
-        g = torch.empty_like(a)
-        _gg(gb, src, w2, sched, d.offs, d.e, l, i, g, gather=dus is None, tok=d.tok, w_kn=True)
-        _glu_bwd_rows(g, a, b, w_rows, da, db, dwrow, act, bg, bu)
-    else:
-        da = torch.empty_like(a) if da is None else da
-        db = torch.empty_like(b) if db is None else db
-        dwrow = torch.zeros(d.nk, dtype=torch.float32, device=a.device)
-        _gg(gb, src, w2, sched, d.offs, d.e, l, i, da, gather=dus is None, tok=d.tok, w_kn=True, epi=2, c2=db,
-            pa=a, pb=b, wrow=w_rows, dwrow=dwrow, act=act, bg=bg, bu=bu)
+    da = a if da is None else da
+    db = b if db is None else db
+    dwrow = torch.empty(d.nk, dtype=torch.float32, device=a.device)
+    g = torch.empty_like(a)
+    _gg("glu_bwd_mm", src, w2, _sched(d, "glu_bwd_mm", a), d.offs, d.e, l, i, g, gather=dus is None, tok=d.tok,
+        w_kn=True)
+    _glu_bwd_rows(g, a, b, w_rows, da, db, dwrow, act, bg, bu)
     return da, db, dwrow
 
 
 def _wgrad_w13(da, db, q, d, i, l, dw1, dw3, *, qtok=None):
-    """dW1[e] = dA_e^T Q_e and dW3[e] = dB_e^T Q_e: the dual kernel, or two launches of the single-output one
-    ("wgrad_dual" DUAL False: fewer registers, wider tiles)."""
-    if _cfg("wgrad_dual", da).get("DUAL", True):
-        _wgrad(da, q, d, i, l, dw1, p2=db, out2=dw3, qtok=qtok)
-    else:
-        _wgrad(da, q, d, i, l, dw1, qtok=qtok)
-        _wgrad(db, q, d, i, l, dw3, qtok=qtok)
+    """dW1[e] = dA_e^T Q_e and dW3[e] = dB_e^T Q_e: two launches of the single-output kernels."""
+    _wgrad(da, q, d, i, l, dw1, qtok=qtok)
+    _wgrad(db, q, d, i, l, dw3, qtok=qtok)
 
 
 class _ExpertsFn(torch.autograd.Function):
@@ -934,14 +816,12 @@ class _ExpertsFn(torch.autograd.Function):
             w1, w3 = w1.contiguous(), w3.contiguous()
         need_grad = grad and any(ctx.needs_input_grad)
         if need_grad and any(ctx.needs_input_grad[3:6]):
-            d.prefetch_counts()  # the weight gradients' v3 launches read them; copied now, in the GPU's order
+            d.prefetch_counts()  # the held weight gradient's launches read them; copied now, in the GPU's order
         # GEMM 1 + SiTU-GLU, scaled by the routing weight of the row:
         #   hw[r] = p[r] glu(x[tok r] w1^T, x[tok r] w3^T)      (N = I, K = l)
         g1, g2 = "glu_fwd", "mm"
-        cfg = _cfg(g1, x)
         # the dispatch-order copy of x feeds GEMM 1 through TMA and is kept for dW1|dW3; without gradients GEMM 1
-        # gathers the rows itself (12th session, H200, K3 layer: experts forward 25.53 against 26.21 ms at 8192
-        # tokens; 10th session 67.55 against 68.86 at 32768)
+        # gathers the rows itself (faster there: benchmarks/results/moe.md)
         xs = _pregather(g1, x, d) if need_grad else None
         wt = topk_weight.float().contiguous()
         w_rows = wt.reshape(-1)[d.perm].contiguous()  # routing weight of each sorted row
@@ -957,7 +837,7 @@ class _ExpertsFn(torch.autograd.Function):
         _gg(g2, hw, w2, _sched(d, g2, x), d.offs, e, i, l, y, gather=False,
             w_kn=False)
         _mark("fwd: GEMM 2")
-        u = _combine(y, d, None, x.dtype)
+        u = _combine(y, d, x.dtype)
         del y
         _mark("fwd: combine")
         ctx.d, ctx.cfg = d, (act, bg, bu)
@@ -990,7 +870,7 @@ class _ExpertsFn(torch.autograd.Function):
         du = du.to(x.dtype).contiguous()
         dx = dwt = dw1 = dw3 = dw2 = None
         # G = du[tok] w2[e] (K = l, N = I), then d topk_weight (row sums of G h), dA, dB
-        dus = _pregather(_glu_bwd_gemm(), du, d)
+        dus = _pregather("glu_bwd_mm", du, d)
         da, db, dwrow = _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu)
         del a, b
         _mark("bwd: GEMM dA|dB (+ GLU backward)")
@@ -1010,8 +890,8 @@ class _ExpertsFn(torch.autograd.Function):
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
             dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
             _gg("dx", da, w1, _sched(d, "dx", x), d.offs, e, i, l, dxg, gather=False,
-                w_kn=True, pair=_cfg("dx", x).get("PAIR", 2), a2=db, w2=w3)
-            dx = _combine(dxg, d, None, x.dtype)
+                w_kn=True, pair=3, a2=db, w2=w3)
+            dx = _combine(dxg, d, x.dtype)
             del dxg
             _mark("bwd: dx GEMM + combine")
         if need_w1 or need_w3:

@@ -47,8 +47,7 @@ def _sigmoid(x):
 def _sigmoid_act(x, FAST: tl.constexpr):
     """sigmoid for the GLU activations: with FAST 0.5 tanh(x/2) + 0.5 on MUFU.TANH (one special-function op, no
     division: the GLU epilogues and the backward's row pass are arithmetic-bound on the exact form's exp and IEEE
-    division; 10th session, benchmarks/moe_tiles.py: the split backward's row pass 4.33 -> 3.80 ms at 32768 tokens,
-    3.72 -> 4.24 TB/s); else the exact form. (The router's scores keep the exact _sigmoid.)"""
+    division; benchmarks/results/moe.md); else the exact form. (The router's scores keep the exact _sigmoid.)"""
     if FAST:
         return 0.5 * _tanh(0.5 * x, FAST) + 0.5
     else:
@@ -86,6 +85,31 @@ def _glu_bwd(a, b, dh, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr
         v = b
         dv = 1.0
     return g * v, dh * v * dg, dh * g * dv
+
+
+# SiTU-GLU elementwise (the shared experts' activation)
+@triton.jit
+def _situ_fwd_ew(a_ptr, b_ptr, h_ptr, M, beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < M
+    a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    h = _glu_fwd(a, b, beta_gate, beta_up, ACT, FAST)
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _situ_bwd_ew(a_ptr, b_ptr, dh_ptr, da_ptr, db_ptr, M, beta_gate, beta_up, ACT: tl.constexpr,
+                 FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < M
+    a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    _, da, db = _glu_bwd(a, b, dh, beta_gate, beta_up, ACT, FAST)
+    tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=m)
+    tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=m)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,7 +274,7 @@ def _gg_k_loop(acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, a
                PAIR: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
                PREC: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
                TAIL: tl.constexpr):
-    """The K loop of _grouped_gemm_kernel (PAIR 0, 1 or 2 as there); returns (acc, acc2, acct, acct2).
+    """The K loop of _grouped_gemm_kernel (PAIR 0 or 1 as there); returns (acc, acc2, acct, acct2).
     TAIL > 0: the tile's TAIL rows after its BM rows ride along on the same weight tiles, swapped (acct [BN, TAIL]
     = W^T A_tail^T), so that the weight tile is loaded once for BM + TAIL rows and the MMA has BN rows."""
     for k0 in range(0, K, BK):
@@ -258,24 +282,14 @@ def _gg_k_loop(acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, a
         # ---- A tile(s) [BM, BK] (and the tail's [TAIL, BK])
         if A_MODE == 2:
             a = a_src.load([m32, k0])
-            if PAIR == 2:
-                a2 = a2_src.load([m32, k0])
             if TAIL > 0:
                 at = at_src.load([m32 + BM, k0])
-                if PAIR == 2:
-                    a2t = a2t_src.load([m32 + BM, k0])
         else:
             a = _load_rows(a_ptrs, rmask, kmask, EVEN_K)
             a_ptrs += BK
-            if PAIR == 2:
-                a2 = _load_rows(a2_ptrs, rmask, kmask, EVEN_K)
-                a2_ptrs += BK
             if TAIL > 0:
                 at = _load_rows(at_ptrs, tmask, kmask, EVEN_K)
                 at_ptrs += BK
-                if PAIR == 2:
-                    a2t = _load_rows(a2t_ptrs, tmask, kmask, EVEN_K)
-                    a2t_ptrs += BK
         # ---- W tile(s) [BK, BN]
         if W_DESC:
             if W_KN:
@@ -301,23 +315,19 @@ def _gg_k_loop(acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, a
         acc = tl.dot(a, b, acc, input_precision=PREC)
         if PAIR == 1:
             acc2 = tl.dot(a, b2, acc2, input_precision=PREC)
-        elif PAIR == 2:
-            acc = tl.dot(a2, b2, acc, input_precision=PREC)
         if TAIL > 0:
             # swap-AB: the weight tile is the MMA's A operand ([BN, BK]), the tail rows its B ([BK, TAIL]); the
             # MMA is BN rows tall, where TAIL token rows alone would be padded to the tensor core's 64
             acct = tl.dot(tl.trans(b), tl.trans(at), acct, input_precision=PREC)
             if PAIR == 1:
                 acct2 = tl.dot(tl.trans(b2), tl.trans(at), acct2, input_precision=PREC)
-            elif PAIR == 2:
-                acct = tl.dot(tl.trans(b2), tl.trans(a2t), acct, input_precision=PREC)
     return acc, acc2, acct, acct2
 
 
 @triton.jit
 def _grouped_gemm_kernel(
         a_src, tok_ptr, w_src, a2_src, w2_src,
-        c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
+        c_ptr, c2_ptr, c3_ptr, wrow_ptr,
         tile_expert_ptr, tile_start_ptr, offs_ptr,
         K, NN, E, n_tiles,
         stride_am, stride_we, stride_wn, stride_wk, stride_cm,
@@ -331,15 +341,14 @@ def _grouped_gemm_kernel(
 
         acc  = A[r] . W[e]          (K-deep dot; W[e] is [NN, K] (k fastest) or [K, NN] (W_KN))
         PAIR 1 (dual):  acc2 = A[r] . W2[e]            (one A tile against two weight tiles)
-        PAIR 2 (sum):   acc += A2[r] . W2[e]           (A2 rows are never gathered)
-        PAIR 3 (sum, sequential): as PAIR 2, one K loop over (A, W) and then one over (A2, W2)
+        PAIR 3 (sum):   acc += A2[r] . W2[e], one K loop over (A, W) and then one over (A2, W2) (A2 rows are never
+                        gathered)
 
     A rows: A_MODE 0 gathered through tok (A[r] = a[tok[r]]), 1 contiguous, 2 a TMA descriptor
     over contiguous rows. W: pointers with (stride_we, stride_wn, stride_wk), or (W_DESC) a 3-D
     TMA descriptor over [E, rows, cols] with zero fill outside each expert's block.
     Epilogue EPI 0: c = acc.  EPI 1 (GLU forward): c = glu(acc, acc2) (times wrow[r] when
-    ROW_SCALE; and, when SAVE, c2 = acc, c3 = acc2: the pre-activations for backward).  EPI 2 (GLU backward, acc = G = du . w2[e]):
-    dwrow[r] += sum_n G h, dH = wrow[r] G, c = dA, c2 = dB from the saved pa, pb.
+    ROW_SCALE; and, when SAVE, c2 = acc, c3 = acc2: the pre-activations for backward).
 
     HALF: an m-tile with at most BM / 2 rows (an expert's last tile) runs at BM / 2 rows, so its products cost
     half (at 8192 tokens of the K3 layer an expert has ~146 rows: 128 + 18, padded to 192 rows of MMA instead
@@ -362,45 +371,42 @@ def _grouped_gemm_kernel(
     if TAIL > 0:
         tail = m_end - m_begin > BM
     if half:
-        _gg_tile(a_h_src, tok_ptr, w_src, a2_h_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
-                 dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
+        _gg_tile(a_h_src, tok_ptr, w_src, a2_h_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
+                 e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
                  stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
                  PREC, EVEN_K, BM // 2, BN, BK)
     elif tail:
-        _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
-                 dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
+        _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
+                 e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
                  stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
                  PREC, EVEN_K, BM, BN, BK, TAIL, a_t_src, a2_t_src)
     else:
-        _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
-                 dwrow_ptr, e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
+        _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
+                 e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
                  stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
                  PREC, EVEN_K, BM, BN, BK)
 
 
 @triton.jit
-def _gg_epilogue(acc, acc2, rows, rmask, cmask, row0, n0, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
+def _gg_epilogue(acc, acc2, rows, rmask, cmask, row0, n0, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
                  stride_cm, beta_gate, beta_up, EPI: tl.constexpr, SAVE: tl.constexpr, ROW_SCALE: tl.constexpr,
                  ACT: tl.constexpr, FAST: tl.constexpr, R: tl.constexpr, BN: tl.constexpr):
-    """The epilogue of _grouped_gemm_kernel (EPI 0, 1, 2 as there) for the [R, BN] products acc (acc2) of the R rows
+    """The epilogue of _grouped_gemm_kernel (EPI 0, 1 as there) for the [R, BN] products acc (acc2) of the R rows
     `rows` = row0 + arange(R) (those in rmask are stored) and columns n0 .. n0 + BN - 1 (those in cmask). The caller
     forms rows and the masks before its K loop: formed after it, behind the last MMA, they made ptxas serialize the
     wgmma pipeline of the 128 x 256 GEMM 2 (C7515)."""
-    # epilogue offsets: int32 within the tile (R * stride_cm < 2**31) from int64 tile bases. ptxas sm_90a spills
-    # (bytes, int64 [BM, BN] offsets -> these): GLU backward 128 x 64 264 -> 0, dx 440 -> 16, GEMM 1 1204 -> 848,
-    # GEMM 2 128 x 256 256 -> 464 (9th session; the GEMM 2 forward phase timed within run-to-run noise)
+    # epilogue offsets: int32 within the tile (R * stride_cm < 2**31) from int64 tile bases: fewer registers than
+    # int64 [BM, BN] offsets (ptxas spills: benchmarks/results/moe.md)
     lr = tl.arange(0, R)
     o = lr[:, None] * stride_cm + tl.arange(0, BN)[None, :]
     tile0 = row0 * stride_cm + n0
     c_ptr += tile0
     c2_ptr += tile0
     c3_ptr += tile0
-    pa_ptr += tile0
-    pb_ptr += tile0
     om = rmask[:, None] & cmask[None, :]
     if EPI == 0:
         tl.store(c_ptr + o, acc.to(c_ptr.dtype.element_ty), mask=om)
-    elif EPI == 1:
+    else:
         if SAVE:
             # store the pre-activations rounded to the storage dtype and compute h from those
             # (what backward will see): fewer live registers than keeping acc and acc2 too
@@ -417,19 +423,10 @@ def _gg_epilogue(acc, acc2, rows, rmask, cmask, row0, n0, c_ptr, c2_ptr, c3_ptr,
             wr = tl.load(wrow_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             h = h * wr[:, None]
         tl.store(c_ptr + o, h.to(c_ptr.dtype.element_ty), mask=om)
-    else:
-        av = tl.load(pa_ptr + o, mask=om, other=0.0).to(tl.float32)
-        bv = tl.load(pb_ptr + o, mask=om, other=0.0).to(tl.float32)
-        wr = tl.load(wrow_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        h, da, db = _glu_bwd(av, bv, acc * wr[:, None], beta_gate, beta_up, ACT, FAST)
-        part = tl.sum(tl.where(om, acc * h, 0.0), axis=1)
-        tl.atomic_add(dwrow_ptr + rows, part, mask=rmask)
-        tl.store(c_ptr + o, da.to(c_ptr.dtype.element_ty), mask=om)
-        tl.store(c2_ptr + o, db.to(c2_ptr.dtype.element_ty), mask=om)
 
 
 @triton.jit
-def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr,
+def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
              e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
              beta_gate, beta_up, PAIR: tl.constexpr, EPI: tl.constexpr, SAVE: tl.constexpr,
              ROW_SCALE: tl.constexpr, ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr,
@@ -467,7 +464,7 @@ def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_pt
         a_ptrs = a_src + rows[:, None] * stride_am + ks[None, :]
         if TAIL > 0:
             at_ptrs = a_src + trows[:, None] * stride_am + ks[None, :]
-    if PAIR >= 2:
+    if PAIR == 3:
         if A_MODE != 2:
             a2_ptrs = a2_src + rows[:, None] * stride_am + ks[None, :]
             if TAIL > 0:
@@ -510,17 +507,17 @@ def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, pa_pt
     if TAIL > 0:
         # the tail's products first (fewer registers live across the larger epilogue), transposed back to rows
         _gg_epilogue(tl.trans(acct), tl.trans(acct2), trows, tmask, cmask, m_begin + BM, n0, c_ptr, c2_ptr, c3_ptr,
-                     pa_ptr, pb_ptr, wrow_ptr, dwrow_ptr, stride_cm, beta_gate, beta_up, EPI, SAVE, ROW_SCALE, ACT,
+                     wrow_ptr, stride_cm, beta_gate, beta_up, EPI, SAVE, ROW_SCALE, ACT,
                      FAST, TAIL, BN)
-    _gg_epilogue(acc, acc2, rows, rmask, cmask, m_begin, n0, c_ptr, c2_ptr, c3_ptr, pa_ptr, pb_ptr, wrow_ptr,
-                 dwrow_ptr, stride_cm, beta_gate, beta_up, EPI, SAVE, ROW_SCALE, ACT, FAST, BM, BN)
+    _gg_epilogue(acc, acc2, rows, rmask, cmask, m_begin, n0, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
+                 stride_cm, beta_gate, beta_up, EPI, SAVE, ROW_SCALE, ACT, FAST, BM, BN)
 
 
 @triton.jit
 def _glu_bwd_rows_kernel(g_ptr, a_ptr, b_ptr, wrow_ptr, da_ptr, db_ptr, dwrow_ptr, M, N, stride_m,
                          beta_gate, beta_up, ACT: tl.constexpr, FAST: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The GLU backward of BLOCK_R whole rows, after the plain GEMM G = du[tok] . w2[e] (GLU_BWD_IMPL "split"):
+    """The GLU backward of BLOCK_R whole rows, after the plain GEMM G = du[tok] . w2[e]:
     dwrow[r] = sum_n G h (h recomputed from the saved pre-activations a, b), dA, dB = glu'(a, b) . (wrow[r] G).
     da / db may alias a / b (each element is read before it is written, by the same program)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -543,21 +540,19 @@ def _glu_bwd_rows_kernel(g_ptr, a_ptr, b_ptr, wrow_ptr, da_ptr, db_ptr, dwrow_pt
 
 
 @triton.jit
-def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr, out2_ptr, offs_ptr, exp_ptr,
-                  MM, NN, m_tiles, n_tiles,
-                  stride_pm, stride_qm, stride_oe, stride_om,
-                  P_GATHER: tl.constexpr, P_SCALE: tl.constexpr, Q_GATHER: tl.constexpr,
-                  DUAL: tl.constexpr, PREC: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, O_DESC: tl.constexpr = False,
-                  EXP_LIST: tl.constexpr = False):
-    """Weight gradient of every expert: out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n]
-    (and out2[e] = P2^T Q when DUAL, sharing the Q tile), with P rows gathered/scaled
-    (P[r] = pscale[r] * p[ptok[r]]) and Q rows gathered (Q[r] = q[qtok[r]]) on request.
+def _wgrad_tile_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_ptr,
+                       MM, NN, m_tiles, n_tiles,
+                       stride_pm, stride_qm, stride_oe, stride_om,
+                       P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, PREC: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, O_DESC: tl.constexpr = False,
+                       EXP_LIST: tl.constexpr = False):
+    """Weight gradient of every expert, one program per output tile: out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n],
+    with P rows gathered (P[r] = p[ptok[r]]) and Q rows gathered (Q[r] = q[qtok[r]]) on request.
     Experts with no row get an exact zero block. Grid: E * m_tiles * n_tiles, n fastest.
-    O_DESC: out_ptr / out2_ptr are 3-D TMA descriptors over out [E, MM, NN] with block [1, BM, BN] (the tile
-    goes out through shared memory and the copy engine, which clips the edges), else masked pointer stores.
+    O_DESC: out_ptr is a 3-D TMA descriptor over out [E, MM, NN] with block [1, BM, BN] (the tile goes out through
+    shared memory and the copy engine, which clips the edges), else masked pointer stores.
     EXP_LIST: the programs cover only the experts exp_ptr[0 ..] (grid: len * m_tiles * n_tiles; the experts that
-    v3 leaves over), else every expert."""
+    the held kernel leaves over), else every expert."""
     pid = tl.program_id(0)
     per_e = m_tiles * n_tiles
     e = pid // per_e
@@ -574,8 +569,6 @@ def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr,
     nmask = ns < NN
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if DUAL:
-        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(r0, r1, BK):
         rows = k0 + kk
         rmask = rows < r1
@@ -589,25 +582,15 @@ def _wgrad_kernel(p_ptr, p2_ptr, ptok_ptr, pscale_ptr, q_ptr, qtok_ptr, out_ptr,
             qrow = rows
         pm = mmask[:, None] & rmask[None, :]
         p = tl.load(p_ptr + prow[None, :] * stride_pm + ms[:, None], mask=pm, other=0.0)  # [BM, BK]
-        if P_SCALE:
-            sc = tl.load(pscale_ptr + rows, mask=rmask, other=0.0)
-            p = (p.to(tl.float32) * sc[None, :]).to(p_ptr.dtype.element_ty)
         qv = tl.load(q_ptr + qrow[:, None] * stride_qm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
         acc = tl.dot(p, qv, acc, input_precision=PREC)
-        if DUAL:
-            p2 = tl.load(p2_ptr + prow[None, :] * stride_pm + ms[:, None], mask=pm, other=0.0)
-            acc2 = tl.dot(p2, qv, acc2, input_precision=PREC)
     if O_DESC:
         e32 = e.to(tl.int32)
         _store_tile_desc(out_ptr, acc, e32, pid_m * BM, pid_n * BN, BM, BN)
-        if DUAL:
-            _store_tile_desc(out2_ptr, acc2, e32, pid_m * BM, pid_n * BN, BM, BN)
     else:
         o = e.to(tl.int64) * stride_oe + ms.to(tl.int64)[:, None] * stride_om + ns[None, :]
         om = mmask[:, None] & nmask[None, :]
         tl.store(out_ptr + o, acc.to(out_ptr.dtype.element_ty), mask=om)
-        if DUAL:
-            tl.store(out2_ptr + o, acc2.to(out2_ptr.dtype.element_ty), mask=om)
 
 
 @triton.jit
@@ -656,12 +639,12 @@ def _wgrad_block_dot(acc, pb, q_ptr, qtok_ptr, x0, kx, m, ns, nmask, stride_qm, 
 
 
 @triton.jit
-def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_ptr, MM, NN, m_tiles,
-                     stride_pm, stride_qm, stride_oe, stride_om,
-                     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, PREC: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, KX: tl.constexpr = 16,
-                     NX: tl.constexpr = 0, EXP_LIST: tl.constexpr = False, O_DESC: tl.constexpr = False):
-    """Weight gradient for few rows per expert ("v3"; same result as ``_wgrad_kernel`` without DUAL / P_SCALE):
+def _wgrad_held_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_ptr, MM, NN, m_tiles,
+                       stride_pm, stride_qm, stride_oe, stride_om,
+                       P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, PREC: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, KX: tl.constexpr = 16,
+                       NX: tl.constexpr = 0, EXP_LIST: tl.constexpr = False, O_DESC: tl.constexpr = False):
+    """Weight gradient for few rows per expert (same result as ``_wgrad_tile_kernel``):
     out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n], every expert having at most KP + NX * KX rows (the host
     checks).
 
@@ -670,8 +653,8 @@ def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_pt
     in KX steps (146 rows: 128 + 32 = 160, where one power-of-two block would be 256 deep). The loop over the
     n-tiles loads the matching Q blocks, forms the product and stores the [BM, BN] gradient tile; it is the
     software-pipelined loop, so the next Q tiles are in flight while a tile is multiplied and stored. Each Q
-    element is read once per m-tile, against once per (m-tile, n-tile) pair with P too in v1: at a few hundred
-    rows per expert that operand traffic, not the gradient's stores, bounds v1.
+    element is read once per m-tile, against once per (m-tile, n-tile) pair with P too in the tile kernel: at a few
+    hundred rows per expert that operand traffic, not the gradient's stores, bounds the tile kernel.
     EXP_LIST: program j // m_tiles works on expert exp_ptr[j // m_tiles] (the host groups experts by depth),
     else on expert j // m_tiles. O_DESC: out_ptr is a 3-D TMA descriptor over out [E, MM, NN] with block
     [1, BM, BN] (the copy engine writes the tile and clips the edges), else masked pointer stores."""
@@ -724,100 +707,8 @@ def _wgrad_v3_kernel(p_ptr, ptok_ptr, q_ptr, qtok_ptr, out_ptr, offs_ptr, exp_pt
 
 
 @triton.jit
-def _wgrad_v2_kernel(p_src, p2_src, q_src, p_ptr, p2_ptr, ptok_ptr, q_ptr, qtok_ptr, o_dst, o2_dst, offs_ptr,
-                     MM, NN, E, m_tiles, n_tiles, num_progs,
-                     stride_pm, stride_qm, stride_oe, stride_om,
-                     P_DESC: tl.constexpr, Q_DESC: tl.constexpr, O_DESC: tl.constexpr,
-                     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr,
-                     DUAL: tl.constexpr, PREC: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Weight gradient of every expert, second implementation ("v2"); same result as
-    ``_wgrad_kernel``:  out[e, m, n] = sum_{r in rows(e)} P[r, m] Q[r, n]  (out2[e] = P2^T Q when
-    DUAL, sharing the Q tile), P[r] = p[ptok[r]] when P_GATHER, Q[r] = q[qtok[r]] when Q_GATHER.
-
-    * Persistent: num_progs programs (a few per SM) walk the E * m_tiles * n_tiles output tiles
-      with stride num_progs; tile order expert-major, then m, then n (fastest), so the programs
-      running together work on one expert and share its P and Q rows through L2.
-    * K loop = the expert's rows. The full BK-row blocks are read through 2-D TMA descriptors
-      (P_DESC: p_src is a descriptor over p [rows, MM] with block [BK, BM], transposed in shared
-      memory for the MMA; Q_DESC likewise over q [rows, NN] with block [BK, BN]); the one partial
-      block at the end of the expert is peeled off and read through masked pointer loads, so no
-      row of the next expert enters the sum (TMA can only zero-fill outside the whole tensor).
-      A gathered operand (P_GATHER / Q_GATHER) or one not addressable by TMA is read through
-      pointers in the main loop too. p_ptr, p2_ptr, q_ptr are always the plain tensors (the
-      descriptor slots then hold them too).
-    * Output: O_DESC: 3-D TMA descriptors over out [E, MM, NN] with block [1, BM, BN] (the copy
-      engine clips the edges); otherwise masked pointer stores. Experts with no row store zeros.
-    """
-    pid = tl.program_id(0)
-    per_e = m_tiles * n_tiles
-    total = E * per_e
-    kk = tl.arange(0, BK)
-    for tile in range(pid, total, num_progs):
-        e = tile // per_e
-        rem = tile % per_e
-        pid_m = rem // n_tiles
-        pid_n = rem % n_tiles
-        m0 = pid_m * BM
-        n0 = pid_n * BN
-        r0 = tl.load(offs_ptr + e).to(tl.int64)
-        r1 = tl.load(offs_ptr + e + 1).to(tl.int64)
-        n_full = (r1 - r0) // BK
-        ms = m0 + tl.arange(0, BM)
-        ns = n0 + tl.arange(0, BN)
-        mmask = ms < MM
-        nmask = ns < NN
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        if DUAL:
-            acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-        # ---- full blocks: every row belongs to expert e
-        for kb in range(0, n_full):
-            k0 = r0 + kb * BK
-            if Q_DESC:
-                qv = q_src.load([k0.to(tl.int32), n0])
-            else:
-                qv = _wgrad_q_tile(q_ptr, qtok_ptr, k0, kk, kk < BK, ns, nmask, stride_qm, Q_GATHER)
-            if P_DESC:
-                pv = tl.trans(p_src.load([k0.to(tl.int32), m0]))
-                if DUAL:
-                    pv2 = tl.trans(p2_src.load([k0.to(tl.int32), m0]))
-            else:
-                pv = _wgrad_p_tile(p_ptr, ptok_ptr, k0, kk, kk < BK, ms, mmask, stride_pm, P_GATHER)
-                if DUAL:
-                    pv2 = _wgrad_p_tile(p2_ptr, ptok_ptr, k0, kk, kk < BK, ms, mmask, stride_pm, P_GATHER)
-            acc = tl.dot(pv, qv, acc, input_precision=PREC)
-            if DUAL:
-                acc2 = tl.dot(pv2, qv, acc2, input_precision=PREC)
-        # ---- the partial block at the end of the expert (masked pointer loads)
-        k0 = r0 + n_full * BK
-        if k0 < r1:
-            rmask = (k0 + kk) < r1
-            qv = _wgrad_q_tile(q_ptr, qtok_ptr, k0, kk, rmask, ns, nmask, stride_qm, Q_GATHER)
-            pv = _wgrad_p_tile(p_ptr, ptok_ptr, k0, kk, rmask, ms, mmask, stride_pm, P_GATHER)
-            acc = tl.dot(pv, qv, acc, input_precision=PREC)
-            if DUAL:
-                pv2 = _wgrad_p_tile(p2_ptr, ptok_ptr, k0, kk, rmask, ms, mmask, stride_pm, P_GATHER)
-                acc2 = tl.dot(pv2, qv, acc2, input_precision=PREC)
-        # ---- epilogue
-        if O_DESC:
-            e32 = e.to(tl.int32)
-            _store_tile_desc(o_dst, acc, e32, m0, n0, BM, BN)
-            if DUAL:
-                _store_tile_desc(o2_dst, acc2, e32, m0, n0, BM, BN)
-        else:
-            # 64-bit scalar base, 32-bit offsets inside the tile (BM * stride_om < 2**31)
-            base = e.to(tl.int64) * stride_oe + m0.to(tl.int64) * stride_om
-            o = tl.arange(0, BM)[:, None] * stride_om + ns[None, :]
-            om = mmask[:, None] & nmask[None, :]
-            tl.store(o_dst + base + o, acc.to(o_dst.dtype.element_ty), mask=om)
-            if DUAL:
-                tl.store(o2_dst + base + o, acc2.to(o2_dst.dtype.element_ty), mask=om)
-
-
-@triton.jit
-def _combine_kernel(y_ptr, pos_ptr, wt_ptr, out_ptr, L, stride_ym, stride_om,
-                    TOPK: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t, c] = sum_j wt[t, j] * y[pos[t, j], c]  (wt = 1 when not WEIGHTED), in float32."""
+def _combine_kernel(y_ptr, pos_ptr, out_ptr, L, stride_ym, stride_om, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, c] = sum_j y[pos[t, j], c] in float32 (GEMM 1's epilogue applied the routing weights)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = cols < L
@@ -825,8 +716,5 @@ def _combine_kernel(y_ptr, pos_ptr, wt_ptr, out_ptr, L, stride_ym, stride_om,
     for j in tl.static_range(TOPK):
         r = tl.load(pos_ptr + t * TOPK + j).to(tl.int64)
         v = tl.load(y_ptr + r * stride_ym + cols, mask=cm, other=0.0).to(tl.float32)
-        if WEIGHTED:
-            acc += tl.load(wt_ptr + t * TOPK + j).to(tl.float32) * v
-        else:
-            acc += v
+        acc += v
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
