@@ -13,9 +13,9 @@ Two phases, on two machines (issue 7: compile once, deploy without the compiler)
    l2norm d=128 (one KDA head). Each group is exported in the schedule variants of VARIANTS below (the
    first is backends/tvm's default; the others' keys carry a __<attributes> suffix): what is fastest
    can only be measured, so one --run times them all. attn_residual's default is the pipelined kernel
-   (hand-written TensorIR: a cp.async ring of source rows in shared memory; backends/tvm/kernels
-   PIPELINED_STAGES / PIPELINED_GROUP); the one-pass and two-pass kernels and other pipelined settings
-   are variants, checked against the reference in the same run like every module.
+   (hand-written TensorIR: a cp.async ring of source rows in shared memory; backends/tvm/attn_kernels
+   PIPELINED_STAGES / PIPELINED_GROUP); the one-pass kernel (the fallback for rows without a whole-warp layout)
+   and other pipelined settings are variants, checked against the reference in the same run like every module.
    The export fails if a generated CUDA source writes shared memory from every thread without a guard
    (backends.tvm.build.shared_write_hazards: the race of the first one-pass build).
 
@@ -100,26 +100,9 @@ VARIANTS = {
     # stay as variants so that a run shows the difference
     "rmsnorm": [{}, {"threads": 896}, {"vec": 1, "threads": 256}],
     "situ_glu": [{}, {"unroll": 2}, {"threads": 128, "unroll": 4}],
-    # (before the 5th session) the default was the one-pass kernel with grouped all-reduces and
-    # kernels.onepass_defaults(d, L)
-    # (448 threads, 3 sources per all-reduce, prefetch 2 groups up to L = 8 and 1 above), chosen from the
-    # H200 runs of 2026-11-29 (4th session): there the two-pass kernel (then the default) was 1.32-2.82x
-    # Triton at L >= 8 and the ungrouped one-pass kernel (4L barriers per row) 1.65-1.78x; group 2 / 4
-    # and prefetch 1-3 were within 10% of the default, 896 threads 5-20% slower, group 8 spilled (8.4x
-    # at L = 25). The variants around the default stay so that every run shows the neighbourhood.
-    "attn_residual": [{}, {"impl": "onepass", "threads": 448, "group": 3, "prefetch": 1}, {"impl": "twopass"},
-                      # 5th session: the pipelined kernel (cuda: hand-written TensorIR, the sources stream
-                      # through a ring of `stages` shared-memory rows with cp.async, `group` sources per
-                      # barrier; about 64 registers, so two blocks of 448 threads per SM). Dropped after the
-                      # 5th session's first run (benchmarks/results/tvm.md): one-pass prefetch 3 / group 5, 6
-                      # / group 3 prefetch 0 / 224 threads (1.43-8.7x Triton at L = 25), 896 threads (G 1-3,
-                      # P 0-3: 1.54-2.24x; 72 registers, 28 warps per SM but still one block) and
-                      # __launch_bounds__(448, 2) (1.71-1.74x: spills); after the 3rd run the one-pass
-                      # groups 2 / 4, prefetch 2 and min_blocks 1 (1.23-1.64x at L >= 8) and the pipelined
-                      # settings beaten at every L
-                      # 2nd run: 448 threads (two vectors each) 0.91-1.21x Triton, 224 threads (four) 0.86-1.10x;
-                      # 3rd run: 224 threads with 8 stages and groups of 4 0.76-0.97x, now the default
-                      # (kernels.PIPELINED_STAGES / PIPELINED_GROUP)
+    # the one-pass kernel with its default schedule (attn_kernels.onepass_defaults, the fallback), then pipelined
+    # settings around the default (the history of every variant: benchmarks/results/tvm.md)
+    "attn_residual": [{}, {"impl": "onepass", "threads": 448, "group": 3, "prefetch": 1},
                       {"impl": "pipelined", "threads": 224, "stages": 4, "group": 1},
                       {"impl": "pipelined", "threads": 448, "stages": 8, "group": 4},
                       {"impl": "pipelined", "threads": 224, "stages": 6, "group": 3},

@@ -12,7 +12,7 @@ tvm = pytest.importorskip("tvm")
 import backends.reference as R  # noqa: E402
 import backends.tvm as V  # noqa: E402
 from backends.tvm import build as B  # noqa: E402
-from backends.tvm import kernels as K  # noqa: E402
+from backends.tvm import attn_kernels as A  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -162,17 +162,17 @@ def test_attn_residual(n, d, L):
     assert rel_rms(y, R.attn_residual(q, srcs, w, eps=1e-6)) < ATTN_F32_TOL
 
 
-@pytest.mark.parametrize("impl,group", [("twopass", None), ("onepass", None), ("onepass", 1), ("onepass", 4)])
+@pytest.mark.parametrize("impl,group", [("onepass", None), ("onepass", 1), ("onepass", 4)])
 @pytest.mark.parametrize("n,d,L", [(1, 100, 1), (37, 100, 2), (63, 448, 9)])
 def test_attn_residual_impls_llvm(impl, group, n, d, L):
-    """Both implementations (the default two-pass one and the one-pass variant, also with the sums of
-    `group` sources reduced together: L = 9, group 4 leaves a last group of one), called through their
-    kernels directly, on large logits (the softmax is peaked, exp underflows for most sources)."""
+    """The one-pass kernel (the llvm build of every attn_residual kernel) with the sums of `group` sources
+    reduced together (None: onepass_defaults' 3; L = 9, group 4 leaves a last group of one), called through its
+    kernel directly, on large logits (the softmax is peaked, exp underflows for most sources)."""
     q, w = torch.randn(d) * 3, 1 + 0.1 * torch.randn(d)
     srcs = [torch.randn(n, d) * (0.5 + 2 * torch.rand(1).item()) for _ in range(L)]
     k = V.kernel_for("attn_residual", d=d, L=L, eps=1e-6, impl=impl,
                      **({} if group is None else {"group": group}))
-    assert dict(k.sched)["impl"] == impl and dict(k.sched).get("group") == group
+    assert dict(k.sched)["impl"] == impl and dict(k.sched)["group"] == (3 if group is None else group)
     y = torch.empty(n, d)
     B.get_function(k, "llvm")(q, w, *srcs, y)
     assert rel_rms(y, naive_attn_residual(q, srcs, w, 1e-6)) < ATTN_F32_TOL
@@ -181,9 +181,9 @@ def test_attn_residual_impls_llvm(impl, group, n, d, L):
 def test_attn_residual_default_is_the_measured_kernel():
     """target="tvm" and the default export use the fastest kernel of the H200 runs: the pipelined one
     (224 threads at d = 7168 in bf16, a ring of 4 rows, one barrier per source), and the grouped one-pass
-    kernel with kernels.onepass_defaults (448 threads, 3 sources per all-reduce, 2 groups prefetched up
-    to L = 8, 1 above) where the row has no whole-warp layout or one-pass attributes are given; the
-    two-pass kernel is a named variant with its own cache key."""
+    kernel with attn_kernels.onepass_defaults (448 threads, 3 sources per all-reduce, 2 groups prefetched up
+    to L = 8, 1 above) where the row has no whole-warp layout or one-pass attributes are given; the two-pass
+    kernel is retired (an unknown impl)."""
     k = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16")
     assert dict(k.sched) == {"impl": "pipelined", "threads": 224, "stages": 8, "group": 4}
     assert dict(V.kernel_for("attn_residual", d=7168, L=2, dtype="bfloat16").sched) == {
@@ -202,17 +202,13 @@ def test_attn_residual_default_is_the_measured_kernel():
     fallback = V.kernel_for("attn_residual", d=1000, L=3, dtype="bfloat16")          # 125 vectors: no warp layout
     assert dict(fallback.sched)["impl"] == "onepass" and dict(fallback.sched)["group"] == 3
     assert k.text("llvm") == V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", prefetch=2).text("llvm")
-    k2 = V.kernel_for("attn_residual", d=7168, L=8, dtype="bfloat16", impl="twopass")
-    assert "LG[vi, vl]" in k2.source and "Z[vi]" in k2.source
-    assert B.cache_key(k, "cuda") != B.cache_key(k2, "cuda")
-    with pytest.raises(ValueError, match="twopass"):
-        V.kernel_for("attn_residual", d=7168, L=8, impl="twopass", threads=448)
+    assert B.cache_key(k, "cuda") != B.cache_key(one, "cuda")
+    with pytest.raises(ValueError, match="unknown impl 'twopass'"):
+        V.kernel_for("attn_residual", d=7168, L=8, impl="twopass")
     with pytest.raises(ValueError, match="impl"):
         V.kernel_for("attn_residual", d=7168, L=8, impl="bogus")
     with pytest.raises(ValueError, match="impl"):
         V.kernel_for("rmsnorm", d=7168, impl="onepass")
-    with pytest.raises(ValueError, match="twopass"):
-        V.kernel_for("attn_residual", d=7168, L=8, impl="twopass", group=2)
     with pytest.raises(ValueError, match="group must be >= 1"):
         V.kernel_for("attn_residual", d=7168, L=8, impl="onepass", group=0)
     with pytest.raises(ValueError, match="group"):
@@ -411,7 +407,7 @@ def test_cuda_schedules_in_source():
     src = cuda("attn_residual", d=448, L=4, dtype="bfloat16", impl="onepass", threads=64)  # scalar schedule
     first = [src.index(f"S{l}_ptr[") for l in range(4)]
     assert first == sorted(first)                                     # source l read before source l + 1
-    src = cuda("attn_residual", d=512, L=6, dtype="bfloat16", impl="onepass", prefetch=2)  # vector schedule
+    src = cuda("attn_residual", d=512, L=6, dtype="bfloat16", impl="onepass", prefetch=2, group=1)  # vector
     loads = [src.index(f"*(uint4*)(S{l}_ptr") for l in range(6)]
     assert loads == sorted(loads) and src.count("*(uint4*)(S3_ptr") == 1           # each row read once
     sync_before = [src[:i].count("__syncthreads") for i in loads]
@@ -446,12 +442,11 @@ def _unguarded_shared_writes(src: str) -> list[str]:
 
 
 @pytest.mark.parametrize("impl,d,L,extra,fixed", [
-    ("twopass", 7168, 1, {}, True), ("twopass", 1000, 3, {}, False),     # L >= 2: the b963733 build as is
     ("onepass", 512, 3, {}, True), ("onepass", 7168, 2, {"threads": 448}, True),
     ("onepass", 7168, 25, {"threads": 448, "group": 4}, True)])
 def test_cuda_attn_residual_no_shared_race(impl, d, L, extra, fixed):
     """Multi-warp all-reduces: no row scalar is computed in place in the shared all-reduce result (the
-    StorageRewrite + LowerThreadAllreduce race, kernels.NO_STORAGE_REWRITE); where the fix applies, the
+    StorageRewrite + LowerThreadAllreduce race, attn_kernels.NO_STORAGE_REWRITE); where the fix applies, the
     same kernel built without it shows the race (so the check can fail)."""
     import dataclasses
     k = V.kernel_for("attn_residual", d=d, L=L, dtype="bfloat16", impl=impl, **extra)
@@ -477,13 +472,11 @@ def test_cuda_attn_residual_default_builds(d, L):
     assert all(f"S{l}_ptr" in src for l in range(L))
 
 
-@pytest.mark.parametrize("group,syncs", [(None, 2 * 2 * 25), (1, 2 * 25), (4, 2 * 7), (25, 2)])
+@pytest.mark.parametrize("group,syncs", [(1, 2 * 25), (4, 2 * 7), (25, 2)])
 def test_cuda_attn_residual_grouped_all_reduce(group, syncs):
     """The grouped one-pass kernel: the 2G sums of G sources form ONE all-reduce (one pair of barriers),
-    so L = 25 has 2 * ceil(25 / G) __syncthreads against 2 * 2L without groups; each source row is still
-    read once."""
-    extra = {} if group is None else {"group": group}
-    k = V.kernel_for("attn_residual", d=7168, L=25, dtype="bfloat16", impl="onepass", threads=448, **extra)
+    so L = 25 has 2 * ceil(25 / G) __syncthreads; each source row is still read once."""
+    k = V.kernel_for("attn_residual", d=7168, L=25, dtype="bfloat16", impl="onepass", threads=448, group=group)
     ex, _ = B.compile_kernel(k, "cuda")
     src = ex.mod.imports[0].inspect_source()
     assert src.count("__syncthreads") == syncs
@@ -491,7 +484,7 @@ def test_cuda_attn_residual_grouped_all_reduce(group, syncs):
 
 
 def test_sum_reducer_registration_exits_cleanly(tmp_path):
-    """Registering the n-value sum reducer (kernels.ensure_sum_reducer) and building with it must not crash
+    """Registering the n-value sum reducer (attn_kernels.ensure_sum_reducer) and building with it must not crash
     the interpreter at exit (TVM 0.27 frees a Python callback from a static destructor: SIGSEGV / abort
     without the extra reference)."""
     import subprocess
@@ -526,8 +519,6 @@ def test_attn_residual_min_blocks_launch_bounds():
         V.kernel_for("attn_residual", d=1024, L=5, min_blocks=0)
     with pytest.raises(ValueError, match="L >= 2"):
         V.kernel_for("attn_residual", d=1024, L=1, min_blocks=1)
-    with pytest.raises(ValueError, match="twopass"):
-        V.kernel_for("attn_residual", d=1024, L=5, impl="twopass", min_blocks=1)
     with pytest.raises(ValueError, match="min_blocks"):
         V.kernel_for("rmsnorm", d=1024, min_blocks=1)
 
@@ -671,9 +662,9 @@ def test_kernel_for_checks_attributes(op, attrs, msg):
 def test_pipelined_threads_long_rows():
     """Rows longer than 1024 threads x 4 vectors take 8 or 16 vectors per thread (float32 d = 32768: 8192
     vectors, 1024 threads), so the pipelined kernel still applies; rows with no whole-warp split say so."""
-    assert K.pipelined_threads(32768, "float32") == 1024
-    assert K.pipelined_threads(7168, "bfloat16") == 224
-    assert K.pipelined_threads(1000, "bfloat16") == 0
+    assert A.pipelined_threads(32768, "float32") == 1024
+    assert A.pipelined_threads(7168, "bfloat16") == 224
+    assert A.pipelined_threads(1000, "bfloat16") == 0
     k = V.kernel_for("attn_residual", d=32768, L=3, dtype="float32", impl="pipelined")
     assert dict(k.sched)["threads"] == 1024 and dict(k.sched)["stages"] == 1     # one 128 KiB row fits
 

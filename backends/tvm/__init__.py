@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from backends.reference.ops import check_eps, check_finite_cpu
+from . import attn_kernels as _A
 from . import kernels as _K
 from . import build as _B
 from .build import cache_dir, cache_key, export, load, library_path  # noqa: F401
@@ -217,10 +218,11 @@ def kernel_for(op: str, **a) -> _K.Kernel:
 
     rmsnorm: d, eps, dtype, w_dtype; l2norm: d, eps, dtype; silu / sigmoid: dtype; add / mul: dtype,
     b_dtype; situ_glu: dtype, b_dtype, out_dtype, beta_gate, beta_up (the elementwise ops also take the
-    layout / schedule attributes vec, threads, unroll: see kernels.elementwise_source); attn_residual: d, L, eps, dtype,
-    q_dtype, w_dtype and impl (default: "pipelined" where the row has a whole-warp layout, else "onepass"
-    with the schedule of kernels.onepass_defaults: see kernels.attn_residual_source; "onepass" with the schedule attributes threads, vec,
-    prefetch, group, min_blocks; "pipelined" (cuda: cp.async ring) with threads, stages, group; "twopass": the b963733 kernel; see kernels.attn_residual_source); rmsnorm / l2norm also take the cuda schedule attributes threads,
+    layout / schedule attributes vec, threads, unroll: see kernels.elementwise_source); attn_residual: d, L, eps,
+    dtype, q_dtype, w_dtype and impl (default: "pipelined" where the row has a whole-warp layout, else "onepass"
+    with the schedule of attn_kernels.onepass_defaults; "onepass" with the schedule attributes threads, vec,
+    prefetch, group, min_blocks; "pipelined" (cuda: cp.async ring) with threads, stages, group; see
+    attn_kernels.attn_residual_source); rmsnorm / l2norm also take the cuda schedule attributes threads,
     vec, rows; short_conv: C, W, dtype, w_dtype (and vec, threads, tile_t); router_scores: d, E, dtype, w_dtype. Dtypes are
     "float32" / "float16" / "bfloat16" (default float32; out_dtype defaults to dtype).
     Integer attributes must be integers in range (threads 1..1024, vec 1 / 2 / 4 / 8, prefetch >= 0, the
@@ -255,7 +257,7 @@ def kernel_for(op: str, **a) -> _K.Kernel:
         elif op == "l2norm":
             k = _K.rownorm_source("l2norm", _shape_attr(op, a, "d"), dt, None, dt, _eps_attr(op, a), **rs)
         else:
-            k = _K.attn_residual_source(_shape_attr(op, a, "d"), _shape_attr(op, a, "L"), dt,
+            k = _A.attn_residual_source(_shape_attr(op, a, "d"), _shape_attr(op, a, "L"), dt,
                                         a.pop("q_dtype", "float32"), a.pop("w_dtype", "float32"), _eps_attr(op, a),
                                         **rs)
     elif op == "short_conv":

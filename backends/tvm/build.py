@@ -67,7 +67,7 @@ def cache_key(kernel: Kernel, kind: str) -> str:
 
 def pass_config(kernel: Kernel, kind: str) -> dict:
     """The tvm.transform.PassContext config of this kernel's build for ``kind`` (``kernel.cuda_pass_config``
-    on cuda, e.g. StorageRewrite off for the attn_residual kernels: see kernels.NO_STORAGE_REWRITE)."""
+    on cuda, e.g. StorageRewrite off for the attn_residual kernels: see attn_kernels.NO_STORAGE_REWRITE)."""
     return dict(kernel.cuda_pass_config) if kind == "cuda" else {}
 
 
@@ -181,7 +181,7 @@ def shared_write_hazards(src: str) -> list[str]:
     TVM's all-reduce writes its shared words only under ``if (threadIdx.x == 0)`` (or a per-warp
     guard), or each thread its own word (``red_buf[threadIdx.x] = ...``); an unguarded write is every
     thread of the block storing to one shared word with no barrier, the race that made the one-pass attn_residual kernel return nan / inf on the H200 (see
-    kernels.NO_STORAGE_REWRITE). A lint on the text, not a proof: an empty list means this pattern is
+    attn_kernels.NO_STORAGE_REWRITE). A lint on the text, not a proof: an empty list means this pattern is
     absent."""
     import re
     shared = set(re.findall(r"__shared__ alignas\(\d+\) \w+ (\w+)\[", src))
