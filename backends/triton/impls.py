@@ -67,7 +67,7 @@ def _route_workspace(L, shapes, elem):
 
 
 def _phase1_workspace(L, shapes, elem):
-    """attn_residual_phase1 (backends/triton/attn_residual.py _phase1_launch): the float32 logits [L, n, QP] of
+    """attn_residual_phase1 (backends/triton/attn_residual/phase1.py phase1_launch): the float32 logits [L, n, QP] of
     every bank source against the queries padded to QP = max(16, 2^ceil(log2 Q)) columns, and q * w in float32
     [d, Q] and split three ways [d, 3 QP]."""
     Q = L.meta.get("queries") or 1

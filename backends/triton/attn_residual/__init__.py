@@ -29,8 +29,8 @@ Public functions: ``attn_residual``, ``attn_residual_phase1``, ``attn_residual_m
 from __future__ import annotations
 
 from .backward import _bwd_kernel, attn_residual  # noqa: F401
-from .common import (INTERPRET as _INTERPRET, TABLES as _TABLES, TABLES_MAX as _TABLES_MAX,  # noqa: F401
-                     cached_table as _cached_table, offset_table as _offset_table, row_tile as _row_tile)
+from .common import (TABLES as _TABLES, TABLES_MAX as _TABLES_MAX, cached_table as _cached_table,  # noqa: F401
+                     offset_table as _offset_table, row_tile as _row_tile)
 from .config import AttnResConfig, config, current  # noqa: F401
 from .forward import _fwd_padded_kernel, _fwd_pieces_kernel, _fwd_rows_kernel, pow2_parts as _pow2_parts  # noqa: F401
 from .merge import _merge_persistent_kernel, _merge_rows_kernel, attn_residual_merge  # noqa: F401
