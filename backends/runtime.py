@@ -64,13 +64,14 @@ class _Call:
     """What an implementation sees of the launch it runs: the node's attributes (``attr``), its input types,
     the fused launch's member nodes, and concrete shapes of symbolic dims at the running forward's sizes."""
 
-    __slots__ = ("node", "members", "in_types", "module")
+    __slots__ = ("node", "members", "in_types", "module", "attrs")
 
     def __init__(self, node: Node, members: list[Node], in_types, module: "CompiledModule"):
         self.node, self.members, self.in_types, self.module = node, members, in_types, module
+        self.attrs = node.attr_dict
 
     def attr(self, key: str, default=None):
-        return self.node.attr(key, default)
+        return self.attrs.get(key, default)
 
     @property
     def loc(self):
@@ -113,44 +114,50 @@ class RunStats:
 
 class _Live:
     """Bytes of activation storage referenced by the running forward's buffers (storages by address, with the
-    number of buffers referencing each); weights are excluded."""
+    number of buffers referencing each); the caller leaves out views of weights."""
 
-    __slots__ = ("refs", "live", "peak", "skip", "off")
+    __slots__ = ("refs", "live", "peak", "off")
 
-    def __init__(self, skip: set, off: bool = False):
+    def __init__(self, off: bool = False):
         self.refs: dict[int, list] = {}
         self.live = self.peak = 0
-        self.skip, self.off = skip, off
+        self.off = off
+
+    @staticmethod
+    def _key(t) -> tuple[int, int]:
+        """(address, bytes) of the storage a tensor lives in: its own, or for a view its base's."""
+        b = t._base if t._base is not None else t
+        if b.storage_offset() == 0:             # (the common case, without a storage object per call)
+            return b.data_ptr(), b.nbytes
+        st = b.untyped_storage()
+        return st.data_ptr(), st.nbytes()
 
     def add(self, t) -> int:
         """Count a buffer's tensor; returns the bytes of new storage it brought."""
-        if self.off or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        if self.off or not isinstance(t, torch.Tensor) or t.is_meta:
             return 0
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr in self.skip or ptr == 0:
+        ptr, nb = self._key(t)
+        if ptr == 0:
             return 0
         hit = self.refs.get(ptr)
         if hit is not None:
             hit[1] += 1
             return 0
-        nb = st.nbytes()
         self.refs[ptr] = [nb, 1]
         self.live += nb
         self.peak = max(self.peak, self.live)
         return nb
 
     def drop(self, t) -> None:
-        if self.off or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        if self.off or not isinstance(t, torch.Tensor) or t.is_meta:
             return
-        ptr = t.untyped_storage().data_ptr()
+        ptr = self._key(t)[0]
         hit = self.refs.get(ptr)
         if hit is not None:
             hit[1] -= 1
             if hit[1] == 0:
                 self.live -= hit[0]
                 del self.refs[ptr]
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +338,8 @@ class CompiledModule(nn.Module):
         self.routing_stats: dict[str, torch.Tensor] = {}
         self._shape_cache: dict = {}
         self._bind: dict = {}                      # the running forward's shape sizes
+        self._bind_key: tuple = ()
+        self._slots: dict = {}                     # weight node -> (submodule, attribute)
         # the programs it executes (passes/lower.py): without autograd (fused kernels, buffers freed at their last
         # use) and while autograd records (every op with a backward); set by compile_graph
         self.program = None
@@ -428,6 +437,7 @@ class CompiledModule(nn.Module):
         state["_bound"] = {}                   # implementations and jit functions: bound again on first use
         state["_generated"] = None             # generated kernels (imported module): regenerated on load
         state["_shape_cache"] = {}
+        state["_slots"] = {}
         state["_hook_calls"] = []
         state["_bias_used"] = {}               # for recomputations inside a backward in flight: none in a saved module
         state["_bias_dropped"] = {}
@@ -490,6 +500,18 @@ class CompiledModule(nn.Module):
         for p in path:
             m = m._modules[p]
         return getattr(m, leaf)
+
+    def _slot(self, name: str):
+        """(the submodule holding the weight of graph node ``name``, its attribute): a parameter or buffer is read
+        from there at each use, so replacing or moving a weight is seen at once."""
+        hit = self._slots.get(name)
+        if hit is None:
+            *path, leaf = self._names[name].split(".")
+            m = self
+            for p in path:
+                m = m._modules[p]
+            hit = self._slots[name] = (m, leaf)
+        return hit
 
     # -- execution ----------------------------------------------------------------------------
     def _warn_past_max_seq_len(self, inputs: dict) -> None:
@@ -610,7 +632,7 @@ class CompiledModule(nn.Module):
             fkey = _forward_key(inputs)         # which forward this is, for a checkpoint's recomputation
         # the generated and fused kernels are forward-only: while autograd records (training) the training
         # program runs, every op on its own with an implementation that has a backward
-        training = _records_grad(*self.parameters(), *inputs.values())
+        training = torch.is_grad_enabled() and _records_grad(*self.parameters(), *inputs.values())
         program = self.train_program if training else self.program
         # under torch.compile's tracing the memory check and the live-bytes accounting stay out of the graph
         tracing = torch.compiler.is_compiling()
@@ -618,14 +640,13 @@ class CompiledModule(nn.Module):
             from backends.memory import check_forward_fits
             check_forward_fits(program, g, bind, self.dtype, p0.device, f"{g.name}: ")
         stats = RunStats(bind, training)
-        live = _Live(set() if tracing else {t.untyped_storage().data_ptr() for t in (*self.parameters(),
-                                                                                    *self.buffers())
-                                            if t.device.type != "meta"}, off=tracing)
+        live = _Live(off=tracing)                 # (weights are never counted: views of them are marked in the plan)
         for x in env.values():
             live.add(x)
-        saved_bind, self._bind = self._bind, bind
+        saved_bind, saved_key, self._bind, self._bind_key = self._bind, self._bind_key, bind, tuple(bind.items())
         try:
             bound = self._bound_program(program)
+            buffers = program.buffers
             n_launches = len(bound)
             for i, (L, fn, call) in enumerate(bound):
                 if progress is not None:
@@ -634,35 +655,7 @@ class CompiledModule(nn.Module):
                 n = call.node
                 recompute = False
                 if L.op == "qb_route":
-                    # activation checkpointing re-runs the forward inside the backward: route with the bias the
-                    # original forward used (a balancing update, or apply_balance(), may have changed the buffer since;
-                    # several forwards may precede one backward), and neither update the bias nor count nor call the
-                    # hooks a second time
-                    recompute = _in_backward()
-                    kept = self._bias_used.get(n.name, {}).get(fkey) if recompute else None
-                    if kept is not None:
-                        if kept.ambiguous:
-                            raise MtcError(
-                                f"{self.graph.name}: activation checkpointing: the same input tensor went through two "
-                                f"train-mode forwards that routed with different router biases "
-                                f"({self._router_layers[n.name][0]}; the bias moves "
-                                f"after each forward unless balance_defer is set) before this backward, so the "
-                                f"recomputation cannot tell which bias was its own and would give wrong gradients. Pass "
-                                f"each forward its own tensor (e.g. ids.clone()), or set m.balance_defer = True and call "
-                                f"m.apply_balance() once per step")
-                        kept.recomputed = True
-                        args = [args[0], args[1], kept.bias]
-                    elif recompute and fkey in self._bias_dropped.get(n.name, ()):
-                        raise MtcError(
-                            f"{self.graph.name}: activation checkpointing: this backward recomputes a train-mode forward "
-                            f"whose router bias ({self._router_layers[n.name][0]}) is no longer kept: more than "
-                            f"{BIAS_KEEP_FORWARDS} train-mode forwards that a backward had not yet recomputed came after "
-                            f"it (backends.runtime.BIAS_KEEP_FORWARDS). Routing with today's bias would give wrong "
-                            f"gradients. Call backward at least every {BIAS_KEEP_FORWARDS} micro-batches, or raise "
-                            f"backends.runtime.BIAS_KEEP_FORWARDS")
-                    elif not recompute and self._bias_dropped.get(n.name):
-                        # a new forward with the key of a dropped one (a freed input's storage reused): not that one
-                        self._bias_dropped[n.name].pop(fkey, None)
+                    args, recompute = self._router_args(n, args, fkey)
                 out = self._launch(L, fn, call, args)
                 if L.op == "qb_route":
                     if self._route_spy is not None:
@@ -672,7 +665,7 @@ class CompiledModule(nn.Module):
                 outs = out if len(L.outputs) > 1 else (out,)
                 for (r, _t), v in zip(L.outputs, outs):
                     env[r] = v
-                    stats.buffer_bytes[r] = live.add(v)
+                    stats.buffer_bytes[r] = 0 if buffers[r].weight_view else live.add(v)
                 if self._trace is not None:
                     trace, values = self._trace
                     trace.append(Traced(L.index, L.kernel, fn, n, [r for r, _ in L.inputs], [r for r, _ in L.outputs],
@@ -681,12 +674,44 @@ class CompiledModule(nn.Module):
                     live.drop(env.pop(r))
             stats.launches = n_launches
         finally:
-            self._bind = saved_bind
+            self._bind, self._bind_key = saved_bind, saved_key
         stats.peak_bytes = live.peak
         self.last_run = stats
         outs = [env[str(r)] for r in g.outputs]
         self._call_stats_hooks()
         return outs
+
+    def _router_args(self, n: Node, args: list, fkey) -> tuple[list, bool]:
+        """(the router's operands, whether this is an activation-checkpoint recomputation). Activation checkpointing
+        re-runs the forward inside the backward: it routes with the bias the original forward used (a balancing
+        update, or apply_balance(), may have changed the buffer since; several forwards may precede one backward),
+        and neither updates the bias nor counts nor calls the hooks a second time."""
+        recompute = _in_backward()
+        kept = self._bias_used.get(n.name, {}).get(fkey) if recompute else None
+        if kept is not None:
+            if kept.ambiguous:
+                raise MtcError(
+                    f"{self.graph.name}: activation checkpointing: the same input tensor went through two "
+                    f"train-mode forwards that routed with different router biases "
+                    f"({self._router_layers[n.name][0]}; the bias moves "
+                    f"after each forward unless balance_defer is set) before this backward, so the "
+                    f"recomputation cannot tell which bias was its own and would give wrong gradients. Pass "
+                    f"each forward its own tensor (e.g. ids.clone()), or set m.balance_defer = True and call "
+                    f"m.apply_balance() once per step")
+            kept.recomputed = True
+            args = [args[0], args[1], kept.bias]
+        elif recompute and fkey in self._bias_dropped.get(n.name, ()):
+            raise MtcError(
+                f"{self.graph.name}: activation checkpointing: this backward recomputes a train-mode forward "
+                f"whose router bias ({self._router_layers[n.name][0]}) is no longer kept: more than "
+                f"{BIAS_KEEP_FORWARDS} train-mode forwards that a backward had not yet recomputed came after "
+                f"it (backends.runtime.BIAS_KEEP_FORWARDS). Routing with today's bias would give wrong "
+                f"gradients. Call backward at least every {BIAS_KEEP_FORWARDS} micro-batches, or raise "
+                f"backends.runtime.BIAS_KEEP_FORWARDS")
+        elif not recompute and self._bias_dropped.get(n.name):
+            # a new forward with the key of a dropped one (a freed input's storage reused): not that one
+            self._bias_dropped[n.name].pop(fkey, None)
+        return args, recompute
 
     def _bound_program(self, program) -> list:
         """The launches of ``program`` with what runs each: the registered implementation (or the generated jit
@@ -786,15 +811,20 @@ class CompiledModule(nn.Module):
         """A launch operand: a buffer of the running forward, else a parameter or buffer of the module."""
         v = env.get(ref)
         if v is None:
-            v = self._tensor(self._names[ref.lstrip("%").partition("#")[0]])
+            m, leaf = self._slot(ref[1:])         # (weights are nodes of one output: no '#i')
+            v = m._parameters.get(leaf)
+            if v is None:
+                v = m._buffers[leaf]
         return v
 
     def _shape(self, dims, bind) -> list[int]:
         from dsl.ir import dim
-        key = (dims, tuple(sorted((str(k), v) for k, v in bind.items())))
+        key = (dims, self._bind_key if bind is self._bind else tuple(bind.items()))
         hit = self._shape_cache.get(key)
         if hit is not None:
             return hit
+        if len(self._shape_cache) > 4096:      # (shapes of many different sizes: start over)
+            self._shape_cache.clear()
         out = []
         for d in dims:
             v = dim(d).subs(bind)
