@@ -252,6 +252,10 @@ class SpecModel:
         elif typ == "dtype":
             val = canon_dtype(val, loc)
         if name == "dtype" and val not in FLOAT_DTYPES:
+            if not isinstance(val, str):          # (a field declared int, float or bool named dtype)
+                raise self.err(f"config field 'dtype' (the parameter and activation dtype) must be a floating "
+                               f"type ({', '.join(FLOAT_DTYPES)}; write it `dtype: dtype = \"bf16\"`), got "
+                               f"{describe(val)}", loc)
             hint = ("integer dtypes are for token ids: write them on the forward's inputs (ids: i64[B, T])"
                     if val[0] in "ib" else "quantised formats are for expert weights: moe(..., expert_dtype=...)"
                     if val in EXPERT_DTYPES else None)

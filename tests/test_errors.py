@@ -847,3 +847,11 @@ def test_a_float_op_on_token_ids_names_the_dtype_not_a_parameter_size():
     import torch
     g = dsl.parse("model m { forward(ids: i64[B, T]) { y = embedding(ids, vocab=8, dim=4)\n return y } }\n")
     assert dsl.compile(g, target="reference")(torch.randint(0, 8, (2, 3))).shape == (2, 3, 4)
+
+
+def test_dtype_field_declared_as_a_number_is_an_error_at_the_field():
+    # (a TypeError from inside the config check before: 'int' object is not subscriptable)
+    for decl in ("dtype: int = 3", "dtype: float = 2.5", "dtype: bool = true"):
+        e = _err(f"model m {{\n  config {{\n    {decl}\n  }}\n  forward(x: f32[B, T, 4]) {{\n    return x\n  }}\n}}\n")
+        assert "config field 'dtype'" in e.msg and "must be a floating type" in e.msg, decl
+        assert _loc(e) == (3, 5), decl
