@@ -165,3 +165,32 @@ def check_forward_fits(program, graph, bind: dict, dtype: torch.dtype, device: t
     raise MtcError(f"{where}this forward ({', '.join(f'{s} = {v:,}' for s, v in bind.items())}) needs about "
                    f"{human_bytes(need)} of activations, but {device} has {human_bytes(have)} free{fit}. Run "
                    f"shorter sequences (or fewer per batch), a smaller dtype, or free memory first")
+
+
+def measured_workspace(module, **inputs) -> dict[int, int]:
+    """{launch index: bytes it allocated beyond what was allocated before it and its new outputs} for one forward of
+    ``module`` (a CUDA CompiledModule) without autograd on ``inputs`` (by graph input name), each launch timed alone
+    (the device synchronised and the peak statistics reset around it): what the implementations' declared
+    ``workspace`` (backends/registry.py) is checked against. An output that shares an input's storage (a view) brings
+    no new bytes."""
+    out: dict[int, int] = {}
+    orig = module._launch
+
+    def spy(L, fn, call, args):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        res = orig(L, fn, call, args)
+        torch.cuda.synchronize()
+        held = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        new = sum(o.untyped_storage().nbytes() for o in (res if isinstance(res, tuple) else (res,))
+                  if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in held)
+        out[L.index] = torch.cuda.max_memory_allocated() - before - new
+        return res
+    module._launch = spy
+    try:
+        with torch.no_grad():
+            module.run(**inputs)
+    finally:
+        del module._launch
+    return out

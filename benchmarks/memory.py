@@ -64,28 +64,12 @@ def measure(variant: str, seq_lens: list[int], repeats: int, per_launch: bool = 
 
 
 def _workspace_by_kernel(m, ids) -> dict:
-    """{implementation: the most bytes one of its launches allocated beyond what was allocated before it and its
-    new outputs}: measured per launch (peak statistics reset around each)."""
-    out = {}
-    orig = m._launch
-
-    def spy(L, fn, call, args):
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        res = orig(L, fn, call, args)
-        torch.cuda.synchronize()
-        outs = res if isinstance(res, tuple) else (res,)
-        new = sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
-        ws = torch.cuda.max_memory_allocated() - before - new
-        out[L.kernel] = max(out.get(L.kernel, 0), ws)
-        return res
-    m._launch = spy
-    try:
-        with torch.no_grad():
-            m(ids)
-    finally:
-        del m._launch
+    """{implementation: the most bytes one of its launches allocated inside itself} (backends.memory.measured_workspace)."""
+    from backends.memory import measured_workspace
+    out: dict = {}
+    for i, ws in measured_workspace(m, input_ids=ids).items():
+        k = m.program.launches[i].kernel
+        out[k] = max(out.get(k, 0), ws)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
