@@ -13,9 +13,13 @@ REF = "reference"
 
 
 def _mla_scores_bytes(c, shapes, elem) -> float:
-    """The scores reference mla_attention holds at once: s, its masked copy and the softmax, f32 [B, H, T, T]."""
-    B, T, H = shapes[0][:3]
-    return 3.0 * B * H * T * T * 4
+    """What the reference mla_attention holds besides its output: float32 copies of q, k, v and the float32 output
+    [B, H, T, D], and per query block (mla_query_rows) the scores, their masked copies and the softmax, float32
+    [B, H, rows, T] each."""
+    from .ops import mla_query_rows
+    (B, T, H, dq), dv = shapes[0], shapes[2][3]
+    rows = mla_query_rows(B, H, T)
+    return 4.0 * B * H * T * (2 * dq + 2 * dv) + 4.0 * B * H * rows * T * 4
 
 
 def _f32_copies(L, shapes, elem) -> float:

@@ -245,24 +245,45 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     check_attention_finite(q, k, v, where)
     B, T, H, _ = q.shape
     qf, kf, vf = (_f32(t).transpose(1, 2) for t in (q, k, v))   # [B, H, T, D]
-    s = (qf @ kf.transpose(-1, -2)) * scale                      # [B, H, T, T]
-    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.tril(allowed)
+    seq = None
     if cu_seqlens is not None:
         from .kda import check_cu_seqlens
         seq = torch.zeros(T, dtype=torch.long, device=q.device)
         for i, (a, b) in enumerate(check_cu_seqlens(cu_seqlens, B, T, where)):
             seq[a:b] = i
-        allowed = allowed & (seq[:, None] == seq[None, :])
-    s = s.masked_fill(~allowed, float("-inf"))
-    # rows whose float32 logits overflowed (inf, or NaN from inf - inf: the inputs are finite, checked above)
-    over = ~torch.isfinite(s.masked_fill(~allowed, 0.0)).all(dim=-1, keepdim=True)      # [B, H, T, 1]
-    if bool(over.any()):
-        p = _overflow_rows_softmax(qf, kf, scale, allowed, over, s, where)
-    else:
-        p = torch.softmax(s, dim=-1)
-    return (p @ vf).transpose(1, 2).to(v.dtype).contiguous()
+    o = torch.empty(B, H, T, vf.shape[-1], dtype=torch.float32, device=q.device)
+    # queries in blocks of at most MLA_SCORE_ELEMENTS scores (each row's softmax is its own: the same result as one
+    # [B, H, T, T] block, in bounded memory)
+    rows = mla_query_rows(B, H, T)
+    cols = torch.arange(T, device=q.device)
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        qb = qf[:, :, r0:r1]
+        s = (qb @ kf.transpose(-1, -2)) * scale                      # [B, H, rows, T]
+        allowed = torch.ones(r1 - r0, T, dtype=torch.bool, device=q.device)
+        if causal:
+            allowed = cols[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
+        if seq is not None:
+            allowed = allowed & (seq[r0:r1, None] == seq[None, :])
+        s = s.masked_fill(~allowed, float("-inf"))
+        # rows whose float32 logits overflowed (inf, or NaN from inf - inf: the inputs are finite, checked above)
+        over = ~torch.isfinite(s.masked_fill(~allowed, 0.0)).all(dim=-1, keepdim=True)   # [B, H, rows, 1]
+        if bool(over.any()):
+            p = _overflow_rows_softmax(qb, kf, scale, allowed, over, s, where)
+        else:
+            p = torch.softmax(s, dim=-1)
+        o[:, :, r0:r1] = p @ vf
+    return o.transpose(1, 2).to(v.dtype).contiguous()
+
+
+#: the most attention scores the reference mla_attention holds in one query block ([B, H, rows, T] float32)
+MLA_SCORE_ELEMENTS = 1 << 22
+
+
+def mla_query_rows(B: int, H: int, T: int) -> int:
+    """Query rows per block of the reference mla_attention: as many as keep B H rows T scores within
+    MLA_SCORE_ELEMENTS (at least one)."""
+    return max(1, min(T, MLA_SCORE_ELEMENTS // max(1, B * H * T)))
 
 
 def _overflow_rows_softmax(qf, kf, scale, allowed, over, s, where: str) -> torch.Tensor:
