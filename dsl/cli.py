@@ -684,8 +684,7 @@ def _wrap(text: str, indent: str = "    ") -> str:
 
 def cmd_ops(args) -> int:
     from .errors import did_you_mean
-    from .ops import OPS
-    from .spec_forms import SPEC_FORMS, STACK
+    from .ops import OPS, STACK
     names = sorted(list(OPS) + ["stack"])
     if args.op is not None and args.op not in names:
         related = [n for n in names if args.op and (n.startswith(args.op) or args.op in n.split("_"))]
@@ -702,7 +701,7 @@ def cmd_ops(args) -> int:
             form = STACK
         else:
             od = OPS[name]
-            form = SPEC_FORMS.get(name)
+            form = od.spec
             kind = "layer" if od.is_layer else "op"
             if od.params is not None:
                 kind += ", owns parameters"

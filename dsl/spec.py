@@ -49,11 +49,8 @@ _NAME_RE = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*|\d+)(?:\.(?:[A-Za-z_][A-Za-z0-
 @lru_cache(maxsize=1)
 def _pass_only_ops() -> frozenset:
     """Ops that only compiler passes create (``mtc ops``: "not written in a spec")."""
-    try:
-        from .spec_forms import SPEC_FORMS
-        return frozenset(k for k, v in SPEC_FORMS.items() if not v.form)
-    except ImportError:                    # pragma: no cover
-        return frozenset({"qb_route", "attn_residual_phase1", "attn_residual_merge"})
+    from .ops import OPS
+    return frozenset(k for k, od in OPS.items() if not od.spec.form)
 
 
 @lru_cache(maxsize=1)
@@ -600,8 +597,8 @@ class SpecBuilder:
 
     def run(self):
         ev = Evaluator(self.spec, self.env, self)
-        from .ops import OPS, LAYER_OPS_ATTN, LAYER_OPS_FFN
-        layer_ops = ", ".join(sorted(LAYER_OPS_ATTN | LAYER_OPS_FFN))
+        from .ops import OPS, ops_with_role
+        layer_ops = ", ".join(sorted(ops_with_role("layer")))
         for bname, expr, loc in self.spec.blocks:
             if isinstance(expr, lark.Tree) and expr.data == "call" and str(expr.children[0]) in OPS \
                     and not OPS[str(expr.children[0])].is_layer:
@@ -805,8 +802,7 @@ class SpecBuilder:
         if residual == "attn_res":  # the memory planner's checkpoint unit (plan_memory checkpointing="block")
             b.meta["attn_res_block_size"] = block_size
         bank, partial = [x], None
-        from .ops import OPS
-        from .ops import LAYER_OPS_ATTN, LAYER_OPS_FFN
+        from .ops import OPS, ops_in_slot
         for i in range(1, n + 1):
             lenv = dict(self.env, i=i)
             lev = Evaluator(self.spec, lenv, self)
@@ -816,7 +812,7 @@ class SpecBuilder:
                 if not isinstance(blk, Block):
                     raise self.spec.err(f"sublayer '{sname}' of layer {i} must be a layer block, "
                                         f"got {describe(blk)}", sloc)
-                kinds = LAYER_OPS_ATTN if sname == "attn" else LAYER_OPS_FFN
+                kinds = ops_in_slot(sname)
                 if blk.op not in kinds:
                     raise self.spec.err(f"sublayer '{sname}' of layer {i} is a {blk.op} block; the '{sname}' slot takes "
                                         f"{' or '.join(sorted(kinds))}", sloc)

@@ -1,7 +1,8 @@
 """canonicalize: expand layer-level blocks (kda_layer, mla_layer, glu_ffn, latent_moe, moe) into
 primitive ops, then apply simplification rewrites to a fixed point and drop dead nodes.
 
-Rewrites are data: each :class:`Rule` is an op to match, a predicate and a replacement function.
+Rewrites are data: each :class:`Rule` is an op to match, a predicate and a replacement function; the ops declare
+theirs (``rewrites=`` in dsl/ops, e.g. reshape's reshape-noop and reshape-reshape).
 """
 from __future__ import annotations
 
@@ -25,16 +26,13 @@ class Rule:
     rewrite: Callable[[Node, dict], Ref]
 
 
-RULES = [
-    # reshape to the shape it already has: drop
-    Rule("reshape-noop", "reshape",
-         lambda n, m: m[n.inputs[0].node].types[n.inputs[0].index].same(n.types[0]),
-         lambda n, m: n.inputs[0]),
-    # reshape of a reshape: reshape the original
-    Rule("reshape-reshape", "reshape",
-         lambda n, m: m[n.inputs[0].node].op == "reshape",
-         lambda n, m: ("reshape", m[n.inputs[0].node].inputs[0])),
-]
+def rules_from_ops() -> list[Rule]:
+    """The rewrites the ops declare (``register(..., rewrites=...)`` in dsl/ops), in registration order."""
+    from dsl.ops import OPS
+    return [Rule(r.name, od.name, r.match, r.rewrite) for od in OPS.values() for r in od.rewrites]
+
+
+RULES = rules_from_ops()
 
 
 def expand_layers(g: Graph) -> Graph:

@@ -1,10 +1,11 @@
 """fuse_tiles: group each heavy op with the elementwise, normalisation and view ops around it into one
 kernel, and record the tile sizes chosen for it.
 
-The rules are data (:data:`RULES`): an anchor op, the ops its prologue may absorb (walking up its
-inputs), the ops its epilogue may absorb (walking down its single-use output), the ops that may feed an
-epilogue op from the side (e.g. the sigmoid of an output gate), and a tile-size rule. A producer is
-absorbed only when every one of its users is already in the group, so no value is computed twice.
+The rules are data (:data:`RULES`), built from the ops' declarations (``fusion=Fusion(...)`` in dsl/ops): an
+anchor op, the ops its prologue may absorb (walking up its inputs), the ops its epilogue may absorb (walking down
+its single-use output), the ops that may feed an epilogue op from the side (e.g. the sigmoid of an output gate),
+and a tile-size rule. A producer is absorbed only when every one of its users is already in the group, so no
+value is computed twice.
 
 The result annotates nodes (the IR stays executable op by op):
     fusion = "<anchor node>"   on every member of a group
@@ -19,14 +20,11 @@ from typing import Callable
 
 from dsl.errors import MtcWarning
 from dsl.ir import Graph, Node
+from dsl.ops import op_set, ops_with_role
 
 from .manager import register_pass
 
 from dsl.ir import ANNOTATIONS  # noqa: E402,F401  (the annotations this pass adds)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclass
@@ -41,55 +39,19 @@ class FusionRule:
     doc: str = ""
 
 
-def _kda_tiles(n, nodes):
-    V = int(n.types[0].shape[-1])
-    return {"chunk": 64, "sub_tile": 16, "BLOCK_V": min(64, _pow2(V)), "state": "f32"}
+VIEWS = ops_with_role("view")
 
 
-def _mla_tiles(n, nodes):
-    dqk = int(nodes[n.inputs[0].node].types[n.inputs[0].index].shape[-1])
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": _pow2(dqk)}
+def rules_from_ops() -> list[FusionRule]:
+    """One FusionRule per op that declares the kernel it anchors (``fusion=Fusion(...)`` in dsl/ops), its
+    ``role:<role>`` entries resolved to the ops of that role."""
+    from dsl.ops import OPS
+    return [FusionRule(f.name, od.name, prologue=op_set(f.prologue), epilogue=op_set(f.epilogue),
+                       side=op_set(f.side), tiles=f.tiles, when=f.when, doc=f.doc)
+            for od in OPS.values() if (f := od.fusion) is not None]
 
 
-def _moe_tiles(n, nodes):
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "sort": "by_expert"}
-
-
-def _glu_from_dual_gemm(n, nodes):
-    a, b = (nodes[r.node] for r in n.inputs)
-    return a.op == "linear" and b.op == "linear" and a.inputs[0] == b.inputs[0]
-
-
-def _row_tiles(n, nodes):
-    d = int(n.types[0].shape[-1])
-    return {"BLOCK_D": _pow2(d), "ROWS": 2}
-
-
-VIEWS = frozenset({"reshape", "slice", "broadcast"})
-
-RULES: list[FusionRule] = [
-    FusionRule("kda", "kda_chunk",
-               prologue=frozenset({"short_conv", "silu", "l2norm", "kda_gate", "sigmoid"}) | VIEWS,
-               epilogue=frozenset({"rmsnorm", "mul"}) | VIEWS, side=frozenset({"sigmoid"}) | VIEWS,
-               tiles=_kda_tiles,
-               doc="short conv + SiLU -> L2 norm -> gate -> kda_chunk -> per-head RMSNorm * sigmoid gate"),
-    FusionRule("mla", "mla_attention", prologue=frozenset({"concat"}) | VIEWS,
-               epilogue=frozenset({"mul"}) | VIEWS, side=frozenset({"sigmoid"}) | VIEWS, tiles=_mla_tiles,
-               doc="k = [k_nope, broadcast k_rope] built in the prologue; sigmoid output gate in the epilogue"),
-    FusionRule("router", "qb_route", prologue=VIEWS, tiles=lambda n, m: {"BLOCK_N": 64, "BLOCK_E": 128},
-               doc="router GEMM + sigmoid + biased top-k (Quantile Balancing) + renormalisation"),
-    FusionRule("experts", "moe_experts", epilogue=frozenset({"rmsnorm"}), tiles=_moe_tiles,
-               doc="grouped GEMM (w1|w3) with SiTU-GLU epilogue, grouped GEMM w2, weighted combine, RMSNorm(u)"),
-    FusionRule("glu", "situ_glu", prologue=frozenset({"linear"}), when=_glu_from_dual_gemm,
-               tiles=lambda n, m: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64},
-               doc="gate and up projections in one GEMM pass with SiTU-GLU in the epilogue"),
-    FusionRule("attn_res", "attn_residual_merge", epilogue=frozenset({"rmsnorm"}), tiles=_row_tiles,
-               doc="online-softmax merge + the next sublayer's RMSNorm"),
-    FusionRule("attn_res", "attn_residual", epilogue=frozenset({"rmsnorm"}), tiles=_row_tiles,
-               doc="AttnRes over depth + the next sublayer's RMSNorm"),
-    FusionRule("attn_res_bank", "attn_residual_phase1", tiles=_row_tiles,
-               doc="every query of a block against the completed bank in one read"),
-]
+RULES: list[FusionRule] = rules_from_ops()
 
 
 def _groups(g: Graph, rules=RULES) -> dict[str, tuple[FusionRule, list[str]]]:
@@ -156,8 +118,8 @@ def fuse_tiles(g: Graph) -> Graph:
             if given is not None and dict(given) != dict(tiles):
                 # an IR written by hand or edited (parse_ir) carries tiles: they are this pass's choice, not input
                 warnings.warn(MtcWarning(f"%{n.name} ({n.op}): tiles {dict(given)} in the input IR are replaced by "
-                                         f"fuse_tiles' choice {dict(tiles)} (tile sizes are chosen by the pass, per "
-                                         f"rule in passes/fuse_tiles.py RULES, not read from the IR)", n.loc),
+                                         f"fuse_tiles' choice {dict(tiles)} (tile sizes are chosen by the pass, by "
+                                         f"the anchor op's fusion rule in dsl/ops, not read from the IR)", n.loc),
                               stacklevel=2)
             attrs["tiles"] = tiles
         out.append(n.replace(attrs=attrs))

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 import sympy
 
 from dsl.ir import SOURCE_OPS, Graph, Node, Ref, TensorType, as_expr
+from dsl.ops import ops_with_role
 
 from .batch_attn_residual import phase1_acc_dtype
 
-VIEWS = ("reshape", "slice", "broadcast")
-GEMMS = ("linear", "lm_head")
-POINTWISE = ("silu", "sigmoid", "mul", "add", "situ_glu", "rmsnorm", "l2norm", "short_conv", "kda_gate",
-             "embedding", "concat")
-
-CODEGEN_OPS = ("add", "mul", "silu", "sigmoid", "situ_glu", "rmsnorm", "l2norm")   # backends/triton/codegen.py
+# the op sets of the lowering, from the ops' declared roles (dsl/ops)
+VIEWS = ops_with_role("view")
+GEMMS = ops_with_role("gemm")
+POINTWISE = ops_with_role("pointwise", "row_norm", "memory_bound")   # what chains of single-use producers join
+CODEGEN_OPS = ops_with_role("pointwise", "row_norm")                 # backends/triton/codegen.py writes these
 
 def _fusion_users(g: Graph):
     """only_user(n, op): n's single consumer when it is an ``op`` of n's fusion group taking n as its first

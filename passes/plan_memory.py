@@ -60,12 +60,13 @@ from dataclasses import asdict, dataclass, field
 
 from dsl.errors import MtcWarning
 from dsl.ir import DEFAULT_DTYPE, DTYPES, SOURCE_OPS, Graph, TensorType, sym
+from dsl.ops import ops_with_role
 
 __all__ = ["MemoryPlan", "MoEComm", "plan_memory", "CHECKPOINTING"]
 
 CHECKPOINTING = ("none", "layer", "block", "inference")
-VIEW_OPS = ("reshape", "slice", "broadcast")
-_LAYER_OPS = ("kda_layer", "mla_layer", "glu_ffn", "latent_moe", "moe")
+VIEW_OPS = ops_with_role("view")
+_LAYER_OPS = ops_with_role("layer")
 _FLOAT = ("f32", "f16", "bf16", "f64", "fp8")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..builder import REQUIRED, ShapeError
 from ..ir import TensorType
-from .core import _eq, _need_float, _shape, numel, register
+from .core import WEIGHT_IN, Fusion, SpecForm, _eq, _need_float, _pow2, _shape, numel, register, spec_example
 
 
 def _attn_residual(ts, a):
@@ -23,10 +23,24 @@ def _attn_residual(ts, a):
     return [src[0]]
 
 
-register("attn_residual", _attn_residual, n_data_inputs=3, variadic=True,
+def _row_tiles(n, nodes):
+    d = int(n.types[0].shape[-1])
+    return {"BLOCK_D": _pow2(d), "ROWS": 2}
+
+
+_BY_PASS = "made by the batch_attn_residual pass from attn_residual; not written in a spec"
+
+register("attn_residual", _attn_residual, role="anchor", n_data_inputs=3, variadic=True,
          inputs=("query", "rms_weight", "*sources"), attrs={"eps": 1e-6},
          flops=lambda ts, os, a: 5 * numel(ts[2]) * (len(ts) - 2),
-         doc="softmax over sources of query . RMSNorm(source) -> weighted sum of sources (Block AttnRes)")
+         doc="softmax over sources of query . RMSNorm(source) -> weighted sum of sources (Block AttnRes)",
+         spec=SpecForm("h = attn_residual(query, rms_weight, s1, s2, ...)",
+                       f"query, rms_weight [d], sources [..., d]; {WEIGHT_IN}; "
+                       'stack(..., residual="attn_res") creates and wires them for every sublayer',
+                       spec_example("q: f32[64], w: f32[64], a: f32[B, T, 64], b: f32[B, T, 64]",
+                                    "h = attn_residual(q, w, a, b)", "return h")),
+         fusion=Fusion("attn_res", epilogue=("rmsnorm",), tiles=_row_tiles,
+                       doc="AttnRes over depth + the next sublayer's RMSNorm"))
 
 
 
@@ -44,10 +58,13 @@ def _phase1(ts, a):
     return [TensorType("f32", (Q,) + sh), TensorType("f32", (Q,) + sh[:-1]), TensorType("f32", (Q,) + sh[:-1])]
 
 
-register("attn_residual_phase1", _phase1, n_data_inputs=3, variadic=True,
+register("attn_residual_phase1", _phase1, role="anchor", n_data_inputs=3, variadic=True,
          inputs=("*queries", "*rms_weights", "*bank"), attrs={"n_queries": REQUIRED, "eps": 1e-6},
          flops=lambda ts, os, a: 5 * numel(ts[-1]) * (len(ts) - 2 * a["n_queries"]) * a["n_queries"],
-         doc="every pseudo-query of a block against the completed bank in one read: (acc, max, sum) per query")
+         doc="every pseudo-query of a block against the completed bank in one read: (acc, max, sum) per query",
+         spec=SpecForm(None, _BY_PASS),
+         fusion=Fusion("attn_res_bank", tiles=_row_tiles,
+                       doc="every query of a block against the completed bank in one read"))
 
 
 def _merge(ts, a):
@@ -61,9 +78,12 @@ def _merge(ts, a):
     return [out]
 
 
-register("attn_residual_merge", _merge, n_data_inputs=5, variadic=True,
+register("attn_residual_merge", _merge, role="anchor", n_data_inputs=5, variadic=True,
          inputs=("acc", "m", "s", "query", "rms_weight", "*partial"),
          attrs={"index": REQUIRED, "eps": 1e-6, "dtype": REQUIRED},
          flops=lambda ts, os, a: 8 * numel(os[0]),
-         doc="online-softmax merge of one query's bank result (phase 1, row index) with the in-block partial")
+         doc="online-softmax merge of one query's bank result (phase 1, row index) with the in-block partial",
+         spec=SpecForm(None, _BY_PASS),
+         fusion=Fusion("attn_res", epilogue=("rmsnorm",), tiles=_row_tiles,
+                       doc="online-softmax merge + the next sublayer's RMSNorm"))
 

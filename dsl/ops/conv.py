@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..builder import ShapeError
-from .core import _eq, _need_rank, _shape, numel, register
+from .core import WEIGHT_IN, X, SpecForm, _eq, _need_rank, _shape, numel, register, spec_example
 
 
 def _short_conv(ts, a):
@@ -13,8 +13,10 @@ def _short_conv(ts, a):
     return [x]
 
 
-register("short_conv", _short_conv, n_data_inputs=2, inputs=("x", "weight"),
+register("short_conv", _short_conv, role="memory_bound", n_data_inputs=2, inputs=("x", "weight"),
          flops=lambda ts, os, a: 2 * numel(ts[0]) * ts[1].shape[2],
-         doc="causal depthwise conv over T, weight [C, 1, W]")
+         doc="causal depthwise conv over T, weight [C, 1, W]",
+         spec=SpecForm("y = short_conv(x, w)", f"x [B, T, C], w [C, 1, W]; {WEIGHT_IN}",
+                       spec_example(f"{X}, w: f32[64, 1, 4]", "y = short_conv(x, w)", "return y")))
 
 

@@ -1,5 +1,5 @@
-"""The registry's core: attribute kinds, :class:`OpDef`, :data:`OPS`, :func:`register` and the helpers the
-families' shape rules share."""
+"""The registry's core: attribute kinds, the compiler roles, :class:`SpecForm`, :class:`Fusion`,
+:class:`Rewrite`, :class:`OpDef`, :data:`OPS`, :func:`register` and the helpers the families' shape rules share."""
 from __future__ import annotations
 
 import math
@@ -118,6 +118,58 @@ def _kind_from_default(default) -> Kind | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------
+# what the compiler does with an op: its role (one per op) and, for an op that anchors a fused kernel, its fusion rule
+ROLES: dict[str, str] = {
+    "view": "shares its input's storage and launches nothing (lower: view.*; the memory plan counts no bytes)",
+    "pointwise": "an elementwise expression: the Triton kernel generator (backends/triton/codegen.py) fuses chains "
+                 "of them",
+    "row_norm": "a normalisation over the last dim: generated like a pointwise op, with a row reduction",
+    "memory_bound": "a memory-bound op with a kernel of its own (not an expression the generator writes); lower "
+                    "still groups it with the elementwise chains around it",
+    "gemm": "a matrix product with a weight: runs on the vendor GEMM library",
+    "anchor": "a heavy op with a kernel template: it anchors a fusion group (its Fusion rule)",
+    "layer": "a layer block that owns parameters and is expanded into primitive ops by canonicalize",
+}
+
+
+@dataclass(frozen=True)
+class SpecForm:
+    """How a ``.mtc`` spec writes an op (``mtc ops`` prints it). ``form`` is None for an op a spec cannot write
+    (made by a pass, or with several outputs); ``example`` is then None too, else a whole spec that builds
+    (tests/test_cli.py builds every one, at every stage and on the reference and Triton targets)."""
+
+    form: str | None
+    notes: str = ""
+    example: str | None = None
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """The fused kernel an op anchors (passes/fuse_tiles.py): the ops its ``prologue`` may absorb (walking up its
+    inputs), its ``epilogue`` (walking down its single-use output), the ops that may feed an epilogue op from the
+    ``side`` (the sigmoid of an output gate); each an op name or ``"role:<role>"`` (every op of that role).
+    ``tiles(node, nodes)``: the tile sizes the compiler picks; ``when(node, nodes)``: whether the rule applies."""
+
+    name: str
+    prologue: tuple = ()
+    epilogue: tuple = ()
+    side: tuple = ()
+    tiles: Callable = lambda n, nodes: {}
+    when: Callable = lambda n, nodes: True
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A canonicalize rewrite of the op: where ``match(node, nodes)`` holds, ``rewrite(node, nodes)`` gives the Ref
+    that replaces the node's output, or (op, new first input) for the same node on another input."""
+
+    name: str
+    match: Callable
+    rewrite: Callable
+
+
 @dataclass
 class OpDef:
     name: str
@@ -135,8 +187,18 @@ class OpDef:
     is_layer: bool = False
     kinds: dict = field(default_factory=dict)   # attribute kinds that differ from ATTR_KINDS' by-name ones
     int_data: tuple = ()                        # data inputs that take integer tensors (embedding's ids)
+    role: str | None = None                     # what the compiler does with it: one of ROLES
+    spec: SpecForm | None = None                # how a spec writes it (mtc ops)
+    fusion: Fusion | None = None                # the fused kernel it anchors (fuse_tiles)
+    rewrites: tuple = ()                        # its canonicalize rewrites (Rewrite)
+    slot: str | None = None                     # a layer block: the stack slot it fills ("attn" or "ffn")
 
     def __post_init__(self):
+        if self.role is None and self.is_layer:
+            self.role = "layer"
+        self.is_layer = self.is_layer or self.role == "layer"
+        if self.role is not None and self.role not in ROLES:
+            raise TypeError(f"op '{self.name}': role {self.role!r} is not one of {', '.join(ROLES)}")
         for k, default in {**self.attrs, **self.param_attrs}.items():
             if self.kind(k) is None:
                 raise TypeError(f"op '{self.name}': attribute '{k}' has no kind (declare it in kinds=)")
@@ -230,10 +292,72 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 
-def register(name: str, infer, **kw) -> OpDef:
-    od = OpDef(name, infer, **kw)
+def register(name: str, infer, *, role: str, spec, **kw) -> OpDef:
+    """Declare op ``name`` (see dsl/ops/__init__.py, "Adding an op"): its shape rule ``infer(types, attrs)``, its
+    compiler ``role`` (one of ROLES), its ``spec`` form (a SpecForm, or a function of the OpDef returning one) and
+    the OpDef fields in ``kw``. TypeError for a name already registered, an unknown role, or an anchor without its
+    fusion rule."""
+    if name in OPS:
+        raise TypeError(f"op '{name}' is already registered (dsl.ops.unregister removes it)")
+    od = OpDef(name, infer, role=role, **kw)
+    od.spec = spec(od) if callable(spec) else spec
+    if not isinstance(od.spec, SpecForm):
+        raise TypeError(f"op '{name}': spec must be a SpecForm, got {od.spec!r}")
+    if (role == "anchor") != (od.fusion is not None) and role != "pointwise":
+        raise TypeError(f"op '{name}': an anchor op declares its fusion rule (fusion=Fusion(...)), and only an "
+                        f"anchor or a pointwise op has one")
+    if (role == "layer") != (od.slot is not None) or od.slot not in (None, "attn", "ffn"):
+        raise TypeError(f"op '{name}': a layer op declares its stack slot (slot='attn' or 'ffn'), no other op does")
     OPS[name] = od
     return od
+
+
+def unregister(name: str) -> None:
+    """Remove op ``name`` from the registry (a test's or a plugin's op). KeyError if it is not registered."""
+    del OPS[name]
+
+
+def ops_with_role(*roles: str) -> frozenset:
+    """The names of the registered ops whose role is one of ``roles`` (ValueError for an unknown role)."""
+    for r in roles:
+        if r not in ROLES:
+            raise ValueError(f"unknown role {r!r}; roles: {', '.join(ROLES)}")
+    return frozenset(n for n, od in OPS.items() if od.role in roles)
+
+
+def op_set(names) -> frozenset:
+    """Op names with each ``"role:<role>"`` entry replaced by the ops of that role (a Fusion's prologue ...)."""
+    out = set()
+    for n in names:
+        out |= ops_with_role(n[5:]) if n.startswith("role:") else {n}
+    return frozenset(out)
+
+
+def ops_in_slot(slot: str) -> frozenset:
+    """The layer blocks a stack's ``slot`` ("attn" or "ffn") takes."""
+    return frozenset(n for n, od in OPS.items() if od.slot == slot)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def spec_example(inputs: str, *body: str, blocks: str = "") -> str:
+    """A minimal model around forward(inputs) { body } (the example of a SpecForm)."""
+    lines = ["model example {"]
+    if blocks:
+        lines += [f"  {b}" for b in blocks.splitlines()]
+    lines.append(f"  forward({inputs}) {{")
+    lines += [f"    {b}" for b in body]
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+#: the usual example input, and the note of ops whose weights are tensor inputs
+X = "x: f32[B, T, 64]"
+WEIGHT_IN = ("its weights are tensor inputs (declare them as forward(...) parameters); it creates no "
+             "parameters of its own")
 
 
 # ---------------------------------------------------------------------------------------------

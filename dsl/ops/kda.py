@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from ..builder import REQUIRED, GraphBuilder, ParamSpec, ShapeError
 from ..ir import Ref
-from .core import NEGATIVE, POSITIVE, _eq, _need_rank, _shape, numel, register
-from .layers import _lead, _lin, _reshape_to, _slots, _x_only
+from .core import (NEGATIVE, POSITIVE, WEIGHT_IN, Fusion, SpecForm, _eq, _need_rank, _pow2, _shape, numel, register,
+                   spec_example)
+from .layers import _lead, _lin, _reshape_to, _slots, _x_only, layer_spec
 
 
 def _kda_gate(ts, a):
@@ -20,11 +21,15 @@ def _kda_gate(ts, a):
     return [x.with_dtype("f32")]
 
 
-register("kda_gate", _kda_gate, n_data_inputs=3, inputs=("x", "A_log", "dt_bias"),
+register("kda_gate", _kda_gate, role="memory_bound", n_data_inputs=3, inputs=("x", "A_log", "dt_bias"),
          attrs={"lower_bound": -5.0, "gate": "sigmoid"}, flops=lambda ts, os, a: 6 * numel(ts[0]),
          doc="float32 log decay g <= 0. gate=\"sigmoid\" (default, the lower-bounded gate that kda_chunk's "
              "dense tiles need): g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias)); gate=\"softplus\" "
-             "(unbounded, Mamba-style): g = -exp(A_log) * softplus(x + dt_bias)")
+             "(unbounded, Mamba-style): g = -exp(A_log) * softplus(x + dt_bias)",
+         spec=SpecForm('g = kda_gate(x, A_log, dt_bias, lower_bound=-5.0, gate="sigmoid")',
+                       f"x [B, T, H, K], A_log [H], dt_bias [H*K]; {WEIGHT_IN}",
+                       spec_example("x: f32[B, T, 2, 16], A_log: f32[2], dt_bias: f32[32]",
+                                    "g = kda_gate(x, A_log, dt_bias)", "return g")))
 
 
 def _kda_chunk(ts, a):
@@ -49,12 +54,25 @@ def _kda_flops(ts, os, a, C=64):
     return 2 * B * T * H * (3 * C * K + 2 * C * V + 3 * K * V)
 
 
-register("kda_chunk", _kda_chunk, n_data_inputs=5, inputs=("q", "k", "v", "g", "beta"),
+def _kda_tiles(n, nodes):
+    V = int(n.types[0].shape[-1])
+    return {"chunk": 64, "sub_tile": 16, "BLOCK_V": min(64, _pow2(V)), "state": "f32"}
+
+
+register("kda_chunk", _kda_chunk, role="anchor", n_data_inputs=5, inputs=("q", "k", "v", "g", "beta"),
          attrs={"scale": None, "lower_bound": None}, flops=_kda_flops,
          kinds={"scale": POSITIVE.or_none(), "lower_bound": NEGATIVE.or_none()},
          doc="Kimi Delta Attention, chunked (chunk 64, WY representation); o in v's dtype. lower_bound: the "
              "gate's proven bound (g >= lower_bound), set when g comes from the sigmoid kda_gate: lets every "
-             "diagonal tile run as one dense GEMM; None = the safe path")
+             "diagonal tile run as one dense GEMM; None = the safe path",
+         spec=SpecForm("o = kda_chunk(q, k, v, g, beta, scale=S)",
+                       "q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H]; scale optional (default K^-0.5)",
+                       spec_example("q: f32[B, T, 2, 16], k: f32[B, T, 2, 16], v: f32[B, T, 2, 16], "
+                                    "g: f32[B, T, 2, 16], beta: f32[B, T, 2]",
+                                    "o = kda_chunk(q, k, v, g, beta)", "return o")),
+         fusion=Fusion("kda", prologue=("short_conv", "silu", "l2norm", "kda_gate", "sigmoid", "role:view"),
+                       epilogue=("rmsnorm", "mul", "role:view"), side=("sigmoid", "role:view"), tiles=_kda_tiles,
+                       doc="short conv + SiLU -> L2 norm -> gate -> kda_chunk -> per-head RMSNorm * sigmoid gate"))
 
 
 def _kda_params(a, ts):
@@ -122,8 +140,9 @@ def _kda_expand(b: GraphBuilder, inputs: list[Ref], a: dict, loc):
     return [_lin(b, o, P["o_proj"], loc)]
 
 
-register("kda_layer", _x_only("kda_layer", sequence=True), params=_kda_params, expand=_kda_expand, is_layer=True,
-         default_name="self_attn", inputs=("x",),
+register("kda_layer", _x_only("kda_layer", sequence=True), role="layer", slot="attn", params=_kda_params,
+         expand=_kda_expand, default_name="self_attn", inputs=("x",),
+         spec=layer_spec("block kda = kda_layer(heads=H, head_dim=K)", "kda_layer(heads=2, head_dim=16)"),
          attrs={"heads": REQUIRED, "head_dim": REQUIRED, "v_head_dim": 0, "conv_size": 4, "lower_bound": -5.0,
                 "gate": "sigmoid", "forget_rank": 0, "gate_rank": 0, "norm_eps": 1e-6},
          doc="KDA token mixer: projections -> short conv + SiLU -> L2 norm (q, k) -> kda_gate -> kda_chunk "

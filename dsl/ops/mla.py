@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 
 from ..builder import REQUIRED, GraphBuilder, ParamSpec, ShapeError
-from .core import _dims_attr, _eq, _need_rank, _shape, register
-from .layers import _lead, _lin, _reshape_to, _slots, _x_only
+from .core import Fusion, SpecForm, _dims_attr, _eq, _need_rank, _pow2, _shape, register, spec_example
+from .layers import _lead, _lin, _reshape_to, _slots, _x_only, layer_spec
 
 
 def _mla_attention(ts, a):
@@ -26,9 +26,22 @@ def _mla_flops(ts, os, a):
     return 2 * B * H * pairs * (D + v.shape[3])
 
 
-register("mla_attention", _mla_attention, n_data_inputs=3, inputs=("q", "k", "v"),
+def _mla_tiles(n, nodes):
+    dqk = int(nodes[n.inputs[0].node].types[n.inputs[0].index].shape[-1])
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": _pow2(dqk)}
+
+
+register("mla_attention", _mla_attention, role="anchor", n_data_inputs=3, inputs=("q", "k", "v"),
          attrs={"scale": REQUIRED, "causal": True}, flops=_mla_flops,
-         doc="softmax(q k^T * scale) v, causal, softmax in float32")
+         doc="softmax(q k^T * scale) v, causal, softmax in float32",
+         spec=SpecForm("o = mla_attention(q, k, v, scale=S, causal=true)",
+                       "q, k [B, T, H, D], v [B, T, H, Dv]; scale required",
+                       spec_example("q: f32[B, T, 2, 16], k: f32[B, T, 2, 16], v: f32[B, T, 2, 16]",
+                                    "o = mla_attention(q, k, v, scale=0.25)", "return o")),
+         fusion=Fusion("mla", prologue=("concat", "role:view"), epilogue=("mul", "role:view"),
+                       side=("sigmoid", "role:view"), tiles=_mla_tiles,
+                       doc="k = [k_nope, broadcast k_rope] built in the prologue; sigmoid output gate in the "
+                           "epilogue"))
 
 
 
@@ -87,8 +100,10 @@ def _mla_expand(b: GraphBuilder, inputs, a, loc):
     return [_lin(b, o, P["o_proj"], loc)]
 
 
-register("mla_layer", _x_only("mla_layer", sequence=True), params=_mla_params, expand=_mla_expand, is_layer=True,
-         default_name="self_attn", inputs=("x",),
+register("mla_layer", _x_only("mla_layer", sequence=True), role="layer", slot="attn", params=_mla_params,
+         expand=_mla_expand, default_name="self_attn", inputs=("x",),
+         spec=layer_spec("block mla = mla_layer(heads=H, kv_lora_rank=R)",
+                         "mla_layer(heads=2, kv_lora_rank=16, qk_nope_dim=16, qk_rope_dim=8, v_dim=16)"),
          attrs={"heads": REQUIRED, "q_lora_rank": 0, "kv_lora_rank": REQUIRED, "qk_nope_dim": 128,
                 "qk_rope_dim": 64, "v_dim": 128, "gated": True, "norm_eps": 1e-6},
          doc="gated multi-head latent attention (DeepSeek-V2 MLA, NoPE) with output gate sigmoid(W_g x) * o")

@@ -5,9 +5,9 @@ import sympy
 
 from ..builder import REQUIRED, GraphBuilder, ParamSpec, ShapeError
 from ..ir import TensorType
-from .core import _eq, _need_rank, _shape, numel, register
+from .core import WEIGHT_IN, Fusion, SpecForm, _eq, _need_rank, _shape, numel, register, spec_example
 from .ffn import _ACT, _glu_apply, _glu_params
-from .layers import _lin, _reshape_to, _x_only
+from .layers import _lin, _reshape_to, _x_only, layer_spec
 
 
 def _qb_route(ts, a):
@@ -25,10 +25,14 @@ def _qb_route(ts, a):
     return [TensorType("i64", (N, k)), TensorType("f32", (N, k)), TensorType("f32", (N, w.shape[0]))]
 
 
-register("qb_route", _qb_route, n_data_inputs=3, inputs=("x", "weight", "bias"),
+register("qb_route", _qb_route, role="anchor", n_data_inputs=3, inputs=("x", "weight", "bias"),
          attrs={"top_k": REQUIRED, "routed_scaling": 1.0},
          flops=lambda ts, os, a: 2 * numel(ts[0]) * ts[1].shape[0],
-         doc="sigmoid router, top-k on score + bias (Quantile Balancing), unbiased renormalised weights")
+         doc="sigmoid router, top-k on score + bias (Quantile Balancing), unbiased renormalised weights",
+         spec=SpecForm(None, "three outputs (topk_idx, topk_weight, scores), which a spec cannot unpack: it runs "
+                             "inside the latent_moe and moe layers"),
+         fusion=Fusion("router", prologue=("role:view",), tiles=lambda n, m: {"BLOCK_N": 64, "BLOCK_E": 128},
+                       doc="router GEMM + sigmoid + biased top-k (Quantile Balancing) + renormalisation"))
 
 
 def _positive(a, *keys):
@@ -61,11 +65,25 @@ def _moe_experts(ts, a):
     return [x]                                # activation, beta_gate, beta_up: their kinds (OpDef.check_attrs)
 
 
-register("moe_experts", _moe_experts, n_data_inputs=6,
+def _moe_tiles(n, nodes):
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "sort": "by_expert"}
+
+
+register("moe_experts", _moe_experts, role="anchor", n_data_inputs=6,
          inputs=("x_lat", "topk_idx", "topk_weight", "w1", "w3", "w2"),
          attrs={"activation": "situ", "beta_gate": 4.0, "beta_up": 25.0},
          flops=lambda ts, os, a: 2 * ts[0].shape[0] * ts[1].shape[1] * 3 * ts[3].shape[1] * ts[3].shape[2],
-         doc="u = sum_k w_k * w2_e act(w1_e x, w3_e x), e = topk_idx[:, k]")
+         doc="u = sum_k w_k * w2_e act(w1_e x, w3_e x), e = topk_idx[:, k]",
+         spec=SpecForm('u = moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, activation="situ")',
+                       "x_lat [N, l] (N tokens; the example names them T), topk_idx/topk_weight [N, k], "
+                       f"w1/w3 [E, I, l], w2 [E, l, I]; {WEIGHT_IN}; normally it runs inside latent_moe / moe, fed "
+                       "by qb_route",
+                       spec_example("x: f32[T, 16], idx: i64[T, 2], w: f32[T, 2], w1: f32[4, 16, 16], "
+                                    "w3: f32[4, 16, 16], w2: f32[4, 16, 16]",
+                                    "u = moe_experts(x, idx, w, w1, w3, w2)", "return u")),
+         fusion=Fusion("experts", epilogue=("rmsnorm",), tiles=_moe_tiles,
+                       doc="grouped GEMM (w1|w3) with SiTU-GLU epilogue, grouped GEMM w2, weighted combine, "
+                           "RMSNorm(u)"))
 
 
 
@@ -119,12 +137,15 @@ def _moe_expand_common(b: GraphBuilder, inputs, a, loc, latent: bool):
 _MOE_ATTRS = {"experts": REQUIRED, "top_k": REQUIRED, "inter": REQUIRED, "shared": 0, "shared_inter": 0,
               "routed_scaling": 1.0, "expert_dtype": "", "norm_eps": 1e-6, **_ACT}
 
-register("latent_moe", _x_only("latent_moe"), params=lambda a, ts: _moe_params(a, ts, True),
-         expand=lambda b, i, a, loc: _moe_expand_common(b, i, a, loc, True), is_layer=True,
+register("latent_moe", _x_only("latent_moe"), role="layer", slot="ffn", params=lambda a, ts: _moe_params(a, ts, True),
+         expand=lambda b, i, a, loc: _moe_expand_common(b, i, a, loc, True),
+         spec=layer_spec("block moe = latent_moe(experts=E, top_k=k, inter=I, latent=L)",
+                         "latent_moe(experts=8, top_k=2, inter=32, latent=32, shared=1)"),
          default_name="block_sparse_moe", inputs=("x",), attrs={**_MOE_ATTRS, "latent": REQUIRED},
          doc="Stable LatentMoE: y = shared(x) + W_up RMSNorm(sum_k p_k E_k(W_down x)), QB-routed")
-register("moe", _x_only("moe"), params=lambda a, ts: _moe_params(a, ts, False),
-         expand=lambda b, i, a, loc: _moe_expand_common(b, i, a, loc, False), is_layer=True,
+register("moe", _x_only("moe"), role="layer", slot="ffn", params=lambda a, ts: _moe_params(a, ts, False),
+         expand=lambda b, i, a, loc: _moe_expand_common(b, i, a, loc, False),
+         spec=layer_spec("block moe = moe(experts=E, top_k=k, inter=I)", "moe(experts=8, top_k=2, inter=32)"),
          default_name="block_sparse_moe", inputs=("x",), attrs=_MOE_ATTRS,
          doc="sparse MoE at full width: y = shared(x) + sum_k p_k E_k(x), QB-routed")
 

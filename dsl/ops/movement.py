@@ -1,11 +1,11 @@
-"""Data movement: reshape, slice, concat, broadcast."""
+"""Data movement: the views reshape, slice, broadcast (no launch, no storage of their own) and concat."""
 from __future__ import annotations
 
 import sympy
 
 from ..builder import REQUIRED, ShapeError
 from ..ir import TensorType, dim
-from .core import AXIS, INT, _dims, _eq, _shape, register
+from .core import AXIS, INT, X, Rewrite, SpecForm, _dims, _eq, _shape, register, spec_example
 
 
 def _target_shape(x: TensorType, a: dict) -> tuple:
@@ -51,7 +51,18 @@ def _reshape(ts, a):
     return [TensorType(x.dtype, shape)]
 
 
-register("reshape", _reshape, attrs={"shape": REQUIRED}, inputs=("x",), doc="view x with a new shape")
+register("reshape", _reshape, role="view", attrs={"shape": REQUIRED}, inputs=("x",), doc="view x with a new shape",
+         spec=SpecForm('y = reshape(x, shape=["B", "T", 2, 32])',
+                       "shape: a list of integers and quoted symbol names (\"B\", \"T\"); the element count must "
+                       "stay the same",
+                       spec_example(X, 'y = reshape(x, shape=["B", "T", 2, 32])', "return y")),
+         rewrites=(
+             # reshape to the shape it already has: drop
+             Rewrite("reshape-noop", lambda n, m: m[n.inputs[0].node].types[n.inputs[0].index].same(n.types[0]),
+                     lambda n, m: n.inputs[0]),
+             # reshape of a reshape: reshape the original
+             Rewrite("reshape-reshape", lambda n, m: m[n.inputs[0].node].op == "reshape",
+                     lambda n, m: ("reshape", m[n.inputs[0].node].inputs[0]))))
 
 
 def _axis(a: dict, x: TensorType) -> int:
@@ -73,8 +84,10 @@ def _slice(ts, a):
     return [x.with_shape(x.shape[:d] + (sympy.Integer(e - s),) + x.shape[d + 1:])]
 
 
-register("slice", _slice, attrs={"dim": -1, "start": REQUIRED, "end": REQUIRED}, inputs=("x",),
-         kinds={"dim": AXIS, "start": INT, "end": INT}, doc="x[..., start:end, ...] along dim")
+register("slice", _slice, role="view", attrs={"dim": -1, "start": REQUIRED, "end": REQUIRED}, inputs=("x",),
+         kinds={"dim": AXIS, "start": INT, "end": INT}, doc="x[..., start:end, ...] along dim",
+         spec=SpecForm("y = slice(x, start=S, end=E, dim=-1)", "x[..., S:E] along dim (default -1, the last)",
+                       spec_example(X, "y = slice(x, start=0, end=16)", "return y")))
 
 
 def _concat(ts, a):
@@ -86,8 +99,10 @@ def _concat(ts, a):
     return [x.with_shape(x.shape[:d] + (x.shape[d] + y.shape[d],) + x.shape[d + 1:])]
 
 
-register("concat", _concat, n_data_inputs=2, attrs={"dim": -1}, inputs=("a", "b"), kinds={"dim": AXIS},
-         doc="cat([a, b], dim)")
+register("concat", _concat, role="memory_bound", n_data_inputs=2, attrs={"dim": -1}, inputs=("a", "b"), kinds={"dim": AXIS},
+         doc="cat([a, b], dim)",
+         spec=SpecForm("y = concat(a, b, dim=-1)", "same rank and dtype; other dims equal",
+                       spec_example(X, "y = concat(x, x, dim=-1)", "return y")))
 
 
 def _broadcast(ts, a):
@@ -98,5 +113,8 @@ def _broadcast(ts, a):
     return [x.with_shape(shape)]
 
 
-register("broadcast", _broadcast, attrs={"shape": REQUIRED}, inputs=("x",), doc="expand size-1 dims")
+register("broadcast", _broadcast, role="view", attrs={"shape": REQUIRED}, inputs=("x",), doc="expand size-1 dims",
+         spec=SpecForm('y = broadcast(x, shape=["B", "T", 4, 8])',
+                       "same rank; only size-1 dims expand; symbol names quoted as in reshape",
+                       spec_example("x: f32[B, T, 1, 8]", 'y = broadcast(x, shape=["B", "T", 4, 8])', "return y")))
 
