@@ -29,7 +29,8 @@ def _glu_expand(b, inputs, a, loc):
 _ACT = {"act": "situ", "beta_gate": 4.0, "beta_up": 25.0}
 
 register("glu_ffn", _x_only("glu_ffn"), role="layer", slot="ffn", params=_glu_params, expand=_glu_expand,
-         spec=layer_spec("block dense = glu_ffn(inter=I)", "glu_ffn(inter=128)"), default_name="mlp", inputs=("x",), attrs={"inter": REQUIRED, **_ACT},
+         spec=layer_spec("block dense = glu_ffn(inter=I)", "glu_ffn(inter=128)"), default_name="mlp", inputs=("x",),
+         attrs={"inter": REQUIRED, **_ACT},
          doc="gated FFN: down(act(gate x) * up x); act=\"situ\" (SiTU-GLU, K3) or act=\"silu\" (SwiGLU)")
 
 

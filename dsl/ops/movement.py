@@ -99,7 +99,8 @@ def _concat(ts, a):
     return [x.with_shape(x.shape[:d] + (x.shape[d] + y.shape[d],) + x.shape[d + 1:])]
 
 
-register("concat", _concat, role="memory_bound", n_data_inputs=2, attrs={"dim": -1}, inputs=("a", "b"), kinds={"dim": AXIS},
+register("concat", _concat, role="memory_bound", n_data_inputs=2, attrs={"dim": -1}, inputs=("a", "b"),
+         kinds={"dim": AXIS},
          doc="cat([a, b], dim)",
          spec=SpecForm("y = concat(a, b, dim=-1)", "same rank and dtype; other dims equal",
                        spec_example(X, "y = concat(x, x, dim=-1)", "return y")))

@@ -24,7 +24,8 @@ register("rmsnorm", _rmsnorm, role="row_norm", n_data_inputs=1, inputs=("x", "we
                        spec_example(X, 'h = rmsnorm(x, name="pre_norm")', "y = rmsnorm(h, eps=1e-5)", "return y")))
 
 
-register("l2norm", _unary, role="row_norm", attrs={"eps": 1e-6}, inputs=("x",), flops=lambda ts, os, a: 3 * numel(ts[0]),
+register("l2norm", _unary, role="row_norm", attrs={"eps": 1e-6}, inputs=("x",),
+         flops=lambda ts, os, a: 3 * numel(ts[0]),
          doc="x / sqrt(sum(x^2) + eps) over the last dim",
          spec=SpecForm("y = l2norm(x, eps=1e-6)", "over the last dim; eps optional",
                        spec_example(X, "y = l2norm(x)", "return y")))
