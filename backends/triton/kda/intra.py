@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _diag_pair, _ex, _head_major, _interpret, _mark,
+from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _diag_tiles, _ex, _head_major, _interpret, _mark,
                      _maxnreg, _mmp, _put)
 
 # _intra_strip32_kernel's dense 32-row pairs: G may fall by at most this much across a pair (exponents within
@@ -114,8 +114,9 @@ def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr,
     p += tl.dot((qr * er).to(DT), tl.trans(col))
     if ROWS == 16:
         if fr == 0:
-            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
-            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+            ma, mp = _diag_tiles(kr, qr, kr, Gr, cl, FTZ)
+            a = _add_cols(a, ma, R, 16, 4, 16)
+            p = _add_cols(p, mp, R, 16, 4, 16)
     eG = _ex(Gr, FTZ)
     tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
     tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
