@@ -109,24 +109,6 @@ def _diag_exps(G_r, c, FTZ: tl.constexpr):
 
 
 @triton.jit
-def _diag_tiles(a1, a2, b_r, G_r, c, FTZ: tl.constexpr):
-    """The diagonal 16x16 tiles M1_ij = sum_d a1_id b_jd e^(G_id - G_jd) and M2 (a2 for a1) for j <= i, for any
-    gate g <= 0 (no bound): one float32 dot each (tf32 tensor cores on the GPU) on the anchored operands
-    a e^(G_i - c') and b e^(c' - G_j), c' = c - _DIAG_HALF, c [BK] = G before the block; rows whose G falls further
-    than 2 _DIAG_HALF below c are redone token pair by token pair."""
-    ea, eb, ok = _diag_exps(G_r, c, FTZ)
-    bt = tl.trans(b_r * eb)
-    r16 = tl.arange(0, 16)
-    causal = r16[None, :] <= r16[:, None]
-    M1 = tl.where(causal, tl.dot(a1 * ea, bt), 0.0)
-    M2 = tl.where(causal, tl.dot(a2 * ea, bt), 0.0)
-    if tl.min(ok.to(tl.int32), axis=0) == 0:
-        M1 = tl.where(ok[:, None], M1, _diag_pair(a1, b_r, G_r))
-        M2 = tl.where(ok[:, None], M2, _diag_pair(a2, b_r, G_r))
-    return M1, M2
-
-
-@triton.jit
 def _diag_grads(dP, dB, q_r, k_r, G_r, c, FTZ: tl.constexpr):
     """The backward of _diag_tiles for P (a = q, b = k) and Bm (a = b = k) given their diagonal tiles' gradients dP,
     dB [16, 16] (entries above the diagonal ignored), c [BK] = G at or before the block's first row: (dq, dk_row,

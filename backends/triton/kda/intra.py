@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _diag_tiles, _ex, _head_major, _interpret, _mark,
+from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _DIAG_HALF, _diag_pair, _ex, _head_major, _interpret, _mark,
                      _maxnreg, _mmp, _put)
 
 # _intra_strip32_kernel's dense 32-row pairs: G may fall by at most this much across a pair (exponents within
@@ -109,20 +109,54 @@ def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr,
         c = cl + 0.5 * (ch - cl)
         lim = R * ROWS + ROWS
     er = _ex(Gr - c[None, :], FTZ)
-    col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
-    a += tl.dot((kr * er).to(DT), tl.trans(col))
-    p += tl.dot((qr * er).to(DT), tl.trans(col))
-    if ROWS == 16:
-        if fr == 0:
-            ma, mp = _diag_tiles(kr, qr, kr, Gr, cl, FTZ)
-            a = _add_cols(a, ma, R, 16, 4, 16)
-            p = _add_cols(p, mp, R, 16, 4, 16)
+    if ROWS == 16 and fr == 0:
+        a, p = _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT, FTZ)
+    else:
+        col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
+        a += tl.dot((kr * er).to(DT), tl.trans(col))
+        p += tl.dot((qr * er).to(DT), tl.trans(col))
     eG = _ex(Gr, FTZ)
     tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
     tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
     if R == 0:
         tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
     return a, p, eG
+
+
+@triton.jit
+def _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT: tl.constexpr, FTZ: tl.constexpr):
+    """_strip_slice's share of a 16-row block R without a usable bound (any g <= 0): the strictly earlier tiles on
+    operands anchored at cl = G before the block (every exponent <= 0: er = e^(Gr - cl) from the caller), the
+    diagonal tile on operands anchored at cd = cl - _DIAG_HALF (exponents within +-_DIAG_HALF on the rows whose G
+    fell by at most 2 _DIAG_HALF since cl in every channel), as two dense dots sharing one exponential per column
+    element; the diagonal entries of rows that fell further are summed token pair by token pair (_diag_pair).
+    Every row's choice reads only rows at or before it."""
+    cd = cl - _DIAG_HALF
+    xr = Gr - cd[None, :]
+    ok = tl.min(xr, axis=1) >= -_DIAG_HALF
+    er2 = _ex(tl.minimum(xr, _DIAG_HALF), FTZ)
+    early = rows64[:, None] < R * 16
+    inb = (rows64[:, None] >= R * 16) & (rows64[:, None] < R * 16 + 16)
+    xc = tl.where(early, cl[None, :] - G64, tl.where(inb, tl.minimum(cd[None, :] - G64, _DIAG_HALF), float("-inf")))
+    col = k64 * _ex(xc, FTZ)
+    colA = tl.trans(tl.where(early, col, 0.0).to(DT))
+    # (float16 cannot hold e^_DIAG_HALF: its diagonal operands stay float32, tf32 tensor cores)
+    DD: tl.constexpr = tl.float32 if DT == tl.float16 else DT
+    colB = tl.trans(tl.where(inb, col, 0.0).to(DD))
+    sa = tl.dot((kr * er).to(DT), colA) + tl.dot((kr * er2).to(DD), colB)
+    sp = tl.dot((qr * er).to(DT), colA) + tl.dot((qr * er2).to(DD), colB)
+    rows = R * 16 + tl.arange(0, 16)
+    cols = tl.arange(0, 64)
+    diag = (cols[None, :] >= R * 16) & (cols[None, :] < R * 16 + 16)
+    # above the diagonal (masked later, but e^(G_i - G_j) > 1 there may overflow) and the far-fallen rows' diagonal
+    drop = (diag & ~ok[:, None]) | (cols[None, :] > rows[:, None])
+    sa = tl.where(drop, 0.0, sa)
+    sp = tl.where(drop, 0.0, sp)
+    if tl.min(ok.to(tl.int32), axis=0) == 0:
+        far = ~ok[:, None]
+        sa = _add_cols(sa, tl.where(far, _diag_pair(kr, kr, Gr), 0.0), R, 16, 4, 16)
+        sp = _add_cols(sp, tl.where(far, _diag_pair(qr, kr, Gr), 0.0), R, 16, 4, 16)
+    return a + sa, p + sp
 
 
 @triton.jit
