@@ -378,7 +378,7 @@ def phases(tk, kda_chunk, T, H, reps=5, bwd=False):
         for _ in range(reps):
             ev = []
             with tk.config(profile=ev):
-                o, _ = kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+                o, _ = kda_chunk(q, k, v, g, beta, **gate_kwargs()[1])
                 if bwd:
                     o.backward(do)
             torch.cuda.synchronize()
@@ -419,12 +419,12 @@ def timeline(tk, kda_chunk, T, H):
         for m, n, fn in orig:
             setattr(m, n, _TimedKernel(fn, n, log))
         with torch.no_grad():
-            kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            kda_chunk(q, k, v, g, beta, **gate_kwargs()[1])
             torch.cuda.synchronize()
             log.clear()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            kda_chunk(q, k, v, g, beta, **gate_kwargs()[1])
             e.record()
             torch.cuda.synchronize()
     finally:
