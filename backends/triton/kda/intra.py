@@ -96,12 +96,16 @@ def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr, ROWS: tl.constexpr =
 
 @triton.jit
 def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
-                 scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False, ROWS: tl.constexpr = 16):
+                 scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False, ROWS: tl.constexpr = 16,
+                 DENSE_DIAG: tl.constexpr = True):
     """One channel slice of a strip program, given the slice's operands and cumulative gates: G64 [64, BK] of the
     chunk, Gr [ROWS, BK] of row block R, GC / cl / ch [BK] at the chunk's last row / before the block / the
     block's last row, fr = 1 when the block is dense (its gates are >= lb; always 1 for ROWS = 32).  Adds the
     slice's share to the strips a (Akk) and p (P) [ROWS, 64] and stores its QG, KD (and GAM for R = 0); returns
-    (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only)."""
+    (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only).  A block without a usable
+    bound (fr = 0) runs _safe_slice (DENSE_DIAG, the 16-row strip kernel's blocks: no bound promised, or float16)
+    or, in _intra_strip32_kernel's 16-row blocks (a promised bound broken in a block, a rare case), its diagonal
+    tile token pair by token pair: that kernel's registers stay those of its dense pairs."""
     if ROWS == 16:
         c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
         lim = R * 16 + 16 * fr
@@ -109,12 +113,16 @@ def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr,
         c = cl + 0.5 * (ch - cl)
         lim = R * ROWS + ROWS
     er = _ex(Gr - c[None, :], FTZ)
-    if ROWS == 16 and fr == 0:
+    if DENSE_DIAG and ROWS == 16 and fr == 0:
         a, p = _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT, FTZ)
     else:
         col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
         a += tl.dot((kr * er).to(DT), tl.trans(col))
         p += tl.dot((qr * er).to(DT), tl.trans(col))
+        if ROWS == 16:
+            if fr == 0:
+                a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
+                p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
     eG = _ex(Gr, FTZ)
     tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
     tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
@@ -177,7 +185,7 @@ def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: 
 @triton.jit
 def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
                  BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr,
-                 ROWS: tl.constexpr = 16):
+                 ROWS: tl.constexpr = 16, DENSE_DIAG: tl.constexpr = True):
     """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h.  ROWS = 16: fr = 1
     when the block's gates are >= lb (the dense diagonal tile), 0 for the safe path.  ROWS = 32 (fr = 1): a
     dense pair, when G falls by at most _SPAN32 across it in every channel (FB bit 1): the anchor c is the middle
@@ -211,7 +219,7 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
         Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
         Gr = tl.where(mr, Gr, ch[None, :])
         a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD,
-                                GAM, c_, h, H, scale, K, DT, FTZ, ROWS)
+                                GAM, c_, h, H, scale, K, DT, FTZ, ROWS, DENSE_DIAG)
         tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
     if ROWS == 16:
         ok = 1
@@ -277,10 +285,10 @@ def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
     if ok == 0:
         # (a dense pair that overflowed stored the same QG, KD, KGB and GAM as the 16-row blocks store again)
         _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
-                     DT, BM, SAVE_B, KGB, FTZ)
+                     DT, BM, SAVE_B, KGB, FTZ, 16, False)
         f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS) & 1
         _strip_block(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K,
-                     BK, DT, BM, SAVE_B, KGB, FTZ)
+                     BK, DT, BM, SAVE_B, KGB, FTZ, 16, False)
 
 
 @triton.jit
