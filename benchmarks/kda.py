@@ -51,11 +51,36 @@ def bytes_fwdbwd(T, H, K=128, V=128):
                                             + (2 * K + 2 * K + 2 * V + 4 * K + 2))
 
 
+#: --gate: which gate the inputs come from and what both implementations are told (set by main)
+GATES = {
+    "bounded": "g = -5 sigmoid(2 randn) in [-5, 0); both promised the bound -5 (fla: safe_gate=True, lower_bound=-5)",
+    "none": "the same g; no bound promised to either (mtc: lower_bound=None; fla: plain chunk_kda)",
+    "softplus": "Kimi Linear's gate at its initialisation, g = -exp(A_log) softplus(randn + dt_bias), A_log = "
+                "log U(1, 16) per head, dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 0.1] per channel "
+                "(g down to about -60); no bound promised",
+}
+GATE = "bounded"
+
+
+def gate_kwargs():
+    """(fla chunk_kda keywords, mtc kda_chunk keywords) for the --gate in force."""
+    if GATE == "bounded":
+        return dict(safe_gate=True, lower_bound=-5.0), dict(lower_bound=-5.0)
+    return {}, dict(lower_bound=None)
+
+
 def make(T, H, K=128, V=128, device="cuda"):
     q = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=device), dim=-1).bfloat16()
     k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=device), dim=-1).bfloat16()
     v = torch.randn(1, T, H, V, device=device).bfloat16()
-    g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, device=device) * 2)
+    if GATE == "softplus":
+        a_log = torch.log(torch.empty(H, device=device).uniform_(1, 16))
+        dt = torch.exp(torch.empty(H * K, device=device).uniform_(math.log(1e-3), math.log(0.1)))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))          # softplus^-1(dt)
+        x = torch.randn(1, T, H, K, device=device) + dt_bias.view(H, K)
+        g = -torch.exp(a_log)[:, None] * torch.nn.functional.softplus(x)
+    else:
+        g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, device=device) * 2)
     beta = torch.rand(1, T, H, device=device).bfloat16()
     return q, k, v, g, beta
 
@@ -90,9 +115,13 @@ def main():
                     help="time one implementation only (the other's columns print '-'): for rows where both do "
                          "not fit in one process's memory (forward+backward at H=16, T=1M), run one process each "
                          "on the same machine")
+    ap.add_argument("--gate", choices=tuple(GATES), default="bounded",
+                    help="the gate of the inputs and the bound promised: " + "; ".join(f"{k}: {v}" for k, v in GATES.items()))
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
+    global GATE
+    GATE = args.gate
     try:
         settings = {}
         for item in args.set:
@@ -135,7 +164,8 @@ def run(args, cases, settings, alts, triton, chunk_kda, tk, kda_chunk):
                 f.write("\n".join(lines) + "\n")
 
     dev = torch.cuda.get_device_name()
-    lines = [f"# kda_chunk vs fla-core 0.6.0 chunk_kda on {dev} (B=1, K=V=128, bf16, g in [-5,0))", "",
+    lines = [f"# kda_chunk vs fla-core 0.6.0 chunk_kda on {dev} (B=1, K=V=128, bf16; gate {GATE}: {GATES[GATE]})",
+             "",
              "| H | T | pass | fla ms | mtc ms | speed-up | GFLOP | GB | mtc TF/s | %mm | mtc TB/s | %bw | err o |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if settings:
@@ -162,13 +192,13 @@ def run(args, cases, settings, alts, triton, chunk_kda, tk, kda_chunk):
                     do = torch.randn(1, T, H, 128, device="cuda").bfloat16()
 
                 def run_fla():
-                    o, _ = chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)
+                    o, _ = chunk_kda(q, k, v, g, beta, **gate_kwargs()[0])
                     if grad:
                         o.backward(do)
                     return o
 
                 def run_mtc():
-                    o, _ = kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+                    o, _ = kda_chunk(q, k, v, g, beta, **gate_kwargs()[1])
                     if grad:
                         o.backward(do)
                     return o
@@ -296,8 +326,9 @@ def warm_up(chunk_kda, kda_chunk, T, H, grad, seconds=3.0):
         for _ in range(20):
             a @ a
         torch.cuda.synchronize()
-    fns = [fn for impl, fn in ((chunk_kda, lambda: chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)),
-                               (kda_chunk, lambda: kda_chunk(q, k, v, g, beta, lower_bound=-5.0))) if impl is not None]
+    fk, mk = gate_kwargs()
+    fns = [fn for impl, fn in ((chunk_kda, lambda: chunk_kda(q, k, v, g, beta, **fk)),
+                               (kda_chunk, lambda: kda_chunk(q, k, v, g, beta, **mk))) if impl is not None]
     for reps in (1, 3):
         for fn in fns:
             for _ in range(reps):
@@ -347,7 +378,7 @@ def phases(tk, kda_chunk, T, H, reps=5, bwd=False):
         for _ in range(reps):
             ev = []
             with tk.config(profile=ev):
-                o, _ = kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+                o, _ = kda_chunk(q, k, v, g, beta, **gate_kwargs()[1])
                 if bwd:
                     o.backward(do)
             torch.cuda.synchronize()
@@ -388,12 +419,12 @@ def timeline(tk, kda_chunk, T, H):
         for m, n, fn in orig:
             setattr(m, n, _TimedKernel(fn, n, log))
         with torch.no_grad():
-            kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            kda_chunk(q, k, v, g, beta, **gate_kwargs()[1])
             torch.cuda.synchronize()
             log.clear()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            kda_chunk(q, k, v, g, beta, lower_bound=-5.0)
+            kda_chunk(q, k, v, g, beta, **gate_kwargs()[1])
             e.record()
             torch.cuda.synchronize()
     finally:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_TL, _ch_grid, _chunk_head, _diag_da, _diag_db, _dt, _get_rows, _head_major, _interm_dtype,
+from .common import (_TL, _ch_grid, _chunk_head, _diag_grads, _dt, _get_rows, _head_major, _interm_dtype,
                      _mark, _put_rows, _row_of, _seg_range)
 from .state import _entry_states, _state_pass
 
@@ -247,9 +247,10 @@ def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale
             odia = rb[:, None] * (H * 64) + rb[None, :]
             dP_rr = tl.load(DAQK + ba_ + odia, mask=rbm[:, None], other=0.0).to(tl.float32) * scale
             dB_rr = tl.load(DB + ba_ + odia, mask=rbm[:, None], other=0.0)
-            dq_blk += _diag_da(dP_rr, k_r, G_r)
-            dkr_blk += _diag_da(dB_rr, k_r, G_r)
-            dkc_blk += _diag_db(dP_rr, q_r, G_r) + _diag_db(dB_rr, k_r, G_r)
+            ddq, ddkr, ddkc = _diag_grads(dP_rr, dB_rr, q_r, k_r, G_r, Gm, False)
+            dq_blk += ddq
+            dkr_blk += ddkr
+            dkc_blk += ddkc
         dq_p = _put_rows(dq_p, dq_blk, r, 4, 16, BK)
         dk_r = _put_rows(dk_r, dkr_blk, r, 4, 16, BK)
         dk_c = _put_rows(dk_c, dkc_blk, r, 4, 16, BK)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _diag_pair, _ex, _head_major, _interpret, _mark,
+from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _DIAG_HALF, _diag_pair, _ex, _head_major, _interpret, _mark,
                      _maxnreg, _mmp, _put)
 
 # _intra_strip32_kernel's dense 32-row pairs: G may fall by at most this much across a pair (exponents within
@@ -96,12 +96,16 @@ def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr, ROWS: tl.constexpr =
 
 @triton.jit
 def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
-                 scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False, ROWS: tl.constexpr = 16):
+                 scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False, ROWS: tl.constexpr = 16,
+                 DENSE_DIAG: tl.constexpr = True):
     """One channel slice of a strip program, given the slice's operands and cumulative gates: G64 [64, BK] of the
     chunk, Gr [ROWS, BK] of row block R, GC / cl / ch [BK] at the chunk's last row / before the block / the
     block's last row, fr = 1 when the block is dense (its gates are >= lb; always 1 for ROWS = 32).  Adds the
     slice's share to the strips a (Akk) and p (P) [ROWS, 64] and stores its QG, KD (and GAM for R = 0); returns
-    (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only)."""
+    (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only).  A block without a usable
+    bound (fr = 0) runs _safe_slice (DENSE_DIAG, the 16-row strip kernel's blocks: no bound promised, or float16)
+    or, in _intra_strip32_kernel's 16-row blocks (a promised bound broken in a block, a rare case), its diagonal
+    tile token pair by token pair: that kernel's registers stay those of its dense pairs."""
     if ROWS == 16:
         c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
         lim = R * 16 + 16 * fr
@@ -109,19 +113,58 @@ def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr,
         c = cl + 0.5 * (ch - cl)
         lim = R * ROWS + ROWS
     er = _ex(Gr - c[None, :], FTZ)
-    col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
-    a += tl.dot((kr * er).to(DT), tl.trans(col))
-    p += tl.dot((qr * er).to(DT), tl.trans(col))
-    if ROWS == 16:
-        if fr == 0:
-            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
-            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+    if DENSE_DIAG and ROWS == 16 and fr == 0:
+        a, p = _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT, FTZ)
+    else:
+        col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
+        a += tl.dot((kr * er).to(DT), tl.trans(col))
+        p += tl.dot((qr * er).to(DT), tl.trans(col))
+        if ROWS == 16:
+            if fr == 0:
+                a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
+                p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
     eG = _ex(Gr, FTZ)
     tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
     tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
     if R == 0:
         tl.store(GAM + (tl.cast(c_, tl.int64) * H + h) * K + d, tl.exp(GC))
     return a, p, eG
+
+
+@triton.jit
+def _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT: tl.constexpr, FTZ: tl.constexpr):
+    """_strip_slice's share of a 16-row block R without a usable bound (any g <= 0): the strictly earlier tiles on
+    operands anchored at cl = G before the block (every exponent <= 0: er = e^(Gr - cl) from the caller), the
+    diagonal tile on operands anchored at cd = cl - _DIAG_HALF (exponents within +-_DIAG_HALF on the rows whose G
+    fell by at most 2 _DIAG_HALF since cl in every channel), as two dense dots sharing one exponential per column
+    element; the diagonal entries of rows that fell further are summed token pair by token pair (_diag_pair).
+    Every row's choice reads only rows at or before it."""
+    cd = cl - _DIAG_HALF
+    xr = Gr - cd[None, :]
+    ok = tl.min(xr, axis=1) >= -_DIAG_HALF
+    er2 = _ex(tl.minimum(xr, _DIAG_HALF), FTZ)
+    early = rows64[:, None] < R * 16
+    inb = (rows64[:, None] >= R * 16) & (rows64[:, None] < R * 16 + 16)
+    xc = tl.where(early, cl[None, :] - G64, tl.where(inb, tl.minimum(cd[None, :] - G64, _DIAG_HALF), float("-inf")))
+    col = k64 * _ex(xc, FTZ)
+    colA = tl.trans(tl.where(early, col, 0.0).to(DT))
+    # (float16 cannot hold e^_DIAG_HALF: its diagonal operands stay float32, tf32 tensor cores)
+    DD: tl.constexpr = tl.float32 if DT == tl.float16 else DT
+    colB = tl.trans(tl.where(inb, col, 0.0).to(DD))
+    sa = tl.dot((kr * er).to(DT), colA) + tl.dot((kr * er2).to(DD), colB)
+    sp = tl.dot((qr * er).to(DT), colA) + tl.dot((qr * er2).to(DD), colB)
+    rows = R * 16 + tl.arange(0, 16)
+    cols = tl.arange(0, 64)
+    diag = (cols[None, :] >= R * 16) & (cols[None, :] < R * 16 + 16)
+    # above the diagonal (masked later, but e^(G_i - G_j) > 1 there may overflow) and the far-fallen rows' diagonal
+    drop = (diag & ~ok[:, None]) | (cols[None, :] > rows[:, None])
+    sa = tl.where(drop, 0.0, sa)
+    sp = tl.where(drop, 0.0, sp)
+    if tl.min(ok.to(tl.int32), axis=0) == 0:
+        far = ~ok[:, None]
+        sa = _add_cols(sa, tl.where(far, _diag_pair(kr, kr, Gr), 0.0), R, 16, 4, 16)
+        sp = _add_cols(sp, tl.where(far, _diag_pair(qr, kr, Gr), 0.0), R, 16, 4, 16)
+    return a + sa, p + sp
 
 
 @triton.jit
@@ -142,7 +185,7 @@ def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: 
 @triton.jit
 def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
                  BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr,
-                 ROWS: tl.constexpr = 16):
+                 ROWS: tl.constexpr = 16, DENSE_DIAG: tl.constexpr = True):
     """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h.  ROWS = 16: fr = 1
     when the block's gates are >= lb (the dense diagonal tile), 0 for the safe path.  ROWS = 32 (fr = 1): a
     dense pair, when G falls by at most _SPAN32 across it in every channel (FB bit 1): the anchor c is the middle
@@ -176,7 +219,7 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
         Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
         Gr = tl.where(mr, Gr, ch[None, :])
         a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD,
-                                GAM, c_, h, H, scale, K, DT, FTZ, ROWS)
+                                GAM, c_, h, H, scale, K, DT, FTZ, ROWS, DENSE_DIAG)
         tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
     if ROWS == 16:
         ok = 1
@@ -242,10 +285,10 @@ def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
     if ok == 0:
         # (a dense pair that overflowed stored the same QG, KD, KGB and GAM as the 16-row blocks store again)
         _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
-                     DT, BM, SAVE_B, KGB, FTZ)
+                     DT, BM, SAVE_B, KGB, FTZ, 16, False)
         f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS) & 1
         _strip_block(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K,
-                     BK, DT, BM, SAVE_B, KGB, FTZ)
+                     BK, DT, BM, SAVE_B, KGB, FTZ, 16, False)
 
 
 @triton.jit

@@ -30,9 +30,9 @@ class KdaConfig:
     """Launch settings of the KDA kernels (see the module docstring for the override context)."""
 
     # ---- intra-chunk kernels (backends/triton/kda/intra.py)
-    #: channel slice and warps of the 16-row strip kernel (the safe gate, float16 inputs)
-    bk: int = 64
-    nw_strip: int = 8
+    #: channel slice and warps of the 16-row strip kernel (no bound promised, float16 inputs; benchmarks/results/kda.md)
+    bk: int = 32
+    nw_strip: int = 4
     #: channel slice, warps and ptxas register cap of the 32-row strip kernel (a dense gate, bf16 / float32)
     bk_strip32: int = 32
     nw_strip32: int = 4
