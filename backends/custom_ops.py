@@ -17,7 +17,9 @@ autograd path (its ``torch.autograd.Function``): the same backward math, no seco
 recomputed forward.
 
 Outputs never alias the inputs (a custom op may not return a view of its input): an output that shares an input's
-storage (attn_residual_phase1's broadcast accumulator of a one-source bank) is copied.
+storage (attn_residual_phase1's broadcast accumulator of a one-source bank) is copied; and they have the layout
+(strides) of the fake's, which the tracer planned with (the fake runs on meta copies of the operands to tell): an
+output laid out otherwise is copied into that layout.
 """
 from __future__ import annotations
 
@@ -72,6 +74,31 @@ def _outs(out) -> list:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+def _same_layout(a, b) -> bool:
+    return all(st_a == st_b for n, st_a, st_b in zip(a.shape, a.stride(), b.stride()) if n > 1)
+
+
+def _conform(name: str, outs: list, fakes: list) -> list:
+    """The outputs in the layout the fake promises (the tracer planned with it): an output laid out otherwise is
+    copied into the fake's allocation (an einsum's result, whose layout is torch's choice). RuntimeError for a
+    fake of another count, shape or dtype (a wrong fake)."""
+    if len(outs) != len(fakes):
+        raise RuntimeError(f"mtc::{name}: {len(outs)} outputs, its fake gives {len(fakes)}")
+    res = []
+    for i, (o, f) in enumerate(zip(outs, fakes)):
+        if o.shape != f.shape or o.dtype != f.dtype:
+            raise RuntimeError(f"mtc::{name}: output {i} is {o.dtype} {list(o.shape)}, its fake gives {f.dtype} "
+                               f"{list(f.shape)}")
+        res.append(o if _same_layout(o, f) else
+                   torch.empty_strided(f.shape, f.stride(), dtype=o.dtype, device=o.device).copy_(o))
+    return res
+
+
+def _meta(args) -> list:
+    """Meta copies (shape, dtype, strides; no data) of the operands, for the fake's layout."""
+    return [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") for a in args]
+
+
 def _fresh(outs: list, args) -> list:
     """Outputs with no storage shared with an input or an earlier output (copies where they do)."""
     seen = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel()}
@@ -100,8 +127,10 @@ def get(impl):
     fn, fake = impl.fn, impl.fake
 
     def body(args, *vals):
+        call = OpCall(dict(zip(names, vals)))
         with torch.no_grad():
-            return _fresh(_outs(fn(OpCall(dict(zip(names, vals))), *args)), args)
+            outs = _outs(fn(call, *args))
+        return _fresh(_conform(impl.op_name, outs, _outs(fake(call, *_meta(args)))), args)
 
     def fake_body(args, *vals):
         return _outs(fake(OpCall(dict(zip(names, vals))), *args))
@@ -113,6 +142,14 @@ def get(impl):
         _register_backward(impl, op, names, params)
     _OPS[impl.op_name] = op
     return op
+
+
+def _laid_out_like(x, g):
+    """The gradient ``g`` of ``x`` (zeros for None) in the layout of ``torch.empty_like(x)``, the fake's."""
+    out = torch.empty_like(x)
+    if g is None:
+        return out.zero_()
+    return g if g.stride() == out.stride() else out.copy_(g)
 
 
 def _autograd_on():
@@ -143,7 +180,8 @@ def _register_backward(impl, op, names: list[str], params: str) -> None:
             wrt = [x for x in xs if x.requires_grad]
             got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) \
                 if pairs else [None] * len(wrt)
-        return [torch.zeros_like(x) if g is None else g for x, g in zip(wrt, got)]
+        grads_in = [g for g in grads if g is not None]
+        return _fresh([_laid_out_like(x, g) for x, g in zip(wrt, got)], list(args) + grads_in)
 
     def bwd_fake(args, grads, *vals):
         return [torch.empty_like(a) for a in args if a.is_floating_point()]

@@ -38,8 +38,13 @@ def _f32_copies(L, shapes, elem) -> float:
 
 # -- fakes (backends/custom_ops.py): each op's outputs as empty tensors of the real ones' shapes, dtypes and strides
 def like(i: int = 0, dtype=None):
-    """fake: an output shaped (and strided) like input ``i``, in its dtype or ``dtype``."""
+    """fake: an output shaped and strided like input ``i`` (an elementwise result), in its dtype or ``dtype``."""
     return lambda c, *t: torch.empty_like(t[i], dtype=dtype)
+
+
+def new(i: int = 0, dtype=None):
+    """fake: a contiguous output of input ``i``'s shape, in its dtype or ``dtype``."""
+    return lambda c, *t: t[i].new_empty(t[i].shape, dtype=dtype)
 
 
 def fake_linear(c, x, w):
@@ -103,7 +108,7 @@ impl(REF, "add", workspace=_f32_copies, fake=fake_binary)(lambda c, a, b: R.add(
 impl(REF, "mul", workspace=_f32_copies, fake=fake_binary)(lambda c, a, b: R.mul(a, b))
 impl(REF, "kda_gate", args="float? lower_bound, str gate", fake=like(0, torch.float32))(
     lambda c, x, a, d: R.kda_gate(x, a, d, lower_bound=c.attr("lower_bound"), gate=c.attr("gate")))
-impl(REF, "kda_chunk", args="float? scale", fake=like(2))(
+impl(REF, "kda_chunk", args="float? scale", fake=new(2))(
     lambda c, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=c.attr("scale"))[0])
 impl(REF, "mla_attention", workspace=_mla_scores_bytes, args="float? scale, bool causal", fake=fake_mla)(
     lambda c, q, k, v: R.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import backends.triton as T
 from backends.reference.impls import (fake_attn_residual, fake_glu, fake_merge, fake_mla, fake_phase1, fake_route,
-                                      like, merge, phase1)
+                                      like, merge, new, phase1)
 from backends.registry import impl
 
 from .kda import CHUNK, FAST_LOWER_BOUND_LIMIT, forward_workspace
@@ -91,7 +91,7 @@ impl(TR, "linear", name="library.gemm")(lambda c, x, w: F.linear(x, w.to(x.dtype
 impl(TR, "lm_head", name="library.gemm")(lambda c, x, w: F.linear(x, w.to(x.dtype)))
 impl(TR, "mla_attention", name="library.sdpa", workspace=_sdpa_workspace, args="float? scale, bool causal",
      fake=fake_mla)(lambda c, q, k, v: T.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))
-impl(TR, "kda_chunk", meta=_kda_meta, workspace=_kda_workspace, args="float? scale, float? lower_bound", fake=like(2))(
+impl(TR, "kda_chunk", meta=_kda_meta, workspace=_kda_workspace, args="float? scale, float? lower_bound", fake=new(2))(
     lambda c, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=c.attr("scale"),
                                          lower_bound=fast_bound(c.attr("lower_bound")))[0])
 impl(TR, "kda_gate", grad=False, args="float? lower_bound, str gate", fake=like(0, torch.float32))(
