@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import dsl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SPECS = {"tiny": (ROOT / "models" / "kimi_k3.mtc", "tiny"), "hybrid_tiny": (ROOT / "examples" / "hybrid_tiny.mtc", None)}
+SPECS = {"tiny": (ROOT / "models" / "kimi_k3.mtc", "tiny"),
+         "hybrid_tiny": (ROOT / "examples" / "hybrid_tiny.mtc", None)}
 
 
 def _check_fakes(m, trace, bind):
@@ -30,7 +31,8 @@ def _check_fakes(m, trace, bind):
             fakes = op([mode.from_tensor(a) for a in t.args], *vals)
         assert len(fakes) == len(real) == len(t.outs), t.kernel
         for f, r, e in zip(fakes, real, t.outs):
-            assert (tuple(f.shape), f.dtype) == (tuple(r.shape), r.dtype), (t.kernel, f.shape, f.dtype, r.shape, r.dtype)
+            assert (tuple(f.shape), f.dtype) == (tuple(r.shape), r.dtype), \
+                (t.kernel, f.shape, f.dtype, r.shape, r.dtype)
             assert all(a == b for n, a, b in zip(f.shape, f.stride(), r.stride()) if n > 1), \
                 (t.kernel, f.stride(), r.stride())
             assert torch.equal(r, e), t.kernel

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import backends.triton as T
-from backends.reference.impls import (fake_attn_residual, fake_glu, fake_merge, fake_mla, fake_phase1, fake_route,
-                                      like, merge, new, phase1)
+from backends.reference.impls import (fake_attn_residual, fake_merge, fake_mla, fake_phase1, fake_route, like, merge,
+                                      new, phase1)
 from backends.registry import impl
 
 from .kda import CHUNK, FAST_LOWER_BOUND_LIMIT, forward_workspace
@@ -135,7 +135,8 @@ def _conv_silu_norm(c, x, w):
     return y.reshape(c.shape(c.attr("shape"))) if hd is not None else y
 
 
-@impl(TR, "attn_residual+rmsnorm", grad=False, args="float eps", fake=lambda c, q, w, *r: fake_attn_residual(c, q, w, *r[:-1]))
+@impl(TR, "attn_residual+rmsnorm", grad=False, args="float eps",
+      fake=lambda c, q, w, *r: fake_attn_residual(c, q, w, *r[:-1]))
 def _attn_residual_norm(c, q, w, *rest):
     """attn_residual and the RMSNorm (same eps) of its output in one kernel (the kernel's output norm)."""
     *src, norm_w = rest
