@@ -16,6 +16,13 @@ its outputs (the memory plan adds the largest); ``meta(node, types)`` the meta-p
 lowered listing prints them); ``aliases(node, types)`` the outputs that are views of an input ({output index: input
 index}: the memory plan counts their storage once).
 
+``args`` and ``fake`` make the implementation a ``torch.library`` custom op, ``torch.ops.mtc.<op>_<target>``
+(backends/custom_ops.py), which the runtime calls under ``torch.compile`` / ``torch.export``: ``args`` types the
+node attributes ``fn`` reads (``"float eps, int? top_k"``, torch.library's schema language; ``SymInt[]`` for a
+shape of symbolic dims, evaluated at the running sizes), ``fake(call, *tensors)`` returns empty outputs of the
+real ones' shapes, dtypes and strides; ``derive(node, members)`` gives a fused launch's attributes from its member
+nodes (``fn`` then reads them with ``call.attr``, like a node's own).
+
 Targets fall back along one chain (:data:`CHAINS`): an op or a node the target's own backend does not take runs
 on the next target of the chain.
 """
@@ -49,6 +56,16 @@ class Impl:
     workspace: Callable | None = None
     meta: Callable | None = None                # meta(node, types) -> the meta-parameters the kernel reads
     aliases: Callable | None = None             # aliases(node, types) -> {output index: input index it views}
+    args: str = ""                              # the custom op's attribute parameters (schema language)
+    fake: Callable | None = None                # fake(call, *tensors) -> outputs' shapes / dtypes, no compute
+    derive: Callable | None = None              # derive(node, members) -> a fused launch's attributes
+    op_name: str = ""                           # the custom op: torch.ops.mtc.<op_name>
+
+    @property
+    def custom_op(self):
+        """The torch.library custom op that runs this implementation (None without a ``fake``)."""
+        from backends.custom_ops import get
+        return get(self)
 
     def refusal(self, node, types) -> str | None:
         """None when this implementation takes ``node`` (input types ``types``), else why not."""
@@ -59,15 +76,19 @@ _IMPLS: dict[tuple[str, str], list[Impl]] = {}
 
 
 def impl(target: str, op: str, *, name: str | None = None, accepts: Callable | None = None, grad: bool = True,
-         workspace: Callable | None = None, meta: Callable | None = None, aliases: Callable | None = None):
+         workspace: Callable | None = None, meta: Callable | None = None, aliases: Callable | None = None,
+         args: str = "", fake: Callable | None = None, derive: Callable | None = None):
     """Decorator: register ``fn(node, *tensors)`` as ``target``'s implementation of ``op`` (see the module
     docstring). Several implementations of one op on one target are tried in registration order."""
     if target not in CHAINS:
         raise ValueError(f"impl: unknown target {target!r}; targets: {', '.join(CHAINS)}")
 
     def deco(fn):
+        from backends.custom_ops import op_name
+        taken = {i.op_name for impls in _IMPLS.values() for i in impls}
         _IMPLS.setdefault((target, op), []).append(
-            Impl(target, op, name or f"{target}.{op}", fn, accepts, grad, workspace, meta, aliases))
+            Impl(target, op, name or f"{target}.{op}", fn, accepts, grad, workspace, meta, aliases, args, fake,
+                 derive, op_name(target, op, taken)))
         return fn
     return deco
 

@@ -66,9 +66,10 @@ class _Call:
 
     __slots__ = ("node", "members", "in_types", "module", "attrs")
 
-    def __init__(self, node: Node, members: list[Node], in_types, module: "CompiledModule"):
+    def __init__(self, node: Node, members: list[Node], in_types, module: "CompiledModule", derive=None):
         self.node, self.members, self.in_types, self.module = node, members, in_types, module
-        self.attrs = node.attr_dict
+        # a fused launch's own attributes (Impl.derive) beside its anchor's
+        self.attrs = node.attr_dict if derive is None else {**node.attr_dict, **derive(node, members)}
 
     def attr(self, key: str, default=None):
         return self.attrs.get(key, default)
@@ -346,6 +347,9 @@ class CompiledModule(nn.Module):
         self.train_program = None
         self.kernel_source_path = None
         self._generated = None                     # the imported module of the generated kernels (target triton)
+        self._generated_key = ""                   # its key for the mtc::generated custom op
+        self._traced: dict = {}                    # training -> the program's steps under torch.compile (traced.py)
+        self._input_table = None
         self._bound: dict = {}                     # program -> [(launch, Impl or jit fn, _Call)]
         self.last_run: RunStats | None = None
         self._trace: list | None = None
@@ -436,6 +440,7 @@ class CompiledModule(nn.Module):
         state = self.__dict__.copy()
         state["_bound"] = {}                   # implementations and jit functions: bound again on first use
         state["_generated"] = None             # generated kernels (imported module): regenerated on load
+        state["_traced"] = {}                  # (custom ops and closures: rebuilt on load)
         state["_shape_cache"] = {}
         state["_slots"] = {}
         state["_hook_calls"] = []
@@ -448,14 +453,39 @@ class CompiledModule(nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_bias_dropped", {})     # (a module pickled before it existed)
+        self.__dict__.setdefault("_generated_key", "")
+        self.__dict__.setdefault("_input_table", None)
+        self._traced = {}
         if self.program is not None and any(L.generated is not None for L in self.program.launches):
             self.load_generated()
+        elif self.program is not None and not self._is_meta():
+            self.prepare_tracing()
 
     def load_generated(self, directory=None) -> None:
         """Write (to the kernel cache, or ``directory``) and import the generated kernels of the program."""
         from backends.triton.codegen import write_and_load
-        self.kernel_source_path, self._generated, _kernels = write_and_load(self.program, directory)
+        from backends.custom_ops import register_generated
+        self.kernel_source_path, self._generated, kernels = write_and_load(self.program, directory)
+        self._generated_key = str(self.kernel_source_path)
+        register_generated(self._generated_key, self._generated, kernels)
         self._bound = {}
+        self.prepare_tracing()
+
+    def _is_meta(self) -> bool:
+        p0 = next(self.parameters(), None)
+        return p0 is not None and p0.is_meta
+
+    def prepare_tracing(self) -> None:
+        """Prepare the programs' launches for torch.compile / torch.export (backends/traced.py; done by
+        dsl.compile): each implementation's custom op defined, operands and attribute values resolved."""
+        from backends import traced
+        from backends.custom_ops import expert_load_op
+        if self._router_layers:
+            expert_load_op()                   # (defined here: the tracer cannot define an op)
+        self._input_table = traced.input_table(self.graph)
+        self._traced = {False: traced.build(self, self.program)}
+        if self.train_program is not None:
+            self._traced[True] = traced.build(self, self.train_program)
 
     def to(self, *args, **kwargs):
         """nn.Module.to; float64 is refused (MtcError), as at compile: the kernels take float32, float16 and
@@ -537,6 +567,10 @@ class CompiledModule(nn.Module):
         ``progress(done, total)`` is called after every op (mtc run's per-op bar). A graph with several inputs
         runs through :meth:`run` instead: ``m.run(name=tensor, ...)`` returns the list of outputs (MtcError
         naming them when several are passed here)."""
+        if torch.compiler.is_compiling() and self._input_table is not None and len(self._input_table) == 1 \
+                and not more:
+            outs = self.run(**{self._input_table[0][0]: input_ids}, progress=progress)
+            return outs[0] if len(outs) == 1 else tuple(outs)
         ins = self.graph.inputs()
         if len(ins) == 1 and more:
             raise MtcError(f"this graph takes one input ({ins[0].attr('name')}); got {1 + len(more)} positional "
@@ -558,7 +592,20 @@ class CompiledModule(nn.Module):
         reference ops compute in float32, the Triton / TVM kernels take the dtypes their ops document (e.g.
         kda_chunk: q, k, v of one dtype). ``progress(done, total)``: see forward. The inputs' CUDA device is the
         current device during the call (Triton launches on the current device).
-        Raises MtcError for a missing, unknown, empty or mis-shaped input."""
+        Raises MtcError for a missing, unknown, empty or mis-shaped input.
+
+        Under torch.compile / torch.export (``torch.compiler.is_compiling()``) the launches run as custom ops
+        (backends/traced.py), and the host-side work of an eager forward is skipped: the input value checks (NaN /
+        inf, token ids in the vocabulary), the memory check, freeing buffers at their last use, ``m.last_run``,
+        ``m.tracing()`` and ``progress``."""
+        if torch.compiler.is_compiling():
+            from backends import traced
+            training = torch.is_grad_enabled() and _records_grad(*self.parameters(), *inputs.values())
+            if self._router_layers:
+                self._check_balance_settings()
+            outs = traced.run(self, inputs, training)
+            self._call_stats_hooks()
+            return outs
         g = self.graph
         p0 = next(self.parameters(), None)
         if p0 is not None and p0.is_meta:
@@ -726,8 +773,9 @@ class CompiledModule(nn.Module):
         out = []
         for L in program.launches:
             members = [nodes[m] for m in L.ops]
-            call = _Call(nodes[L.anchor], members, [t for _r, t in L.inputs], self)
             fn = getattr(self._generated, L.generated.name) if L.generated is not None else by_name(L.kernel)
+            call = _Call(nodes[L.anchor], members, [t for _r, t in L.inputs], self,
+                         derive=None if L.generated is not None else fn.derive)
             out.append((L, fn, call))
         self._bound[id(program)] = (program, out)
         return out
@@ -736,15 +784,8 @@ class CompiledModule(nn.Module):
         """Run one launch: a generated kernel on contiguous operands, or an implementation; an op's ValueError (NaN /
         inf operands, ...) becomes an MtcError at the op's spec line."""
         if L.generated is not None:
-            from backends.triton.codegen import launch
-            k = L.generated
-            args = [a.contiguous() for a in args]
-            row = next(a for a, r in zip(args, k.row_inputs) if r)
-            outs = [torch.empty_like(row) for _ in k.outputs]
-            launch(k, fn, args, outs)          # several rows per program when rows are short
-            # flat [rows, D] tiling: give each value the shape of its buffer (an epilogue may end in a reshape)
-            outs = [o.view(self._shape(t.shape, self._bind)) for o, (_r, t) in zip(outs, L.outputs)]
-            return outs[0] if len(outs) == 1 else tuple(outs)
+            from backends.custom_ops import generated_launch
+            return generated_launch(L.generated, fn, args, [self._shape(t.shape, self._bind) for _r, t in L.outputs])
         try:
             return fn.fn(call, *args)
         except ValueError as e:
@@ -945,6 +986,27 @@ class CompiledModule(nn.Module):
             _check_stats_hooks(value)
         super().__setattr__(name, value)
 
+    def _traced_route(self, n: Node, out, args, inputs: dict) -> None:
+        """A router's bookkeeping under the tracer (backends/traced.py): ``routing_stats`` and the stats hooks' loads
+        by the custom op mtc::expert_load; a train-mode forward's bias update (balancing) outside the graph. Under
+        torch.export none (the exported program is the forward alone)."""
+        if torch.compiler.is_exporting():
+            return                             # (an exported program keeps no module state)
+        if self.training and self.balance is not None:
+            self._route_update_eager(n, tuple(out), inputs)
+            return
+        from backends.custom_ops import expert_load_op
+        layer, bias_key = self._router_layers[n.name]
+        load = expert_load_op()(out[0], int(self._node_types[n.inputs[2].node][0]))
+        self.routing_stats[layer] = load
+        self._hook_calls.append((layer, load))
+
+    @torch.compiler.disable
+    def _route_update_eager(self, n: Node, out, inputs: dict) -> None:
+        """_after_route of a train-mode forward under torch.compile, run eagerly (a graph break): the QB update
+        reads the scores on the host."""
+        self._after_route(n, out, _forward_key(inputs), inputs)
+
     def _after_route(self, n: Node, out, fkey: tuple, inputs: dict) -> None:
         from backends.reference import expert_load, fixed_step_update
         idx, _w, scores = out
@@ -1141,4 +1203,6 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     m.stages["lowered"] = m.program
     if str(device) != "meta" and any(L.generated is not None for L in m.program.launches):
         m.load_generated(emit_dir)
+    elif str(device) != "meta":
+        m.prepare_tracing()
     return m

@@ -36,25 +36,91 @@ def _f32_copies(L, shapes, elem) -> float:
     return copies + (n([int(d) for d in shapes[0]]) * 4 if elem(out_t) < 4 else 0)
 
 
-impl(REF, "embedding")(lambda c, ids, w: R.embedding(ids, w))
-impl(REF, "linear")(lambda c, x, w: R.linear(x, w))
-impl(REF, "lm_head")(lambda c, x, w: R.lm_head(x, w))
-impl(REF, "rmsnorm")(lambda c, x, w: R.rmsnorm(x, w, eps=c.attr("eps")))
-impl(REF, "l2norm")(lambda c, x: R.l2norm(x, eps=c.attr("eps")))
-impl(REF, "short_conv")(lambda c, x, w: R.short_conv(x, w)[0])
-impl(REF, "silu", workspace=_f32_copies)(lambda c, x: R.silu(x))
-impl(REF, "sigmoid", workspace=_f32_copies)(lambda c, x: R.sigmoid(x))
-impl(REF, "add", workspace=_f32_copies)(lambda c, a, b: R.add(a, b))
-impl(REF, "mul", workspace=_f32_copies)(lambda c, a, b: R.mul(a, b))
-impl(REF, "kda_gate")(lambda c, x, a, d: R.kda_gate(x, a, d, lower_bound=c.attr("lower_bound"), gate=c.attr("gate")))
-impl(REF, "kda_chunk")(lambda c, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=c.attr("scale"))[0])
-impl(REF, "mla_attention", workspace=_mla_scores_bytes)(
+# -- fakes (backends/custom_ops.py): each op's outputs as empty tensors of the real ones' shapes, dtypes and strides
+def like(i: int = 0, dtype=None):
+    """fake: an output shaped and strided like input ``i`` (an elementwise result), in its dtype or ``dtype``."""
+    return lambda c, *t: torch.empty_like(t[i], dtype=dtype)
+
+
+def new(i: int = 0, dtype=None):
+    """fake: a contiguous output of input ``i``'s shape, in its dtype or ``dtype``."""
+    return lambda c, *t: t[i].new_empty(t[i].shape, dtype=dtype)
+
+
+def fake_linear(c, x, w):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def fake_conv(c, x, w):
+    """short_conv's output: [B, T, C] laid out as the transpose of a contiguous [B, C, T] (its conv1d result)."""
+    return x.new_empty((x.shape[0], x.shape[2], x.shape[1])).transpose(1, 2)
+
+
+def fake_binary(c, a, b):
+    return a.new_empty(torch.broadcast_shapes(a.shape, b.shape))
+
+
+def fake_mla(c, q, k, v):
+    return v.new_empty((*q.shape[:3], v.shape[3]))
+
+
+def fake_route(c, x, w, b):
+    n, k = x.shape[0], c.attr("top_k")
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (torch.empty((n, k), dtype=torch.int64, device=x.device), torch.empty((n, k), **f32),
+            torch.empty((n, w.shape[0]), **f32))
+
+
+def fake_glu(c, a, b):
+    return torch.empty_like(a, dtype=torch.promote_types(a.dtype, b.dtype))
+
+
+def fake_attn_residual(c, q, w, *src):
+    return torch.empty(src[0].shape, dtype=src[0].dtype, device=src[0].device)
+
+
+def fake_phase1(acc_dtype):
+    """fake of attn_residual_phase1 (queries, norm weights, bank sources): acc [Q, ..., d] in acc_dtype(bank dtype),
+    m and s [Q, ...] float32."""
+    def fake(c, *a):
+        Q = c.attr("n_queries")
+        src = a[2 * Q]
+        f32 = dict(dtype=torch.float32, device=src.device)
+        return (torch.empty((Q, *src.shape), dtype=acc_dtype(src.dtype), device=src.device),
+                torch.empty((Q, *src.shape[:-1]), **f32), torch.empty((Q, *src.shape[:-1]), **f32))
+    return fake
+
+
+def fake_merge(c, acc, m, s, q, w, *partial):
+    return torch.empty(acc.shape[1:], dtype=partial[0].dtype if partial else q.dtype, device=acc.device)
+
+
+impl(REF, "embedding", fake=lambda c, ids, w: w.new_empty((*ids.shape, w.shape[1])))(
+    lambda c, ids, w: R.embedding(ids, w))
+impl(REF, "linear", fake=fake_linear)(lambda c, x, w: R.linear(x, w))
+impl(REF, "lm_head", fake=fake_linear)(lambda c, x, w: R.lm_head(x, w))
+impl(REF, "rmsnorm", args="float eps", fake=like())(lambda c, x, w: R.rmsnorm(x, w, eps=c.attr("eps")))
+impl(REF, "l2norm", args="float eps", fake=like())(lambda c, x: R.l2norm(x, eps=c.attr("eps")))
+impl(REF, "short_conv", fake=fake_conv)(lambda c, x, w: R.short_conv(x, w)[0])
+impl(REF, "silu", workspace=_f32_copies, fake=like())(lambda c, x: R.silu(x))
+impl(REF, "sigmoid", workspace=_f32_copies, fake=like())(lambda c, x: R.sigmoid(x))
+impl(REF, "add", workspace=_f32_copies, fake=fake_binary)(lambda c, a, b: R.add(a, b))
+impl(REF, "mul", workspace=_f32_copies, fake=fake_binary)(lambda c, a, b: R.mul(a, b))
+impl(REF, "kda_gate", args="float? lower_bound, str gate", fake=like(0, torch.float32))(
+    lambda c, x, a, d: R.kda_gate(x, a, d, lower_bound=c.attr("lower_bound"), gate=c.attr("gate")))
+impl(REF, "kda_chunk", args="float? scale", fake=new(2))(
+    lambda c, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=c.attr("scale"))[0])
+impl(REF, "mla_attention", workspace=_mla_scores_bytes, args="float? scale, bool causal", fake=fake_mla)(
     lambda c, q, k, v: R.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))
-impl(REF, "qb_route")(lambda c, x, w, b: R.qb_route(x, w, b, top_k=c.attr("top_k"), routed_scaling=c.attr("routed_scaling")))
-impl(REF, "situ_glu")(lambda c, a, b: R.situ_glu(a, b, beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))
-impl(REF, "moe_experts")(lambda c, x, i, w, w1, w3, w2: R.moe_experts(
-    x, i, w, w1, w3, w2, activation=c.attr("activation"), beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))
-impl(REF, "attn_residual")(lambda c, q, w, *src: R.attn_residual(q, list(src), w, eps=c.attr("eps")))
+impl(REF, "qb_route", args="int top_k, float routed_scaling", fake=fake_route)(
+    lambda c, x, w, b: R.qb_route(x, w, b, top_k=c.attr("top_k"), routed_scaling=c.attr("routed_scaling")))
+impl(REF, "situ_glu", args="float beta_gate, float beta_up", fake=fake_glu)(
+    lambda c, a, b: R.situ_glu(a, b, beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))
+impl(REF, "moe_experts", args="str activation, float? beta_gate, float? beta_up", fake=like())(
+    lambda c, x, i, w, w1, w3, w2: R.moe_experts(x, i, w, w1, w3, w2, activation=c.attr("activation"),
+                                                 beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))
+impl(REF, "attn_residual", args="float eps", fake=fake_attn_residual)(
+    lambda c, q, w, *src: R.attn_residual(q, list(src), w, eps=c.attr("eps")))
 
 
 def phase1(fn, c, args, **kw):
@@ -73,8 +139,10 @@ def merge(fn, c, args, output_rms_weight=None):
               out_dtype=partial[0].dtype if partial else q.dtype, output_rms_weight=output_rms_weight)
 
 
-impl(REF, "attn_residual_phase1")(lambda c, *a: phase1(R.attn_residual_phase1, c, a))
-impl(REF, "attn_residual_merge")(lambda c, *a: merge(R.attn_residual_merge, c, a))
+impl(REF, "attn_residual_phase1", args="int n_queries, float eps", fake=fake_phase1(lambda dt: torch.float32))(
+    lambda c, *a: phase1(R.attn_residual_phase1, c, a))
+impl(REF, "attn_residual_merge", args="int index, float eps", fake=fake_merge)(
+    lambda c, *a: merge(R.attn_residual_merge, c, a))
 
 
 # -- data movement: views of their input (reshape of a contiguous value, slice, broadcast) and concat -----------

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import backends.triton as T
-from backends.reference.impls import merge, phase1
+from backends.reference.impls import (fake_attn_residual, fake_merge, fake_mla, fake_phase1, fake_route, like, merge,
+                                      new, phase1)
 from backends.registry import impl
 
 from .kda import CHUNK, FAST_LOWER_BOUND_LIMIT, forward_workspace
@@ -88,43 +89,62 @@ def _phase1_aliases(n, types):
 
 impl(TR, "linear", name="library.gemm")(lambda c, x, w: F.linear(x, w.to(x.dtype)))
 impl(TR, "lm_head", name="library.gemm")(lambda c, x, w: F.linear(x, w.to(x.dtype)))
-impl(TR, "mla_attention", name="library.sdpa", workspace=_sdpa_workspace)(
-    lambda c, q, k, v: T.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))
-impl(TR, "kda_chunk", meta=_kda_meta, workspace=_kda_workspace)(
+impl(TR, "mla_attention", name="library.sdpa", workspace=_sdpa_workspace, args="float? scale, bool causal",
+     fake=fake_mla)(lambda c, q, k, v: T.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))
+impl(TR, "kda_chunk", meta=_kda_meta, workspace=_kda_workspace, args="float? scale, float? lower_bound", fake=new(2))(
     lambda c, q, k, v, g, b: T.kda_chunk(q, k, v, g, b, scale=c.attr("scale"),
                                          lower_bound=fast_bound(c.attr("lower_bound")))[0])
-impl(TR, "kda_gate", grad=False)(
+impl(TR, "kda_gate", grad=False, args="float? lower_bound, str gate", fake=like(0, torch.float32))(
     lambda c, x, a, d: T.kda_gate(x, a, d, lower_bound=c.attr("lower_bound"), gate=c.attr("gate")))
-impl(TR, "attn_residual")(lambda c, q, w, *s: T.attn_residual(q, list(s), w, eps=c.attr("eps")))
+impl(TR, "attn_residual", args="float eps", fake=fake_attn_residual)(
+    lambda c, q, w, *s: T.attn_residual(q, list(s), w, eps=c.attr("eps")))
 impl(TR, "attn_residual_phase1", workspace=_phase1_workspace, aliases=_phase1_aliases,
-     meta=lambda n, types: {"queries": n.attr("n_queries")})(
+     meta=lambda n, types: {"queries": n.attr("n_queries")}, args="int n_queries, float eps",
+     fake=fake_phase1(phase1_acc_dtype))(
     lambda c, *a: phase1(T.attn_residual_phase1, c, a, acc_dtype=phase1_acc_dtype(a[-1].dtype)))
-impl(TR, "attn_residual_merge")(lambda c, *a: merge(T.attn_residual_merge, c, a))
-impl(TR, "qb_route", workspace=_route_workspace)(lambda c, x, w, b: T.qb_route(x, w, b, top_k=c.attr("top_k"),
-                                                   routed_scaling=c.attr("routed_scaling")))
-impl(TR, "moe_experts", workspace=_moe_workspace)(lambda c, x, i, w, w1, w3, w2: T.moe_experts(
-    x, i, w, w1, w3, w2, activation=c.attr("activation"), beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))
+impl(TR, "attn_residual_merge", args="int index, float eps", fake=fake_merge)(
+    lambda c, *a: merge(T.attn_residual_merge, c, a))
+impl(TR, "qb_route", workspace=_route_workspace, args="int top_k, float routed_scaling", fake=fake_route)(
+    lambda c, x, w, b: T.qb_route(x, w, b, top_k=c.attr("top_k"), routed_scaling=c.attr("routed_scaling")))
+impl(TR, "moe_experts", workspace=_moe_workspace, args="str activation, float? beta_gate, float? beta_up",
+     fake=like())(lambda c, x, i, w, w1, w3, w2: T.moe_experts(
+         x, i, w, w1, w3, w2, activation=c.attr("activation"), beta_gate=c.attr("beta_gate"),
+         beta_up=c.attr("beta_up")))
 
 
 # -- fused launches (passes/lower.py forms them on this target when autograd does not record) ---------------------
-@impl(TR, "conv_silu_norm", grad=False)
+def _conv_chain(node, members):
+    """conv_silu_norm's attributes from its members: the L2 norm's head dim and eps and the reshape to heads before
+    it (head_dim None: the chain ends at the SiLU)."""
+    last = members[-1]
+    norm = last.op == "l2norm"
+    return {"head_dim": int(last.types[0].shape[-1]) if norm else None, "eps": last.attr("eps") if norm else 1e-6,
+            "shape": members[2].attr("shape") if norm else None}
+
+
+def _fake_conv_chain(c, x, w):
+    return x.new_empty(c.shape(c.attr("shape"))) if c.attr("head_dim") is not None else torch.empty_like(x)
+
+
+@impl(TR, "conv_silu_norm", grad=False, derive=_conv_chain, args="int? head_dim, float eps, SymInt[]? shape",
+      fake=_fake_conv_chain)
 def _conv_silu_norm(c, x, w):
     """short_conv -> silu [-> reshape to heads -> l2norm] in one kernel (backends/triton/conv.py)."""
-    last = c.members[-1]
-    norm = last.op == "l2norm"
-    y = T.conv_silu_norm(x, w, head_dim=int(last.types[0].shape[-1]) if norm else None,
-                         eps=last.attr("eps") if norm else 1e-6)
-    return y.reshape(c.shape(c.members[2].attr("shape"))) if norm else y
+    hd = c.attr("head_dim")
+    y = T.conv_silu_norm(x, w, head_dim=hd, eps=c.attr("eps"))
+    return y.reshape(c.shape(c.attr("shape"))) if hd is not None else y
 
 
-@impl(TR, "attn_residual+rmsnorm", grad=False)
+@impl(TR, "attn_residual+rmsnorm", grad=False, args="float eps",
+      fake=lambda c, q, w, *r: fake_attn_residual(c, q, w, *r[:-1]))
 def _attn_residual_norm(c, q, w, *rest):
     """attn_residual and the RMSNorm (same eps) of its output in one kernel (the kernel's output norm)."""
     *src, norm_w = rest
     return T.attn_residual(q, list(src), w, eps=c.attr("eps"), output_rms_weight=norm_w)
 
 
-@impl(TR, "attn_residual_merge+rmsnorm", grad=False)
+@impl(TR, "attn_residual_merge+rmsnorm", grad=False, args="int index, float eps",
+      fake=lambda c, *a: fake_merge(c, *a[:-1]))
 def _merge_norm(c, *args):
     """attn_residual_merge and the RMSNorm (same eps) of its output in one kernel."""
     *ins, norm_w = args
