@@ -173,7 +173,8 @@ def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM,
     channels of per-channel terms, so given their gradients dP = scale AQK-gradient (DAQK) and dBm = DB
     [64, 64] each channel's da, db follow on its own: da_i = sum_j dM_ij b_j e^(G_i - G_j),
     db_j = sum_i dM_ij a_i e^(G_i - G_j), blocked by 16 rows with an anchor per block exactly as the
-    forward (dense tensor-core tiles when this slice's gates are >= lb, else the diagonal tile pair by pair).
+    forward (dense tensor-core tiles when this slice's gates are >= lb, else the diagonal tile pair by pair), the
+    decay-scaled operand of each dense dot in two 16-bit parts (_dt_split: dg's cancellations need it).
     Then the gradients through QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and Kg = k e^G (DKG, the
     gradient of Kg from Wk = T diag(b) Kg, from _bwd_ut_kernel), the cumulative gate's reverse sum, and the
     stores of dq, dk, dg for the slice.
