@@ -113,16 +113,19 @@ def _diag_grads(dP, dB, q_r, k_r, G_r, c, FTZ: tl.constexpr):
     """The backward of _diag_tiles for P (a = q, b = k) and Bm (a = b = k) given their diagonal tiles' gradients dP,
     dB [16, 16] (entries above the diagonal ignored), c [BK] = G at or before the block's first row: (dq, dk_row,
     dk_col) [16, BK] with da_i = sum_{j<=i} dM_ij b_j e^(G_i - G_j) and db_j = sum_{i>=j} dM_ij a_i e^(G_i - G_j),
-    as float32 dots on the anchored operands; rows that fell too far (see _diag_exps) pair by pair."""
+    as float32-accurate dots on the anchored operands; rows that fell too far (see _diag_exps) pair by pair."""
     ea, eb, ok = _diag_exps(G_r, c, FTZ)
     r16 = tl.arange(0, 16)
     keep = (r16[None, :] <= r16[:, None]) & ok[:, None]
     dPk = tl.where(keep, dP, 0.0)
     dBk = tl.where(keep, dB, 0.0)
+    # tf32x3 (float32-accurate) dots: the row and column sides round their decay-scaled operands differently,
+    # and dg, a reverse sum of a_i da_i - b_i db_i, is the small difference of such products (see _dt_split)
     kb = k_r * eb
-    dq = ea * tl.dot(dPk, kb)
-    dkr = ea * tl.dot(dBk, kb)
-    dkc = eb * (tl.dot(tl.trans(dPk), q_r * ea) + tl.dot(tl.trans(dBk), k_r * ea))
+    dq = ea * tl.dot(dPk, kb, input_precision="tf32x3")
+    dkr = ea * tl.dot(dBk, kb, input_precision="tf32x3")
+    dkc = eb * (tl.dot(tl.trans(dPk), q_r * ea, input_precision="tf32x3")
+                + tl.dot(tl.trans(dBk), k_r * ea, input_precision="tf32x3"))
     if tl.min(ok.to(tl.int32), axis=0) == 0:
         bad = ~ok[:, None]
         dq = tl.where(ok[:, None], dq, _diag_da(dP, k_r, G_r))
