@@ -21,11 +21,13 @@ import triton
 import triton.language as tl
 
 from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _diag_pair, _ex, _head_major, _interpret, _mark,
-                     _maxnreg, _mmp, _put)
+                     _maxnreg, _mmp, _put, _tile_dtype)
 
 # _intra_strip32_kernel's dense 32-row pairs: G may fall by at most this much across a pair (exponents within
-# +-80.5 about its middle); 32 gates at the bound -5 fall by 160, the slack absorbs the rounding of the float32 G
-_SPAN32 = tl.constexpr(161.0)
+# +-80.5 about the anchor G before the pair + 16 lb); 32 gates at the bound -5 fall by 160, the slack absorbs the
+# rounding of the float32 G.  The host runs them only where the bound itself keeps that: lb >= -_SPAN32 / 32
+_SPAN32 = 161.0
+ROWS32_LOWER_BOUND_LIMIT = -_SPAN32 / 32
 
 
 @triton.jit
@@ -56,14 +58,9 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
         low = tl.min(tl.reshape(gg, [4, 16 * (K // NS)]), axis=1)       # padded rows read 0 >= lb
         fb = (low >= lb).to(tl.int32)
         if ROWS32:
-            # bit 1 in both blocks of a 32-row pair: both blocks within lb and G falls by at most _SPAN32 over the
-            # pair in every channel (padded rows add 0, so row 63 holds G at the chunk's end)
-            G31 = tl.sum(tl.where(rows[:, None] == 31, Gc, 0.0), axis=0)
-            G63 = tl.sum(tl.where(rows[:, None] == 63, Gc, 0.0), axis=0)
-            fall0 = tl.min(G31, axis=0)
-            fall1 = tl.min(G63 - G31, axis=0)
-            okp = (tl.where(tl.arange(0, 2) == 0, fall0, fall1) >= -_SPAN32).to(tl.int32)
-            okp = okp & tl.min(tl.reshape(fb, [2, 2]), axis=1)
+            # bit 1 in both blocks of a 32-row pair when both have bit 0 (the host asks for ROWS32 only at
+            # lb >= ROWS32_LOWER_BOUND_LIMIT, where G then falls by at most 32 |lb| <= _SPAN32 across the pair)
+            okp = tl.min(tl.reshape(fb, [2, 2]), axis=1)
             fb += 2 * tl.reshape(tl.broadcast_to(okp[:, None], [2, 2]), [4])
     else:
         fb = tl.zeros([4], dtype=tl.int32)
@@ -95,18 +92,21 @@ def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr, ROWS: tl.constexpr =
 
 
 @triton.jit
-def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
+def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, lb, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
                  scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False, ROWS: tl.constexpr = 16):
     """One channel slice of a strip program, given the slice's operands and cumulative gates: G64 [64, BK] of the
-    chunk, Gr [ROWS, BK] of row block R, GC / cl / ch [BK] at the chunk's last row / before the block / the
-    block's last row, fr = 1 when the block is dense (its gates are >= lb; always 1 for ROWS = 32).  Adds the
-    slice's share to the strips a (Akk) and p (P) [ROWS, 64] and stores its QG, KD (and GAM for R = 0); returns
-    (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only)."""
+    chunk, Gr [ROWS, BK] of row block R, GC / cl [BK] at the chunk's last row / before the block, lb the promised
+    bound, fr = 1 when the block is dense (its gates are >= lb; always 1 for ROWS = 32).  The anchor c: cl for the
+    safe path (every exponent <= 0), else cl + lb ROWS / 2, which needs nothing of the block's own rows (causal:
+    a row's result never depends on a later row's gate) and puts every exponent within +-|lb| ROWS / 2, as the
+    gates of the block fall by at most |lb| ROWS below cl.  Adds the slice's share to the strips a (Akk) and p (P)
+    [ROWS, 64] and stores its QG, KD (and GAM for R = 0); returns (a, p, e^Gr). FTZ: the exponentials through
+    _ex's flush-to-zero form (GPU only)."""
     if ROWS == 16:
-        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+        c = cl + 8.0 * lb * fr.to(tl.float32)
         lim = R * 16 + 16 * fr
     else:
-        c = cl + 0.5 * (ch - cl)
+        c = cl + 16.0 * lb
         lim = R * ROWS + ROWS
     er = _ex(Gr - c[None, :], FTZ)
     col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
@@ -127,7 +127,7 @@ def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr,
 @triton.jit
 def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: tl.constexpr):
     """A strip program's outputs: NB = diag(beta) Akk (strictly lower) and AQK = scale P (lower incl. the
-    diagonal) for the 16 rows of its block; with SAVE_B also BM = Akk before beta (for the backward)."""
+    diagonal) for the rows of its block where mr; with SAVE_B also BM = Akk before beta (for the backward)."""
     bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
     cols = tl.arange(0, 64)
     ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
@@ -140,17 +140,21 @@ def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: 
 
 
 @triton.jit
-def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
-                 BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr,
+def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K: tl.constexpr,
+                 BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr, todo,
                  ROWS: tl.constexpr = 16):
-    """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h.  ROWS = 16: fr = 1
-    when the block's gates are >= lb (the dense diagonal tile), 0 for the safe path.  ROWS = 32 (fr = 1): a
-    dense pair, when G falls by at most _SPAN32 across it in every channel (FB bit 1): the anchor c is the middle
-    of the pair's G range, so |G_i - c| <= 80.5 on its rows (e^80.5 ~ 9e34, within float32 / bf16 range), and
-    every causal tile of the strip, the two diagonal 16x16 tiles and the one between them included, is one dense
-    [32, BK] x [BK, 64] dot.  Loads only the column-operand rows that the block uses (rows < R * ROWS + ROWS;
-    the others are masked to 0 in the dot anyway) and also stores KGB = diag(beta) (k e^G) (input dtype) for the
-    block's rows, the w/u kernel's operand."""
+    """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h, stored for the rows
+    where todo [ROWS] (int32) is nonzero.  ROWS = 16: fr = 1 when the block's gates are >= lb (the dense diagonal
+    tile, anchor cl + 8 lb: exponents within +-8 |lb|), 0 for the safe path.  ROWS = 32 (fr = 1): a dense pair
+    (FB bit 1; lb >= ROWS32_LOWER_BOUND_LIMIT), anchor cl + 16 lb, so |G_i - c| <= 16 |lb| <= 80.5 on its rows
+    (e^80.5 ~ 9e34, within float32 / bf16 range), and every causal tile of the strip, the two diagonal 16x16 tiles
+    and the one between them included, is one dense [32, BK] x [BK, 64] dot.  Loads only the column-operand rows
+    that the block uses (rows < R * ROWS + ROWS; the others are masked to 0 in the dot anyway) and also stores
+    KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's operand (as QG, KD, GAM: the
+    same values whichever path, so a redo may store them again).
+    Returns the rows of todo left undone [ROWS] (int32): on a dense path, those whose causal entries came out inf /
+    NaN (the anchored factors up to e^(|lb| ROWS / 2) overflow with |q| or |k| entries beyond ~e^(88 - |lb| ROWS /
+    2); never a wrong finite value); each row's own entries decide it, so the choice is causal too."""
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K, ROWS)
     m64 = m64 & (rows64 < R * ROWS + ROWS)[:, None]
     bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
@@ -175,56 +179,65 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
         GC = tl.load(GCS + base + last * (H * K) + d)
         Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
         Gr = tl.where(mr, Gr, ch[None, :])
-        a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD,
+        a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, lb, fr, R, rows64, orr, mr, d, base, QG, KD,
                                 GAM, c_, h, H, scale, K, DT, FTZ, ROWS)
         tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
+    cols = tl.arange(0, 64)
+    fin = (tl.abs(a) < float("inf")) & (tl.abs(p) < float("inf"))
+    fin = tl.where(cols[None, :] <= rows[:, None], fin, True)
+    ok = tl.min(fin.to(tl.int32), axis=1)
     if ROWS == 16:
-        ok = 1
-    else:
-        # the 32-row tile scales q and k by up to e^80.5: entries of |q| or |k| beyond ~3e3 overflow it to inf /
-        # NaN in the causal entries (never to a wrong finite value); then nothing is stored and the caller redoes
-        # the pair as two 16-row blocks (e^40.5 at most)
-        cols = tl.arange(0, 64)
-        fin = (tl.abs(a) < float("inf")) & (tl.abs(p) < float("inf"))
-        fin = tl.where(cols[None, :] <= rows[:, None], fin, True)
-        ok = tl.min(tl.min(fin.to(tl.int32), axis=1), axis=0)
-    if ok != 0:
-        _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
-    return ok
+        ok = tl.where(fr != 0, ok, 1)                   # (the safe path never redoes a row)
+    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr & ((todo & ok) != 0)[:, None], a, p, scale, BM, SAVE_B)
+    return todo & (1 - ok)
 
 
 @triton.jit
-def _intra_strip16_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+def _strip16_rows(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K: tl.constexpr,
+                  BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr, todo):
+    """The rows todo [16] of 16-row block R: dense when fr = 1, then the rows whose dense entries overflowed again
+    on the safe path (anchor G before the block, exponents <= 0).  A loop (not two calls): one copy of the code."""
+    for _attempt in range(2):
+        if tl.max(todo, axis=0) != 0:
+            todo = _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K,
+                                BK, DT, BM, SAVE_B, KGB, FTZ, todo)
+            fr = fr * 0
+
+
+@triton.jit
+def _intra_strip16_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
                           K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB,
                           FTZ: tl.constexpr, NS: tl.constexpr):
     """One (chunk, head, 16-row block R), from the cumulative gate GCS and the flags FB of _chunk_cumsum_kernel:
     NB[rows of R] = diag(beta) Akk (strictly lower, 64 columns), AQK[rows of R] = scale P (lower incl. the
-    diagonal), QG, KD and KGB for the rows of R, GAM (R = 0 only); with SAVE_B also BM = Akk before beta.  The
-    anchor c of row block R: the middle of its G range when FB bit 0 says the block's gates are >= lb (then one
-    dense [16, BK] x [BK, 64] dot covers every causal tile, the diagonal one included), else G before the block
-    (exponents <= 0; the diagonal tile token pair by token pair).
+    diagonal), QG, KD and KGB for the rows of R, GAM (R = 0 only); with SAVE_B also BM = Akk before beta.  When
+    FB bit 0 says the block's gates are >= lb, one dense [16, BK] x [BK, 64] dot covers every causal tile, the
+    diagonal one included, with the anchor c = G before the block + 8 lb (exponents within +-8 |lb|); rows whose
+    entries overflow there (|q| or |k| entries beyond ~e^(88 - 8 |lb|)) and blocks without the bit take the safe
+    path: c = G before the block (exponents <= 0), the diagonal tile token pair by token pair.
     Grid (4 NC, H): the 4 row blocks of a chunk as consecutive programs, so that the [64, K] column operands (k, G)
     the 4 programs each load are still in L2 for 3 of them.  FTZ: the dense path's exponentials as
     ex2.approx.ftz (see _ex; GPU only).  NS: the cumsum kernel's channel slices (FB [NC, H, NS * 4], ANDed by
-    _fb)."""
+    _fb).  DT: the dots' operand dtype (float32 for float16 inputs: TF32 holds float16's mantissa with
+    float32's range, which the anchored factors need)."""
     c_ = tl.program_id(0) // 4
     R = tl.program_id(0) % 4
     h = tl.program_id(1)
     fr = _fb(FB, c_, h, H, R, NS) & 1
-    _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM, SAVE_B,
-                 KGB, FTZ)
+    _strip16_rows(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK, DT, BM,
+                  SAVE_B, KGB, FTZ, tl.full([16], 1, tl.int32))
 
 
 @triton.jit
-def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
                           K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB,
                           FTZ: tl.constexpr, NS: tl.constexpr, HM: tl.constexpr):
     """_intra_strip16_kernel's outputs with one program per (chunk, head, 32-row pair RR): grid (2 NC, H) (HM,
     head-major: (2 H, NC)), the two pairs of a chunk as consecutive programs.  When FB bit 1 says both blocks keep
-    the bound and G falls by at most _SPAN32 across the pair, it is one dense 32-row strip (_strip_block with
-    ROWS = 32: the [64, BK] column operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead
-    of four times); otherwise, and when that strip overflows (|q| or |k| entries beyond ~3e3), its two 16-row
-    blocks run as in _intra_strip16_kernel, one after the other, each dense or safe by its own FB bit 0."""
+    the bound, it is one dense 32-row strip (_strip_block with ROWS = 32, anchor G before the pair + 16 lb: the
+    [64, BK] column operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead of four
+    times); otherwise, and for the rows whose entries overflow that strip (|q| or |k| entries beyond ~3e3), its two
+    16-row blocks run as in _intra_strip16_kernel, one after the other, each dense or safe by its own FB bit 0."""
     if HM:
         c_ = tl.program_id(1)
         h = tl.program_id(0) // 2
@@ -233,19 +246,19 @@ def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
         h = tl.program_id(1)
     RR = tl.program_id(0) % 2
     f0 = _fb(FB, c_, h, H, 2 * RR, NS)
-    ok = tl.zeros([], dtype=tl.int32)
+    todo = tl.full([32], 1, tl.int32)
     if (f0 & 2) != 0:
-        ok = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
-                          DT, BM, SAVE_B, KGB, FTZ, 32)
+        todo = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK,
+                            DT, BM, SAVE_B, KGB, FTZ, todo, 32)
     # (also keeps the 16-row blocks' work below from being scheduled into the dense pair's: fewer registers)
     tl.debug_barrier()
-    if ok == 0:
-        # (a dense pair that overflowed stored the same QG, KD, KGB and GAM as the 16-row blocks store again)
-        _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
-                     DT, BM, SAVE_B, KGB, FTZ)
-        f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS) & 1
-        _strip_block(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K,
-                     BK, DT, BM, SAVE_B, KGB, FTZ)
+    if tl.max(todo, axis=0) != 0:
+        todo2 = tl.reshape(todo, [2, 16])
+        for b in range(2):
+            fr = _fb(FB, c_, h, H, 2 * RR + b, NS) & 1
+            tb = tl.sum(tl.where(tl.arange(0, 2)[:, None] == b, todo2, 0), axis=0)
+            _strip16_rows(q, k, GCS, fr, beta, cstart, clen, c_, 2 * RR + b, h, NB, QG, KD, AQK, GAM, scale, lb, H,
+                          K, BK, DT, BM, SAVE_B, KGB, FTZ, tb)
 
 
 @triton.jit
@@ -381,8 +394,8 @@ def _intra_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt, 
     FB [NC, H, ...]) to rows 0 .. NC-1 of the given tensors.  BM: Akk before beta for the backward, or None.
     marks: record the phase boundaries (cfg.profile)."""
     mark = (lambda name: _mark(cfg, name)) if marks else (lambda name: None)
-    # the dense 32-row pairs where a bound is promised and the operands' range holds e^80 (not float16)
-    rows32 = fast and idt != torch.float16
+    # the dense 32-row pairs where a promised bound keeps their factors within e^(16 |lb|) <= e^80.5 (not float16)
+    rows32 = fast and idt != torch.float16 and lb >= ROWS32_LOWER_BOUND_LIMIT
     ns = FB.shape[-1] // 4
     hm = _head_major(NC, cfg)
     _chunk_cumsum_kernel[_ch_grid(NC, H, hm, ns)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast, ROWS32=rows32,
@@ -392,13 +405,13 @@ def _intra_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt, 
     common = dict(NS=ns, BM=BM if save_b else NBUF, SAVE_B=save_b, KGB=KGB, FTZ=not _interpret())
     if rows32:
         _intra_strip32_kernel[(2 * H, NC) if hm else (2 * NC, H)](
-            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K, HM=hm,
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, lb, H, K=K, HM=hm,
             BK=min(K, cfg.bk_strip32), DT=_TL[idt], **common, num_warps=cfg.nw_strip32, num_stages=1,
             **_maxnreg(cfg.maxnreg_strip32))
     else:
         _intra_strip16_kernel[(4 * NC, H, 1)](
-            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
-            BK=min(K, cfg.bk), DT=_TL[idt], **common, num_warps=cfg.nw_strip, num_stages=1)
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, lb, H, K=K,
+            BK=min(K, cfg.bk), DT=_TL[_tile_dtype(idt)], **common, num_warps=cfg.nw_strip, num_stages=1)
     mark("intra: strip")
     _wy_solve_kernel[_ch_grid(NC, H, hm)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg, BM is None), HM=hm,
                                           num_warps=cfg.nw_solve, num_stages=1)
