@@ -142,9 +142,9 @@ def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: 
 @triton.jit
 def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K: tl.constexpr,
                  BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr, todo,
-                 ROWS: tl.constexpr = 16):
+                 ROWS: tl.constexpr = 16, CHECK: tl.constexpr = True):
     """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h, stored for the rows
-    where todo [ROWS] (int32) is nonzero.  ROWS = 16: fr = 1 when the block's gates are >= lb (the dense diagonal
+    whose bits are set in todo (int64 scalar, bit i = row R * ROWS + i).  ROWS = 16: fr = 1 when the block's gates are >= lb (the dense diagonal
     tile, anchor cl + 8 lb: exponents within +-8 |lb|), 0 for the safe path.  ROWS = 32 (fr = 1): a dense pair
     (FB bit 1; lb >= ROWS32_LOWER_BOUND_LIMIT), anchor cl + 16 lb, so |G_i - c| <= 16 |lb| <= 80.5 on its rows
     (e^80.5 ~ 9e34, within float32 / bf16 range), and every causal tile of the strip, the two diagonal 16x16 tiles
@@ -152,7 +152,7 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
     that the block uses (rows < R * ROWS + ROWS; the others are masked to 0 in the dot anyway) and also stores
     KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's operand (as QG, KD, GAM: the
     same values whichever path, so a redo may store them again).
-    Returns the rows of todo left undone [ROWS] (int32): on a dense path, those whose causal entries came out inf /
+    Returns the rows of todo left undone (bits as todo): on a dense path, those whose causal entries came out inf /
     NaN (the anchored factors up to e^(|lb| ROWS / 2) overflow with |q| or |k| entries beyond ~e^(88 - |lb| ROWS /
     2); never a wrong finite value); each row's own entries decide it, so the choice is causal too."""
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K, ROWS)
@@ -182,26 +182,19 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
         a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, lb, fr, R, rows64, orr, mr, d, base, QG, KD,
                                 GAM, c_, h, H, scale, K, DT, FTZ, ROWS)
         tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
-    cols = tl.arange(0, 64)
-    fin = (tl.abs(a) < float("inf")) & (tl.abs(p) < float("inf"))
-    fin = tl.where(cols[None, :] <= rows[:, None], fin, True)
-    ok = tl.min(fin.to(tl.int32), axis=1)
-    if ROWS == 16:
-        ok = tl.where(fr != 0, ok, 1)                   # (the safe path never redoes a row)
-    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr & ((todo & ok) != 0)[:, None], a, p, scale, BM, SAVE_B)
-    return todo & (1 - ok)
-
-
-@triton.jit
-def _strip16_rows(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K: tl.constexpr,
-                  BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr, todo):
-    """The rows todo [16] of 16-row block R: dense when fr = 1, then the rows whose dense entries overflowed again
-    on the safe path (anchor G before the block, exponents <= 0).  A loop (not two calls): one copy of the code."""
-    for _attempt in range(2):
-        if tl.max(todo, axis=0) != 0:
-            todo = _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K,
-                                BK, DT, BM, SAVE_B, KGB, FTZ, todo)
-            fr = fr * 0
+    bit = tl.arange(0, ROWS)
+    if CHECK:
+        cols = tl.arange(0, 64)
+        fin = (tl.abs(a) < float("inf")) & (tl.abs(p) < float("inf"))
+        fin = tl.where(cols[None, :] <= rows[:, None], fin, True)
+        ok = tl.min(fin.to(tl.int32), axis=1) != 0
+        if ROWS == 16:
+            ok = ok | (fr == 0)                         # (the safe path never redoes a row)
+    else:
+        ok = bit >= 0
+    want = ((todo >> bit) & 1) != 0
+    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr & (want & ok)[:, None], a, p, scale, BM, SAVE_B)
+    return tl.sum(tl.where(want & (ok == 0), 1, 0) << bit, axis=0)
 
 
 @triton.jit
@@ -224,8 +217,12 @@ def _intra_strip16_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
     R = tl.program_id(0) % 4
     h = tl.program_id(1)
     fr = _fb(FB, c_, h, H, R, NS) & 1
-    _strip16_rows(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK, DT, BM,
-                  SAVE_B, KGB, FTZ, tl.full([16], 1, tl.int32))
+    left = _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK, DT,
+                        BM, SAVE_B, KGB, FTZ, tl.full([], 0xFFFF, tl.int32))
+    if left != 0:
+        # the rows whose dense entries overflowed: the safe path (exponents <= 0)
+        _strip_block(q, k, GCS, fr * 0, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK, DT, BM,
+                     SAVE_B, KGB, FTZ, left)
 
 
 @triton.jit
@@ -246,19 +243,21 @@ def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
         h = tl.program_id(1)
     RR = tl.program_id(0) % 2
     f0 = _fb(FB, c_, h, H, 2 * RR, NS)
-    todo = tl.full([32], 1, tl.int32)
+    todo = tl.full([], -1, tl.int32)          # the pair's rows not stored yet, one bit each
     if (f0 & 2) != 0:
         todo = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK,
                             DT, BM, SAVE_B, KGB, FTZ, todo, 32)
     # (also keeps the 16-row blocks' work below from being scheduled into the dense pair's: fewer registers)
     tl.debug_barrier()
-    if tl.max(todo, axis=0) != 0:
-        todo2 = tl.reshape(todo, [2, 16])
-        for b in range(2):
-            fr = _fb(FB, c_, h, H, 2 * RR + b, NS) & 1
-            tb = tl.sum(tl.where(tl.arange(0, 2)[:, None] == b, todo2, 0), axis=0)
-            _strip16_rows(q, k, GCS, fr, beta, cstart, clen, c_, 2 * RR + b, h, NB, QG, KD, AQK, GAM, scale, lb, H,
-                          K, BK, DT, BM, SAVE_B, KGB, FTZ, tb)
+    if todo != 0:
+        # one block after the other, each dense or safe by its FB bit 0, stored as they come out: the 16-row
+        # dense factors reach e^(8 |lb|) <= e^40.25 here, so only |q| or |k| entries beyond ~e^48 (1e21) overflow
+        # them (to inf / NaN: check_finite's result check names it)
+        f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS)
+        _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK,
+                     DT, BM, SAVE_B, KGB, FTZ, todo & 0xFFFF, 16, False)
+        _strip_block(q, k, GCS, f1 & 1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, lb, H, K,
+                     BK, DT, BM, SAVE_B, KGB, FTZ, (todo >> 16) & 0xFFFF, 16, False)
 
 
 @triton.jit
