@@ -3,14 +3,18 @@ T = (I + diag(beta) Akk)^-1 (WY / UT representation) and Wk = T diag(beta) (k e^
 
 Per (chunk, head) of C = 64 tokens, in 16-row blocks:
 * ``_chunk_cumsum_kernel``: G = the in-chunk cumulative gate (float32) and per-block flags: bit 0 = the block's
-  gates are >= lb (its diagonal tile can be one dense dot), bit 1 = both blocks of a 32-row pair have bit 0 and G
-  falls by at most _SPAN32 across the pair in every channel (the pair can be one dense 32-row strip).
-* ``_intra_strip32_kernel`` (a bound is promised, bf16 / float32 inputs) or ``_intra_strip16_kernel`` (no usable
-  bound, or float16 inputs, whose range ends at e^11): the strips Akk[r] and P[r] [16, 64] of each row block r
-  from one dense dot per channel slice with the anchored operands  x_i e^(G_i - c)  and  k_j e^(c - G_j),  with the
-  anchor c in the middle of the block's (pair's) G range when its flags allow, else G before the block (all
-  exponents <= 0; the diagonal 16x16 tile then summed token pair by token pair).  They also store
-  QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and KGB = diag(beta) k e^G (into WK's buffer).
+  gates are >= lb (its diagonal tile can be one dense dot), bit 1 = both blocks of a 32-row pair have bit 0 (the
+  pair can be one dense 32-row strip; asked for only at lb >= ROWS32_LOWER_BOUND_LIMIT, where 32 gates fall by at
+  most _SPAN32).
+* ``_intra_strip32_kernel`` (a bound >= ROWS32_LOWER_BOUND_LIMIT is promised, bf16 / float32 inputs) or
+  ``_intra_strip16_kernel`` (otherwise): the strips Akk[r] and P[r] [16, 64] of each row block r from one dense
+  dot per channel slice with the anchored operands  x_i e^(G_i - c)  and  k_j e^(c - G_j).  Where the flags allow,
+  the anchor is c = G before the block (pair) + lb ROWS / 2: every exponent within +-|lb| ROWS / 2, and nothing of
+  the block's own rows in it, so that a row's results never depend on a later row (causal: changing a later
+  token, or appending tokens to a partial chunk, leaves earlier outputs and their gradients bit for bit as they
+  were).  Otherwise, and for the rows whose dense entries overflow (checked row by row, again causal), the anchor
+  is G before the block (all exponents <= 0; the diagonal 16x16 tile then summed token pair by token pair).  They
+  also store QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and KGB = diag(beta) k e^G (into WK's buffer).
 * ``_wy_solve_kernel``: T by inverting the diagonal 16x16 tiles and blocked forward substitution.
 * ``_wy_apply_kernel``: Wk = T KGB, U = T diag(beta) V.
 """
@@ -36,8 +40,8 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
     """One (chunk, head): GCS = the in-chunk cumulative gate G (float32 [N, H, K]; rows past the chunk's end
     not written) and FB[c, h, r] = 1 when every g of 16-row block r (all K channels) is >= lb (the dense
     diagonal tile is in range), else 0 (always 0 without FAST); ROWS32: plus 2 in both blocks of a 32-row pair
-    when both have bit 0 and G falls by at most _SPAN32 (161) across the pair in every channel
-    (_intra_strip32_kernel's dense pair: exponents within +-80.5 about the pair's middle).
+    when both have bit 0 (_intra_strip32_kernel's dense pair; the host asks for it only where the bound keeps the
+    pair's exponents within +-16 |lb| <= 80.5).
     NS: grid (NC, H, NS), each program one slice of K / NS channels; FB [NC, H, NS * 4] then holds each slice's
     flags at s * 4 + r (_fb ANDs them).  HM (head-major): grid (H * NS, NC) instead."""
     c_, h, sl = _chunk_head(HM, NS)
@@ -144,17 +148,19 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
                  BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr, todo,
                  ROWS: tl.constexpr = 16, CHECK: tl.constexpr = True):
     """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h, stored for the rows
-    whose bits are set in todo (int64 scalar, bit i = row R * ROWS + i).  ROWS = 16: fr = 1 when the block's gates are >= lb (the dense diagonal
-    tile, anchor cl + 8 lb: exponents within +-8 |lb|), 0 for the safe path.  ROWS = 32 (fr = 1): a dense pair
-    (FB bit 1; lb >= ROWS32_LOWER_BOUND_LIMIT), anchor cl + 16 lb, so |G_i - c| <= 16 |lb| <= 80.5 on its rows
-    (e^80.5 ~ 9e34, within float32 / bf16 range), and every causal tile of the strip, the two diagonal 16x16 tiles
-    and the one between them included, is one dense [32, BK] x [BK, 64] dot.  Loads only the column-operand rows
+    whose bits are set in todo (int32 scalar, bit i = row R * ROWS + i).  ROWS = 16: fr = 1 when the block's gates
+    are >= lb (the dense diagonal tile, anchor cl + 8 lb: exponents within +-8 |lb|), 0 for the safe path.
+    ROWS = 32 (fr = 1): a dense pair (FB bit 1; lb >= ROWS32_LOWER_BOUND_LIMIT), anchor cl + 16 lb, so
+    |G_i - c| <= 16 |lb| <= 80.5 on its rows (e^80.5 ~ 9e34, within float32 / bf16 range), and every causal
+    tile of the strip, the two diagonal 16x16 tiles and the one between them included, is one dense
+    [32, BK] x [BK, 64] dot.  Loads only the column-operand rows
     that the block uses (rows < R * ROWS + ROWS; the others are masked to 0 in the dot anyway) and also stores
     KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's operand (as QG, KD, GAM: the
     same values whichever path, so a redo may store them again).
-    Returns the rows of todo left undone (bits as todo): on a dense path, those whose causal entries came out inf /
-    NaN (the anchored factors up to e^(|lb| ROWS / 2) overflow with |q| or |k| entries beyond ~e^(88 - |lb| ROWS /
-    2); never a wrong finite value); each row's own entries decide it, so the choice is causal too."""
+    Returns the rows of todo left undone (bits as todo): with CHECK, on a dense path, those whose causal entries
+    came out inf / NaN (the anchored factors up to e^(|lb| ROWS / 2) overflow with |q| or |k| entries beyond
+    ~e^(88 - |lb| ROWS / 2); never a wrong finite value), not stored; each row's own entries decide it, so the
+    choice is causal too.  Without CHECK every row of todo is stored."""
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K, ROWS)
     m64 = m64 & (rows64 < R * ROWS + ROWS)[:, None]
     bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
@@ -221,8 +227,8 @@ def _intra_strip16_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
                         BM, SAVE_B, KGB, FTZ, tl.full([], 0xFFFF, tl.int32))
     if left != 0:
         # the rows whose dense entries overflowed: the safe path (exponents <= 0)
-        _strip_block(q, k, GCS, fr * 0, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK, DT, BM,
-                     SAVE_B, KGB, FTZ, left)
+        _strip_block(q, k, GCS, fr * 0, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK, DT,
+                     BM, SAVE_B, KGB, FTZ, left)
 
 
 @triton.jit
@@ -233,8 +239,9 @@ def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
     head-major: (2 H, NC)), the two pairs of a chunk as consecutive programs.  When FB bit 1 says both blocks keep
     the bound, it is one dense 32-row strip (_strip_block with ROWS = 32, anchor G before the pair + 16 lb: the
     [64, BK] column operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead of four
-    times); otherwise, and for the rows whose entries overflow that strip (|q| or |k| entries beyond ~3e3), its two
-    16-row blocks run as in _intra_strip16_kernel, one after the other, each dense or safe by its own FB bit 0."""
+    times); otherwise, and for the rows whose entries overflow that strip (|q| or |k| entries beyond ~3e3; only
+    those rows), its two 16-row blocks run as in _intra_strip16_kernel, one after the other, each dense or safe by
+    its own FB bit 0 (without the 16-row kernel's overflow redo: see below)."""
     if HM:
         c_ = tl.program_id(1)
         h = tl.program_id(0) // 2
@@ -243,7 +250,7 @@ def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
         h = tl.program_id(1)
     RR = tl.program_id(0) % 2
     f0 = _fb(FB, c_, h, H, 2 * RR, NS)
-    todo = tl.full([], -1, tl.int32)          # the pair's rows not stored yet, one bit each
+    todo = tl.full([], -1, tl.int32)                  # the pair's rows not stored yet, one bit each
     if (f0 & 2) != 0:
         todo = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK,
                             DT, BM, SAVE_B, KGB, FTZ, todo, 32)
