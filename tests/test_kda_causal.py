@@ -94,19 +94,24 @@ def test_gpu_prefix_bit_identical_bf16(T, s, extra, lb):
 
 
 def test_prefix_bit_identical_when_later_rows_overflow_the_dense_pair():
-    # q x 1e4 after s (entries ~ 2e3-7e3 against the pair's factors up to e^80): those rows overflow the dense
-    # 32-row pair and are redone as 16-row blocks; the rows before s keep their dense-pair results
+    # weak gates before s and none after, q x 1e6 after s: rows s.. of the first 32-row pair overflow its factors
+    # (up to e^80 at lb = -5) and are redone as 16-row blocks; the pair's rows before s keep their dense results
     T, s, lb = 37, 19, -5.0
     ins = fresh(T, lb)
+    ins[3][:, :s] = -0.01 * torch.rand(B, s, H, K)
     h0 = torch.randn(B, H, K, V)
     w = torch.randn(B, s, H, V)
     base = prefix_run(ins, h0, s, w, lb)
     big = [t.clone() for t in ins]
-    big[0][:, s:] *= 1e4
-    big[3][:, s:] = lb                     # (the gates at the bound: the largest factors)
+    big[0][:, s:] *= 1e6
+    big[3][:, s:] = 0.0
     got = prefix_run(big, h0, s, w, lb)
     for name, a, b in zip("o dq dk dv dg dbeta dh0".split(), base, got):
         assert torch.equal(a, b), name
+    # (and the redone rows are right: against the float64 reference)
+    o, _ = tk.kda_chunk(*big, initial_state=h0, lower_bound=lb)
+    o_r, _ = R.kda_chunk(*(t.double() for t in big), initial_state=h0.double())
+    assert torch.isfinite(o).all() and rel_rms(o, o_r) < 2e-5
 
 
 def rel_rms(a, b):
