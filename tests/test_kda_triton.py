@@ -553,7 +553,7 @@ sig = dict(KGB=P, v=P, beta=P, cstart=I, clen=I, TB=F, WK=P, U=P, H="i32", K="co
 ck = build(ki._wy_apply_kernel, sig, dict(K=128, V=128, DT=tl.bfloat16, HM=True), cfg.nw_wu, 1)
 assert "wgmma" in ck.asm["ptx"], "w/u kernel: no wgmma"
 sig5 = dict(q=P, k=P, GCS=F, FB=I, beta=P, cstart=I, clen=I, NB=F, QG=P, KD=P, AQK=P, GAM=F, scale="fp32",
-            H="i32", K="constexpr", BK="constexpr", DT="constexpr", BM=F, SAVE_B="constexpr", KGB=P,
+            lb="fp32", H="i32", K="constexpr", BK="constexpr", DT="constexpr", BM=F, SAVE_B="constexpr", KGB=P,
             FTZ="constexpr", NS="constexpr")
 for save_b in (False, True):
     ck = build(ki._intra_strip16_kernel, sig5, dict(K=128, BK=cfg.bk, DT=tl.bfloat16, SAVE_B=save_b, FTZ=True, NS=2),

@@ -9,12 +9,14 @@ Same signatures and results as backends/reference/kda.py (spec/OPS.md); math fro
   anchored operands (``_intra_strip32_kernel`` on 32-row pairs where a promised bound allows,
   ``_intra_strip16_kernel`` on 16-row blocks otherwise), T = (I + diag(beta) Akk)^-1 (``_wy_solve_kernel``),
   and Wk = T diag(beta) (K e^G), U = T diag(beta) V (``_wy_apply_kernel``), plus the decayed operands q e^G,
-  k e^(G_C - G), e^(G_C).  With a lower-bounded gate (g >= L >= FAST_LOWER_BOUND_LIMIT) the anchor is the
-  block's middle row and every factor stays within e^(+-80) (float32 / bf16 range).  The bound is CHECKED per
-  block in the kernels (min of g); a block that breaks it, and every block when no bound is promised
-  (``lower_bound=None``, e.g. the softplus gate), takes the safe path: the anchor moves to the block's first row,
-  the dense dot covers only the strictly-earlier tiles (all exponents <= 0) and the diagonal 16x16 tile is summed
-  token pair by token pair with exponents G_i - G_j <= 0.
+  k e^(G_C - G), e^(G_C).  With a lower-bounded gate (g >= L >= FAST_LOWER_BOUND_LIMIT) the anchor is G before
+  the block plus L times half its rows, so every factor stays within e^(+-80) (float32 / bf16 range; float16
+  inputs form these operands in float32) and no row's result depends on a later row's gate (causal: see
+  kda_chunk).  The bound is CHECKED per block in the kernels (min of g); a block that breaks it, every block
+  when no bound is promised (``lower_bound=None``, e.g. the softplus gate), and the rows whose dense entries
+  overflow (huge q or k) take the safe path: the anchor is G before the block, the dense dot covers only the
+  strictly-earlier tiles (all exponents <= 0) and the diagonal 16x16 tile is summed token pair by token pair with
+  exponents G_i - G_j <= 0.
 * ``state.py`` -- the serial state pass S <- diag(e^(G_C)) S + (k e^(G_C - G))^T (U - Wk S) over the chunks of a
   segment (``_state_pass_kernel``, grid V/BV x heads x segments), storing the chunk-entry states HB and the new
   values VN, then ``_output_kernel`` (parallel) O = (q e^G) h_c + P VN.  Long contexts: segments whose affine
@@ -105,11 +107,12 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
             diagonal tiles are dense tensor-core dots (a lower L runs the safe path: same result, slower).  The
             promise is checked per 16-row block inside the kernels (min of g); a block that breaks it takes the
             safe path, so the result is right anyway.
-            float16 q/k/v: the dense tiles need L >= FP16_FAST_LOWER_BOUND_LIMIT (-1.25; e^(8 |L|) must
-            fit float16); a lower L runs the safe path everywhere (same result, slower).  bf16 / float32: a
-            32-row pair whose G falls by at most 161 in every channel (every pair at L >= -5) is one dense
-            32-row tile.  That tile scales q and k by up to e^80.5; where that overflows (|q| or |k| entries
-            beyond ~3e3), the pair is redone as two 16-row tiles (up to e^40.5 at L = -5; e^80 at L = -10).
+            float16 q/k/v: the dense tiles run at L >= FP16_FAST_LOWER_BOUND_LIMIT (-1.25), with their
+            anchored operands in float32 (TF32 dots on the GPU); a lower L runs the safe path everywhere (same
+            result, slower).  bf16 / float32 at L >= -5.03125 (32 gates fall by at most 161): 32-row pairs are
+            one dense tile each, which scales q and k by up to e^(16 |L|) <= e^80.5; the rows where that
+            overflows (|q| or |k| entries beyond ~3e3) are redone as 16-row tiles (up to e^(8 |L|)).  The 16-row
+            dense tiles (L below -5.03125, or float16) redo their overflowing rows on the safe path.
         segment_chunks: chunks per segment for the long-context split (None: chosen from the GPU size;
             a huge value disables it).  The result does not depend on it beyond rounding.
         check_finite: scan the inputs for NaN/inf and g for values > 0 first (reductions and a host sync;
@@ -124,6 +127,17 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [N_seq, H, K, V] float32 or None).
+
+    Causality: with the gates keeping a promised bound (or none promised), o at the positions before any s and
+    the gradients of a loss on them are bit for bit the same whatever q, k, v, g, beta hold at s and after, and
+    when tokens are appended (the intra-chunk anchors, the row-by-row overflow redo, the solve and the state
+    pass read no later row but through exact zeros; tests/test_kda_causal.py).  Not covered: a gate that breaks
+    the promise (its 16-row block, and in the backward its chunk's channel slice, then takes the safe path, also
+    for the rows before it: the same result within rounding), and on the GPU, appending tokens that change the
+    number of chunks when segment_chunks is None (the long-context split's segment length follows the chunk
+    count, and the chunk-entry states past the first segment differ by rounding with the split; pass
+    segment_chunks for bit-identical prefixes across lengths), or that cross KdaConfig.pipe_min_chunks without
+    autograd (the pipelined forward, again the same result within rounding).
 
     Accuracy: float32 inputs agree with the reference to ~1e-6 relative for gates in [-5, 0].  The in-chunk
     cumulative gate G is float32, so channels whose decay alternates between strong and near-zero lose more
@@ -163,8 +177,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         lb = _ref.check_lower_bound_type(lower_bound, where)
         if not -math.inf < lb < 0:
             raise ValueError(f"{where}: lower_bound must be a finite number < 0 or None, got {lower_bound!r}")
-        # the dense diagonal tiles hold e^(8 |L|): past L = -10 that leaves float32's range, and float16 tiles
-        # cannot hold it past L = -1.25 (NaN / inf otherwise): the safe path then (the same result, slower)
+        # the dense diagonal tiles hold e^(8 |L|): past L = -10 that leaves float32's range; float16 keeps its
+        # dense tiles to L >= -1.25 (the safe path below it: the same result, slower)
         fast = lb >= FAST_LOWER_BOUND_LIMIT and not (q.dtype == torch.float16 and lb < FP16_FAST_LOWER_BOUND_LIMIT)
     else:
         lb, fast = 0.0, False

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import (_TL, _ch_grid, _chunk_head, _diag_grads, _dt, _get_rows, _head_major, _interm_dtype,
-                     _mark, _put_rows, _row_of, _seg_range)
+                     _mark, _put_rows, _row_of, _seg_range, _tile_dtype)
 from .state import _entry_states, _state_pass
 
 
@@ -199,8 +199,8 @@ def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM,
         ok = tl.zeros([], dtype=tl.int32)
     FASTC: tl.constexpr = 0 if SAFE else 1       # the kind of slice this launch takes
     if ok == FASTC:
-        _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, L, rows, rm, d, bk_,
-                   ba_, ok_, K, BK, DT, FASTC)
+        _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, lb, H, c, h, L, rows, rm, d,
+                   bk_, ba_, ok_, K, BK, DT, FASTC)
 
 
 @triton.jit
@@ -224,9 +224,13 @@ def _dt_split(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, H, c, h, L, rows, rm, d, bk_, ba_,
-               ok_, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, fast: tl.constexpr):
-    """_bwd_pair_kernel after the gate's load, for one kind of slice (fast: dense diagonal tiles or not)."""
+def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale, lb, H, c, h, L, rows, rm, d, bk_,
+               ba_, ok_, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, fast: tl.constexpr):
+    """_bwd_pair_kernel after the gate's load, for one kind of slice (fast: dense diagonal tiles or not).  The
+    anchors of row block a..a+15: fast, the forward's G before the block + 8 lb for both sides (nothing of the
+    block's own rows, so a row's gradients never depend on a later row's gate; exponents within +-8 |lb|); safe,
+    G_a for the row side and G_(a+15) for the column side (exponents <= 0; the column side only reaches rows past
+    the block, whose gradients are exactly 0 for a loss on the rows before a later one)."""
     qq = tl.load(q + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
     kk = tl.load(k + bk_ + ok_, mask=rm[:, None], other=0.0).to(tl.float32)
     G = tl.cumsum(gg, axis=0)
@@ -236,8 +240,10 @@ def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale
     dk_c = tl.zeros([64, BK], dtype=tl.float32)
     for r in range(4):      # a loop, not unrolled: unrolled, the 4 blocks' loads are hoisted (255 registers)
         a = r * 16
-        m = a + 8 * fast
-        Gm = _row_of(G, rows, m)
+        if fast:
+            Gm = _row_of(G, rows, a - 1) + 8.0 * lb         # (row -1: none, G before the chunk = 0)
+        else:
+            Gm = _row_of(G, rows, a)
         # the block's rows of G; the block's rows and columns of dP and dBm straight from memory (no [64, 64]
         # tile held across the loop)
         rb = a + r16
@@ -251,8 +257,10 @@ def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale
         dB_r = tl.load(DB + ba_ + orow, mask=rbm[:, None], other=0.0)
         dq_blk = er * _dt_split(dP_r, kb, DT)
         dkr_blk = er * _dt_split(dB_r, kb, DT)
-        e = a + 15 - 8 * fast
-        Ge = _row_of(G, rows, e)
+        if fast:
+            Ge = Gm
+        else:
+            Ge = _row_of(G, rows, a + 15)
         lo = a + 16 - 16 * fast
         xe = tl.exp(tl.where(rows[:, None] >= lo, G - Ge[None, :], float("-inf")))
         ocol = rows[:, None] * (H * 64) + rb[None, :]
@@ -359,7 +367,8 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept, c
         for safe in ((False, True) if fast else (True,)):
             _bwd_pair_kernel[_ch_grid(NC, H, hm, K // BK)](
                 q2, k2, g2, b2, tab["cstart"], tab["clen"], DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk, dg, scale, lb, H,
-                K=K, BK=BK, FAST=fast, DT=_TL[idt], SAFE=safe, HM=hm, num_warps=cfg.bwd_pair_warps, num_stages=1)
+                K=K, BK=BK, FAST=fast, DT=_TL[_tile_dtype(idt)], SAFE=safe, HM=hm, num_warps=cfg.bwd_pair_warps,
+                num_stages=1)
     _mark(cfg, "bwd: intra")
     dh0 = DS0.index_select(0, tab["first_seg"]) if h0 is not None else None
     return dq, dk, dv, dg, db, dh0

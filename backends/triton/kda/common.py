@@ -19,6 +19,14 @@ def _interm_dtype(x):
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
+def _tile_dtype(idt):
+    """The operand dtype of the anchored dense dots (the 16-row strips, the backward's pair kernel): the input
+    dtype, but float32 for float16 inputs (TF32 dots on the GPU: float16's 10-bit mantissa with float32's range;
+    the anchored factors e^(+-8 |lb|) and q, k of entries past ~3 overflow float16's 65504 ~ e^11.1 at the
+    float16 bound, and their small side falls into its subnormals)."""
+    return torch.float32 if idt == torch.float16 else idt
+
+
 def _maxnreg(n):
     """Launch option dict for a register cap (ptxas maxnreg; dropped under the interpreter)."""
     return {} if n is None or _interpret() else dict(maxnreg=int(n))

@@ -3,14 +3,18 @@ T = (I + diag(beta) Akk)^-1 (WY / UT representation) and Wk = T diag(beta) (k e^
 
 Per (chunk, head) of C = 64 tokens, in 16-row blocks:
 * ``_chunk_cumsum_kernel``: G = the in-chunk cumulative gate (float32) and per-block flags: bit 0 = the block's
-  gates are >= lb (its diagonal tile can be one dense dot), bit 1 = both blocks of a 32-row pair have bit 0 and G
-  falls by at most _SPAN32 across the pair in every channel (the pair can be one dense 32-row strip).
-* ``_intra_strip32_kernel`` (a bound is promised, bf16 / float32 inputs) or ``_intra_strip16_kernel`` (no usable
-  bound, or float16 inputs, whose range ends at e^11): the strips Akk[r] and P[r] [16, 64] of each row block r
-  from one dense dot per channel slice with the anchored operands  x_i e^(G_i - c)  and  k_j e^(c - G_j),  with the
-  anchor c in the middle of the block's (pair's) G range when its flags allow, else G before the block (all
-  exponents <= 0; the diagonal 16x16 tile then summed token pair by token pair).  They also store
-  QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and KGB = diag(beta) k e^G (into WK's buffer).
+  gates are >= lb (its diagonal tile can be one dense dot), bit 1 = both blocks of a 32-row pair have bit 0 (the
+  pair can be one dense 32-row strip; asked for only at lb >= ROWS32_LOWER_BOUND_LIMIT, where 32 gates fall by at
+  most _SPAN32).
+* ``_intra_strip32_kernel`` (a bound >= ROWS32_LOWER_BOUND_LIMIT is promised, bf16 / float32 inputs) or
+  ``_intra_strip16_kernel`` (otherwise): the strips Akk[r] and P[r] [16, 64] of each row block r from one dense
+  dot per channel slice with the anchored operands  x_i e^(G_i - c)  and  k_j e^(c - G_j).  Where the flags allow,
+  the anchor is c = G before the block (pair) + lb ROWS / 2: every exponent within +-|lb| ROWS / 2, and nothing of
+  the block's own rows in it, so that a row's results never depend on a later row (causal: changing a later
+  token, or appending tokens to a partial chunk, leaves earlier outputs and their gradients bit for bit as they
+  were).  Otherwise, and for the rows whose dense entries overflow (checked row by row, again causal), the anchor
+  is G before the block (all exponents <= 0; the diagonal 16x16 tile then summed token pair by token pair).  They
+  also store QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and KGB = diag(beta) k e^G (into WK's buffer).
 * ``_wy_solve_kernel``: T by inverting the diagonal 16x16 tiles and blocked forward substitution.
 * ``_wy_apply_kernel``: Wk = T KGB, U = T diag(beta) V.
 """
@@ -20,12 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _DIAG_HALF, _diag_pair, _ex, _head_major, _interpret, _mark,
-                     _maxnreg, _mmp, _put)
+from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _DIAG_HALF, _diag_pair, _ex, _head_major, _interpret,
+                     _mark, _maxnreg, _mmp, _put, _tile_dtype)
 
 # _intra_strip32_kernel's dense 32-row pairs: G may fall by at most this much across a pair (exponents within
-# +-80.5 about its middle); 32 gates at the bound -5 fall by 160, the slack absorbs the rounding of the float32 G
-_SPAN32 = tl.constexpr(161.0)
+# +-80.5 about the anchor G before the pair + 16 lb); 32 gates at the bound -5 fall by 160, the slack absorbs the
+# rounding of the float32 G.  The host runs them only where the bound itself keeps that: lb >= -_SPAN32 / 32
+_SPAN32 = 161.0
+ROWS32_LOWER_BOUND_LIMIT = -_SPAN32 / 32
 
 
 @triton.jit
@@ -34,8 +40,8 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
     """One (chunk, head): GCS = the in-chunk cumulative gate G (float32 [N, H, K]; rows past the chunk's end
     not written) and FB[c, h, r] = 1 when every g of 16-row block r (all K channels) is >= lb (the dense
     diagonal tile is in range), else 0 (always 0 without FAST); ROWS32: plus 2 in both blocks of a 32-row pair
-    when both have bit 0 and G falls by at most _SPAN32 (161) across the pair in every channel
-    (_intra_strip32_kernel's dense pair: exponents within +-80.5 about the pair's middle).
+    when both have bit 0 (_intra_strip32_kernel's dense pair; the host asks for it only where the bound keeps the
+    pair's exponents within +-16 |lb| <= 80.5).
     NS: grid (NC, H, NS), each program one slice of K / NS channels; FB [NC, H, NS * 4] then holds each slice's
     flags at s * 4 + r (_fb ANDs them).  HM (head-major): grid (H * NS, NC) instead."""
     c_, h, sl = _chunk_head(HM, NS)
@@ -56,14 +62,9 @@ def _chunk_cumsum_kernel(g, cstart, clen, GCS, FB, lb, H, K: tl.constexpr, FAST:
         low = tl.min(tl.reshape(gg, [4, 16 * (K // NS)]), axis=1)       # padded rows read 0 >= lb
         fb = (low >= lb).to(tl.int32)
         if ROWS32:
-            # bit 1 in both blocks of a 32-row pair: both blocks within lb and G falls by at most _SPAN32 over the
-            # pair in every channel (padded rows add 0, so row 63 holds G at the chunk's end)
-            G31 = tl.sum(tl.where(rows[:, None] == 31, Gc, 0.0), axis=0)
-            G63 = tl.sum(tl.where(rows[:, None] == 63, Gc, 0.0), axis=0)
-            fall0 = tl.min(G31, axis=0)
-            fall1 = tl.min(G63 - G31, axis=0)
-            okp = (tl.where(tl.arange(0, 2) == 0, fall0, fall1) >= -_SPAN32).to(tl.int32)
-            okp = okp & tl.min(tl.reshape(fb, [2, 2]), axis=1)
+            # bit 1 in both blocks of a 32-row pair when both have bit 0 (the host asks for ROWS32 only at
+            # lb >= ROWS32_LOWER_BOUND_LIMIT, where G then falls by at most 32 |lb| <= _SPAN32 across the pair)
+            okp = tl.min(tl.reshape(fb, [2, 2]), axis=1)
             fb += 2 * tl.reshape(tl.broadcast_to(okp[:, None], [2, 2]), [4])
     else:
         fb = tl.zeros([4], dtype=tl.int32)
@@ -95,22 +96,25 @@ def _strip_rows(cstart, clen, c_, h, R, H, K: tl.constexpr, ROWS: tl.constexpr =
 
 
 @triton.jit
-def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
+def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, lb, fr, R, rows64, orr, mr, d, base, QG, KD, GAM, c_, h, H,
                  scale, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False, ROWS: tl.constexpr = 16,
                  DENSE_DIAG: tl.constexpr = True):
     """One channel slice of a strip program, given the slice's operands and cumulative gates: G64 [64, BK] of the
-    chunk, Gr [ROWS, BK] of row block R, GC / cl / ch [BK] at the chunk's last row / before the block / the
-    block's last row, fr = 1 when the block is dense (its gates are >= lb; always 1 for ROWS = 32).  Adds the
-    slice's share to the strips a (Akk) and p (P) [ROWS, 64] and stores its QG, KD (and GAM for R = 0); returns
-    (a, p, e^Gr). FTZ: the exponentials through _ex's flush-to-zero form (GPU only).  A block without a usable
-    bound (fr = 0) runs _safe_slice (DENSE_DIAG, the 16-row strip kernel's blocks: no bound promised, or float16)
-    or, in _intra_strip32_kernel's 16-row blocks (a promised bound broken in a block, a rare case), its diagonal
-    tile token pair by token pair: that kernel's registers stay those of its dense pairs."""
+    chunk, Gr [ROWS, BK] of row block R, GC / cl [BK] at the chunk's last row / before the block, lb the promised
+    bound, fr = 1 when the block is dense (its gates are >= lb; always 1 for ROWS = 32).  The anchor c: cl for the
+    safe path (every exponent <= 0), else cl + lb ROWS / 2, which needs nothing of the block's own rows (causal:
+    a row's result never depends on a later row's gate) and puts every exponent within +-|lb| ROWS / 2, as the
+    gates of the block fall by at most |lb| ROWS below cl.  Adds the slice's share to the strips a (Akk) and p (P)
+    [ROWS, 64] and stores its QG, KD (and GAM for R = 0); returns (a, p, e^Gr). FTZ: the exponentials through
+    _ex's flush-to-zero form (GPU only).  A safe block (fr = 0) runs _safe_slice (DENSE_DIAG: the 16-row strip
+    kernel's blocks, where no bound is promised or float16) or, in _intra_strip32_kernel's 16-row blocks (a
+    promised bound broken in a block, a rare case), its diagonal tile token pair by token pair: that kernel's
+    registers stay those of its dense pairs."""
     if ROWS == 16:
-        c = cl + 0.5 * (ch - cl) * fr.to(tl.float32)
+        c = cl + 8.0 * lb * fr
         lim = R * 16 + 16 * fr
     else:
-        c = cl + 0.5 * (ch - cl)
+        c = cl + 16.0 * lb
         lim = R * ROWS + ROWS
     er = _ex(Gr - c[None, :], FTZ)
     if DENSE_DIAG and ROWS == 16 and fr == 0:
@@ -137,8 +141,8 @@ def _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT: tl.constexpr,
     operands anchored at cl = G before the block (every exponent <= 0: er = e^(Gr - cl) from the caller), the
     diagonal tile on operands anchored at cd = cl - _DIAG_HALF (exponents within +-_DIAG_HALF on the rows whose G
     fell by at most 2 _DIAG_HALF since cl in every channel), as two dense dots sharing one exponential per column
-    element; the diagonal entries of rows that fell further are summed token pair by token pair (_diag_pair).
-    Every row's choice reads only rows at or before it."""
+    element; the diagonal entries of rows that fell further, or whose dense entries overflowed, are summed token
+    pair by token pair (_diag_pair).  Every row's choice reads only rows at or before it."""
     cd = cl - _DIAG_HALF
     xr = Gr - cd[None, :]
     ok = tl.min(xr, axis=1) >= -_DIAG_HALF
@@ -148,18 +152,24 @@ def _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT: tl.constexpr,
     xc = tl.where(early, cl[None, :] - G64, tl.where(inb, tl.minimum(cd[None, :] - G64, _DIAG_HALF), float("-inf")))
     col = k64 * _ex(xc, FTZ)
     colA = tl.trans(tl.where(early, col, 0.0).to(DT))
-    # (float16 cannot hold e^_DIAG_HALF: its diagonal operands stay float32, tf32 tensor cores)
-    DD: tl.constexpr = tl.float32 if DT == tl.float16 else DT
-    colB = tl.trans(tl.where(inb, col, 0.0).to(DD))
-    sa = tl.dot((kr * er).to(DT), colA) + tl.dot((kr * er2).to(DD), colB)
-    sp = tl.dot((qr * er).to(DT), colA) + tl.dot((qr * er2).to(DD), colB)
+    # (DT: bf16 or float32; float16 inputs run float32 operands, _tile_dtype, which hold e^_DIAG_HALF)
+    colB = tl.trans(tl.where(inb, col, 0.0).to(DT))
+    # the earlier tiles (colA: columns before the block, all causal, exponents <= 0) and the diagonal tile (colB)
+    # as separate dots: a row whose diagonal operand overflows (inf there, inf * 0 = NaN in every column of its dot)
+    # keeps its earlier tiles
+    dga = tl.dot((kr * er2).to(DT), colB)
+    dgp = tl.dot((qr * er2).to(DT), colB)
     rows = R * 16 + tl.arange(0, 16)
     cols = tl.arange(0, 64)
-    diag = (cols[None, :] >= R * 16) & (cols[None, :] < R * 16 + 16)
-    # above the diagonal (masked later, but e^(G_i - G_j) > 1 there may overflow) and the far-fallen rows' diagonal
-    drop = (diag & ~ok[:, None]) | (cols[None, :] > rows[:, None])
-    sa = tl.where(drop, 0.0, sa)
-    sp = tl.where(drop, 0.0, sp)
+    diag = (cols[None, :] >= R * 16) & (cols[None, :] < R * 16 + 16) & (cols[None, :] <= rows[:, None])
+    # a row whose causal diagonal entries overflowed (|q| or |k| entries beyond ~e^(88 - _DIAG_HALF)) also goes
+    # pair by pair (exponents <= 0 there: the safe path never overflows for finite products q_i k_j)
+    fin = ((tl.abs(dga) < float("inf")) & (tl.abs(dgp) < float("inf"))) | ~diag
+    ok = ok & (tl.min(fin.to(tl.int32), axis=1) != 0)
+    # (entries above the diagonal, where e^(G_i - G_j) > 1 may overflow, and the far-fallen rows' diagonal dropped)
+    keep = diag & ok[:, None]
+    sa = tl.dot((kr * er).to(DT), colA) + tl.where(keep, dga, 0.0)
+    sp = tl.dot((qr * er).to(DT), colA) + tl.where(keep, dgp, 0.0)
     if tl.min(ok.to(tl.int32), axis=0) == 0:
         far = ~ok[:, None]
         sa = _add_cols(sa, tl.where(far, _diag_pair(kr, kr, Gr), 0.0), R, 16, 4, 16)
@@ -170,7 +180,7 @@ def _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT: tl.constexpr,
 @triton.jit
 def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: tl.constexpr):
     """A strip program's outputs: NB = diag(beta) Akk (strictly lower) and AQK = scale P (lower incl. the
-    diagonal) for the 16 rows of its block; with SAVE_B also BM = Akk before beta (for the backward)."""
+    diagonal) for the rows of its block where mr; with SAVE_B also BM = Akk before beta (for the backward)."""
     bb = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
     cols = tl.arange(0, 64)
     ob = (t0.to(tl.int64) * H + h) * 64 + rows[:, None] * (H * 64) + cols[None, :]
@@ -183,17 +193,24 @@ def _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B: 
 
 
 @triton.jit
-def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K: tl.constexpr,
-                 BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr,
-                 ROWS: tl.constexpr = 16, DENSE_DIAG: tl.constexpr = True):
-    """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h.  ROWS = 16: fr = 1
-    when the block's gates are >= lb (the dense diagonal tile), 0 for the safe path.  ROWS = 32 (fr = 1): a
-    dense pair, when G falls by at most _SPAN32 across it in every channel (FB bit 1): the anchor c is the middle
-    of the pair's G range, so |G_i - c| <= 80.5 on its rows (e^80.5 ~ 9e34, within float32 / bf16 range), and
-    every causal tile of the strip, the two diagonal 16x16 tiles and the one between them included, is one dense
-    [32, BK] x [BK, 64] dot.  Loads only the column-operand rows that the block uses (rows < R * ROWS + ROWS;
-    the others are masked to 0 in the dot anyway) and also stores KGB = diag(beta) (k e^G) (input dtype) for the
-    block's rows, the w/u kernel's operand."""
+def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K: tl.constexpr,
+                 BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB, FTZ: tl.constexpr, todo,
+                 ROWS: tl.constexpr = 16, CHECK: tl.constexpr = True,
+                 DENSE_DIAG: tl.constexpr = True):
+    """The strip kernels' work for row block R (ROWS = 16 or 32 rows) of chunk c_ and head h, stored for the rows
+    whose bits are set in todo (int32 scalar, bit i = row R * ROWS + i).  ROWS = 16: fr = 1 when the block's gates
+    are >= lb (the dense diagonal tile, anchor cl + 8 lb: exponents within +-8 |lb|), 0 for the safe path.
+    ROWS = 32 (fr = 1): a dense pair (FB bit 1; lb >= ROWS32_LOWER_BOUND_LIMIT), anchor cl + 16 lb, so
+    |G_i - c| <= 16 |lb| <= 80.5 on its rows (e^80.5 ~ 9e34, within float32 / bf16 range), and every causal
+    tile of the strip, the two diagonal 16x16 tiles and the one between them included, is one dense
+    [32, BK] x [BK, 64] dot.  Loads only the column-operand rows
+    that the block uses (rows < R * ROWS + ROWS; the others are masked to 0 in the dot anyway) and also stores
+    KGB = diag(beta) (k e^G) (input dtype) for the block's rows, the w/u kernel's operand (as QG, KD, GAM: the
+    same values whichever path, so a redo may store them again).
+    Returns the rows of todo left undone (bits as todo): with CHECK, on a dense path, those whose causal entries
+    came out inf / NaN (the anchored factors up to e^(|lb| ROWS / 2) overflow with |q| or |k| entries beyond
+    ~e^(88 - |lb| ROWS / 2); never a wrong finite value), not stored; each row's own entries decide it, so the
+    choice is causal too.  Without CHECK every row of todo is stored."""
     t0, L, rows64, rows, base, m64, mr = _strip_rows(cstart, clen, c_, h, R, H, K, ROWS)
     m64 = m64 & (rows64 < R * ROWS + ROWS)[:, None]
     bkg = tl.load(beta + (t0.to(tl.int64) * H + h) + rows * H, mask=rows < L, other=0.0).to(tl.float32)
@@ -218,56 +235,71 @@ def _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, G
         GC = tl.load(GCS + base + last * (H * K) + d)
         Gr = tl.load(GCS + base + orr, mask=mr, other=0.0)
         Gr = tl.where(mr, Gr, ch[None, :])
-        a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, ch, fr, R, rows64, orr, mr, d, base, QG, KD,
+        a, p, eG = _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, lb, fr, R, rows64, orr, mr, d, base, QG, KD,
                                 GAM, c_, h, H, scale, K, DT, FTZ, ROWS, DENSE_DIAG)
         tl.store(KGB + base + orr, (kr * eG * bkg[:, None]).to(KGB.dtype.element_ty), mask=mr)
-    if ROWS == 16:
-        ok = 1
-    else:
-        # the 32-row tile scales q and k by up to e^80.5: entries of |q| or |k| beyond ~3e3 overflow it to inf /
-        # NaN in the causal entries (never to a wrong finite value); then nothing is stored and the caller redoes
-        # the pair as two 16-row blocks (e^40.5 at most)
+    bit = tl.arange(0, ROWS)
+    if CHECK:
         cols = tl.arange(0, 64)
         fin = (tl.abs(a) < float("inf")) & (tl.abs(p) < float("inf"))
         fin = tl.where(cols[None, :] <= rows[:, None], fin, True)
-        ok = tl.min(tl.min(fin.to(tl.int32), axis=1), axis=0)
-    if ok != 0:
-        _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr, a, p, scale, BM, SAVE_B)
-    return ok
+        ok = tl.min(fin.to(tl.int32), axis=1) != 0
+        if ROWS == 16:
+            ok = ok | (fr == 0)                         # (the safe path never redoes a row)
+    else:
+        ok = bit >= 0
+    want = ((todo >> bit) & 1) != 0
+    _strip_store(NB, AQK, beta, t0, L, h, H, rows, mr & (want & ok)[:, None], a, p, scale, BM, SAVE_B)
+    return tl.sum(tl.where(want & (ok == 0), 1, 0) << bit, axis=0)
 
 
 @triton.jit
-def _intra_strip16_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+def _intra_strip16_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
                           K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB,
-                          FTZ: tl.constexpr, NS: tl.constexpr):
+                          FTZ: tl.constexpr, NS: tl.constexpr, DENSE: tl.constexpr = True):
     """One (chunk, head, 16-row block R), from the cumulative gate GCS and the flags FB of _chunk_cumsum_kernel:
     NB[rows of R] = diag(beta) Akk (strictly lower, 64 columns), AQK[rows of R] = scale P (lower incl. the
-    diagonal), QG, KD and KGB for the rows of R, GAM (R = 0 only); with SAVE_B also BM = Akk before beta.  The
-    anchor c of row block R: the middle of its G range when FB bit 0 says the block's gates are >= lb (then one
-    dense [16, BK] x [BK, 64] dot covers every causal tile, the diagonal one included), else G before the block
-    (exponents <= 0; the diagonal tile token pair by token pair).
+    diagonal), QG, KD and KGB for the rows of R, GAM (R = 0 only); with SAVE_B also BM = Akk before beta.  When
+    FB bit 0 says the block's gates are >= lb, one dense [16, BK] x [BK, 64] dot covers every causal tile, the
+    diagonal one included, with the anchor c = G before the block + 8 lb (exponents within +-8 |lb|); rows whose
+    entries overflow there (|q| or |k| entries beyond ~e^(88 - 8 |lb|)) and blocks without the bit take the safe
+    path: c = G before the block (exponents <= 0), the diagonal tile token pair by token pair.
     Grid (4 NC, H): the 4 row blocks of a chunk as consecutive programs, so that the [64, K] column operands (k, G)
     the 4 programs each load are still in L2 for 3 of them.  FTZ: the dense path's exponentials as
     ex2.approx.ftz (see _ex; GPU only).  NS: the cumsum kernel's channel slices (FB [NC, H, NS * 4], ANDed by
-    _fb)."""
+    _fb).  DT: the dots' operand dtype (float32 for float16 inputs: TF32 holds float16's mantissa with
+    float32's range, which the anchored factors need).  DENSE = False (no bound promised): the safe path only."""
     c_ = tl.program_id(0) // 4
     R = tl.program_id(0) % 4
     h = tl.program_id(1)
-    fr = _fb(FB, c_, h, H, R, NS) & 1
-    _strip_block(q, k, GCS, fr, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, H, K, BK, DT, BM, SAVE_B,
-                 KGB, FTZ)
+    if not DENSE:
+        # no bound promised: every block on the safe path, compiled without the dense path and its redo (the
+        # kernel's registers are the safe path's alone)
+        _strip_block(q, k, GCS, 0, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK, DT,
+                     BM, SAVE_B, KGB, FTZ, tl.full([], 0xFFFF, tl.int32), 16, False)
+        return
+    # (fr as a literal in each call: every inlined _strip_block is compiled for one path only)
+    left = tl.full([], 0xFFFF, tl.int32)
+    if (_fb(FB, c_, h, H, R, NS) & 1) != 0:
+        left = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK,
+                            DT, BM, SAVE_B, KGB, FTZ, left)
+    if left != 0:
+        # a block without the bit, or the rows whose dense entries overflowed: the safe path
+        _strip_block(q, k, GCS, 0, beta, cstart, clen, c_, R, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK, DT,
+                     BM, SAVE_B, KGB, FTZ, left, 16, False)
 
 
 @triton.jit
-def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, H,
+def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GAM, scale, lb, H,
                           K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BM, SAVE_B: tl.constexpr, KGB,
                           FTZ: tl.constexpr, NS: tl.constexpr, HM: tl.constexpr):
     """_intra_strip16_kernel's outputs with one program per (chunk, head, 32-row pair RR): grid (2 NC, H) (HM,
     head-major: (2 H, NC)), the two pairs of a chunk as consecutive programs.  When FB bit 1 says both blocks keep
-    the bound and G falls by at most _SPAN32 across the pair, it is one dense 32-row strip (_strip_block with
-    ROWS = 32: the [64, BK] column operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead
-    of four times); otherwise, and when that strip overflows (|q| or |k| entries beyond ~3e3), its two 16-row
-    blocks run as in _intra_strip16_kernel, one after the other, each dense or safe by its own FB bit 0."""
+    the bound, it is one dense 32-row strip (_strip_block with ROWS = 32, anchor G before the pair + 16 lb: the
+    [64, BK] column operand k_j e^(c - G_j) and its exponentials are formed twice per chunk instead of four
+    times); otherwise, and for the rows whose entries overflow that strip (|q| or |k| entries beyond ~3e3; only
+    those rows), its two 16-row blocks run as in _intra_strip16_kernel, one after the other, each dense or safe by
+    its own FB bit 0 (without the 16-row kernel's overflow redo: see below)."""
     if HM:
         c_ = tl.program_id(1)
         h = tl.program_id(0) // 2
@@ -276,19 +308,21 @@ def _intra_strip32_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
         h = tl.program_id(1)
     RR = tl.program_id(0) % 2
     f0 = _fb(FB, c_, h, H, 2 * RR, NS)
-    ok = tl.zeros([], dtype=tl.int32)
+    todo = tl.full([], -1, tl.int32)                  # the pair's rows not stored yet, one bit each
     if (f0 & 2) != 0:
-        ok = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
-                          DT, BM, SAVE_B, KGB, FTZ, 32)
+        todo = _strip_block(q, k, GCS, 1, beta, cstart, clen, c_, RR, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK,
+                            DT, BM, SAVE_B, KGB, FTZ, todo, 32)
     # (also keeps the 16-row blocks' work below from being scheduled into the dense pair's: fewer registers)
     tl.debug_barrier()
-    if ok == 0:
-        # (a dense pair that overflowed stored the same QG, KD, KGB and GAM as the 16-row blocks store again)
-        _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, H, K, BK,
-                     DT, BM, SAVE_B, KGB, FTZ, 16, False)
-        f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS) & 1
-        _strip_block(q, k, GCS, f1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, H, K,
-                     BK, DT, BM, SAVE_B, KGB, FTZ, 16, False)
+    if todo != 0:
+        # one block after the other, each dense or safe by its FB bit 0, stored as they come out: the 16-row
+        # dense factors reach e^(8 |lb|) <= e^40.25 here, so only |q| or |k| entries beyond ~e^48 (1e21) overflow
+        # them (to inf / NaN: check_finite's result check names it)
+        f1 = _fb(FB, c_, h, H, 2 * RR + 1, NS)
+        _strip_block(q, k, GCS, f0 & 1, beta, cstart, clen, c_, 2 * RR, h, NB, QG, KD, AQK, GAM, scale, lb, H, K, BK,
+                     DT, BM, SAVE_B, KGB, FTZ, todo & 0xFFFF, 16, False, False)
+        _strip_block(q, k, GCS, f1 & 1, beta, cstart, clen, c_, 2 * RR + 1, h, NB, QG, KD, AQK, GAM, scale, lb, H, K,
+                     BK, DT, BM, SAVE_B, KGB, FTZ, (todo >> 16) & 0xFFFF, 16, False, False)
 
 
 @triton.jit
@@ -424,8 +458,8 @@ def _intra_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt, 
     FB [NC, H, ...]) to rows 0 .. NC-1 of the given tensors.  BM: Akk before beta for the backward, or None.
     marks: record the phase boundaries (cfg.profile)."""
     mark = (lambda name: _mark(cfg, name)) if marks else (lambda name: None)
-    # the dense 32-row pairs where a bound is promised and the operands' range holds e^80 (not float16)
-    rows32 = fast and idt != torch.float16
+    # the dense 32-row pairs where a promised bound keeps their factors within e^(16 |lb|) <= e^80.5 (not float16)
+    rows32 = fast and idt != torch.float16 and lb >= ROWS32_LOWER_BOUND_LIMIT
     ns = FB.shape[-1] // 4
     hm = _head_major(NC, cfg)
     _chunk_cumsum_kernel[_ch_grid(NC, H, hm, ns)](g2, cstart, clen, GCS, FB, lb, H, K=K, FAST=fast, ROWS32=rows32,
@@ -435,13 +469,14 @@ def _intra_launch(q2, k2, g2, b2, cstart, clen, NC, H, K, scale, lb, fast, idt, 
     common = dict(NS=ns, BM=BM if save_b else NBUF, SAVE_B=save_b, KGB=KGB, FTZ=not _interpret())
     if rows32:
         _intra_strip32_kernel[(2 * H, NC) if hm else (2 * NC, H)](
-            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K, HM=hm,
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, lb, H, K=K, HM=hm,
             BK=min(K, cfg.bk_strip32), DT=_TL[idt], **common, num_warps=cfg.nw_strip32, num_stages=1,
             **_maxnreg(cfg.maxnreg_strip32))
     else:
         _intra_strip16_kernel[(4 * NC, H, 1)](
-            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, H, K=K,
-            BK=min(K, cfg.bk), DT=_TL[idt], **common, num_warps=cfg.nw_strip, num_stages=1)
+            q2, k2, GCS, FB, b2, cstart, clen, NBUF, QG, KD, AQK, GAM, scale, lb, H, K=K,
+            BK=min(K, cfg.bk), DT=_TL[_tile_dtype(idt)], DENSE=fast, **common, num_warps=cfg.nw_strip,
+            num_stages=1)
     mark("intra: strip")
     _wy_solve_kernel[_ch_grid(NC, H, hm)](NBUF, cstart, clen, TB, H, PREC=_solve_prec(cfg, BM is None), HM=hm,
                                           num_warps=cfg.nw_solve, num_stages=1)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 CHUNK = 64
 #: the most negative promised bound for which the dense diagonal tiles stay in range (8 * 10 = 80 < 88)
 FAST_LOWER_BOUND_LIMIT = -10.0
-#: the same for float16 operands: the anchored factors reach e^(8 |L|) and float16 ends at 65504 ~ e^11.09, so
-#: the dense tiles need L >= -1.25 there; a lower bound below that runs the safe path (same result)
+#: the same for float16 inputs (a lower bound runs the safe path, same result).  Their dense tiles form the
+#: anchored operands (factors up to e^(8 |L|)) in float32, as float16 ends at 65504 ~ e^11.09 (q entries past
+#: ~3 overflowed it at e^10); this limit is the range in which float16's dense path has been tested
 FP16_FAST_LOWER_BOUND_LIMIT = -1.25
 
 
