@@ -816,7 +816,9 @@ class CompiledModule(nn.Module):
 
     def tracing(self, values: bool = False):
         """``with m.tracing() as trace:`` records every launch the runtime makes, in order, as a :class:`Traced`
-        (``values``: with the launch's operand and output tensors, which the record then keeps alive)."""
+        (``values``: with the launch's operand and output tensors, which the record then keeps alive: the run's own
+        tensors, so a storage that a later launch writes in place (``in place of`` in the listing) holds that
+        launch's output by the end; compile with ``inplace=False`` to keep every recorded value)."""
         import contextlib
 
         @contextlib.contextmanager
