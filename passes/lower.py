@@ -90,8 +90,8 @@ class Launch:
     ``inputs`` / ``outputs``: (printed ref, type) of the buffers it reads and writes (parameters are read as
     ``%pN``); ``frees``: the buffers whose last use it is (dropped right after it when autograd does not
     record); ``inplace``: {output index: input index} of the outputs it writes into the storage of that input,
-    whose last use it is (see :func:`lower`). ``meta``: the meta-parameters the implementation reads; ``refused``: implementations earlier in the
-    target's chain that do not take this node, with the reason.
+    whose last use it is (see :func:`lower`). ``meta``: the meta-parameters the implementation reads; ``refused``:
+    implementations earlier in the target's chain that do not take this node, with the reason.
     """
 
     index: int

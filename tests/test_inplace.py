@@ -84,3 +84,20 @@ def test_reuse_changes_no_bit_and_the_peak_is_the_plan(spec, variant, target):
 def test_inplace_option_is_checked():
     with pytest.raises(dsl.MtcError, match="inplace must be True or False, got 'no'"):
         dsl.compile(dsl.parse(SMALL), inplace="no")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 1000, 4097])
+@pytest.mark.parametrize("spec,variant", SPECS, ids=["tiny", "hybrid_tiny"])
+def test_gpu_reuse_changes_no_bit(spec, variant, T):
+    # (the generated kernels in place on the GPU: each program reads its rows before writing them, also where a tile
+    # is smaller than the threads of a program, T = 1)
+    g = dsl.load(spec, variant, d=512) if variant == "tiny" else dsl.load(spec, variant)
+    on, off = (dsl.compile(g, target="triton", dtype=torch.bfloat16, device="cuda", seed=4, inplace=flag).eval()
+               for flag in (True, False))
+    ids = torch.randint(0, 256, (2, T), device="cuda")
+    with torch.no_grad():
+        got, want = on(ids), off(ids)
+    assert torch.equal(got, want)
+    assert on.last_run.inplace == on.program.inplace_count() > 0
+    assert on.last_run.peak_bytes == on.plan_memory(B=2, T=T)[0] <= off.last_run.peak_bytes

@@ -149,7 +149,8 @@ def _check_float_input(x, where: str, min_dim: int = 0) -> None:
                          f"dimension), got a {x.dim()}-d tensor")
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019, eq. 4); float32 math.
 
     x [..., d] float; weight [d] (any real dtype, used as float32). Returns x's shape and dtype. ``out``: a tensor
@@ -223,32 +224,36 @@ def silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU x * sigmoid(x) (Elfwing et al. 2018), float32 math, x's shape and dtype. ``out``: a tensor to write
     the result into (x itself allowed), taken where :func:`writable`, else the result is a fresh tensor (so for
     every elementwise op here)."""
+    xf = _f32(x)
     if writable(out, x.dtype, x):
-        return _store(out, _silu, _f32(x))
-    return F.silu(_f32(x)).to(x.dtype)
+        return _store(out, _silu, xf)
+    return F.silu(xf).to(x.dtype)
 
 
 def sigmoid(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """1 / (1 + e^-x), float32 math, x's shape and dtype; ``out`` as for :func:`silu`."""
+    xf = _f32(x)
     if writable(out, x.dtype, x):
-        return _store(out, torch.sigmoid, _f32(x))
-    return torch.sigmoid(_f32(x)).to(x.dtype)
+        return _store(out, torch.sigmoid, xf)
+    return torch.sigmoid(xf).to(x.dtype)
 
 
 def add(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """a + b (broadcasting as torch), float32 math, rounded to a's dtype (the residual add); ``out`` as for
     :func:`silu` (a or b itself allowed)."""
+    af, bf = _f32(a), _f32(b)
     if writable(out, a.dtype, a, b):
-        return _store(out, torch.add, _f32(a), _f32(b))
-    return (_f32(a) + _f32(b)).to(a.dtype)
+        return _store(out, torch.add, af, bf)
+    return (af + bf).to(a.dtype)
 
 
 def mul(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """a * b (broadcasting as torch), float32 math, rounded to a's dtype (gates, e.g. MLA's output gate); ``out``
     as for :func:`add`."""
+    af, bf = _f32(a), _f32(b)
     if writable(out, a.dtype, a, b):
-        return _store(out, torch.mul, _f32(a), _f32(b))
-    return (_f32(a) * _f32(b)).to(a.dtype)
+        return _store(out, torch.mul, af, bf)
+    return (af * bf).to(a.dtype)
 
 
 def check_attention_args(q, k, v, scale, where: str, causal=True) -> None:
