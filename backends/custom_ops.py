@@ -212,14 +212,22 @@ def register_generated(key: str, module, kernels) -> None:
     _GENERATED[key] = {k.name: (k, getattr(module, k.name)) for k in kernels}
 
 
-def generated_launch(k, fn, args: list, shapes: list):
+def generated_launch(k, fn, args: list, shapes: list, into: dict | None = None):
     """Run generated kernel ``fn`` (of GeneratedKernel ``k``) on ``args`` made contiguous; returns its outputs, each
     in the row operands' dtype and viewed as ``shapes[i]`` (an epilogue may end in a reshape of the flat
-    [rows, D] tiling): one output, or a tuple of several."""
+    [rows, D] tiling): one output, or a tuple of several. ``into``: {output index: a row operand the output is
+    written into} (in place; one that is not contiguous, or not in the row operands' dtype, is not taken: that
+    output gets its own storage)."""
     from backends.triton.codegen import launch
     args = [a.contiguous() for a in args]
     row = next(a for a, r in zip(args, k.row_inputs) if r)
-    outs = [torch.empty_like(row) for _ in k.outputs]
+    into = into or {}
+
+    def target(j):
+        t = into.get(j)
+        ok = t is not None and t.is_contiguous() and t.dtype == row.dtype and t.numel() == row.numel()
+        return t if ok else torch.empty_like(row)
+    outs = [target(j) for j in range(len(k.outputs))]
     launch(k, fn, args, outs)          # several rows per program when rows are short
     outs = [o.view(s) for o, s in zip(outs, shapes)]
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -132,7 +132,7 @@ def _forward_bytes(program, graph, bind: dict, dtype: torch.dtype) -> tuple[floa
     elem = elem_bytes(graph, dtype)
     if program.training:                     # autograd keeps the saved tensors: every output to the end
         total = sum(float(sympy.Mul(*b.type.shape).subs(bind)) * elem(b.type)
-                    for b in program.buffers.values() if b.alias is None and not b.weight_view)
+                    for b in program.buffers.values() if program.storage_of(b.name) == b.name and not b.weight_view)
         ws = workspace(program, bind, elem)
         return total, total + max((ws(L) for L in program.launches), default=0.0)
     return program.memory(bind, elem, workspace(program, bind, elem))
@@ -176,11 +176,11 @@ def measured_workspace(module, **inputs) -> dict[int, int]:
     out: dict[int, int] = {}
     orig = module._launch
 
-    def spy(L, fn, call, args):
+    def spy(L, fn, call, args, into=None):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        res = orig(L, fn, call, args)
+        res = orig(L, fn, call, args, into)
         torch.cuda.synchronize()
         held = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         new = sum(o.untyped_storage().nbytes() for o in (res if isinstance(res, tuple) else (res,))

@@ -14,7 +14,13 @@ the reason it does not, which the lowered listing prints beside the implementati
 skips it. ``workspace(node, shapes, elem)`` gives the bytes an implementation allocates inside one call beyond
 its outputs (the memory plan adds the largest); ``meta(node, types)`` the meta-parameters the kernel reads (the
 lowered listing prints them); ``aliases(node, types)`` the outputs that are views of an input ({output index: input
-index}: the memory plan counts their storage once).
+index}: the memory plan counts their storage once); ``inplace`` the outputs it can write into the storage of an input
+({output index: input index, or a tuple of the input indices it may take}): called as ``fn(node, *tensors,
+out=tensor)`` (one output; a tuple with None for a fresh output where it has several), it writes that output into
+``out`` and returns it, where ``out`` is one of its inputs. The lowering (passes/lower.py) decides which launches
+do so, for the program that runs without autograd only (when the input's last use is that launch, its type is the
+output's, and no other live buffer shares its storage); an implementation that finds ``out`` unusable (a layout
+its result would not have) returns a fresh result instead, which is correct but costs what the plan saved.
 
 ``args`` and ``fake`` make the implementation a ``torch.library`` custom op, ``torch.ops.mtc.<op>_<target>``
 (backends/custom_ops.py), which the runtime calls under ``torch.compile`` / ``torch.export``: ``args`` types the
@@ -59,6 +65,7 @@ class Impl:
     args: str = ""                              # the custom op's attribute parameters (schema language)
     fake: Callable | None = None                # fake(call, *tensors) -> outputs' shapes / dtypes, no compute
     derive: Callable | None = None              # derive(node, members) -> a fused launch's attributes
+    inplace: tuple = ()                         # ((output index, (input indices it may overwrite)), ...)
     op_name: str = ""                           # the custom op: torch.ops.mtc.<op_name>
 
     @property
@@ -77,18 +84,24 @@ _IMPLS: dict[tuple[str, str], list[Impl]] = {}
 
 def impl(target: str, op: str, *, name: str | None = None, accepts: Callable | None = None, grad: bool = True,
          workspace: Callable | None = None, meta: Callable | None = None, aliases: Callable | None = None,
-         args: str = "", fake: Callable | None = None, derive: Callable | None = None):
+         args: str = "", fake: Callable | None = None, derive: Callable | None = None, inplace: dict | None = None):
     """Decorator: register ``fn(node, *tensors)`` as ``target``'s implementation of ``op`` (see the module
     docstring). Several implementations of one op on one target are tried in registration order."""
     if target not in CHAINS:
         raise ValueError(f"impl: unknown target {target!r}; targets: {', '.join(CHAINS)}")
+    if inplace is not None:
+        inplace = {int(j): (i,) if isinstance(i, int) else tuple(i) for j, i in inplace.items()}
+        if any(j < 0 or not ins or any(not isinstance(i, int) or i < 0 for i in ins) for j, ins in inplace.items()):
+            raise ValueError(f"impl {target}.{op}: inplace maps output indices to input indices (>= 0), got "
+                             f"{inplace!r}")
+        inplace = tuple(sorted(inplace.items()))
 
     def deco(fn):
         from backends.custom_ops import op_name
         taken = {i.op_name for impls in _IMPLS.values() for i in impls}
         _IMPLS.setdefault((target, op), []).append(
             Impl(target, op, name or f"{target}.{op}", fn, accepts, grad, workspace, meta, aliases, args, fake,
-                 derive, op_name(target, op, taken)))
+                 derive, inplace or (), op_name(target, op, taken)))
         return fn
     return deco
 

@@ -101,15 +101,18 @@ class RunStats:
     """What the last forward did (``m.last_run``): ``peak_bytes``, the most bytes of activations (graph inputs and
     op outputs, views not counted twice, weights not at all) alive at once; ``buffer_bytes``, bytes of new storage
     each buffer allocated (0 for a view or an output that reuses an input's storage); ``launches``, the number of
-    launches run; ``bind``, the sizes of the shape symbols; ``training``, whether it ran the training program."""
+    launches run; ``inplace``, the number of outputs written in place of an input (the program's
+    ``inplace_count()``, less any an implementation declined); ``bind``, the sizes of the shape symbols;
+    ``training``, whether it ran the training program."""
 
-    __slots__ = ("peak_bytes", "buffer_bytes", "launches", "bind", "training")
+    __slots__ = ("peak_bytes", "buffer_bytes", "launches", "inplace", "bind", "training")
 
     def __init__(self, bind, training):
         self.peak_bytes, self.buffer_bytes, self.launches, self.bind, self.training = 0, {}, 0, bind, training
+        self.inplace = 0
 
     def __repr__(self) -> str:
-        return (f"RunStats(peak_bytes={self.peak_bytes:,}, launches={self.launches}, "
+        return (f"RunStats(peak_bytes={self.peak_bytes:,}, launches={self.launches}, inplace={self.inplace}, "
                 f"bind={ {str(k): v for k, v in self.bind.items()} }, training={self.training})")
 
 
@@ -703,13 +706,17 @@ class CompiledModule(nn.Module):
                 recompute = False
                 if L.op == "qb_route":
                     args, recompute = self._router_args(n, args, fkey)
-                out = self._launch(L, fn, call, args)
+                # outputs the program writes in place of an input whose last use this is (passes/lower.py)
+                into = {j: args[i] for j, i in L.inplace.items()} if L.inplace else None
+                out = self._launch(L, fn, call, args, into)
                 if L.op == "qb_route":
                     if self._route_spy is not None:
                         self._route_spy(n, out, args)
                     if not recompute:
                         self._after_route(n, out, fkey, inputs)
                 outs = out if len(L.outputs) > 1 else (out,)
+                if into is not None:
+                    stats.inplace += sum(outs[j].data_ptr() == t.data_ptr() for j, t in into.items())
                 for (r, _t), v in zip(L.outputs, outs):
                     env[r] = v
                     stats.buffer_bytes[r] = 0 if buffers[r].weight_view else live.add(v)
@@ -780,13 +787,18 @@ class CompiledModule(nn.Module):
         self._bound[id(program)] = (program, out)
         return out
 
-    def _launch(self, L, fn, call, args):
+    def _launch(self, L, fn, call, args, into=None):
         """Run one launch: a generated kernel on contiguous operands, or an implementation; an op's ValueError (NaN /
-        inf operands, ...) becomes an MtcError at the op's spec line."""
+        inf operands, ...) becomes an MtcError at the op's spec line. ``into``: {output index: the operand tensor
+        the output is written into} (the implementation's ``out=``, backends/registry.py)."""
         if L.generated is not None:
             from backends.custom_ops import generated_launch
-            return generated_launch(L.generated, fn, args, [self._shape(t.shape, self._bind) for _r, t in L.outputs])
+            return generated_launch(L.generated, fn, args, [self._shape(t.shape, self._bind) for _r, t in L.outputs],
+                                    into)
         try:
+            if into:
+                out = into.get(0) if len(L.outputs) == 1 else tuple(into.get(j) for j in range(len(L.outputs)))
+                return fn.fn(call, *args, out=out)
             return fn.fn(call, *args)
         except ValueError as e:
             n = call.node
@@ -804,7 +816,9 @@ class CompiledModule(nn.Module):
 
     def tracing(self, values: bool = False):
         """``with m.tracing() as trace:`` records every launch the runtime makes, in order, as a :class:`Traced`
-        (``values``: with the launch's operand and output tensors, which the record then keeps alive)."""
+        (``values``: with the launch's operand and output tensors, which the record then keeps alive: the run's own
+        tensors, so a storage that a later launch writes in place (``in place of`` in the listing) holds that
+        launch's output by the end; compile with ``inplace=False`` to keep every recorded value)."""
         import contextlib
 
         @contextlib.contextmanager
@@ -1121,7 +1135,7 @@ def _check_interpreter_dtype(target: str, dtype: torch.dtype) -> None:
 
 def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype | str | None = None,
                   device: torch.device | str = "cpu", seed: int | None = 0, passes="default",
-                  print_after=(), dump_ir=None, emit_dir=None) -> CompiledModule:
+                  print_after=(), dump_ir=None, emit_dir=None, inplace: bool = True) -> CompiledModule:
     """Run the pass pipeline and build a runnable module.
 
     Args:
@@ -1134,10 +1148,14 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         seed: parameter initialisation seed (None: torch's global RNG).
         passes / print_after / dump_ir: see passes.PassManager.
         emit_dir: (triton) write the generated kernels there instead of the cache directory.
+        inplace: let the program that runs without autograd write an output into the storage of an input whose
+            last use that launch is, where the implementation can and it is safe (passes/lower.py; the results are
+            the same bits); False: every output gets its own storage.
     Raises:
         MtcError: an unknown target or device, a dtype other than float32 / float16 / bfloat16 (float64
             too: the reference ops compute in float32), bfloat16 under the Triton interpreter, a seed that is not an
-            integer in [0, 2**63), target "tvm" without TVM installed, or a graph that fails verification.
+            integer in [0, 2**63), an inplace that is not a bool, target "tvm" without TVM installed, or a graph that
+            fails verification.
     """
     from passes import PassManager, pipeline
     if not isinstance(target, str):
@@ -1161,6 +1179,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         raise MtcError(f"dtype {dtype!r}: a model computes in float32, bfloat16 or float16")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 63):
         raise MtcError(f"seed {seed!r}: an integer in [0, 2**63) (or None: torch's global RNG)")
+    if not isinstance(inplace, bool):
+        raise MtcError(f"inplace must be True or False, got {inplace!r}")
     if passes == "default":
         passes = pipeline(target)
     try:
@@ -1198,7 +1218,7 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     m = CompiledModule(g, dict(pm.stages), target, dtype, device, seed)
     m.pass_timings = pm.timings
     from passes.lower import lower
-    m.program = lower(g, target)
+    m.program = lower(g, target, inplace=inplace)
     m.train_program = lower(g, target, training=True)
     m.stages["lowered"] = m.program
     if str(device) != "meta" and any(L.generated is not None for L in m.program.launches):

@@ -8,7 +8,10 @@ runs out of memory is reported as such. Runs with the code of the tree it is sta
 checkout (``PYTHONPATH=<old tree>``) measures the same way; without the plan API the plan columns stay empty.
 
 Usage (a CUDA GPU):  python benchmarks/memory.py [--variant small] [--seq-lens 8192 65536 262144]
-                     [--repeats 3] [--json FILE]
+                     [--repeats 3] [--json FILE] [--no-inplace]
+
+``--no-inplace`` compiles with ``inplace=False`` (every output in its own storage; passes/lower.py), for the
+before / after of in-place reuse.
 """
 from __future__ import annotations
 
@@ -20,10 +23,12 @@ import time
 import torch
 
 
-def measure(variant: str, seq_lens: list[int], repeats: int, per_launch: bool = True) -> list[dict]:
+def measure(variant: str, seq_lens: list[int], repeats: int, per_launch: bool = True,
+            inplace: bool = True) -> list[dict]:
     import dsl
     g = dsl.load("models/kimi_k3.mtc", variant=variant)
-    m = dsl.compile(g, target="triton", dtype=torch.bfloat16, device="cuda", seed=0).eval()
+    m = dsl.compile(g, target="triton", dtype=torch.bfloat16, device="cuda", seed=0,
+                    **({} if inplace else {"inplace": False})).eval()
     weights = sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
     rows = []
     for T in seq_lens:
@@ -96,11 +101,12 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the rows here as JSON")
     ap.add_argument("--no-per-launch", action="store_true", help="skip the per-launch workspace measurement")
+    ap.add_argument("--no-inplace", action="store_true", help="compile with inplace=False (no in-place reuse)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/memory.py needs a CUDA GPU")
     t0 = time.time()
-    rows = measure(args.variant, args.seq_lens, args.repeats, not args.no_per_launch)
+    rows = measure(args.variant, args.seq_lens, args.repeats, not args.no_per_launch, not args.no_inplace)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

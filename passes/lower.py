@@ -89,8 +89,9 @@ class Launch:
     ``pointwise``, ``<anchor op>+rmsnorm``); ``ops`` the graph nodes whose values it computes, in order.
     ``inputs`` / ``outputs``: (printed ref, type) of the buffers it reads and writes (parameters are read as
     ``%pN``); ``frees``: the buffers whose last use it is (dropped right after it when autograd does not
-    record). ``meta``: the meta-parameters the implementation reads; ``refused``: implementations earlier in the
-    target's chain that do not take this node, with the reason.
+    record); ``inplace``: {output index: input index} of the outputs it writes into the storage of that input,
+    whose last use it is (see :func:`lower`). ``meta``: the meta-parameters the implementation reads; ``refused``:
+    implementations earlier in the target's chain that do not take this node, with the reason.
     """
 
     index: int
@@ -108,6 +109,7 @@ class Launch:
     refused: list[str] = field(default_factory=list)
     generated: object = None           # the GeneratedKernel of a generated.* launch (backends/triton/codegen.py)
     aliases: dict = field(default_factory=dict)   # output index -> the input index whose storage it views
+    inplace: dict = field(default_factory=dict)   # output index -> the input index whose storage it overwrites
 
     @property
     def is_view(self) -> bool:
@@ -115,7 +117,8 @@ class Launch:
 
     def text(self) -> str:
         ins = ", ".join(r for r, _ in self.inputs)
-        outs = ", ".join(f"{r}: {t}" for r, t in self.outputs)
+        outs = ", ".join(f"{r}: {t}" + (f" in place of {self.inputs[self.inplace[j]][0]}" if j in self.inplace else "")
+                         for j, (r, t) in enumerate(self.outputs))
         s = f"k{self.index} = {self.kernel}"
         if self.grid:
             s += " grid [" + ", ".join(str(x).replace(" ", "") for x in self.grid) + "]"
@@ -136,8 +139,8 @@ class Launch:
 @dataclass
 class Buffer:
     """A value of the program: its type, the launch that defines it (-1: a graph input), its last use (the
-    number of launches: a graph output, kept), and for a view the buffer whose storage it shares (or that it
-    views a weight)."""
+    number of launches: a graph output, kept), for a view the buffer whose storage it shares (or that it views a
+    weight), and for an output written in place the input buffer whose storage it takes (``reuses``)."""
 
     name: str
     type: TensorType
@@ -145,6 +148,7 @@ class Buffer:
     last: int
     alias: str | None = None
     weight_view: bool = False          # a view of a parameter or buffer of the module: no activation storage
+    reuses: str | None = None          # written in place of this buffer (dead after the launch that defines it)
 
 
 @dataclass
@@ -164,8 +168,9 @@ class KernelProgram:
         mode = "training (autograd records: every op with its backward)" if self.training else "inference"
         lines = [f"// {mode}: the launches the runtime makes, in order. 'ops': the graph ops one fused launch computes;",
                  "// 'free': buffers dead after that launch (dropped at once when autograd does not record); views",
-                 "// (view.*) share their input's storage and launch nothing; 'not': implementations earlier in",
-                 "// the target's chain that do not take the op, and why.",
+                 "// (view.*) share their input's storage and launch nothing; 'in place of %x': the output is written",
+                 "// into the storage of operand %x, whose last use that launch is; 'not': implementations earlier",
+                 "// in the target's chain that do not take the op, and why.",
                  f"kernels {self.name}({', '.join(self.symbols)}) target={self.target} {{"]
         seen = set()
         for L in self.launches:
@@ -238,11 +243,15 @@ class KernelProgram:
         return peak, max(peak, peak_ws)
 
     def storage_of(self, name: str) -> str:
-        """The buffer that owns the storage of buffer ``name`` (itself unless it is a view)."""
+        """The buffer that owns the storage of buffer ``name`` (itself unless it is a view or written in place)."""
         b = self.buffers[name]
-        while b.alias is not None:
-            b = self.buffers[b.alias]
+        while b.alias is not None or b.reuses is not None:
+            b = self.buffers[b.alias if b.alias is not None else b.reuses]
         return b.name
+
+    def inplace_count(self) -> int:
+        """The number of launch outputs written in place of an input."""
+        return sum(len(L.inplace) for L in self.launches)
 
 
 def _cdiv(a, b) -> sympy.Expr:
@@ -313,7 +322,7 @@ def _describe(anchor: Node, ms: list[Node]) -> str:
     return f"{anchor.op}; prologue {part(ms[:a])}; epilogue {part(ms[a + 1:])}"
 
 
-def lower(g: Graph, target: str = "triton", *, training: bool = False) -> KernelProgram:
+def lower(g: Graph, target: str = "triton", *, training: bool = False, inplace: bool = True) -> KernelProgram:
     """Lower a fused graph (after fuse_tiles) to the program a compiled module executes.
 
     Each op runs on the first implementation of the target's chain (backends/registry.py) that accepts it; on
@@ -323,6 +332,11 @@ def lower(g: Graph, target: str = "triton", *, training: bool = False) -> Kernel
     output (the kernel's output norm). ``training``: the program autograd records through, every op on its own
     with an implementation that has a backward. Launches run in the graph's order of the node that triggers
     them; the buffer table records each value's definition and last use.
+
+    ``inplace`` (the program without autograd only): a launch writes an output into the storage of an input whose
+    last use it is, where its implementation declares it can (``@impl(..., inplace=)``; a generated kernel: any row
+    operand, each program reading its rows before it writes them) and :func:`_takes_storage` finds it safe; the
+    listing prints ``in place of %x`` and the memory plan counts that storage once.
 
     Raises MtcError for an op no implementation of the chain takes (at the op's source location)."""
     from backends.registry import resolve
@@ -384,7 +398,11 @@ def lower(g: Graph, target: str = "triton", *, training: bool = False) -> Kernel
     launches: list[Launch] = []
     done: set[str] = set()
 
-    def add(kernel, op, anchor, ms, ins, outs, **kw):
+    cands: dict[int, tuple] = {}            # launch index -> ((output index, (input indices)), ...) it may overwrite
+
+    def add(kernel, op, anchor, ms, ins, outs, inplace=(), **kw):
+        if inplace:
+            cands[len(launches)] = inplace
         launches.append(Launch(len(launches), kernel, op, anchor.name, [m.name for m in ms], [m.op for m in ms],
                                ins, outs, group=anchor.attr("fusion"), **kw))
 
@@ -403,8 +421,12 @@ def lower(g: Graph, target: str = "triton", *, training: bool = False) -> Kernel
             block_d = 1 << max(0, D - 1).bit_length()
             rows = max(1, TILE_ELEMS // block_d)
             n_rows = sympy.Mul(*types[_parse_ref(k.outputs[0])].shape) / D
+            # each program loads its rows of every operand before it stores its outputs' (codegen.plan_kernel), and
+            # a row operand and an output share the flat [rows, D] offsets: any row operand may take an output
+            rows_in = tuple(i for i, row in enumerate(k.row_inputs) if row)
             add(f"generated.{k.name}", "pointwise", ms[-1], ms, ins, outs, generated=k,
-                meta={"BLOCK_D": block_d, "ROWS": rows}, grid=[_cdiv(n_rows, rows)])
+                meta={"BLOCK_D": block_d, "ROWS": rows}, grid=[_cdiv(n_rows, rows)],
+                inplace=tuple((j, rows_in) for j in range(len(outs))))
             continue
         if n.name in chains:
             ms = [nodes[x] for x in chains[n.name]]
@@ -431,7 +453,7 @@ def lower(g: Graph, target: str = "triton", *, training: bool = False) -> Kernel
         aliases = {0: 0} if chosen.name.startswith("view.") else (
             chosen.aliases(n, in_t) if chosen.aliases is not None else {})
         add(chosen.name, n.op, n, [n], ref_types(n.inputs), ref_types([n.out(i) for i in range(len(n.types))]),
-            meta=meta, refused=refused, aliases=aliases)
+            meta=meta, refused=refused, aliases=aliases, inplace=chosen.inplace)
 
     # -- buffers: definition, last use, storage ------------------------------------------------------------
     buffers: dict[str, Buffer] = {}
@@ -452,7 +474,68 @@ def lower(g: Graph, target: str = "triton", *, training: bool = False) -> Kernel
             launches[b.last].frees.append(b.name)
         elif b.last == -1:                  # a graph input no launch reads
             pass
-    return KernelProgram(g.name, target, g.symbols, launches, buffers, training, groups)
+    program = KernelProgram(g.name, target, g.symbols, launches, buffers, training, groups)
+    if inplace and not training:
+        _plan_inplace(program, cands)
+    return program
+
+
+def _plan_inplace(program: KernelProgram, cands: dict[int, tuple]) -> None:
+    """Mark the outputs the launches write in place of an input (Launch.inplace, Buffer.reuses), in launch order;
+    ``cands``: the outputs each launch may write so and the inputs it may take for each."""
+    buffers = program.buffers
+    sharing: dict[str, list[str]] = {}      # storage owner -> the buffers whose storage it is
+    for b in buffers.values():
+        sharing.setdefault(program.storage_of(b.name), []).append(b.name)
+    for L in program.launches:
+        taken: set[int] = set()
+        for j, ins in cands.get(L.index, ()):
+            if j >= len(L.outputs) or j in L.aliases or j in L.inplace:
+                continue
+            o = buffers[L.outputs[j][0]]
+            if o.alias is not None or o.weight_view:
+                continue
+            for i in ins:
+                if i < len(L.inputs) and i not in taken and _takes_storage(program, sharing, L, i, o):
+                    L.inplace[j] = i
+                    taken.add(i)
+                    r = L.inputs[i][0]
+                    o.reuses = r
+                    s = program.storage_of(r)
+                    sharing[s] += sharing.pop(o.name, [])
+                    break
+
+
+def _takes_storage(program: KernelProgram, sharing: dict, L: Launch, i: int, o: Buffer) -> bool:
+    """Whether launch ``L`` may write output buffer ``o`` into the storage of its input ``i``: that input is a value
+    of the program (no graph input, parameter or buffer of the module, nor a view of one), its last use is ``L``
+    and it is no graph output, it has ``o``'s dtype and number of elements (and shape, for a registered
+    implementation, which gets it as ``out``), it is its storage itself or reshapes of it (a dense layout: no
+    slice or broadcast), no other operand of ``L`` shares that storage, and every other buffer sharing it is dead
+    before ``L``."""
+    buffers = program.buffers
+    r, rt = L.inputs[i]
+    b = buffers.get(r)
+    if b is None or b.last != L.index or b.first < 0 or b.weight_view:
+        return False
+    if rt.dtype != o.type.dtype or sympy.expand(sympy.Mul(*rt.shape) - sympy.Mul(*o.type.shape)) != 0:
+        return False
+    if L.generated is None and tuple(rt.shape) != tuple(o.type.shape):
+        return False
+    x = b
+    while x.alias is not None or x.reuses is not None:
+        if x.alias is not None:
+            if program.launches[x.first].kernel != "view.reshape":
+                return False
+            x = buffers[x.alias]
+        else:
+            x = buffers[x.reuses]
+    if x.first < 0 or x.weight_view:
+        return False
+    s = x.name
+    if any(k != i and ref in buffers and program.storage_of(ref) == s for k, (ref, _t) in enumerate(L.inputs)):
+        return False
+    return all(name == r or buffers[name].last < L.index for name in sharing.get(s, ()))
 
 
 def _parse_ref(text: str) -> Ref:

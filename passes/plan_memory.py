@@ -33,7 +33,8 @@ The parallel layout it assumes (simple, and stated so the numbers can be checked
     kept + the largest layer's values.
   - ``"block"``: the same with Block AttnRes blocks (``block_size`` layers) as the unit.
   - ``"inference"``: forward only, values freed after their last use: the peak of the live buffers of the program
-    a compiled module of ``target`` runs (passes/lower.py; ``m.last_run.peak_bytes`` measures the same), and
+    a compiled module of ``target`` runs (passes/lower.py; outputs written in place of dead inputs share their
+    storage; ``m.last_run.peak_bytes`` measures the same), and
     separately the largest launch's workspace at that point (buffers a kernel allocates inside itself).
 
   The graph sized is the one the default pipeline runs: the canonical graph with Block AttnRes in its
@@ -355,7 +356,8 @@ def _two_phase(canonical: Graph, compute_dtype: str) -> Graph:
     return g.with_nodes(out)
 
 
-def _program_peak(canonical: Graph, size: "_Sizer", target: str, two_phase: bool) -> tuple[float, float]:
+def _program_peak(canonical: Graph, size: "_Sizer", target: str, two_phase: bool,
+                  inplace: bool = True) -> tuple[float, float]:
     """(peak bytes of live buffers, the peak launch's workspace beyond them) of the program a compiled module of
     ``target`` runs without autograd (passes/lower.py), for the whole batch."""
     from backends.memory import workspace
@@ -366,7 +368,7 @@ def _program_peak(canonical: Graph, size: "_Sizer", target: str, two_phase: bool
         raise ValueError(f"plan_memory: target must be one of {', '.join(map(repr, CHAINS))}, got {target!r}")
     names = (["batch_attn_residual"] if two_phase else []) + (["fuse_tiles"] if target != "reference" else [])
     g = PassManager(names, verify_each=False).run(canonical) if names else canonical
-    program = lower(g, target)
+    program = lower(g, target, inplace=inplace)
 
     def elem(t) -> float:
         return size(TensorType(t.dtype, ())) if t.dtype in DTYPES else 4.0
@@ -386,7 +388,7 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
                 ep_size: int | None = None, dtype_bytes: float | None = None, tp_size: int | None = None,
                 num_slots: int | None = None, block_size: int | None = None,
                 canonical: Graph | None = None, two_phase_attn_res: bool = True,
-                target: str = "reference") -> MemoryPlan:
+                target: str = "reference", inplace: bool = True) -> MemoryPlan:
     """Per-GPU memory for weights, activations, MLA latent KV cache and KDA state, and the
     expert-parallel all-to-all volume per MoE layer (the layout is described in the module docstring).
 
@@ -414,6 +416,8 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
             last merge. False: the direct form (one attn_residual per read; the TVM target).
         target: ("inference") the target whose program is planned: "reference" runs the graph op by op;
             "triton" its fused program (the default pipeline with fuse_tiles).
+        inplace: ("inference") the program writes outputs in place of dead inputs where it can (passes/lower.py;
+            dsl.compile's default); False: every output in its own storage.
     Returns:
         A :class:`MemoryPlan` (bytes per GPU; ``summary()`` for a table, ``to_dict()`` for JSON).
     Raises:
@@ -516,7 +520,7 @@ def plan_memory(graph: Graph, *, seq_len: int, gpus: int, batch: int = 1, checkp
     size = _Sizer(batch, seq_len, compute_dtype, dtype_bytes)
     ws_total = 0.0
     if checkpointing == "inference":
-        act_total, ws_total = _program_peak(canonical, size, target, two_phase_attn_res)
+        act_total, ws_total = _program_peak(canonical, size, target, two_phase_attn_res, inplace)
         kept, recompute = act_total, 0.0
     else:
         act_total, kept, recompute = _activations(_two_phase(canonical, compute_dtype) if two_phase_attn_res

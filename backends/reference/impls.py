@@ -99,13 +99,20 @@ impl(REF, "embedding", fake=lambda c, ids, w: w.new_empty((*ids.shape, w.shape[1
     lambda c, ids, w: R.embedding(ids, w))
 impl(REF, "linear", fake=fake_linear)(lambda c, x, w: R.linear(x, w))
 impl(REF, "lm_head", fake=fake_linear)(lambda c, x, w: R.lm_head(x, w))
-impl(REF, "rmsnorm", args="float eps", fake=like())(lambda c, x, w: R.rmsnorm(x, w, eps=c.attr("eps")))
-impl(REF, "l2norm", args="float eps", fake=like())(lambda c, x: R.l2norm(x, eps=c.attr("eps")))
+# (inplace: the elementwise ops and the row norms may write their output into an operand they no longer need, the
+# row norms each row after reading it; backends/registry.py)
+impl(REF, "rmsnorm", args="float eps", fake=like(), inplace={0: 0})(
+    lambda c, x, w, out=None: R.rmsnorm(x, w, eps=c.attr("eps"), out=out))
+impl(REF, "l2norm", args="float eps", fake=like(), inplace={0: 0})(
+    lambda c, x, out=None: R.l2norm(x, eps=c.attr("eps"), out=out))
 impl(REF, "short_conv", fake=fake_conv)(lambda c, x, w: R.short_conv(x, w)[0])
-impl(REF, "silu", workspace=_f32_copies, fake=like())(lambda c, x: R.silu(x))
-impl(REF, "sigmoid", workspace=_f32_copies, fake=like())(lambda c, x: R.sigmoid(x))
-impl(REF, "add", workspace=_f32_copies, fake=fake_binary)(lambda c, a, b: R.add(a, b))
-impl(REF, "mul", workspace=_f32_copies, fake=fake_binary)(lambda c, a, b: R.mul(a, b))
+impl(REF, "silu", workspace=_f32_copies, fake=like(), inplace={0: 0})(lambda c, x, out=None: R.silu(x, out=out))
+impl(REF, "sigmoid", workspace=_f32_copies, fake=like(), inplace={0: 0})(
+    lambda c, x, out=None: R.sigmoid(x, out=out))
+impl(REF, "add", workspace=_f32_copies, fake=fake_binary, inplace={0: (0, 1)})(
+    lambda c, a, b, out=None: R.add(a, b, out=out))
+impl(REF, "mul", workspace=_f32_copies, fake=fake_binary, inplace={0: (0, 1)})(
+    lambda c, a, b, out=None: R.mul(a, b, out=out))
 impl(REF, "kda_gate", args="float? lower_bound, str gate", fake=like(0, torch.float32))(
     lambda c, x, a, d: R.kda_gate(x, a, d, lower_bound=c.attr("lower_bound"), gate=c.attr("gate")))
 impl(REF, "kda_chunk", args="float? scale", fake=new(2))(
@@ -114,8 +121,8 @@ impl(REF, "mla_attention", workspace=_mla_scores_bytes, args="float? scale, bool
     lambda c, q, k, v: R.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))
 impl(REF, "qb_route", args="int top_k, float routed_scaling", fake=fake_route)(
     lambda c, x, w, b: R.qb_route(x, w, b, top_k=c.attr("top_k"), routed_scaling=c.attr("routed_scaling")))
-impl(REF, "situ_glu", args="float beta_gate, float beta_up", fake=fake_glu)(
-    lambda c, a, b: R.situ_glu(a, b, beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))
+impl(REF, "situ_glu", args="float beta_gate, float beta_up", fake=fake_glu, inplace={0: (0, 1)})(
+    lambda c, a, b, out=None: R.situ_glu(a, b, beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up"), out=out))
 impl(REF, "moe_experts", args="str activation, float? beta_gate, float? beta_up", fake=like())(
     lambda c, x, i, w, w1, w3, w2: R.moe_experts(x, i, w, w1, w3, w2, activation=c.attr("activation"),
                                                  beta_gate=c.attr("beta_gate"), beta_up=c.attr("beta_up")))

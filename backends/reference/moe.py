@@ -26,7 +26,7 @@ import numbers
 
 import torch
 
-from .ops import check_devices, check_eps, rmsnorm
+from .ops import _store, check_devices, check_eps, rmsnorm, writable
 
 __all__ = [
     "qb_route",
@@ -420,7 +420,7 @@ def check_betas(beta_gate, beta_up, where: str) -> None:
             raise ValueError(f"{where}: beta_gate and beta_up must be finite and > 0, got {beta_gate}, {beta_up}")
 
 
-def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
+def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0, out=None):
     """SiTU-GLU, the bounded gated activation (spec/OPS.md, situ_glu).
 
     ``h = (beta_gate * tanh(a / beta_gate) * sigmoid(a)) * (beta_up * tanh(b / beta_up))``; near
@@ -430,6 +430,8 @@ def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
     Args:
         a: gate pre-activation, any float dtype; b: up pre-activation, same shape.
         beta_gate, beta_up: positive caps.
+        out: a tensor to write h into (a or b itself allowed: both are read before h is written), taken where
+            ``backends.reference.ops.writable``, else h is a fresh tensor.
     Returns:
         h, same shape, in the promoted dtype of a and b; computed in float32.
     Raises:
@@ -438,8 +440,11 @@ def situ_glu(a, b, *, beta_gate=4.0, beta_up=25.0):
     """
     check_glu_args(a, b, beta_gate, beta_up, "situ_glu")
     af, bf = a.float(), b.float()
-    h = (beta_gate * torch.tanh(af / beta_gate) * torch.sigmoid(af)) * (beta_up * torch.tanh(bf / beta_up))
-    return h.to(torch.promote_types(a.dtype, b.dtype))
+    gate, up = beta_gate * torch.tanh(af / beta_gate) * torch.sigmoid(af), beta_up * torch.tanh(bf / beta_up)
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    if writable(out, dtype, a, b):
+        return _store(out, torch.mul, gate, up)
+    return (gate * up).to(dtype)
 
 
 def _glu(a, b, activation, beta_gate, beta_up):

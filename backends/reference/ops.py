@@ -16,6 +16,37 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x.float()
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill their storage span once each (a permutation of a contiguous layout)."""
+    want = 1
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if st != want:
+            return False
+        want *= n
+    return True
+
+
+def writable(out, dtype: torch.dtype, *operands: torch.Tensor) -> bool:
+    """Whether an elementwise result of ``operands`` in ``dtype`` may be written into ``out`` (the ``out=`` of the
+    ops here) with the values and the layout it has when computed into a fresh tensor: ``out`` has the result's
+    shape and dtype, is dense, and every operand of its shape has its strides (an elementwise result takes the
+    layout of its full-shape operands; broadcast ones do not decide it)."""
+    if out is None or out.dtype != dtype or not _dense(out):
+        return False
+    if tuple(out.shape) != tuple(torch.broadcast_shapes(*(x.shape for x in operands))):
+        return False
+    return all(x.shape != out.shape or all(a == b for n, a, b in zip(x.shape, x.stride(), out.stride()) if n != 1)
+               for x in operands)
+
+
+def _store(out: torch.Tensor, fn, *xs):
+    """``fn(*xs)`` (float32 math) into ``out``: computed there when ``out`` is float32, else rounded into it (the
+    rounding of ``.to(dtype)``). Returns ``out``."""
+    if out.dtype == torch.float32:
+        return fn(*xs, out=out)
+    return out.copy_(fn(*xs))
+
+
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight[ids]. ids [...] int64 in [0, vocab); weight [vocab, d] -> [..., d] in weight's dtype.
     Raises IndexError naming the first out-of-range token id."""
@@ -118,28 +149,37 @@ def _check_float_input(x, where: str, min_dim: int = 0) -> None:
                          f"dimension), got a {x.dim()}-d tensor")
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight (Zhang & Sennrich 2019, eq. 4); float32 math.
 
-    x [..., d] float; weight [d] (any real dtype, used as float32). Returns x's shape and dtype. Raises
-    TypeError for a non-float x, ValueError for eps not a finite number > 0 or a weight that is not [d]."""
+    x [..., d] float; weight [d] (any real dtype, used as float32). Returns x's shape and dtype. ``out``: a tensor
+    to write the result into (x itself allowed: each row is read before it is written); taken where
+    :func:`writable`, else the result is a fresh tensor. Raises TypeError for a non-float x, ValueError for eps
+    not a finite number > 0 or a weight that is not [d]."""
     _check_float_input(x, "rmsnorm", min_dim=1)
     check_eps(eps, "rmsnorm")
     _check_weight(weight, lambda w: tuple(w.shape) == (x.shape[-1],), f"[d] with d = x's last size {x.shape[-1]}",
                   "rmsnorm")
     xf = _f32(x)
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * _f32(weight)).to(x.dtype)
+    scaled = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if writable(out, x.dtype, x):
+        return _store(out, torch.mul, scaled, _f32(weight))
+    return (scaled * _f32(weight)).to(x.dtype)
 
 
-def l2norm(x: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(x: torch.Tensor, *, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
     """x / sqrt(sum(x^2, -1) + eps) (the q/k normalisation of KDA).
 
-    x [..., d] float. Returns x's shape and dtype. Raises TypeError for a non-float x, ValueError for eps not
-    a finite number > 0."""
+    x [..., d] float. Returns x's shape and dtype. ``out``: as for :func:`rmsnorm`. Raises TypeError for a
+    non-float x, ValueError for eps not a finite number > 0."""
     _check_float_input(x, "l2norm")
     check_eps(eps, "l2norm")
     xf = _f32(x)
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    r = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+    if writable(out, x.dtype, x):
+        return _store(out, torch.mul, xf, r)
+    return (xf * r).to(x.dtype)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
@@ -176,24 +216,44 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Te
     return y.transpose(1, 2).to(x.dtype), final
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU x * sigmoid(x) (Elfwing et al. 2018), float32 math, x's shape and dtype."""
-    return F.silu(_f32(x)).to(x.dtype)
+def _silu(x, out=None):
+    return F.silu(x) if out is None else torch.ops.aten.silu.out(x, out=out)
 
 
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + e^-x), float32 math, x's shape and dtype."""
-    return torch.sigmoid(_f32(x)).to(x.dtype)
+def silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU x * sigmoid(x) (Elfwing et al. 2018), float32 math, x's shape and dtype. ``out``: a tensor to write
+    the result into (x itself allowed), taken where :func:`writable`, else the result is a fresh tensor (so for
+    every elementwise op here)."""
+    xf = _f32(x)
+    if writable(out, x.dtype, x):
+        return _store(out, _silu, xf)
+    return F.silu(xf).to(x.dtype)
 
 
-def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b (broadcasting as torch), float32 math, rounded to a's dtype (the residual add)."""
-    return (_f32(a) + _f32(b)).to(a.dtype)
+def sigmoid(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """1 / (1 + e^-x), float32 math, x's shape and dtype; ``out`` as for :func:`silu`."""
+    xf = _f32(x)
+    if writable(out, x.dtype, x):
+        return _store(out, torch.sigmoid, xf)
+    return torch.sigmoid(xf).to(x.dtype)
 
 
-def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a * b (broadcasting as torch), float32 math, rounded to a's dtype (gates, e.g. MLA's output gate)."""
-    return (_f32(a) * _f32(b)).to(a.dtype)
+def add(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a + b (broadcasting as torch), float32 math, rounded to a's dtype (the residual add); ``out`` as for
+    :func:`silu` (a or b itself allowed)."""
+    af, bf = _f32(a), _f32(b)
+    if writable(out, a.dtype, a, b):
+        return _store(out, torch.add, af, bf)
+    return (af + bf).to(a.dtype)
+
+
+def mul(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a * b (broadcasting as torch), float32 math, rounded to a's dtype (gates, e.g. MLA's output gate); ``out``
+    as for :func:`add`."""
+    af, bf = _f32(a), _f32(b)
+    if writable(out, a.dtype, a, b):
+        return _store(out, torch.mul, af, bf)
+    return (af * bf).to(a.dtype)
 
 
 def check_attention_args(q, k, v, scale, where: str, causal=True) -> None:
