@@ -7,7 +7,7 @@ and the op contract in spec/OPS.md:
     S <- S + beta_t k_t (v_t - S^T k_t)^T         (delta-rule update on the decayed state)
     o_t = scale * S^T q_t
 
-``kda_chunk`` computes the same recurrence with the chunked WY/UT representation (chunks of 64 tokens).
+``kda_chunk`` computes the same recurrence with the chunked WY/UT representation (chunks of CHUNK = 16 tokens).
 Within a chunk, with G_i = g_1 + ... + g_i (cumulative log decay, per channel) and S_0 the state at the
 chunk start, the state after token i is diag(exp(G_i)) (S_0 + sum_{j<=i} (k_j * exp(-G_j)) w_j^T) where
 the pseudo-values w solve the unit lower-triangular system
@@ -19,12 +19,20 @@ the pseudo-values w solve the unit lower-triangular system
     O = scale * ((Q * exp(G)) S_0 + P W),            P_ij = sum_d q_id k_jd exp(G_id - G_jd), j <= i
     S_C = diag(exp(G_C)) S_0 + (K * exp(G_C - G))^T W.
 
+W is linear in S_0: W = U - W_k S_0 with (I + A) [U | W_k] = diag(beta) [V | K * exp(G)], which needs no state, so
+everything but the state is computed for all chunks of all sequences at once; the state then passes from chunk
+to chunk as S_C = M S_0 + R (M = diag(exp(G_C)) - (K * exp(G_C - G))^T W_k, R = (K * exp(G_C - G))^T U), one
+batched matrix product per chunk step, and the outputs of all chunks follow at once from their start states.
+The chunks are small because the pairwise decays exp(G_i - G_j) [C, C, K] dominate the cost, C of them per token
+and channel, while a scan step is one small product (T / C of them).
+
 Every exponent here is a difference G_i - G_j with i >= j, hence <= 0: the reference is safe for the
 unbounded (softplus) gate too, at any decay strength.  Everything is computed in float32, except the in-chunk
-cumulative gate G and its differences (float64, then the exponentials rounded to float32: a float32 G keeps
-only ulp(|G|) of absolute accuracy, 1.2e-4 at |G| ~ 2000, which a channel alternating decays of -80 and -1e-4
-reaches within a chunk), and is differentiable through torch.autograd (it is the gradient reference of the
-Triton kernels, whose G is float32).
+cumulative gate G and its differences (float64, then rounded to float32 before the exponential: a float32 G
+keeps only ulp(|G|) of absolute accuracy, 1.2e-4 at |G| ~ 2000, which a channel alternating decays of -80 and
+-1e-4 reaches within a chunk, while a float64 difference rounded to float32 moves exp(G_i - G_j) by at most
+2^-24 / e absolute), and is differentiable through torch.autograd (it is the gradient reference of the Triton
+kernels, whose G is float32).
 """
 from __future__ import annotations
 
@@ -39,7 +47,8 @@ from .ops import check_devices, check_finite_cpu, check_flag
 
 __all__ = ["kda_gate", "kda_chunk", "kda_step", "CHUNK"]
 
-CHUNK = 64
+#: tokens per chunk of the reference's chunked form (its result does not depend on it beyond float rounding)
+CHUNK = 16
 
 
 def _check_float(name: str, t: torch.Tensor, where: str) -> None:
@@ -252,39 +261,97 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where):
     return B, T, H, K, V, bounds, n_seq
 
 
-def _chunk_one(q, k, v, g, beta, S, scale):
-    """One sequence, all heads.  q,k,g [H,L,K]; v [H,L,V]; beta [H,L]; S [H,K,V] (float32).
+#: pairwise-decay elements [chunks, H, C, C, K] the intra-chunk step builds at once (float64 differences, float32
+#: exponentials); more chunks are done in groups of at most this many (at least one chunk per group)
+PAIR_ELEMENTS = 1 << 21
 
-    Returns (o [H,L,V], S_final [H,K,V]).  Loops over chunks of CHUNK tokens; see the module docstring.
+
+def chunks_per_group(H: int, K: int) -> int:
+    """Chunks whose pairwise decays [n, H, CHUNK, CHUNK, K] one group of the intra-chunk step holds (at least 1)."""
+    return max(1, PAIR_ELEMENTS // (H * CHUNK * CHUNK * K))
+
+
+def _chunk_table(lengths, starts, device):
+    """The chunk layout of sequences ``lengths`` (token counts) starting at flat token ``starts``.
+
+    Sequences are ranked by chunk count, most first (stable), and the table lists chunks step-major: every
+    rank's chunk 0, then every rank's chunk 1 of those that have one, ...; so the chunks of scan step t are a
+    contiguous range of the table and their sequences the first ``active[t]`` ranks.
+
+    Returns (idx [N, CHUNK] int64 flat token of each slot, -1 for padding; order [n_seq] the sequence of each
+    rank; active [steps] list of ints).
     """
-    H, L, K = q.shape
-    outs = []
-    for s in range(0, L, CHUNK):
-        e = min(s + CHUNK, L)
-        c = e - s
-        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]
-        # G and its differences in float64: a float32 prefix sum holds G only to ulp(|G|) (1.2e-4 at |G| ~ 2000,
-        # where strong and weak decays of one channel alternate), and G_i - G_j would inherit that absolute error
-        dt = q.dtype
-        G = torch.cumsum(g[:, s:e].double(), dim=1)                       # [H,c,K]
-        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # j <= i
-        diff = G[:, :, None, :] - G[:, None, :, :]                        # [H,c,c,K] = G_i - G_j
-        decay = torch.exp(torch.where(causal[None, :, :, None], diff, torch.full_like(diff, float("-inf")))).to(dt)
-        Akk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay) * bc[:, :, None]
-        Akk = Akk.tril(-1)                                                # strictly lower
-        P = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay) * scale      # lower incl. diagonal
-        eG = G.exp().to(dt)
-        rhs = bc[:, :, None] * (vc - (kc * eG) @ S)                       # [H,c,V]
-        eye = torch.eye(c, dtype=dt, device=q.device)
-        W = torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True)
-        outs.append(scale * (qc * eG) @ S + P @ W)
-        Glast = G[:, -1:, :]                                              # [H,1,K]
-        S = Glast.transpose(1, 2).exp().to(dt) * S + (kc * (Glast - G).exp().to(dt)).transpose(1, 2) @ W
-    if outs:
-        o = torch.cat(outs, dim=1)
-    else:
-        o = q.new_zeros(H, 0, v.shape[-1])
-    return o, S
+    n_chunks = [-(-L // CHUNK) for L in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: -n_chunks[i])
+    steps = max(n_chunks, default=0)
+    active = [sum(1 for i in order if n_chunks[i] > t) for t in range(steps)]
+    N = sum(active)
+    ln = torch.tensor([lengths[i] for i in order], dtype=torch.int64)
+    st = torch.tensor([starts[i] for i in order], dtype=torch.int64)
+    rank, step = [], []
+    for t in range(steps):
+        rank.extend(range(active[t]))
+        step.extend([t] * active[t])
+    rank, step = torch.tensor(rank, dtype=torch.int64), torch.tensor(step, dtype=torch.int64)
+    pos = step[:, None] * CHUNK + torch.arange(CHUNK)[None, :]             # [N, C] position in its sequence
+    idx = torch.where(pos < ln[rank][:, None], st[rank][:, None] + pos, -1) if N else pos
+    return idx.to(device), order, active
+
+
+def _chunk_all(qf, kf, vf, gf, bf, S0, scale, idx, active):
+    """All chunks of all sequences at once (see the module docstring), the state scan a loop over chunk steps.
+
+    qf, kf, gf [P+1, H, K], vf [P+1, H, V], bf [P+1, H] float32: the flat tokens, the last row zeros (the
+    padding slots of the chunk table read it: g = 0, k = v = beta = 0 leave the state as it is); idx and active
+    from _chunk_table; S0 [n_seq, H, K, V] float32 in rank order.
+
+    Returns (O [N*CHUNK, H, V] in table order, S [n_seq, H, K, V] the final states in rank order).
+    """
+    N, C = idx.shape
+    H, K, V = qf.shape[1], qf.shape[2], vf.shape[2]
+    flat = idx.reshape(-1)
+
+    def table(x):                                   # [P+1, H, *] -> [N, H, C, *]
+        return x[flat].view(N, C, H, x.shape[2]).permute(0, 2, 1, 3).contiguous()
+    q, k, v, g = table(qf), table(kf), table(vf), table(gf)
+    beta = bf[flat].view(N, C, H).transpose(1, 2)[..., None]                 # [N, H, C, 1]
+    # G and its differences in float64: a float32 prefix sum holds G only to ulp(|G|) (1.2e-4 at |G| ~ 2000,
+    # where strong and weak decays of one channel alternate), and G_i - G_j would inherit that absolute error.
+    # A difference rounded to float32 (|G_i - G_j| (1 + 2^-24)) then moves its exponential by at most 2^-24 / e.
+    G = torch.cumsum(g.double(), dim=2)                                      # [N, H, C, K]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()[:, :, None]   # j <= i
+    qk = torch.stack((k, q), dim=-1)                                         # [N, H, C, K, 2]
+    AP = []
+    n = chunks_per_group(H, K)
+    for Gb, kb, qkb in zip(G.split(n), k.split(n), qk.split(n)):   # (split: one backward for all groups)
+        diff = (Gb[:, :, :, None, :] - Gb[:, :, None, :, :]).float()         # [n, H, C, C, K] = G_i - G_j
+        decay = torch.exp(torch.where(causal, diff, float("-inf")))          # 0 for j > i
+        AP.append((decay * kb[:, :, None, :, :]) @ qkb)                      # [n, H, C, C, 2]: k_i, q_i against k_j
+    A, P = torch.cat(AP).unbind(-1)
+    A = (A * beta).tril(-1)                                                  # strictly lower
+    P = P.tril() * scale                                                     # lower incl. diagonal
+    eG = G.exp().float()
+    Glast = G[:, :, -1:, :]                                                  # [N, H, 1, K]
+    kd = k * (Glast - G).exp().float()                                       # k_j exp(G_C - G_j)
+    # (I + A) [U | Wk] = diag(beta) [V | K * exp(G)]: the chunk's pseudo-values W = U - Wk S_0
+    UW = torch.linalg.solve_triangular(A, beta * torch.cat((v, k * eG), dim=-1), upper=False, unitriangular=True)
+    U, Wk = UW[..., :V], UW[..., V:]
+    # the chunk's transition S_C = M S_0 + R, M = diag(exp(G_C)) - kd^T Wk, R = kd^T U
+    kdT = kd.transpose(-1, -2)
+    M = torch.diag_embed(Glast[:, :, 0].exp().float()) - kdT @ Wk            # [N, H, K, K]
+    R = kdT @ U                                                              # [N, H, K, V]
+    S, starts = S0, []
+    n = S0.shape[0]
+    # (split, not slicing: the backward of one split is one concatenation, that of a slice a zero-filled tensor of
+    # the whole table per step)
+    for a, Mt, Rt in zip(active, M.split(active), R.split(active)):
+        Sa = S[:a]
+        starts.append(Sa)
+        new = torch.baddbmm(Rt.flatten(0, 1), Mt.flatten(0, 1), Sa.flatten(0, 1)).view(a, H, K, V)
+        S = new if a == n else torch.cat((new, S[a:]))
+    S_start = torch.cat(starts) if starts else S0[:0]                        # [N, H, K, V]: S_0 of every chunk
+    O = (q * eG) @ S_start * scale + P @ (U - Wk @ S_start)                  # [N, H, C, V]
+    return O.permute(0, 2, 1, 3).reshape(N * C, H, V), S
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -313,7 +380,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         N_seq = len(cu_seqlens) - 1 with cu_seqlens, else B.
 
     Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8; spec/OPS.md "kda_chunk" (decay first, then the delta
-    update on the decayed state, o_t = scale * S_t^T q_t).  Chunk size 64; all exponents are pairwise
+    update on the decayed state, o_t = scale * S_t^T q_t).  Chunk size CHUNK = 16, all chunks at once; all exponents are pairwise
     differences G_i - G_j <= 0, so the chunked form overflows for no g <= 0.  The recurrence itself stays bounded
     while beta_t ||k_t||^2 <= 2 (the delta update I - beta k k^T is then no expansion; L2-normalised keys with beta
     in (0, 1], as in Kimi K3, always are); past that a RuntimeWarning names the first such token, and a result
@@ -345,31 +412,30 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     check_lower_bound_kept(g, lower_bound, where)
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = torch.float32
-    # [B,T,H,*] -> [B,H,T,*] in float32
-    qf, kf, vf, gf = (t.to(f32).transpose(1, 2) for t in (q, k, v, g))
-    bf = beta.to(f32).transpose(1, 2)
     if bounds is None:
-        bounds_b = [(b, 0, T) for b in range(B)]
+        lengths, starts = [T] * B, [b * T for b in range(B)]
     else:
-        bounds_b = [(0, s, e) for (s, e) in bounds]
-    o_parts, states = [], []
-    for n, (b, s, e) in enumerate(bounds_b):
-        S0 = (initial_state[n].to(f32) if initial_state is not None
-              else torch.zeros(H, K, V, dtype=f32, device=q.device))
-        o_n, S_n = _chunk_one(qf[b, :, s:e], kf[b, :, s:e], vf[b, :, s:e], gf[b, :, s:e], bf[b, :, s:e],
-                              S0, scale)
-        o_parts.append(o_n)
-        states.append(S_n)
-    if not o_parts:                                          # B = 0 (no sequences)
-        o = torch.zeros(0, H, T, V, dtype=f32, device=q.device)
-    elif bounds is None:
-        o = torch.stack(o_parts, 0)                          # [B,H,T,V]
-    else:
-        o = torch.cat(o_parts, dim=1)[None]                  # [1,H,T,V]
-    o = o.transpose(1, 2).to(v.dtype).contiguous()
+        lengths, starts = [e - s for s, e in bounds], [s for s, _ in bounds]
+    idx, order, active = _chunk_table(lengths, starts, q.device)
+    n_tok = B * T                               # flat tokens; row n_tok is the zero row the padding slots read
+    idx = torch.where(idx < 0, n_tok, idx)
+
+    def flat(t):                                # [B, T, H, *] -> [B*T + 1, H, *] float32
+        t = t.to(f32).reshape(n_tok, *t.shape[2:])
+        return torch.cat((t, t.new_zeros(1, *t.shape[1:])))
+    S0 = (initial_state.to(f32)[order] if initial_state is not None
+          else torch.zeros(n_seq, H, K, V, dtype=f32, device=q.device))
+    O, S = _chunk_all(flat(q), flat(k), flat(v), flat(g), flat(beta), S0, scale, idx, active)
+    # every real token sits in exactly one slot of the table: scatter the slots back to token order
+    slot = torch.full((n_tok + 1,), -1, dtype=torch.int64, device=q.device)
+    slot[idx.reshape(-1)] = torch.arange(idx.numel(), device=q.device)
+    o = O[slot[:n_tok]] if n_tok else O.new_zeros(0, H, V)
+    o = o.view(B, T, H, V).to(v.dtype)
     final = None
     if output_final_state:
-        final = torch.stack(states, 0) if states else torch.zeros(0, H, K, V, dtype=f32, device=q.device)
+        rank = torch.empty(n_seq, dtype=torch.int64)
+        rank[torch.tensor(order, dtype=torch.int64)] = torch.arange(n_seq)
+        final = S[rank.to(q.device)]
     check_result_finite(o, final, k, beta, where)
     return o, final
 
