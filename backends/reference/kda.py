@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .ops import check_devices, check_finite_cpu, check_flag
 
-__all__ = ["kda_gate", "kda_chunk", "kda_step", "CHUNK"]
+__all__ = ["kda_gate", "kda_chunk", "kda_step", "kda_chunk_workspace", "CHUNK"]
 
 #: tokens per chunk of the reference's chunked form (its result does not depend on it beyond float rounding)
 CHUNK = 16
@@ -263,12 +263,41 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where):
 
 #: pairwise-decay elements [chunks, H, C, C, K] the intra-chunk step builds at once (float64 differences, float32
 #: exponentials); more chunks are done in groups of at most this many (at least one chunk per group)
-PAIR_ELEMENTS = 1 << 21
+PAIR_ELEMENTS = 1 << 18
 
 
 def chunks_per_group(H: int, K: int) -> int:
     """Chunks whose pairwise decays [n, H, CHUNK, CHUNK, K] one group of the intra-chunk step holds (at least 1)."""
     return max(1, PAIR_ELEMENTS // (H * CHUNK * CHUNK * K))
+
+
+def kda_chunk_workspace(B: int, T: int, H: int, K: int, V: int, in_bytes: float = 4.0,
+                        n_chunks: int | None = None, n_seq: int | None = None) -> float:
+    """Bytes the reference kda_chunk allocates inside one call besides its output (no autograd), an upper bound.
+
+    B, T, H, K, V: the shapes of q [B, T, H, K] and v [B, T, H, V]; in_bytes: bytes per element of the inputs
+    (below 4 they are copied to float32 first); n_chunks, n_seq: the chunk count of the chunk table and the
+    sequence count (defaults B ceil(T / CHUNK) and B, those without cu_seqlens). The largest of the phases of
+    _chunk_all, each the tensors live in it per chunk slot and head (s of them) and per chunk and head (c), on top
+    of the initial states and the slot maps: the pairwise step (the q, k, v, beta tables, G in float64, the stacked
+    k and q, the scores, one group's float64 and float32 pairwise decays), the exponentials of G (and their
+    float64 temporaries), the solve (its right-hand side and solution), the scaled queries, the transitions (M and
+    its temporaries), the scan (M, R and the start states) and the outputs (W, O and their temporaries).
+    """
+    C = CHUNK
+    N = B * -(-T // C) if n_chunks is None else n_chunks
+    s, c = float(N * C * H), float(N * H)
+    group = 12.0 * min(N, chunks_per_group(H, K)) * H * C * C * K         # float64 differences + float32 copy
+    phases = (s * (24 * K + 4 * V + 8 * C + 4) + group,                     # pairwise decays
+              s * (36 * K + 4 * V + 8 * C + 4),                             # exp(G), kd
+              s * (24 * K + 12 * V + 12 * C + 4),                           # the solve
+              s * (24 * K + 4 * V + 4 * C),                                 # the scaled queries
+              s * (12 * K + 4 * V + 4 * C) + c * 12 * K * K,                # M
+              s * (8 * K + 4 * V + 4 * C) + c * (4 * K * K + 8 * K * V),    # the scan
+              s * (8 * K + 16 * V + 4 * C) + c * 4 * K * V)                 # W and O
+    states = 4.0 * (B if n_seq is None else n_seq) * H * K * V
+    ins = B * T * H * (3 * K + V + 1) * 4.0 if in_bytes < 4 else 0.0       # float32 copies of 16-bit inputs
+    return max(phases) + states + ins + 16.0 * (N * C + B * T + 1)         # + the int64 slot maps
 
 
 def _chunk_table(lengths, starts, device):
@@ -298,50 +327,33 @@ def _chunk_table(lengths, starts, device):
     return idx.to(device), order, active
 
 
-def _chunk_all(qf, kf, vf, gf, bf, S0, scale, idx, active):
-    """All chunks of all sequences at once (see the module docstring), the state scan a loop over chunk steps.
-
-    qf, kf, gf [P+1, H, K], vf [P+1, H, V], bf [P+1, H] float32: the flat tokens, the last row zeros (the
-    padding slots of the chunk table read it: g = 0, k = v = beta = 0 leave the state as it is); idx and active
-    from _chunk_table; S0 [n_seq, H, K, V] float32 in rank order.
-
-    Returns (O [N*CHUNK, H, V] in table order, S [n_seq, H, K, V] the final states in rank order).
-    """
-    N, C = idx.shape
-    H, K, V = qf.shape[1], qf.shape[2], vf.shape[2]
-    flat = idx.reshape(-1)
-
-    def table(x):                                   # [P+1, H, *] -> [N, H, C, *]
-        return x[flat].view(N, C, H, x.shape[2]).permute(0, 2, 1, 3).contiguous()
-    q, k, v, g = table(qf), table(kf), table(vf), table(gf)
-    beta = bf[flat].view(N, C, H).transpose(1, 2)[..., None]                 # [N, H, C, 1]
-    # G and its differences in float64: a float32 prefix sum holds G only to ulp(|G|) (1.2e-4 at |G| ~ 2000,
-    # where strong and weak decays of one channel alternate), and G_i - G_j would inherit that absolute error.
-    # A difference rounded to float32 (|G_i - G_j| (1 + 2^-24)) then moves its exponential by at most 2^-24 / e.
-    G = torch.cumsum(g.double(), dim=2)                                      # [N, H, C, K]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()[:, :, None]   # j <= i
+def _pair_scores(G, q, k, beta, scale):
+    """A = beta_i sum_d k_id k_jd exp(G_id - G_jd) (j < i) and P = scale sum_d q_id k_jd exp(G_id - G_jd) (j <= i),
+    [N, H, C, C] float32, from G [N, H, C, K] float64 and q, k [N, H, C, K], beta [N, H, C, 1] float32; the
+    pairwise decays [n, H, C, C, K] for groups of n = chunks_per_group chunks at a time."""
+    C = G.shape[2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()[:, :, None]   # j <= i
     qk = torch.stack((k, q), dim=-1)                                         # [N, H, C, K, 2]
-    AP = []
-    n = chunks_per_group(H, K)
+    AP, Gb, kb, qkb = [], None, None, None
+    n = chunks_per_group(G.shape[1], G.shape[3])
     for Gb, kb, qkb in zip(G.split(n), k.split(n), qk.split(n)):   # (split: one backward for all groups)
         diff = (Gb[:, :, :, None, :] - Gb[:, :, None, :, :]).float()         # [n, H, C, C, K] = G_i - G_j
         decay = torch.exp(torch.where(causal, diff, float("-inf")))          # 0 for j > i
+        del diff
         AP.append((decay * kb[:, :, None, :, :]) @ qkb)                      # [n, H, C, C, 2]: k_i, q_i against k_j
+        del decay
+    del qk, Gb, kb, qkb
     A, P = torch.cat(AP).unbind(-1)
-    A = (A * beta).tril(-1)                                                  # strictly lower
-    P = P.tril() * scale                                                     # lower incl. diagonal
-    eG = G.exp().float()
-    Glast = G[:, :, -1:, :]                                                  # [N, H, 1, K]
-    kd = k * (Glast - G).exp().float()                                       # k_j exp(G_C - G_j)
-    # (I + A) [U | Wk] = diag(beta) [V | K * exp(G)]: the chunk's pseudo-values W = U - Wk S_0
-    UW = torch.linalg.solve_triangular(A, beta * torch.cat((v, k * eG), dim=-1), upper=False, unitriangular=True)
-    U, Wk = UW[..., :V], UW[..., V:]
-    # the chunk's transition S_C = M S_0 + R, M = diag(exp(G_C)) - kd^T Wk, R = kd^T U
-    kdT = kd.transpose(-1, -2)
-    M = torch.diag_embed(Glast[:, :, 0].exp().float()) - kdT @ Wk            # [N, H, K, K]
-    R = kdT @ U                                                              # [N, H, K, V]
+    del AP
+    return (A * beta).tril(-1), P.tril() * scale                             # strictly lower; lower incl. diagonal
+
+
+def _scan(S0, M, R, active):
+    """The state scan S <- M S + R over the chunk steps: S0 [n_seq, H, K, V] (rank order), M [N, H, K, K] and
+    R [N, H, K, V] in table order (step t: the first active[t] ranks). Returns (the start state of every chunk, a
+    list of [active[t], H, K, V], the final states [n_seq, H, K, V])."""
     S, starts = S0, []
-    n = S0.shape[0]
+    n, H, K, V = S0.shape
     # (split, not slicing: the backward of one split is one concatenation, that of a slice a zero-filled tensor of
     # the whole table per step)
     for a, Mt, Rt in zip(active, M.split(active), R.split(active)):
@@ -349,9 +361,57 @@ def _chunk_all(qf, kf, vf, gf, bf, S0, scale, idx, active):
         starts.append(Sa)
         new = torch.baddbmm(Rt.flatten(0, 1), Mt.flatten(0, 1), Sa.flatten(0, 1)).view(a, H, K, V)
         S = new if a == n else torch.cat((new, S[a:]))
+    return starts, S
+
+
+def _chunk_all(q, k, v, g, beta, S0, scale, idx, active):
+    """All chunks of all sequences at once (see the module docstring), the state scan a loop over chunk steps.
+
+    q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] (any float dtype, computed in float32); idx [N, CHUNK]
+    (flat token b * T + t of every slot, B * T for the padding slots, which read zeros: g = 0, k = v = beta = 0
+    leave the state as it is) and active from _chunk_table; S0 [n_seq, H, K, V] float32 in rank order.
+
+    Returns (O [N * CHUNK, H, V] float32 in table order, S [n_seq, H, K, V] the final states in rank order).
+    Tensors are released as soon as they are dead (the declared workspace, kda_chunk_workspace, follows this).
+    """
+    N, C = idx.shape
+    H, K, V = v.shape[2], k.shape[3], v.shape[3]
+    flat = idx.reshape(-1)
+
+    def table(x):                               # [B, T, H, *] -> [N, H, C, *] float32, padding slots 0
+        x = x.reshape(-1, *x.shape[2:]).to(torch.float32)
+        x = torch.cat((x, x.new_zeros(1, *x.shape[1:])))[flat].view(N, C, *x.shape[1:])
+        return x.transpose(1, 2).contiguous() if x.dim() == 4 else x.transpose(1, 2)[..., None]
+    q, k, v, g, beta = table(q), table(k), table(v), table(g), table(beta)   # beta [N, H, C, 1]
+    # G and its differences in float64: a float32 prefix sum holds G only to ulp(|G|) (1.2e-4 at |G| ~ 2000,
+    # where strong and weak decays of one channel alternate), and G_i - G_j would inherit that absolute error.
+    # A difference rounded to float32 (|G_i - G_j| (1 + 2^-24)) then moves its exponential by at most 2^-24 / e.
+    G = torch.cumsum(g.double(), dim=2)                                      # [N, H, C, K]
+    del g
+    A, P = _pair_scores(G, q, k, beta, scale)
+    eG = G.exp().float()
+    kd = k * (G[:, :, -1:, :] - G).exp().float()                             # k_j exp(G_C - G_j)
+    decay_C = G[:, :, -1, :].exp().float()                                   # [N, H, K] exp(G_C)
+    del G
+    # (I + A) [U | Wk] = diag(beta) [V | K * exp(G)]: the chunk's pseudo-values W = U - Wk S_0
+    UW = torch.linalg.solve_triangular(A, beta * torch.cat((v, k * eG), dim=-1), upper=False, unitriangular=True)
+    del A, v, k, beta
+    U, Wk = UW[..., :V], UW[..., V:]
+    qe = q * eG * scale
+    del q, eG
+    # the chunk's transition S_C = M S_0 + R, M = diag(exp(G_C)) - kd^T Wk, R = kd^T U
+    kdT = kd.transpose(-1, -2)
+    M = torch.diag_embed(decay_C) - kdT @ Wk                                 # [N, H, K, K]
+    R = kdT @ U                                                              # [N, H, K, V]
+    del kd, kdT, decay_C
+    starts, S = _scan(S0, M, R, active)
+    del M, R
     S_start = torch.cat(starts) if starts else S0[:0]                        # [N, H, K, V]: S_0 of every chunk
-    O = (q * eG) @ S_start * scale + P @ (U - Wk @ S_start)                  # [N, H, C, V]
-    return O.permute(0, 2, 1, 3).reshape(N * C, H, V), S
+    del starts
+    W = U - Wk @ S_start                                                     # [N, H, C, V]
+    del UW, U, Wk
+    O = qe @ S_start + P @ W                                                 # [N, H, C, V]
+    return O.transpose(1, 2).reshape(N * C, H, V), S
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -419,13 +479,9 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     idx, order, active = _chunk_table(lengths, starts, q.device)
     n_tok = B * T                               # flat tokens; row n_tok is the zero row the padding slots read
     idx = torch.where(idx < 0, n_tok, idx)
-
-    def flat(t):                                # [B, T, H, *] -> [B*T + 1, H, *] float32
-        t = t.to(f32).reshape(n_tok, *t.shape[2:])
-        return torch.cat((t, t.new_zeros(1, *t.shape[1:])))
     S0 = (initial_state.to(f32)[order] if initial_state is not None
           else torch.zeros(n_seq, H, K, V, dtype=f32, device=q.device))
-    O, S = _chunk_all(flat(q), flat(k), flat(v), flat(g), flat(beta), S0, scale, idx, active)
+    O, S = _chunk_all(q, k, v, g, beta, S0, scale, idx, active)
     # every real token sits in exactly one slot of the table: scatter the slots back to token order
     slot = torch.full((n_tok + 1,), -1, dtype=torch.int64, device=q.device)
     slot[idx.reshape(-1)] = torch.arange(idx.numel(), device=q.device)
