@@ -54,7 +54,8 @@ impl(REF, "sigmoid", workspace=_f32_copies)(lambda c, x: R.sigmoid(x))
 impl(REF, "add", workspace=_f32_copies)(lambda c, a, b: R.add(a, b))
 impl(REF, "mul", workspace=_f32_copies)(lambda c, a, b: R.mul(a, b))
 impl(REF, "kda_gate")(lambda c, x, a, d: R.kda_gate(x, a, d, lower_bound=c.attr("lower_bound"), gate=c.attr("gate")))
-impl(REF, "kda_chunk", workspace=_kda_chunk_bytes)(lambda c, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=c.attr("scale"))[0])
+impl(REF, "kda_chunk", workspace=_kda_chunk_bytes)(
+    lambda c, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=c.attr("scale"))[0])
 impl(REF, "mla_attention", workspace=_mla_scores_bytes)(
     lambda c, q, k, v: R.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))
 impl(REF, "qb_route")(lambda c, x, w, b: R.qb_route(x, w, b, top_k=c.attr("top_k"), routed_scaling=c.attr("routed_scaling")))

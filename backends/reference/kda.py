@@ -440,11 +440,12 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         N_seq = len(cu_seqlens) - 1 with cu_seqlens, else B.
 
     Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8; spec/OPS.md "kda_chunk" (decay first, then the delta
-    update on the decayed state, o_t = scale * S_t^T q_t).  Chunk size CHUNK = 16, all chunks at once; all exponents are pairwise
-    differences G_i - G_j <= 0, so the chunked form overflows for no g <= 0.  The recurrence itself stays bounded
-    while beta_t ||k_t||^2 <= 2 (the delta update I - beta k k^T is then no expansion; L2-normalised keys with beta
-    in (0, 1], as in Kimi K3, always are); past that a RuntimeWarning names the first such token, and a result
-    that overflows raises ValueError (check_delta_stability, check_result_finite).
+    update on the decayed state, o_t = scale * S_t^T q_t).  Chunks of CHUNK = 16 tokens, all chunks at once, then
+    the state scan; all exponents are pairwise differences G_i - G_j <= 0, so the chunked form overflows for no
+    g <= 0.  The recurrence itself stays bounded while beta_t ||k_t||^2 <= 2 (the delta update I - beta k k^T is
+    then no expansion; L2-normalised keys with beta in (0, 1], as in Kimi K3, always are); past that a
+    RuntimeWarning names the first such token, and a result that overflows raises ValueError
+    (check_delta_stability, check_result_finite).
 
     Raises:
         TypeError: non-tensor / non-float inputs, bad cu_seqlens dtype, non-numeric scale, an
