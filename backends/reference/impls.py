@@ -22,6 +22,13 @@ def _mla_scores_bytes(c, shapes, elem) -> float:
     return 4.0 * B * H * T * (2 * dq + 2 * dv) + 4.0 * B * H * rows * T * 4
 
 
+def _kda_chunk_bytes(c, shapes, elem) -> float:
+    """What the reference kda_chunk allocates besides its output: its chunk tables, pairwise decays (in groups),
+    per-chunk transitions and start states (backends/reference/kda.py kda_chunk_workspace)."""
+    (B, T, H, K), V = shapes[0], shapes[2][3]
+    return R.kda_chunk_workspace(B, T, H, K, V, in_bytes=elem(c.inputs[0][1]))
+
+
 def _f32_copies(L, shapes, elem) -> float:
     """The elementwise reference ops compute in float32: a float32 copy of every 16-bit operand and of the result
     (before it is rounded to the output's dtype)."""
@@ -115,7 +122,7 @@ impl(REF, "mul", workspace=_f32_copies, fake=fake_binary, inplace={0: (0, 1)})(
     lambda c, a, b, out=None: R.mul(a, b, out=out))
 impl(REF, "kda_gate", args="float? lower_bound, str gate", fake=like(0, torch.float32))(
     lambda c, x, a, d: R.kda_gate(x, a, d, lower_bound=c.attr("lower_bound"), gate=c.attr("gate")))
-impl(REF, "kda_chunk", args="float? scale", fake=new(2))(
+impl(REF, "kda_chunk", args="float? scale", fake=new(2), workspace=_kda_chunk_bytes)(
     lambda c, q, k, v, g, b: R.kda_chunk(q, k, v, g, b, scale=c.attr("scale"))[0])
 impl(REF, "mla_attention", workspace=_mla_scores_bytes, args="float? scale, bool causal", fake=fake_mla)(
     lambda c, q, k, v: R.mla_attention(q, k, v, scale=c.attr("scale"), causal=c.attr("causal")))

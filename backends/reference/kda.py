@@ -7,7 +7,7 @@ and the op contract in spec/OPS.md:
     S <- S + beta_t k_t (v_t - S^T k_t)^T         (delta-rule update on the decayed state)
     o_t = scale * S^T q_t
 
-``kda_chunk`` computes the same recurrence with the chunked WY/UT representation (chunks of 64 tokens).
+``kda_chunk`` computes the same recurrence with the chunked WY/UT representation (chunks of CHUNK = 16 tokens).
 Within a chunk, with G_i = g_1 + ... + g_i (cumulative log decay, per channel) and S_0 the state at the
 chunk start, the state after token i is diag(exp(G_i)) (S_0 + sum_{j<=i} (k_j * exp(-G_j)) w_j^T) where
 the pseudo-values w solve the unit lower-triangular system
@@ -19,12 +19,20 @@ the pseudo-values w solve the unit lower-triangular system
     O = scale * ((Q * exp(G)) S_0 + P W),            P_ij = sum_d q_id k_jd exp(G_id - G_jd), j <= i
     S_C = diag(exp(G_C)) S_0 + (K * exp(G_C - G))^T W.
 
+W is linear in S_0: W = U - W_k S_0 with (I + A) [U | W_k] = diag(beta) [V | K * exp(G)], which needs no state, so
+everything but the state is computed for all chunks of all sequences at once; the state then passes from chunk
+to chunk as S_C = M S_0 + R (M = diag(exp(G_C)) - (K * exp(G_C - G))^T W_k, R = (K * exp(G_C - G))^T U), one
+batched matrix product per chunk step, and the outputs of all chunks follow at once from their start states.
+The chunks are small because the pairwise decays exp(G_i - G_j) [C, C, K] dominate the cost, C of them per token
+and channel, while a scan step is one small product (T / C of them).
+
 Every exponent here is a difference G_i - G_j with i >= j, hence <= 0: the reference is safe for the
 unbounded (softplus) gate too, at any decay strength.  Everything is computed in float32, except the in-chunk
-cumulative gate G and its differences (float64, then the exponentials rounded to float32: a float32 G keeps
-only ulp(|G|) of absolute accuracy, 1.2e-4 at |G| ~ 2000, which a channel alternating decays of -80 and -1e-4
-reaches within a chunk), and is differentiable through torch.autograd (it is the gradient reference of the
-Triton kernels, whose G is float32).
+cumulative gate G and its differences (float64, then rounded to float32 before the exponential: a float32 G
+keeps only ulp(|G|) of absolute accuracy, 1.2e-4 at |G| ~ 2000, which a channel alternating decays of -80 and
+-1e-4 reaches within a chunk, while a float64 difference rounded to float32 moves exp(G_i - G_j) by at most
+2^-24 / e absolute), and is differentiable through torch.autograd (it is the gradient reference of the Triton
+kernels, whose G is float32).
 """
 from __future__ import annotations
 
@@ -37,9 +45,10 @@ import torch.nn.functional as F
 
 from .ops import check_devices, check_finite_cpu, check_flag
 
-__all__ = ["kda_gate", "kda_chunk", "kda_step", "CHUNK"]
+__all__ = ["kda_gate", "kda_chunk", "kda_step", "kda_chunk_workspace", "CHUNK"]
 
-CHUNK = 64
+#: tokens per chunk of the reference's chunked form (its result does not depend on it beyond float rounding)
+CHUNK = 16
 
 
 def _check_float(name: str, t: torch.Tensor, where: str) -> None:
@@ -252,39 +261,157 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, where):
     return B, T, H, K, V, bounds, n_seq
 
 
-def _chunk_one(q, k, v, g, beta, S, scale):
-    """One sequence, all heads.  q,k,g [H,L,K]; v [H,L,V]; beta [H,L]; S [H,K,V] (float32).
+#: pairwise-decay elements [chunks, H, C, C, K] the intra-chunk step builds at once (float64 differences, float32
+#: exponentials); more chunks are done in groups of at most this many (at least one chunk per group)
+PAIR_ELEMENTS = 1 << 18
 
-    Returns (o [H,L,V], S_final [H,K,V]).  Loops over chunks of CHUNK tokens; see the module docstring.
+
+def chunks_per_group(H: int, K: int) -> int:
+    """Chunks whose pairwise decays [n, H, CHUNK, CHUNK, K] one group of the intra-chunk step holds (at least 1)."""
+    return max(1, PAIR_ELEMENTS // (H * CHUNK * CHUNK * K))
+
+
+def kda_chunk_workspace(B: int, T: int, H: int, K: int, V: int, in_bytes: float = 4.0,
+                        n_chunks: int | None = None, n_seq: int | None = None) -> float:
+    """Bytes the reference kda_chunk allocates inside one call besides its output (no autograd), an upper bound.
+
+    B, T, H, K, V: the shapes of q [B, T, H, K] and v [B, T, H, V]; in_bytes: bytes per element of the inputs
+    (below 4 they are copied to float32 first); n_chunks, n_seq: the chunk count of the chunk table and the
+    sequence count (defaults B ceil(T / CHUNK) and B, those without cu_seqlens). The largest of the phases of
+    _chunk_all, each the tensors live in it per chunk slot and head (s of them) and per chunk and head (c), on top
+    of the initial states and the slot maps: the pairwise step (the q, k, v, beta tables, G in float64, the stacked
+    k and q, the scores, one group's float64 and float32 pairwise decays), the exponentials of G (and their
+    float64 temporaries), the solve (its right-hand side and solution), the scaled queries, the transitions (M and
+    its temporaries), the scan (M, R and the start states) and the outputs (W, O and their temporaries).
     """
-    H, L, K = q.shape
-    outs = []
-    for s in range(0, L, CHUNK):
-        e = min(s + CHUNK, L)
-        c = e - s
-        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]
-        # G and its differences in float64: a float32 prefix sum holds G only to ulp(|G|) (1.2e-4 at |G| ~ 2000,
-        # where strong and weak decays of one channel alternate), and G_i - G_j would inherit that absolute error
-        dt = q.dtype
-        G = torch.cumsum(g[:, s:e].double(), dim=1)                       # [H,c,K]
-        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # j <= i
-        diff = G[:, :, None, :] - G[:, None, :, :]                        # [H,c,c,K] = G_i - G_j
-        decay = torch.exp(torch.where(causal[None, :, :, None], diff, torch.full_like(diff, float("-inf")))).to(dt)
-        Akk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay) * bc[:, :, None]
-        Akk = Akk.tril(-1)                                                # strictly lower
-        P = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay) * scale      # lower incl. diagonal
-        eG = G.exp().to(dt)
-        rhs = bc[:, :, None] * (vc - (kc * eG) @ S)                       # [H,c,V]
-        eye = torch.eye(c, dtype=dt, device=q.device)
-        W = torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True)
-        outs.append(scale * (qc * eG) @ S + P @ W)
-        Glast = G[:, -1:, :]                                              # [H,1,K]
-        S = Glast.transpose(1, 2).exp().to(dt) * S + (kc * (Glast - G).exp().to(dt)).transpose(1, 2) @ W
-    if outs:
-        o = torch.cat(outs, dim=1)
-    else:
-        o = q.new_zeros(H, 0, v.shape[-1])
-    return o, S
+    C = CHUNK
+    N = B * -(-T // C) if n_chunks is None else n_chunks
+    s, c = float(N * C * H), float(N * H)
+    group = 12.0 * min(N, chunks_per_group(H, K)) * H * C * C * K         # float64 differences + float32 copy
+    phases = (s * (24 * K + 4 * V + 8 * C + 4) + group,                     # pairwise decays
+              s * (36 * K + 4 * V + 8 * C + 4),                             # exp(G), kd
+              s * (24 * K + 12 * V + 12 * C + 4),                           # the solve
+              s * (24 * K + 4 * V + 4 * C),                                 # the scaled queries
+              s * (12 * K + 4 * V + 4 * C) + c * 12 * K * K,                # M
+              s * (8 * K + 4 * V + 4 * C) + c * (4 * K * K + 8 * K * V),    # the scan
+              s * (8 * K + 16 * V + 4 * C) + c * 4 * K * V)                 # W and O
+    states = 4.0 * (B if n_seq is None else n_seq) * H * K * V
+    ins = B * T * H * (3 * K + V + 1) * 4.0 if in_bytes < 4 else 0.0       # float32 copies of 16-bit inputs
+    return max(phases) + states + ins + 16.0 * (N * C + B * T + 1)         # + the int64 slot maps
+
+
+def _chunk_table(lengths, starts, device):
+    """The chunk layout of sequences ``lengths`` (token counts) starting at flat token ``starts``.
+
+    Sequences are ranked by chunk count, most first (stable), and the table lists chunks step-major: every
+    rank's chunk 0, then every rank's chunk 1 of those that have one, ...; so the chunks of scan step t are a
+    contiguous range of the table and their sequences the first ``active[t]`` ranks.
+
+    Returns (idx [N, CHUNK] int64 flat token of each slot, -1 for padding; order [n_seq] the sequence of each
+    rank; active [steps] list of ints).
+    """
+    n_chunks = [-(-L // CHUNK) for L in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: -n_chunks[i])
+    steps = max(n_chunks, default=0)
+    active = [sum(1 for i in order if n_chunks[i] > t) for t in range(steps)]
+    N = sum(active)
+    ln = torch.tensor([lengths[i] for i in order], dtype=torch.int64)
+    st = torch.tensor([starts[i] for i in order], dtype=torch.int64)
+    rank, step = [], []
+    for t in range(steps):
+        rank.extend(range(active[t]))
+        step.extend([t] * active[t])
+    rank, step = torch.tensor(rank, dtype=torch.int64), torch.tensor(step, dtype=torch.int64)
+    pos = step[:, None] * CHUNK + torch.arange(CHUNK)[None, :]             # [N, C] position in its sequence
+    idx = torch.where(pos < ln[rank][:, None], st[rank][:, None] + pos, -1) if N else pos
+    return idx.to(device), order, active
+
+
+def _pair_scores(G, q, k, beta, scale):
+    """A = beta_i sum_d k_id k_jd exp(G_id - G_jd) (j < i) and P = scale sum_d q_id k_jd exp(G_id - G_jd) (j <= i),
+    [N, H, C, C] float32, from G [N, H, C, K] float64 and q, k [N, H, C, K], beta [N, H, C, 1] float32; the
+    pairwise decays [n, H, C, C, K] for groups of n = chunks_per_group chunks at a time."""
+    C = G.shape[2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()[:, :, None]   # j <= i
+    qk = torch.stack((k, q), dim=-1)                                         # [N, H, C, K, 2]
+    AP, Gb, kb, qkb = [], None, None, None
+    n = chunks_per_group(G.shape[1], G.shape[3])
+    for Gb, kb, qkb in zip(G.split(n), k.split(n), qk.split(n)):   # (split: one backward for all groups)
+        diff = (Gb[:, :, :, None, :] - Gb[:, :, None, :, :]).float()         # [n, H, C, C, K] = G_i - G_j
+        decay = torch.exp(torch.where(causal, diff, float("-inf")))          # 0 for j > i
+        del diff
+        AP.append((decay * kb[:, :, None, :, :]) @ qkb)                      # [n, H, C, C, 2]: k_i, q_i against k_j
+        del decay
+    del qk, Gb, kb, qkb
+    A, P = torch.cat(AP).unbind(-1)
+    del AP
+    return (A * beta).tril(-1), P.tril() * scale                             # strictly lower; lower incl. diagonal
+
+
+def _scan(S0, M, R, active):
+    """The state scan S <- M S + R over the chunk steps: S0 [n_seq, H, K, V] (rank order), M [N, H, K, K] and
+    R [N, H, K, V] in table order (step t: the first active[t] ranks). Returns (the start state of every chunk, a
+    list of [active[t], H, K, V], the final states [n_seq, H, K, V])."""
+    S, starts = S0, []
+    n, H, K, V = S0.shape
+    # (split, not slicing: the backward of one split is one concatenation, that of a slice a zero-filled tensor of
+    # the whole table per step)
+    for a, Mt, Rt in zip(active, M.split(active), R.split(active)):
+        Sa = S[:a]
+        starts.append(Sa)
+        new = torch.baddbmm(Rt.flatten(0, 1), Mt.flatten(0, 1), Sa.flatten(0, 1)).view(a, H, K, V)
+        S = new if a == n else torch.cat((new, S[a:]))
+    return starts, S
+
+
+def _chunk_all(q, k, v, g, beta, S0, scale, idx, active):
+    """All chunks of all sequences at once (see the module docstring), the state scan a loop over chunk steps.
+
+    q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] (any float dtype, computed in float32); idx [N, CHUNK]
+    (flat token b * T + t of every slot, B * T for the padding slots, which read zeros: g = 0, k = v = beta = 0
+    leave the state as it is) and active from _chunk_table; S0 [n_seq, H, K, V] float32 in rank order.
+
+    Returns (O [N * CHUNK, H, V] float32 in table order, S [n_seq, H, K, V] the final states in rank order).
+    Tensors are released as soon as they are dead (the declared workspace, kda_chunk_workspace, follows this).
+    """
+    N, C = idx.shape
+    H, K, V = v.shape[2], k.shape[3], v.shape[3]
+    flat = idx.reshape(-1)
+
+    def table(x):                               # [B, T, H, *] -> [N, H, C, *] float32, padding slots 0
+        x = x.reshape(-1, *x.shape[2:]).to(torch.float32)
+        x = torch.cat((x, x.new_zeros(1, *x.shape[1:])))[flat].view(N, C, *x.shape[1:])
+        return x.transpose(1, 2).contiguous() if x.dim() == 4 else x.transpose(1, 2)[..., None]
+    q, k, v, g, beta = table(q), table(k), table(v), table(g), table(beta)   # beta [N, H, C, 1]
+    # G and its differences in float64: a float32 prefix sum holds G only to ulp(|G|) (1.2e-4 at |G| ~ 2000,
+    # where strong and weak decays of one channel alternate), and G_i - G_j would inherit that absolute error.
+    # A difference rounded to float32 (|G_i - G_j| (1 + 2^-24)) then moves its exponential by at most 2^-24 / e.
+    G = torch.cumsum(g.double(), dim=2)                                      # [N, H, C, K]
+    del g
+    A, P = _pair_scores(G, q, k, beta, scale)
+    eG = G.exp().float()
+    kd = k * (G[:, :, -1:, :] - G).exp().float()                             # k_j exp(G_C - G_j)
+    decay_C = G[:, :, -1, :].exp().float()                                   # [N, H, K] exp(G_C)
+    del G
+    # (I + A) [U | Wk] = diag(beta) [V | K * exp(G)]: the chunk's pseudo-values W = U - Wk S_0
+    UW = torch.linalg.solve_triangular(A, beta * torch.cat((v, k * eG), dim=-1), upper=False, unitriangular=True)
+    del A, v, k, beta
+    U, Wk = UW[..., :V], UW[..., V:]
+    qe = q * eG * scale
+    del q, eG
+    # the chunk's transition S_C = M S_0 + R, M = diag(exp(G_C)) - kd^T Wk, R = kd^T U
+    kdT = kd.transpose(-1, -2)
+    M = torch.diag_embed(decay_C) - kdT @ Wk                                 # [N, H, K, K]
+    R = kdT @ U                                                              # [N, H, K, V]
+    del kd, kdT, decay_C
+    starts, S = _scan(S0, M, R, active)
+    del M, R
+    S_start = torch.cat(starts) if starts else S0[:0]                        # [N, H, K, V]: S_0 of every chunk
+    del starts
+    W = U - Wk @ S_start                                                     # [N, H, C, V]
+    del UW, U, Wk
+    O = qe @ S_start + P @ W                                                 # [N, H, C, V]
+    return O.transpose(1, 2).reshape(N * C, H, V), S
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -313,11 +440,12 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         N_seq = len(cu_seqlens) - 1 with cu_seqlens, else B.
 
     Math: Kimi Linear (arXiv 2510.26692) eqs. 1-8; spec/OPS.md "kda_chunk" (decay first, then the delta
-    update on the decayed state, o_t = scale * S_t^T q_t).  Chunk size 64; all exponents are pairwise
-    differences G_i - G_j <= 0, so the chunked form overflows for no g <= 0.  The recurrence itself stays bounded
-    while beta_t ||k_t||^2 <= 2 (the delta update I - beta k k^T is then no expansion; L2-normalised keys with beta
-    in (0, 1], as in Kimi K3, always are); past that a RuntimeWarning names the first such token, and a result
-    that overflows raises ValueError (check_delta_stability, check_result_finite).
+    update on the decayed state, o_t = scale * S_t^T q_t).  Chunks of CHUNK = 16 tokens, all chunks at once, then
+    the state scan; all exponents are pairwise differences G_i - G_j <= 0, so the chunked form overflows for no
+    g <= 0.  The recurrence itself stays bounded while beta_t ||k_t||^2 <= 2 (the delta update I - beta k k^T is
+    then no expansion; L2-normalised keys with beta in (0, 1], as in Kimi K3, always are); past that a
+    RuntimeWarning names the first such token, and a result that overflows raises ValueError
+    (check_delta_stability, check_result_finite).
 
     Raises:
         TypeError: non-tensor / non-float inputs, bad cu_seqlens dtype, non-numeric scale, an
@@ -345,31 +473,26 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     check_lower_bound_kept(g, lower_bound, where)
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = torch.float32
-    # [B,T,H,*] -> [B,H,T,*] in float32
-    qf, kf, vf, gf = (t.to(f32).transpose(1, 2) for t in (q, k, v, g))
-    bf = beta.to(f32).transpose(1, 2)
     if bounds is None:
-        bounds_b = [(b, 0, T) for b in range(B)]
+        lengths, starts = [T] * B, [b * T for b in range(B)]
     else:
-        bounds_b = [(0, s, e) for (s, e) in bounds]
-    o_parts, states = [], []
-    for n, (b, s, e) in enumerate(bounds_b):
-        S0 = (initial_state[n].to(f32) if initial_state is not None
-              else torch.zeros(H, K, V, dtype=f32, device=q.device))
-        o_n, S_n = _chunk_one(qf[b, :, s:e], kf[b, :, s:e], vf[b, :, s:e], gf[b, :, s:e], bf[b, :, s:e],
-                              S0, scale)
-        o_parts.append(o_n)
-        states.append(S_n)
-    if not o_parts:                                          # B = 0 (no sequences)
-        o = torch.zeros(0, H, T, V, dtype=f32, device=q.device)
-    elif bounds is None:
-        o = torch.stack(o_parts, 0)                          # [B,H,T,V]
-    else:
-        o = torch.cat(o_parts, dim=1)[None]                  # [1,H,T,V]
-    o = o.transpose(1, 2).to(v.dtype).contiguous()
+        lengths, starts = [e - s for s, e in bounds], [s for s, _ in bounds]
+    idx, order, active = _chunk_table(lengths, starts, q.device)
+    n_tok = B * T                               # flat tokens; row n_tok is the zero row the padding slots read
+    idx = torch.where(idx < 0, n_tok, idx)
+    S0 = (initial_state.to(f32)[order] if initial_state is not None
+          else torch.zeros(n_seq, H, K, V, dtype=f32, device=q.device))
+    O, S = _chunk_all(q, k, v, g, beta, S0, scale, idx, active)
+    # every real token sits in exactly one slot of the table: scatter the slots back to token order
+    slot = torch.full((n_tok + 1,), -1, dtype=torch.int64, device=q.device)
+    slot[idx.reshape(-1)] = torch.arange(idx.numel(), device=q.device)
+    o = O[slot[:n_tok]] if n_tok else O.new_zeros(0, H, V)
+    o = o.view(B, T, H, V).to(v.dtype)
     final = None
     if output_final_state:
-        final = torch.stack(states, 0) if states else torch.zeros(0, H, K, V, dtype=f32, device=q.device)
+        rank = torch.empty(n_seq, dtype=torch.int64)
+        rank[torch.tensor(order, dtype=torch.int64)] = torch.arange(n_seq)
+        final = S[rank.to(q.device)]
     check_result_finite(o, final, k, beta, where)
     return o, final
 
