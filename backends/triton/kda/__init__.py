@@ -14,9 +14,11 @@ Same signatures and results as backends/reference/kda.py (spec/OPS.md); math fro
   inputs form these operands in float32) and no row's result depends on a later row's gate (causal: see
   kda_chunk).  The bound is CHECKED per block in the kernels (min of g); a block that breaks it, every block
   when no bound is promised (``lower_bound=None``, e.g. the softplus gate), and the rows whose dense entries
-  overflow (huge q or k) take the safe path: the anchor is G before the block, the dense dot covers only the
-  strictly-earlier tiles (all exponents <= 0) and the diagonal 16x16 tile is summed token pair by token pair with
-  exponents G_i - G_j <= 0.
+  overflow (huge q or k) take the safe path: the strictly-earlier tiles on operands anchored at G before the block
+  (all exponents <= 0) and the diagonal 16x16 tile as a second dense dot on operands anchored 64 nats below it
+  (intra.py ``_safe_slice``; exact on every row whose G fell by at most 128 nats since the block began); the rows
+  that fell further, or whose diagonal entries overflow, sum that tile token pair by token pair with exponents
+  G_i - G_j <= 0 (row by row: causal too).
 * ``state.py`` -- the serial state pass S <- diag(e^(G_C)) S + (k e^(G_C - G))^T (U - Wk S) over the chunks of a
   segment (``_state_pass_kernel``, grid V/BV x heads x segments), storing the chunk-entry states HB and the new
   values VN, then ``_output_kernel`` (parallel) O = (q e^G) h_c + P VN.  Long contexts: segments whose affine

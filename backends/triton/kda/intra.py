@@ -13,7 +13,9 @@ Per (chunk, head) of C = 64 tokens, in 16-row blocks:
   the block's own rows in it, so that a row's results never depend on a later row (causal: changing a later
   token, or appending tokens to a partial chunk, leaves earlier outputs and their gradients bit for bit as they
   were).  Otherwise, and for the rows whose dense entries overflow (checked row by row, again causal), the anchor
-  is G before the block (all exponents <= 0; the diagonal 16x16 tile then summed token pair by token pair).  They
+  is G before the block (all exponents <= 0), and the diagonal 16x16 tile a second dense dot anchored 64 nats below
+  it, token pair by token pair on the rows that fell too far for that (_safe_slice; in the 32-row kernel's 16-row
+  blocks, always pair by pair).  They
   also store QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and KGB = diag(beta) k e^G (into WK's buffer).
 * ``_wy_solve_kernel``: T by inverting the diagonal 16x16 tiles and blocked forward substitution.
 * ``_wy_apply_kernel``: Wk = T KGB, U = T diag(beta) V.
@@ -263,7 +265,8 @@ def _intra_strip16_kernel(q, k, GCS, FB, beta, cstart, clen, NB, QG, KD, AQK, GA
     FB bit 0 says the block's gates are >= lb, one dense [16, BK] x [BK, 64] dot covers every causal tile, the
     diagonal one included, with the anchor c = G before the block + 8 lb (exponents within +-8 |lb|); rows whose
     entries overflow there (|q| or |k| entries beyond ~e^(88 - 8 |lb|)) and blocks without the bit take the safe
-    path: c = G before the block (exponents <= 0), the diagonal tile token pair by token pair.
+    path (_safe_slice: the earlier tiles anchored at G before the block, exponents <= 0; the diagonal tile a second
+    dense dot, pair by pair on the rows that fell too far for it).
     Grid (4 NC, H): the 4 row blocks of a chunk as consecutive programs, so that the [64, K] column operands (k, G)
     the 4 programs each load are still in L2 for 3 of them.  FTZ: the dense path's exponentials as
     ex2.approx.ftz (see _ex; GPU only).  NS: the cumsum kernel's channel slices (FB [NC, H, NS * 4], ANDed by
