@@ -40,7 +40,8 @@ class Dims:
 def _expr_fn(e):
     """A Python function of the sizes for the sympy expression ``e`` (integer arithmetic: +, *, integer powers,
     floor / ceiling of a quotient, mod). MtcError for another form."""
-    e = sympy.sympify(e)
+    if isinstance(e, int):
+        e = sympy.Integer(e)          # (dims are sympy expressions built by the DSL, or ints: never text)
     if e.is_Integer:
         v = int(e)
         return lambda b: v
