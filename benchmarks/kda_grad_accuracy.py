@@ -3,7 +3,7 @@
 Same inputs for both, per shape: B = 1, K = V = 128, bf16 q / k / v / beta (q, k L2-normalised), float32 g, a random
 bf16 output gradient dO, loss sum(o * dO).  Gates: "[-5,0]" g = -5 sigmoid(randn) (mtc with lower_bound=-5: its dense
 diagonal tiles), "near 0" g = -1e-3 sigmoid(randn).  fla: plain chunk_kda (no safe gate).  The float64 reference is
-the chunked form of backends/reference/kda.py (_chunk_one) run in float64 throughout, which is the token recurrence
+the chunked form of tests/test_kda_grad_accuracy.py (chunked64) run in float64 throughout, which is the token recurrence
 up to float64 rounding (tests/test_kda_grad_accuracy.py checks the two against each other on the CPU).
 Printed per gradient: ||d - d64|| / ||d64|| for mtc and fla, and their ratio (the GPU test asks mtc <= 1.2 x fla).
 Usage (a CUDA GPU; fla-core 0.6.0 for the fla columns, else they read "-"):
@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import backends.reference.kda as R  # noqa: E402
 import backends.triton.kda as tk  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -37,14 +36,22 @@ def make_inputs(T, H, gate, K=128, V=128, device="cuda", dtype=torch.bfloat16):
     return q, k, v, g, beta, do
 
 
+def _chunked64():
+    """tests/test_kda_grad_accuracy.py's float64 chunked form (checked there against the token recurrence)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+                        "test_kda_grad_accuracy.py")
+    spec = importlib.util.spec_from_file_location("kda_grad_accuracy_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.chunked64
+
+
 def float64_grads(q, k, v, g, beta, do):
     """Gradients of sum(o * dO) in float64 (the chunked form in float64: the recurrence to float64 rounding)."""
     ins = [t.detach().double().requires_grad_() for t in (q, k, v, g, beta)]
-    K, V = q.shape[-1], v.shape[-1]
-    H = q.shape[2]
-    S = torch.zeros(H, K, V, dtype=torch.float64, device=q.device)
-    o, _ = R._chunk_one(*(t[0].transpose(0, 1) for t in ins), S, K ** -0.5)
-    return torch.autograd.grad(o.transpose(0, 1)[None], ins, do.double())
+    o = _chunked64()(*(t[0] for t in ins), q.shape[-1] ** -0.5)
+    return torch.autograd.grad(o[None], ins, do.double())
 
 
 def rel(a, b):

@@ -6,7 +6,6 @@ against fla-core's chunk_kda on the same inputs."""
 import pytest
 import torch
 
-import backends.reference.kda as R
 
 tk = pytest.importorskip("backends.triton.kda")
 
@@ -26,12 +25,30 @@ def recurrence64(q, k, v, g, beta, scale):
     return torch.stack(outs, 0)
 
 
-def chunked64(q, k, v, g, beta, scale):
-    """The reference's chunked form (_chunk_one) run in float64 throughout (same arguments as recurrence64)."""
-    H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    S = torch.zeros(H, K, V, dtype=torch.float64, device=q.device)
-    o, _ = R._chunk_one(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S, scale)
-    return o.transpose(0, 1)
+def chunked64(q, k, v, g, beta, scale, C=64):
+    """The chunked WY/UT form of the same recurrence, in the inputs' dtype (float64 here), one sequence: q, k, g
+    [T, H, K], v [T, H, V], beta [T, H] -> o [T, H, V]. Cheap at T = 8192 where the token loop's autograd is not
+    (the GPU test's and benchmarks/kda_grad_accuracy.py's float64 truth; checked against recurrence64 below)."""
+    q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v, g, beta))       # [H, T, ...]
+    H, T, K = q.shape
+    S = torch.zeros(H, K, v.shape[-1], dtype=q.dtype, device=q.device)
+    outs = []
+    for s in range(0, T, C):
+        qc, kc, vc, gc, bc = (t[:, s:s + C] for t in (q, k, v, g, beta))
+        n = qc.shape[1]
+        G = gc.cumsum(1)                                                      # [H, n, K]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        diff = torch.where(causal[None, :, :, None], G[:, :, None] - G[:, None], float("-inf"))
+        decay = diff.exp()                                                    # e^(G_i - G_j), j <= i
+        A = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay).tril(-1) * bc[..., None]
+        P = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay) * scale
+        eG = G.exp()
+        W = torch.linalg.solve_triangular(torch.eye(n, dtype=q.dtype, device=q.device) + A,
+                                          bc[..., None] * (vc - (kc * eG) @ S), upper=False, unitriangular=True)
+        outs.append(scale * (qc * eG) @ S + P @ W)
+        GL = G[:, -1:]
+        S = GL.transpose(1, 2).exp() * S + (kc * (GL - G).exp()).transpose(1, 2) @ W
+    return torch.cat(outs, 1).transpose(0, 1)
 
 
 def make(T, H, K, V, gate, dtype, device="cpu"):
