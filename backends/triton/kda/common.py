@@ -118,9 +118,9 @@ def _diag_exps(G_r, c, FTZ: tl.constexpr):
 
 @triton.jit
 def _diag_grads(dP, dB, q_r, k_r, G_r, c, FTZ: tl.constexpr):
-    """The backward of _diag_tiles for P (a = q, b = k) and Bm (a = b = k) given their diagonal tiles' gradients dP,
-    dB [16, 16] (entries above the diagonal ignored), c [BK] = G at or before the block's first row: (dq, dk_row,
-    dk_col) [16, BK] with da_i = sum_{j<=i} dM_ij b_j e^(G_i - G_j) and db_j = sum_{i>=j} dM_ij a_i e^(G_i - G_j),
+    """The backward of the diagonal tile of intra.py's _safe_slice for P (a = q, b = k) and Bm (a = b = k) given
+    their diagonal tiles' gradients dP, dB [16, 16] (entries above the diagonal ignored), c [BK] = G at or before
+    the block's first row: (dq, dk_row, dk_col) [16, BK] with da_i = sum_{j<=i} dM_ij b_j e^(G_i - G_j) and db_j = sum_{i>=j} dM_ij a_i e^(G_i - G_j),
     as float32-accurate dots on the anchored operands; rows that fell too far (see _diag_exps) pair by pair."""
     ea, eb, ok = _diag_exps(G_r, c, FTZ)
     r16 = tl.arange(0, 16)

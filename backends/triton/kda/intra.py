@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _DIAG_HALF, _diag_pair, _ex, _head_major, _interpret,
+from .common import (_TL, _add_cols, _ch_grid, _chunk_head, _DIAG_HALF, _diag_exps, _diag_pair, _ex, _head_major, _interpret,
                      _mark, _maxnreg, _mmp, _put, _tile_dtype)
 
 # _intra_strip32_kernel's dense 32-row pairs: G may fall by at most this much across a pair (exponents within
@@ -146,9 +146,7 @@ def _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT: tl.constexpr,
     element; the diagonal entries of rows that fell further, or whose dense entries overflowed, are summed token
     pair by token pair (_diag_pair).  Every row's choice reads only rows at or before it."""
     cd = cl - _DIAG_HALF
-    xr = Gr - cd[None, :]
-    ok = tl.min(xr, axis=1) >= -_DIAG_HALF
-    er2 = _ex(tl.minimum(xr, _DIAG_HALF), FTZ)
+    er2, _, ok = _diag_exps(Gr, cl, FTZ)        # (the backward's _diag_grads takes the same rule)
     early = rows64[:, None] < R * 16
     inb = (rows64[:, None] >= R * 16) & (rows64[:, None] < R * 16 + 16)
     xc = tl.where(early, cl[None, :] - G64, tl.where(inb, tl.minimum(cd[None, :] - G64, _DIAG_HALF), float("-inf")))
