@@ -1,4 +1,4 @@
-"""Benchmark: mtc's Triton kda_chunk vs fla-core 0.6.0 chunk_kda (by default both promised the bound -5; --gate), one process.
+"""Benchmark: mtc's Triton kda_chunk vs fla-core 0.6.0 chunk_kda, one process (by default both promised the bound -5).
 
 B=1, K=V=128, bf16 q/k/v/beta, float32 g from the lower-bounded sigmoid gate (g in [-5, 0)), random data.
 Times are medians of triton.testing.do_bench (CUDA events).  Columns:
@@ -116,7 +116,8 @@ def main():
                          "not fit in one process's memory (forward+backward at H=16, T=1M), run one process each "
                          "on the same machine")
     ap.add_argument("--gate", choices=tuple(GATES), default="bounded",
-                    help="the gate of the inputs and the bound promised: " + "; ".join(f"{k}: {v}" for k, v in GATES.items()))
+                    help="the gate of the inputs and the bound promised: "
+                         + "; ".join(f"{k}: {v}" for k, v in GATES.items()))
     ap.add_argument("--cases", default=None,
                     help="comma-separated H:T pairs, e.g. 16:8192,96:65536 (default: the full list)")
     args = ap.parse_args()
