@@ -692,27 +692,32 @@ def _check_sampling(do_sample, temperature, top_k, top_p, where):
         raise MtcError(f"{where}: top_p must be a number in (0, 1], got {top_p!r}")
 
 
-def next_token(logits: torch.Tensor, do_sample: bool, temperature: float, top_k, top_p,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-    """The next token of each row from its logits [B, vocab], as Hugging Face's generate picks it: greedy argmax, or
-    (do_sample) a draw from softmax(logits / temperature) after the top-k filter (keep the k largest) and the top-p
-    filter (keep the smallest set of largest probabilities whose sum reaches top_p, at least one), in that order
-    (transformers' TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper). Returns int64 [B]."""
-    x = logits.float()
-    if not do_sample:
-        return x.argmax(dim=-1)
-    x = x / temperature
+def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k=None, top_p=None) -> torch.Tensor:
+    """Sampling logits [B, vocab] as Hugging Face's generate shapes them, in its order (transformers'
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper): float32 logits / temperature; then top_k (> 0)
+    keeps the k largest; then top_p (< 1) keeps the smallest set of the largest probabilities whose sum reaches
+    top_p (at least the most likely token). Dropped entries are -inf."""
+    x = logits.float() / temperature
     if top_k:
         k = min(int(top_k), x.shape[-1])
         kth = torch.topk(x, k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         srt, idx = torch.sort(x, descending=False, dim=-1)
-        cum = srt.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - top_p
+        drop = srt.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
         drop[..., -1:] = False                          # the most likely token stays
         x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    return torch.multinomial(x.softmax(dim=-1), 1, generator=generator)[:, 0]
+    return x
+
+
+def next_token(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_k=None, top_p=None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row from its logits [B, vocab]: the argmax (greedy; the lowest index among equal
+    maxima), or with ``do_sample`` a draw from softmax(:func:`warp_logits`). Returns int64 [B]."""
+    if not do_sample:
+        return logits.float().argmax(dim=-1)
+    p = warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(p, 1, generator=generator)[:, 0]
 
 
 def generate(m, input_ids, *, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
