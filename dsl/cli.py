@@ -587,16 +587,34 @@ def cmd_run(args) -> int:
         with torch.no_grad(), warnings.catch_warnings():
             from .errors import MtcWarning          # the runtime's own past-max_seq_len warning: said above
             warnings.filterwarnings("ignore", message=r".*past the spec's max_seq_len", category=MtcWarning)
+            chunked = args.chunk_tokens is not None
+            if chunked:                                    # every chunk's router loads (routing_stats: the last's)
+                prog.update(ops_task, description="  chunks of this window (prefill)")
+
+                def add_load(layer, load):
+                    loads[layer] = loads.get(layer, 0) + load.cpu()
+                m.stats_hooks.append(add_load)
+
+                def chunk_progress(i, total):
+                    prog.update(ops_task, completed=i, total=total, unit="chunks")
+                    note(f"window {done_windows[0] + 1}/{n}, chunk {i}/{total}")
             for rows in batches:
                 batch = torch.stack(rows).to(args.device)
-                logits = m(batch[:, :-1], progress=op_progress)
+                if chunked:
+                    # the window through chunked prefill (KDA / conv states and the MLA latent cache carried across
+                    # chunks): the same logits in the memory of one chunk's activations
+                    cache = m.new_cache(batch.shape[0], batch.shape[1] - 1)
+                    logits = m.prefill(batch[:, :-1], cache, chunk_tokens=args.chunk_tokens, progress=chunk_progress)
+                    del cache
+                else:
+                    logits = m(batch[:, :-1], progress=op_progress)
                 if not torch.isfinite(logits).all():
                     raise MtcError("the forward pass produced non-finite logits")
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                          batch[:, 1:].reshape(-1), reduction="sum")
                 total_loss += float(loss)
                 total_tok += batch[:, 1:].numel()
-                for k, v in m.routing_stats.items():
+                for k, v in (m.routing_stats.items() if not chunked else ()):
                     loads[k] = loads.get(k, 0) + v.cpu()
                 prog.update(task, advance=len(rows))
                 done_windows[0] += len(rows)
@@ -622,6 +640,7 @@ def cmd_run(args) -> int:
         out = {"model": g.name, "spec": spec, "variant": variant, "set": args.set or [], "target": args.target,
                "device": args.device, "dtype": dtype_name, "seed": args.seed, "input": "-" if stdin else str(text_path),
                "max_tokens": args.max_tokens, "seq_len": T, "batch_size": args.batch_size,
+               "chunk_tokens": args.chunk_tokens,
                "loss": nll, "bits_per_byte": nll / math.log(2), "perplexity": math.exp(nll), "tokens": total_tok,
                "seconds": dt, "expert_load": {k: v.tolist() for k, v in loads.items()}}
         if args.json == "-":
@@ -897,6 +916,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", "-T", type=int, default=256,
                    help="tokens per sequence (default 256; beyond the spec's max_seq_len: a warning)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default 4)")
+    s.add_argument("--chunk-tokens", type=int, default=None,
+                   help="run each batch of windows through chunked prefill, this many tokens per chunk (all rows): "
+                        "the same loss in the memory of one chunk, for a --seq-len whose forward would not fit "
+                        "(a progress bar per chunk)")
     s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
     s.add_argument("--dtype", default=None, help=f"{_DTYPE_HELP} (default float32)")
     s.add_argument("--device", default="cpu", type=str.lower, help="cpu | cuda (default cpu)")
