@@ -454,7 +454,9 @@ class _Session:
         lat, rope = self.cache.latent[s.node], self.cache.rope[s.node]
         if not st.packed:
             lk = max(st.starts) + st.lens[0]
-            return _attend(q, lat[st.rows_t, :lk], rope[st.rows_t, :lk], W, s, st.starts, exact).to(v.dtype)
+            # (every row in order, the common case: views of the cache, not a gathered copy of it)
+            rows = slice(None) if st.rows == list(range(self.cache.batch_size)) else st.rows_t
+            return _attend(q, lat[rows, :lk], rope[rows, :lk], W, s, st.starts, exact).to(v.dtype)
         outs, a = [], 0
         for r, s0, n in zip(st.rows, st.starts, st.lens):
             outs.append(_attend(q[:, a:a + n], lat[r:r + 1, :s0 + n], rope[r:r + 1, :s0 + n], W, s, [s0], exact))
@@ -473,12 +475,9 @@ def _attend(q, C, R, W, s: LatentCache, starts, exact: bool) -> torch.Tensor:
     expanded = Lk * s.rank * H * (s.nope + s.v_dim) + t * Lk * H * (dqk + s.v_dim)
     absorbed = t * H * s.rank * (s.nope + s.v_dim) + t * Lk * H * (2 * s.rank + s.rope_dim)
     if expanded <= absorbed:
-        kvb = F.linear(C, W.to(C.dtype)).view(n, Lk, H, s.nope + s.v_dim)
-        parts = ([kvb[..., :s.nope]] if s.nope else []) + (
-            [R[:, :, None, :].expand(n, Lk, H, s.rope_dim)] if s.rope_dim else [])
-        K = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
-        V = kvb[..., s.nope:]
-        return _attention(q, K, V, s.scale, starts, exact)
+        d = max(dqk, s.v_dim)
+        K, V = _expand_kv(C, R, W, s, dqk, s.v_dim) if exact else _expand_kv(C, R, W, s, d, d)
+        return _attention(q, K, V, s.scale, starts, exact, s.v_dim)
     # absorbed: q_lat = q_nope W_UK (per head), scores over [C, R], o = (p C) W_UV^T
     Wf = W.float().view(H, s.nope + s.v_dim, s.rank)
     qf, Cf = q.float(), C.float()
@@ -488,6 +487,56 @@ def _attend(q, C, R, W, s: LatentCache, starts, exact: bool) -> torch.Tensor:
         sc = sc + torch.einsum("bthr,bjr->bhtj", qf[..., s.nope:], R.float())
     p = torch.softmax((sc * s.scale).masked_fill(~_allowed(starts, t, Lk, q.device)[:, None], float("-inf")), -1)
     return torch.einsum("bhtk,hvk->bthv", torch.einsum("bhtj,bjk->bhtk", p, Cf), Wf[:, s.nope:])
+
+
+#: keys per block of the kv_b projection in _expand_kv (bounds its transient [block, H, nope + v] product)
+EXPAND_BLOCK = 1 << 14
+
+
+def _expand_kv(C, R, W, s: LatentCache, d_k: int, d_v: int):
+    """Per-head K [n, Lk, H, d_k] = [kv_b(C)[nope part], R, zeros] and V [n, Lk, H, d_v] = [kv_b(C)[v part], zeros]
+    from the latent cache (zero columns change no dot product: one head dim for torch's fused attention kernels),
+    filled in blocks of EXPAND_BLOCK keys: what one call holds is K, V and one block's product
+    (:func:`expand_bytes`)."""
+    n, Lk, _ = C.shape
+    H, dqk = s.heads, s.nope + s.rope_dim
+    K, V = C.new_empty(n, Lk, H, d_k), C.new_empty(n, Lk, H, d_v)
+    if d_k > dqk:
+        K[..., dqk:] = 0
+    if d_v > s.v_dim:
+        V[..., s.v_dim:] = 0
+    w = W.to(C.dtype)
+    for a in range(0, Lk, EXPAND_BLOCK):
+        b = min(Lk, a + EXPAND_BLOCK)
+        kvb = F.linear(C[:, a:b], w).view(n, b - a, H, s.nope + s.v_dim)
+        K[:, a:b, :, :s.nope] = kvb[..., :s.nope]
+        V[:, a:b, :, :s.v_dim] = kvb[..., s.nope:]
+    if s.rope_dim:
+        K[..., s.nope:dqk] = R[:, :, None, :]
+    return K, V
+
+
+def expand_bytes(s: LatentCache, rows: int, Lk: int, elem: int, exact: bool) -> int:
+    """Bytes one MLA call of the expanded form holds beyond its output at Lk keys: K and V (padded to one head dim
+    off the reference target) and one EXPAND_BLOCK product; on the reference target also the float32 copies of K and
+    V and a block of scores, probabilities and mask (SCORE_ELEMENTS each)."""
+    dqk = s.nope + s.rope_dim
+    d = dqk if exact else max(dqk, s.v_dim)
+    kv = rows * Lk * s.heads * (d + (s.v_dim if exact else d)) * elem
+    blk = rows * min(Lk, EXPAND_BLOCK) * s.heads * (s.nope + s.v_dim) * elem
+    extra = rows * Lk * s.heads * (dqk + s.v_dim) * 4 + 3 * SCORE_ELEMENTS * 4 if exact else 0
+    return kv + blk + extra
+
+
+def prefill_bytes(m, cache: Cache, chunk_tokens: int) -> float:
+    """Bytes a prefill in chunks of ``chunk_tokens`` (one row per run, at most the cache's max_len keys) allocates
+    beyond the weights and the cache: the inference program's plan at B = 1, T = chunk (live activations and the
+    largest launch workspace, m.plan_memory) plus the largest MLA layer's expanded K, V at max_len keys
+    (:func:`expand_bytes`). What benchmarks/generate.py checks torch.cuda.max_memory_allocated against."""
+    exact = m.target == "reference"
+    eb = torch.empty((), dtype=m.dtype).element_size()
+    kv = max((expand_bytes(s, 1, cache.max_len, eb, exact) for s in cache_layout(m).mla.values()), default=0)
+    return m.plan_memory(B=1, T=int(chunk_tokens))[1] + kv
 
 
 def _allowed(starts, t: int, Lk: int, device) -> torch.Tensor:
@@ -500,14 +549,15 @@ def _allowed(starts, t: int, Lk: int, device) -> torch.Tensor:
 SCORE_ELEMENTS = 1 << 22
 
 
-def _attention(q, K, V, scale: float, starts, exact: bool) -> torch.Tensor:
-    """Attention of q [n, t, H, D] over K [n, Lk, H, D], V [n, Lk, H, Dv] with the causal-offset mask of
-    :func:`_allowed`. ``exact`` (the reference target): float32 math in blocks of query rows; else torch's SDPA
-    (FlashAttention on the GPU), with a lower-right causal bias when every row has the same offset."""
+def _attention(q, K, V, scale: float, starts, exact: bool, dv: int) -> torch.Tensor:
+    """Attention of q [n, t, H, D] over K [n, Lk, H, >= D] (columns past D zero), V [n, Lk, H, >= dv] with the
+    causal-offset mask of :func:`_allowed`; returns [n, t, H, dv]. ``exact`` (the reference target): float32 math in
+    blocks of query rows; else torch's SDPA (FlashAttention on the GPU), with a lower-right causal bias when every
+    row has the same offset."""
     n, t, H, D = q.shape
-    Lk, dv = K.shape[1], V.shape[-1]
+    Lk = K.shape[1]
     if exact:
-        qf, kf, vf = (x.float().transpose(1, 2) for x in (q, K, V))         # [n, H, *, D]
+        qf, kf, vf = (x.float().transpose(1, 2) for x in (q, K[..., :D], V[..., :dv]))   # [n, H, *, D]
         out = torch.empty(n, H, t, dv, dtype=torch.float32, device=q.device)
         rows = max(1, min(t, SCORE_ELEMENTS // max(1, n * H * Lk)))
         for r0 in range(0, t, rows):
@@ -517,7 +567,7 @@ def _attention(q, K, V, scale: float, starts, exact: bool) -> torch.Tensor:
             out[:, :, r0:r1] = torch.softmax(sc.masked_fill(~ok, float("-inf")), dim=-1) @ vf
         return out.transpose(1, 2)
     dt = torch.promote_types(q.dtype, V.dtype)
-    d = max(D, dv)
+    d = max(D, K.shape[-1], V.shape[-1])
     qp, kp, vp = (F.pad(x.to(dt), (0, d - x.shape[-1])) if x.shape[-1] < d else x.to(dt) for x in (q, K, V))
     if len(set(starts)) == 1 and starts[0] + t == Lk:
         from torch.nn.attention.bias import causal_lower_right
@@ -568,17 +618,13 @@ def _lengths(lengths, B: int, T: int, where: str) -> list:
 
 def default_chunk_tokens(m, cache: Cache, total: int) -> int:
     """Tokens per prefill chunk: the most (a power of two from 256, at most PREFILL_CHUNK_MAX, at most ``total``)
-    whose inference-program plan (m.plan_memory at B = 1, T = chunk: activations and the largest launch workspace)
-    plus one MLA layer's expanded K and V at max_len take at most half of the device's free memory."""
+    whose :func:`prefill_bytes` take at most half of the device's free memory (the free memory read once, with the
+    weights and the cache already allocated)."""
     from backends.memory import available_bytes
-    p0 = next(m.parameters())
-    have = available_bytes(p0.device)
-    eb = torch.empty((), dtype=m.dtype).element_size()
-    kv = max((cache.max_len * s.heads * (s.nope + s.rope_dim + 2 * s.v_dim) * eb for s in cache_layout(m).mla.values()),
-             default=0)
+    have = available_bytes(next(m.parameters()).device)
     c = 256
     while c * 2 <= min(total, PREFILL_CHUNK_MAX):
-        if have is not None and m.plan_memory(B=1, T=c * 2)[1] + kv > have / 2:
+        if have is not None and prefill_bytes(m, cache, c * 2) > have / 2:
             break
         c *= 2
     return max(1, min(c, total))
