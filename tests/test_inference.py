@@ -262,3 +262,33 @@ def test_bad_input_is_a_clear_error_and_writes_nothing():
     with pytest.raises(MtcError, match="batch_size"):
         m.new_cache(0, 10)
     assert fresh.lengths == [0, 0] and not any(t.any() for t in fresh.tensors())
+
+
+def test_an_error_inside_a_step_marks_the_cache_incomplete(monkeypatch):
+    """A failure while the program runs (here: a launch that raises) leaves states of some layers advanced: the
+    cache says so at its next use, until reset()."""
+    import backends.inference as inf
+    m = _model("models/kimi_k3.mtc", "tiny")
+    ids = torch.randint(0, 256, (1, 20))
+    cache = m.new_cache(1, 40)
+    m.prefill(ids, cache)
+    calls = []
+
+    def failing(self, L, fn, call, args):
+        calls.append(L.kernel)
+        if len(calls) == 4:
+            raise RuntimeError("injected")
+        return orig(self, L, fn, call, args)
+    orig = inf._Session.launch
+    monkeypatch.setattr(inf._Session, "launch", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        m.decode(ids[:, :1], cache)
+    monkeypatch.setattr(inf._Session, "launch", orig)
+    assert m._seq is None and not m.training           # the session ended: no cache-aware launches left
+    with pytest.raises(MtcError, match="left incomplete.*reset"):
+        m.decode(ids[:, :1], cache)
+    cache.reset()
+    assert cache.lengths == [0] and not any(t.any() for t in cache.tensors())
+    with torch.no_grad():
+        ref = m(ids)
+    assert _rel(m.prefill(ids, cache), ref) < 1e-5
