@@ -579,6 +579,85 @@ def _attention(q, K, V, scale: float, starts, exact: bool, dv: int) -> torch.Ten
     return o.transpose(1, 2)[..., :dv]
 
 
+class _PackedSession:
+    """The sequence-mixing launches of a forward over packed sequences (``m(ids [1, T], cu_seqlens=...)``): each
+    sequence starts from zero states and attends only to itself (spec/OPS.md cu_seqlens), with autograd as the
+    program records it (the training program, when it records)."""
+
+    def __init__(self, m, cu_seqlens: torch.Tensor):
+        self.m, self.cu = m, cu_seqlens
+        self.layout = cache_layout(m)
+        self.anchors = self.layout.anchors
+        self.captures = {}
+        self.bounds = [(int(a), int(b)) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+
+    def launch(self, L, fn, call, args):
+        node = L.anchor
+        if node in self.layout.conv:
+            x, w = args
+            Wd = self.layout.conv[node].width - 1
+            if Wd:                              # W-1 zero inputs before every sequence, dropped after the conv
+                z = x.new_zeros(Wd, x.shape[-1])
+                xe = torch.cat([t for a, b in self.bounds for t in (z, x[0, a:b])])[None]
+            else:
+                xe = x
+            if L.kernel == "triton.conv_silu_norm":
+                from backends.triton import conv_silu_norm
+                ye = conv_silu_norm(xe, w, head_dim=call.attr("head_dim"), eps=call.attr("eps"))
+            else:
+                ye = fn.fn(call, xe, w)
+            if Wd:
+                starts, o = [], 0
+                for a, b in self.bounds:
+                    starts.append((o + Wd, o + Wd + b - a))
+                    o += Wd + b - a
+                ye = torch.cat([ye[:, a:b] for a, b in starts], dim=1)
+            return ye.reshape(call.shape(L.outputs[0][1].shape))
+        q, k, v = args[:3]
+        if node in self.layout.kda:
+            if L.kernel == "reference.kda_chunk":
+                import backends.reference as B
+                kw = {}
+            elif L.kernel == "triton.kda_chunk":
+                import backends.triton as B
+                from backends.triton.impls import fast_bound
+                kw = {"lower_bound": fast_bound(call.attr("lower_bound"))}
+            else:
+                raise MtcError(f"{self.m.graph.name}: cu_seqlens: no packed form of {L.kernel} (k{L.index})")
+            return B.kda_chunk(*args, scale=call.attr("scale"), cu_seqlens=self.cu, **kw)[0]
+        if L.kernel == "reference.mla_attention":
+            import backends.reference as B
+        elif L.kernel == "library.sdpa":
+            import backends.triton as B
+        else:
+            raise MtcError(f"{self.m.graph.name}: cu_seqlens: no packed form of {L.kernel} (k{L.index})")
+        return B.mla_attention(q, k, v, scale=call.attr("scale"), causal=call.attr("causal"), cu_seqlens=self.cu)
+
+
+def packed_forward(m, input_ids, cu_seqlens, progress=None):
+    """See CompiledModule.forward (cu_seqlens)."""
+    where = f"{m.graph.name}: forward with cu_seqlens"
+    ids = _ids(m, input_ids, where)
+    if ids.shape[0] != 1:
+        raise MtcError(f"{where}: packed sequences are one row, input_ids [1, T]; got {list(ids.shape)}")
+    T = ids.shape[1]
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \
+            or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise MtcError(f"{where}: cu_seqlens must be an int32 / int64 tensor [N + 1] of offsets 0 = c_0 <= ... <= "
+                       f"c_N = T")
+    cs = cu_seqlens.tolist()
+    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+        raise MtcError(f"{where}: cu_seqlens must start at 0, not decrease and end at T = {T}; got {cs}")
+    if torch.compiler.is_compiling():
+        raise MtcError(f"{where}: not under torch.compile (the packed launches run eagerly)")
+    sess = _PackedSession(m, cu_seqlens.to(ids.device))
+    prev, m._seq = m._seq, sess
+    try:
+        return m.run(**{m.graph.inputs()[0].attr("name"): ids}, progress=progress)[0]
+    finally:
+        m._seq = prev
+
+
 # ---------------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _session(m, cache: Cache):

@@ -567,13 +567,21 @@ class CompiledModule(nn.Module):
                           stacklevel=_caller_stacklevel())
 
     def forward(self, input_ids: torch.Tensor, *more: torch.Tensor,
-                progress: Callable[[int, int], None] | None = None):
+                progress: Callable[[int, int], None] | None = None, cu_seqlens: torch.Tensor | None = None):
         """The model on its single input (token ids [B, T] for the K3 specs); returns its output, or the tuple of
         its outputs when the graph returns several.
 
         ``progress(done, total)`` is called after every op (mtc run's per-op bar). A graph with several inputs
         runs through :meth:`run` instead: ``m.run(name=tensor, ...)`` returns the list of outputs (MtcError
-        naming them when several are passed here)."""
+        naming them when several are passed here). ``cu_seqlens`` (int32 / int64 [N + 1], offsets 0 ... T):
+        ``input_ids`` [1, T] holds N packed sequences (documents), each with its own zero KDA / conv state and
+        attending only to itself (spec/OPS.md), in training too; the logits equal each sequence run alone
+        (backends/inference.py packed_forward; eager only, not under torch.compile)."""
+        if cu_seqlens is not None:
+            from backends.inference import packed_forward
+            if more:
+                raise MtcError("cu_seqlens: the model takes one input, token ids [1, T]")
+            return packed_forward(self, input_ids, cu_seqlens, progress)
         if torch.compiler.is_compiling() and self._input_table is not None and len(self._input_table) == 1 \
                 and not more:
             outs = self.run(**{self._input_table[0][0]: input_ids}, progress=progress)
