@@ -32,9 +32,10 @@ pieces runs as [rows, piece]; otherwise the pieces are packed into one sequence 
 (spec/OPS.md), so no state mixes between rows.
 
 The MLA attention of a call picks, by FLOP count, between the expanded form (per-head K, V formed from the
-latent cache for this call: long chunks) and the absorbed form (W_UK folded into the query, the attention over
-the latent itself, W_UV after: decode), both in float32 math here; the fused decode kernels of issue 35 item 4 are
-not written yet.
+latent cache for this call, then torch's SDPA or, on the reference target, float32 math: long chunks) and the
+absorbed form (W_UK folded into the query, the attention over the latent itself, W_UV after: decode); off the
+reference target a decode step's absorbed attention is the split-T Triton kernel backends/triton/mla_decode.py.
+The fused KDA decode kernel and the CUDA-graph decode step of issue 35 item 4 are not written yet.
 """
 from __future__ import annotations
 
@@ -480,7 +481,16 @@ def _attend(q, C, R, W, s: LatentCache, starts, exact: bool) -> torch.Tensor:
         return _attention(q, K, V, s.scale, starts, exact, s.v_dim)
     # absorbed: q_lat = q_nope W_UK (per head), scores over [C, R], o = (p C) W_UV^T
     Wf = W.float().view(H, s.nope + s.v_dim, s.rank)
-    qf, Cf = q.float(), C.float()
+    qf = q.float()
+    if t == 1 and not exact:
+        # one token per row: the split-T Triton kernel over the latent cache (backends/triton/mla_decode.py)
+        from backends.triton.mla_decode import mla_decode
+        q_lat = torch.einsum("bhd,hdk->bhk", qf[:, 0, :, :s.nope], Wf[:, :s.nope])
+        lengths = torch.tensor(starts, device=q.device) + 1
+        o_lat = mla_decode(q_lat, qf[:, 0, :, s.nope:] if s.rope_dim else None, C, R if s.rope_dim else None,
+                           lengths, s.scale)
+        return torch.einsum("bhk,hvk->bhv", o_lat, Wf[:, s.nope:])[:, None]
+    Cf = C.float()
     q_lat = torch.einsum("bthd,hdk->bhtk", qf[..., :s.nope], Wf[:, :s.nope])
     sc = torch.einsum("bhtk,bjk->bhtj", q_lat, Cf)
     if s.rope_dim:

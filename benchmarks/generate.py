@@ -17,9 +17,10 @@ hybrid (KDA + MLA) beside its full-attention twin (MLA on every layer) at growin
    latent cache), beside its byte floor: the KDA state read and written once (H K V 4 bytes, twice) and the MLA
    latent cache read once (L (kv_lora_rank + qk_rope_dim) bytes of the dtype), at the copy bandwidth measured here.
 
-What decode runs today: the inference program's launches one by one (no fused decode kernel, no CUDA graph:
-issue 35 item 4), kda_step per KDA layer, and the MLA core in the absorbed form in float32 torch ops (W_UK folded
-into the query, attention over the latent cache, W_UV after; backends/inference.py _attend).
+What decode runs today: the inference program's launches one by one (no fused KDA decode kernel, no CUDA graph:
+issue 35 item 4), kda_step per KDA layer, and the MLA core in the absorbed form (W_UK folded into the query in
+torch, the attention over the latent cache as the split-T Triton kernel backends/triton/mla_decode.py, not tuned
+on a GPU yet, W_UV after in torch; backends/inference.py _attend).
 
 Usage (a CUDA GPU):  python benchmarks/generate.py [--variant small] [--prefill-tokens 1048576]
                      [--chunk-tokens N] [--contexts 8192 65536 262144 1048576] [--steps 20] [--k3-slice]
