@@ -890,11 +890,13 @@ def generate(m, input_ids, *, max_new_tokens: int = 20, do_sample: bool = False,
     if any(p.numel() == 0 for p in prompts):
         raise MtcError(f"{where}: empty prompt (row {next(b for b, p in enumerate(prompts) if p.numel() == 0)}): "
                        f"generate needs at least one token per row to condition on")
+    if max_new_tokens == 0:
+        return ids.clone()
     lens = [p.numel() for p in prompts]
     packed = torch.zeros(B, max(lens), dtype=ids.dtype, device=ids.device)
     for b, p in enumerate(prompts):
         packed[b, :lens[b]] = p
-    cache = new_cache(m, B, max(lens) + max(max_new_tokens, 1))
+    cache = new_cache(m, B, max(lens) + max_new_tokens)
     if streamer is not None and hasattr(streamer, "put"):
         streamer.put(ids.cpu())
     t0 = time.perf_counter()

@@ -320,3 +320,19 @@ def test_packed_forward_with_cu_seqlens_equals_each_sequence_alone(spec, variant
         m(torch.cat(docs)[None], cu_seqlens=torch.tensor([0, 50, 99]))
     with pytest.raises(MtcError, match="one row"):
         m(torch.zeros(2, 5, dtype=torch.long), cu_seqlens=torch.tensor([0, 5]))
+
+
+def test_default_chunk_comes_from_the_plan_and_generate_of_zero_tokens():
+    """Without chunk_tokens the chunk is the plan's choice (a power of two from 256, at most the prompt); the
+    logits are the forward's. max_new_tokens=0 returns the prompt."""
+    from backends.inference import PREFILL_CHUNK_MAX, default_chunk_tokens, prefill_bytes
+    m = _model("models/kimi_k3.mtc", "tiny")
+    ids = _clear(m, (1, 700))
+    cache = m.new_cache(1, 700)
+    c = default_chunk_tokens(m, cache, 700)
+    assert c in (256, 512) and prefill_bytes(m, cache, c) >= m.plan_memory(B=1, T=c)[1] > 0
+    assert default_chunk_tokens(m, m.new_cache(1, 1 << 16), 1 << 16) <= PREFILL_CHUNK_MAX
+    with torch.no_grad():
+        ref = m(ids)
+    assert _rel(m.prefill(ids, cache), ref) < 1e-5
+    assert torch.equal(m.generate(ids[:, :5], max_new_tokens=0), ids[:, :5])
