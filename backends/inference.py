@@ -359,12 +359,19 @@ class _Session:
 
     # -- the runtime's hooks -------------------------------------------------------------------------------------
     def launch(self, L, fn, call, args):
+        """Launch ``L`` with the cache's state; an op's ValueError (NaN / inf operands, ...) becomes an MtcError at
+        the op's spec line, as CompiledModule._launch makes it."""
         node = L.anchor
-        if node in self.layout.conv:
-            return self._conv(L, fn, call, args, self.layout.conv[node])
-        if node in self.layout.kda:
-            return self._kda(L, fn, call, args)
-        return self._mla(L, call, args, self.layout.mla[node])
+        try:
+            if node in self.layout.conv:
+                return self._conv(L, fn, call, args, self.layout.conv[node])
+            if node in self.layout.kda:
+                return self._kda(L, fn, call, args)
+            return self._mla(L, call, args, self.layout.mla[node])
+        except ValueError as e:
+            n = call.node
+            raise MtcError(f"%{n.name} = {n.op}(...) with the inference cache: {e} (raised inside the model; for NaN "
+                           f"/ inf: check the weights and the ops before it)", n.loc) from e
 
     def capture(self, ref: str, value: torch.Tensor) -> None:
         """Copy the chunk's latent values into the cache at each segment's positions."""

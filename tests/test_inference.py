@@ -336,3 +336,15 @@ def test_default_chunk_comes_from_the_plan_and_generate_of_zero_tokens():
         ref = m(ids)
     assert _rel(m.prefill(ids, cache), ref) < 1e-5
     assert torch.equal(m.generate(ids[:, :5], max_new_tokens=0), ids[:, :5])
+
+
+def test_nan_weights_inside_a_cached_step_are_an_mtc_error_at_the_op():
+    m = dsl.compile(dsl.load("models/kimi_k3.mtc", variant="tiny"), target="reference", seed=0).eval()
+    with torch.no_grad():
+        m.get_parameter("model.layers.0.self_attn.q_proj.weight")[0, 0] = float("nan")
+    cache = m.new_cache(1, 8)
+    with pytest.raises(MtcError, match=r"short_conv\(\.\.\.\) with the inference cache: .*NaN") as e:
+        m.prefill(torch.randint(0, 256, (1, 5)), cache)       # the q projection's first consumer sees it
+    assert e.value.loc is not None and "kimi_k3.mtc" in e.value.loc.file
+    with pytest.raises(MtcError, match="left incomplete"):
+        m.decode(torch.zeros(1, 1, dtype=torch.long), cache)
