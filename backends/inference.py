@@ -495,7 +495,7 @@ def _attend(q, C, R, W, s: LatentCache, starts, exact: bool) -> torch.Tensor:
         q_lat = torch.einsum("bhd,hdk->bhk", qf[:, 0, :, :s.nope], Wf[:, :s.nope])
         lengths = torch.tensor(starts, device=q.device) + 1
         o_lat = mla_decode(q_lat, qf[:, 0, :, s.nope:] if s.rope_dim else None, C, R if s.rope_dim else None,
-                           lengths, s.scale)
+                           lengths, s.scale, max_length=max(starts) + 1)
         return torch.einsum("bhk,hvk->bhv", o_lat, Wf[:, s.nope:])[:, None]
     Cf = C.float()
     q_lat = torch.einsum("bthd,hdk->bhtk", qf[..., :s.nope], Wf[:, :s.nope])

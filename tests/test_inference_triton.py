@@ -46,3 +46,20 @@ def test_prefill_and_decode_equal_forward_triton(spec, variant, T, chunk, k):
     check(out, slice(0, T - k))
     for i in range(T - k, T):
         check(m.decode(ids[:, i:i + 1], cache)[:, 0], i)
+
+
+@pytest.mark.gpu
+def test_prefill_and_decode_small_bf16_on_the_gpu():
+    """`small` in bf16 on the GPU: prefill of 4,099 tokens in chunks of 1,000 (expanded MLA through flash SDPA with a
+    lower-right causal bias) and 6 decode steps (mla_decode, kda_step) against the forward's logits."""
+    m = dsl.compile(dsl.load("models/kimi_k3.mtc", variant="small"), target="triton", dtype=torch.bfloat16,
+                    device="cuda", seed=0).eval()
+    T, k = 4099, 6
+    ids = torch.randint(0, 32768, (1, T), device="cuda")
+    with torch.no_grad():
+        ref = m(ids)
+    cache = m.new_cache(1, T)
+    out = m.prefill(ids[:, :T - k], cache, chunk_tokens=1000)
+    assert _rel(out, ref[:, :T - k]) < 2e-2
+    for i in range(T - k, T):
+        assert _rel(m.decode(ids[:, i:i + 1], cache)[:, 0], ref[:, i]) < 2e-2, i

@@ -33,3 +33,18 @@ def test_mla_decode_equals_attention_over_the_latent(B, H, KL, DR, lens, split, 
     want = _truth(ql.to(dtype), None if qr is None else qr.to(dtype), C, R, lens, scale)
     assert got.dtype == torch.float32 and got.shape == (B, H, KL)
     assert float((got.double() - want).norm() / want.norm()) < tol
+
+
+@pytest.mark.gpu
+def test_mla_decode_k3_width_on_the_gpu():
+    """K3's MLA width (96 heads, kv_lora_rank 512, rope 64) over 100,003 cached tokens in bf16, two rows of different
+    lengths: against float64 attention over the same bf16 cache (the query rounded to bf16 as the kernel does)."""
+    torch.manual_seed(0)
+    B, H, KL, DR, lens = 2, 96, 512, 64, [100_003, 4_097]
+    ql, qr = torch.randn(B, H, KL, device="cuda") * 0.05, torch.randn(B, H, DR, device="cuda") * 0.05
+    C = torch.randn(B, max(lens), KL, device="cuda").bfloat16()
+    R = torch.randn(B, max(lens), DR, device="cuda").bfloat16()
+    scale = 192 ** -0.5
+    got = mla_decode(ql, qr, C, R, torch.tensor(lens, device="cuda"), scale)
+    want = _truth(ql.bfloat16(), qr.bfloat16(), C, R, lens, scale)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-2

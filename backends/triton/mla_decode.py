@@ -79,7 +79,8 @@ def _mla_decode_kernel(QL, QR, C, R, LEN, ACC, MX, SM, H, KL, DR, SPLIT, qk_scal
 
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor | None, latent: torch.Tensor, rope: torch.Tensor | None,
-               lengths: torch.Tensor, scale: float, *, split: int | None = None) -> torch.Tensor:
+               lengths: torch.Tensor, scale: float, *, split: int | None = None,
+               max_length: int | None = None) -> torch.Tensor:
     """Attention of one query per row over the MLA latent cache (see the module docstring).
 
     Args:
@@ -90,6 +91,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor | None, latent: torch.T
         lengths: int [B], >= 1: row b attends to keys 0 .. lengths[b] - 1.
         scale: the logit scale (1 / sqrt(qk_nope_dim + qk_rope_dim) in MLA).
         split: keys per split (default: about two programs per SM over all rows and head blocks, at least 64).
+        max_length: max(lengths) when the caller knows it (saves reading it back from the device).
     Returns:
         o_lat [B, H, kv_lora_rank] float32 (multiply by W_UV^T per head for the layer's attention output).
     The query is rounded to the cache's dtype for the tensor-core dots; scores and the softmax are float32.
@@ -99,7 +101,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor | None, latent: torch.T
     BH = max(16, min(32, next_power_of_2(H)))
     BN = 32
     n_hb = cdiv(H, BH)
-    Lmax = int(lengths.max())
+    Lmax = int(lengths.max()) if max_length is None else int(max_length)
     if split is None:
         sms = torch.cuda.get_device_properties(latent.device).multi_processor_count if latent.is_cuda else 4
         splits = max(1, cdiv(2 * sms, B * n_hb))
