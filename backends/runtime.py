@@ -357,6 +357,7 @@ class CompiledModule(nn.Module):
         self.last_run: RunStats | None = None
         self._trace: list | None = None
         self._route_spy = None
+        self._seq = None                           # the cache-aware launches of a prefill / decode (inference.py)
         self.balance: str | None = "qb"
         # QB schedule (benchmarks/results/qb_balance.md): ema 0 for the first updates (converge from the
         # initial skew), then ema 0.5 (average out one batch's quantile noise): ~1.02-1.04x the floor
@@ -451,6 +452,8 @@ class CompiledModule(nn.Module):
         state["_bias_dropped"] = {}
         state["_trace"] = None
         state["_route_spy"] = None
+        state["_seq"] = None
+        state.pop("_cache_layout", None)
         return state
 
     def __setstate__(self, state):
@@ -458,6 +461,7 @@ class CompiledModule(nn.Module):
         self.__dict__.setdefault("_bias_dropped", {})     # (a module pickled before it existed)
         self.__dict__.setdefault("_generated_key", "")
         self.__dict__.setdefault("_input_table", None)
+        self.__dict__.setdefault("_seq", None)
         self._traced = {}
         if self.program is not None and any(L.generated is not None for L in self.program.launches):
             self.load_generated()
@@ -563,13 +567,21 @@ class CompiledModule(nn.Module):
                           stacklevel=_caller_stacklevel())
 
     def forward(self, input_ids: torch.Tensor, *more: torch.Tensor,
-                progress: Callable[[int, int], None] | None = None):
+                progress: Callable[[int, int], None] | None = None, cu_seqlens: torch.Tensor | None = None):
         """The model on its single input (token ids [B, T] for the K3 specs); returns its output, or the tuple of
         its outputs when the graph returns several.
 
         ``progress(done, total)`` is called after every op (mtc run's per-op bar). A graph with several inputs
         runs through :meth:`run` instead: ``m.run(name=tensor, ...)`` returns the list of outputs (MtcError
-        naming them when several are passed here)."""
+        naming them when several are passed here). ``cu_seqlens`` (int32 / int64 [N + 1], offsets 0 ... T):
+        ``input_ids`` [1, T] holds N packed sequences (documents), each with its own zero KDA / conv state and
+        attending only to itself (spec/OPS.md), in training too; the logits equal each sequence run alone
+        (backends/inference.py packed_forward; eager only, not under torch.compile)."""
+        if cu_seqlens is not None:
+            from backends.inference import packed_forward
+            if more:
+                raise MtcError("cu_seqlens: the model takes one input, token ids [1, T]")
+            return packed_forward(self, input_ids, cu_seqlens, progress)
         if torch.compiler.is_compiling() and self._input_table is not None and len(self._input_table) == 1 \
                 and not more:
             outs = self.run(**{self._input_table[0][0]: input_ids}, progress=progress)
@@ -708,7 +720,13 @@ class CompiledModule(nn.Module):
                     args, recompute = self._router_args(n, args, fkey)
                 # outputs the program writes in place of an input whose last use this is (passes/lower.py)
                 into = {j: args[i] for j, i in L.inplace.items()} if L.inplace else None
-                out = self._launch(L, fn, call, args, into)
+                seq = self._seq
+                if seq is not None and L.anchor in seq.anchors:
+                    # prefill / decode: short conv, KDA and MLA with the cache's state (backends/inference.py)
+                    into = None
+                    out = seq.launch(L, fn, call, args)
+                else:
+                    out = self._launch(L, fn, call, args, into)
                 if L.op == "qb_route":
                     if self._route_spy is not None:
                         self._route_spy(n, out, args)
@@ -720,6 +738,8 @@ class CompiledModule(nn.Module):
                 for (r, _t), v in zip(L.outputs, outs):
                     env[r] = v
                     stats.buffer_bytes[r] = 0 if buffers[r].weight_view else live.add(v)
+                    if seq is not None and r in seq.captures:
+                        seq.capture(r, v)          # the MLA latent of this chunk, into the cache
                 if self._trace is not None:
                     trace, values = self._trace
                     trace.append(Traced(L.index, L.kernel, fn, n, [r for r, _ in L.inputs], [r for r, _ in L.outputs],
@@ -804,6 +824,67 @@ class CompiledModule(nn.Module):
             n = call.node
             raise MtcError(f"%{n.name} = {n.op}(...): {e} (raised inside the model; for NaN / inf: check the weights "
                            f"and the ops before it)", n.loc) from e
+
+    # -- inference with caches (backends/inference.py) -----------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int):
+        """The decoding state for ``batch_size`` rows of up to ``max_len`` tokens each (:class:`backends.inference.
+        Cache`): per KDA layer the recurrent state [B, H, K, V] float32 and the short-conv states [B, W-1, C]; per
+        MLA layer the latent cache [B, max_len, kv_lora_rank] and its rope part [B, max_len, qk_rope_dim] (model
+        dtype). Block AttnRes mixes over depth at one position: it needs no cache across tokens. ``cache.nbytes``
+        is what ``mtc stats`` prints per sequence (MLA latent KV cache at T = max_len, KDA + conv state) times
+        batch_size. Raises MtcError for sizes that are not integers >= 1, a cache larger than the free memory, a
+        module on device 'meta', or a graph without a cache form (an attention that is not an mla_layer's core)."""
+        from backends.inference import new_cache
+        return new_cache(self, batch_size, max_len)
+
+    def prefill(self, input_ids: torch.Tensor, cache, *, lengths=None, chunk_tokens: int | None = None,
+                logits: str = "all", progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        """Run prompts through the model into ``cache``, in chunks, and return their logits.
+
+        ``input_ids`` int64 [B, T], right-padded when ``lengths`` (B ints: each row's tokens) is given; the tokens
+        are appended after what each row of the cache holds (a first prefill, or a continuation). The inference
+        program runs once per chunk of ``chunk_tokens`` tokens (all rows together; default: from the memory plan
+        and the device's free memory, :func:`backends.inference.default_chunk_tokens`), carrying the KDA and
+        conv states across chunks and appending to the MLA latent cache; rows never mix. Eval mode, without
+        autograd: the router biases do not move. ``logits``: "all" -> [B, T, vocab] in the model's dtype (zeros
+        past a row's length; equal to ``m(input_ids)`` for full rows), "last" -> [B, 1, vocab] (each row's last
+        token: what a million-token prompt should ask for). ``progress(done, total)`` after each chunk.
+        Raises MtcError for ids that are not int64 [B, T] in the vocabulary, a cache of another module or batch
+        size, an empty prompt, a row past the cache's max_len (nothing is written then), bad lengths /
+        chunk_tokens / logits."""
+        from backends.inference import prefill
+        return prefill(self, input_ids, cache, lengths=lengths, chunk_tokens=chunk_tokens, logits=logits,
+                       progress=progress)
+
+    def decode(self, next_ids: torch.Tensor, cache) -> torch.Tensor:
+        """One token for every row: ``next_ids`` int64 [B, 1] after what ``cache`` holds -> logits [B, 1, vocab]
+        (the cache advances by one per row). Raises MtcError for another module's cache or batch size, an empty
+        row (prefill first), or a row already at max_len (nothing is written then)."""
+        from backends.inference import decode
+        return decode(self, next_ids, cache)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id=None, streamer=None, *, pad_token_id: int | None = None, attention_mask=None,
+                 generator: torch.Generator | None = None, chunk_tokens: int | None = None,
+                 timings: dict | None = None) -> torch.Tensor:
+        """Autoregressive generation with Hugging Face's arguments (transformers ``GenerationMixin.generate``):
+        returns int64 [B, T + n] = input_ids followed by n <= max_new_tokens new tokens per row.
+
+        do_sample False: greedy (argmax; temperature, top_k, top_p unused); True: a draw from softmax(logits /
+        temperature) after top_k then top_p filtering (``generator`` makes it reproducible). eos_token_id (an id
+        or a list): a row that produced one continues with pad_token_id (default: the first eos id), and
+        generation stops once every row has. attention_mask [B, T] (1 = token): each row's ones must be one run
+        (left or right padding); without it every row is its full T tokens. streamer: an object with put(ids) /
+        end() as transformers' streamers (put gets the prompt first, then each step's [B] new ids), or a
+        callable fn(ids [B]) per step. The prompts go through :meth:`prefill` (``chunk_tokens``), then one
+        :meth:`decode` per new token, on a cache of the needed length. ``timings`` (a dict) gets prefill_s,
+        decode_s, prefill_tokens, decode_steps. Raises MtcError for bad arguments or an empty prompt."""
+        from backends.inference import generate
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                        top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        attention_mask=attention_mask, streamer=streamer, generator=generator,
+                        chunk_tokens=chunk_tokens, timings=timings)
 
     def plan_memory(self, *, training: bool = False, **sizes) -> tuple[float, float]:
         """(peak bytes of live activations, the same with the largest launch workspace) that one forward of this

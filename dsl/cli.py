@@ -4,6 +4,7 @@
     mtc ir models/kimi_k3.mtc --variant tiny --stage canonical
     mtc run                                             tiny K3 on the shipped text (the main job)
     mtc run models/kimi_k3.mtc --variant tiny --input book.txt
+    mtc generate models/kimi_k3.mtc --variant tiny --prompt "..." --max-new-tokens 32   streams text, tokens/s
     mtc ops [OP]                                        every op: how a spec writes it, its signature, semantics
     mtc --version
 
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -36,6 +38,7 @@ examples:
   mtc ir models/kimi_k3.mtc --variant tiny --stage canonical --print-after canonicalize
   mtc ir models/kimi_k3.mtc --stage lowered --seq-len 1048576 --gpus 128 --slots 1024
   mtc run models/kimi_k3.mtc --variant tiny --input README.md --seq-len 256
+  mtc generate models/kimi_k3.mtc --variant tiny --prompt "Once upon" --max-new-tokens 32
 """
 
 
@@ -584,16 +587,34 @@ def cmd_run(args) -> int:
         with torch.no_grad(), warnings.catch_warnings():
             from .errors import MtcWarning          # the runtime's own past-max_seq_len warning: said above
             warnings.filterwarnings("ignore", message=r".*past the spec's max_seq_len", category=MtcWarning)
+            chunked = args.chunk_tokens is not None
+            if chunked:                                    # every chunk's router loads (routing_stats: the last's)
+                prog.update(ops_task, description="  chunks of this window (prefill)")
+
+                def add_load(layer, load):
+                    loads[layer] = loads.get(layer, 0) + load.cpu()
+                m.stats_hooks.append(add_load)
+
+                def chunk_progress(i, total):
+                    prog.update(ops_task, completed=i, total=total, unit="chunks")
+                    note(f"window {done_windows[0] + 1}/{n}, chunk {i}/{total}")
             for rows in batches:
                 batch = torch.stack(rows).to(args.device)
-                logits = m(batch[:, :-1], progress=op_progress)
+                if chunked:
+                    # the window through chunked prefill (KDA / conv states and the MLA latent cache carried across
+                    # chunks): the same logits in the memory of one chunk's activations
+                    cache = m.new_cache(batch.shape[0], batch.shape[1] - 1)
+                    logits = m.prefill(batch[:, :-1], cache, chunk_tokens=args.chunk_tokens, progress=chunk_progress)
+                    del cache
+                else:
+                    logits = m(batch[:, :-1], progress=op_progress)
                 if not torch.isfinite(logits).all():
                     raise MtcError("the forward pass produced non-finite logits")
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                          batch[:, 1:].reshape(-1), reduction="sum")
                 total_loss += float(loss)
                 total_tok += batch[:, 1:].numel()
-                for k, v in m.routing_stats.items():
+                for k, v in (m.routing_stats.items() if not chunked else ()):
                     loads[k] = loads.get(k, 0) + v.cpu()
                 prog.update(task, advance=len(rows))
                 done_windows[0] += len(rows)
@@ -619,6 +640,7 @@ def cmd_run(args) -> int:
         out = {"model": g.name, "spec": spec, "variant": variant, "set": args.set or [], "target": args.target,
                "device": args.device, "dtype": dtype_name, "seed": args.seed, "input": "-" if stdin else str(text_path),
                "max_tokens": args.max_tokens, "seq_len": T, "batch_size": args.batch_size,
+               "chunk_tokens": args.chunk_tokens,
                "loss": nll, "bits_per_byte": nll / math.log(2), "perplexity": math.exp(nll), "tokens": total_tok,
                "seconds": dt, "expert_load": {k: v.tolist() for k, v in loads.items()}}
         if args.json == "-":
@@ -626,6 +648,98 @@ def cmd_run(args) -> int:
         else:
             _write_output("--json", args.json, json.dumps(out, indent=2))
             c.print(f"wrote {args.json}")
+    return 0
+
+
+class _ByteStream:
+    """Prints byte tokens as text as they come: UTF-8 decoded incrementally (a character split over tokens waits
+    for its last byte; invalid bytes show as U+FFFD), control characters other than newline and tab escaped
+    (\\x1b), so that a model's output cannot drive the terminal."""
+
+    def __init__(self, out):
+        import codecs
+        self.out, self.dec = out, codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        text = self.dec.decode(data, final)
+        self.out.write("".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text))
+        self.out.flush()
+
+
+def cmd_generate(args) -> int:
+    import warnings
+    import torch
+    from . import compile as mtc_compile
+
+    dtype_name = _canonical_dtype(args.dtype)
+    dtype = RUN_DTYPE_NAMES[dtype_name][0]
+    _check_device(args.device)
+    if args.target not in ("reference", "triton", "tvm"):
+        raise MtcError(f"--target must be reference, triton or tvm; got '{args.target}'")
+    if args.target in ("triton", "tvm") and args.device == "cpu":
+        from backends import interpreting
+        if "triton" in sys.modules and not interpreting():
+            raise MtcError("--target triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        warnings.filterwarnings("ignore", category=RuntimeWarning)
+    if (args.prompt is None) == (args.input is None):
+        raise MtcError("give the prompt as --prompt TEXT or --input FILE (- for standard input), one of them")
+    if args.max_new_tokens < 0:
+        raise MtcError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.prompt is not None:
+        data = args.prompt.encode("utf-8")
+        src = "--prompt"
+    else:
+        try:
+            if args.input == "-":
+                data = sys.stdin.buffer.read(args.max_prompt_tokens)
+            else:
+                with open(args.input, "rb") as fh:
+                    data = fh.read(args.max_prompt_tokens)
+        except OSError as e:
+            raise MtcError(f"cannot read --input '{args.input}': {e.strerror}") from None
+        src = f"--input '{args.input}'"
+    if not data:
+        raise MtcError(f"{src} is empty: generate needs at least one prompt token")
+    if "dtype" in _overrides(args.set):
+        raise MtcError("--set dtype=... changes the spec's declared dtype; mtc generate computes in --dtype")
+    spec = args.spec or str(DEFAULT_SPEC)
+    variant = args.variant if (args.variant is not None or args.spec) else "tiny"
+    g = _load_spec(spec, variant, args.set)
+    _check_run_input(g)
+    vocab = int(g.type_of(g.outputs[0]).shape[-1])
+    if vocab < 256:
+        raise MtcError(f"model '{g.name}' has a vocabulary of {vocab}; the byte-level tokenizer needs >= 256")
+    _check_fits(g, 4 if dtype == "f32" else 2, args.device, spec, variant)
+    m = mtc_compile(g, target=args.target, dtype=dtype, device=args.device, seed=args.seed)
+    m.eval()
+    ids = torch.tensor([list(data)], dtype=torch.long, device=args.device)
+    eos = None
+    if args.eos_byte is not None:
+        if not 0 <= args.eos_byte < 256:
+            raise MtcError(f"--eos-byte must be a byte value in [0, 256), got {args.eos_byte}")
+        eos = args.eos_byte
+    gen = torch.Generator(device=args.device).manual_seed(args.sample_seed) if args.do_sample else None
+    out = _ByteStream(sys.stdout)
+    out.write(data)
+
+    def stream(tok):
+        out.write(bytes([int(tok[0])]))
+    timings: dict = {}
+    with warnings.catch_warnings():
+        from .errors import MtcWarning
+        warnings.filterwarnings("ignore", message=r".*past the spec's max_seq_len", category=MtcWarning)
+        m.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=stream, generator=gen,
+                   chunk_tokens=args.chunk_tokens, timings=timings)
+    out.write(b"", final=True)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    pf, dc = timings["prefill_s"], timings["decode_s"]
+    steps = timings["decode_steps"]
+    print(f"{g.name} ({args.target}, {dtype_name}): prefill {timings['prefill_tokens']:,} tokens in {pf:.2f} s "
+          f"({timings['prefill_tokens'] / max(pf, 1e-9):,.1f} tokens/s); decode {steps} tokens in {dc:.2f} s "
+          f"({steps / max(dc, 1e-9):,.1f} tokens/s)", file=sys.stderr)
     return 0
 
 
@@ -802,6 +916,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", "-T", type=int, default=256,
                    help="tokens per sequence (default 256; beyond the spec's max_seq_len: a warning)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default 4)")
+    s.add_argument("--chunk-tokens", type=int, default=None,
+                   help="run each batch of windows through chunked prefill, this many tokens per chunk (all rows): "
+                        "the same loss in the memory of one chunk, for a --seq-len whose forward would not fit "
+                        "(a progress bar per chunk)")
     s.add_argument("--max-tokens", type=int, default=8192, help="read at most this many bytes (default 8192)")
     s.add_argument("--dtype", default=None, help=f"{_DTYPE_HELP} (default float32)")
     s.add_argument("--device", default="cpu", type=str.lower, help="cpu | cuda (default cpu)")
@@ -809,6 +927,45 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON (- for standard output): the "
                                                  "settings of the run, loss, bits/byte, perplexity, expert load")
     s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("generate", help="generate text from a prompt (byte tokens), streaming; prefill and decode "
+                                        "tokens/s",
+                       description=textwrap.fill(
+                           "Byte-level tokenizer as in `mtc run` (vocab >= 256). The prompt runs through chunked "
+                           "prefill into the model's cache (KDA and short-conv states, MLA latent cache), then one "
+                           "decode step per new token; the text (prompt, then each new byte as it comes) goes to "
+                           "standard output, a last line with the prefill and decode tokens/s to standard error. "
+                           "Greedy unless --do-sample (then --temperature, --top-k, --top-p as in Hugging Face's "
+                           "generate). The weights are the seed's random initialisation: the text is noise until a "
+                           "trained state dict is loaded from Python (m.load_state_dict, then m.generate).", 78),
+                       epilog="examples:\n  mtc generate models/kimi_k3.mtc --variant tiny --prompt \"Once upon\" "
+                              "--max-new-tokens 32\n  mtc generate --input notes.txt --max-new-tokens 64 --do-sample "
+                              "--top-p 0.9 --chunk-tokens 512\n  mtc generate --target triton --prompt hi "
+                              "--max-new-tokens 4     # Triton kernels (the CPU interpreter: slow)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_spec_args(s, spec_optional=True)
+    s.add_argument("--prompt", "-p", help="the prompt text (UTF-8 bytes are its tokens)")
+    s.add_argument("--input", "-i", help="read the prompt from a file (- for standard input); at most "
+                                         "--max-prompt-tokens bytes")
+    s.add_argument("--max-new-tokens", "-n", type=int, default=32, help="tokens to generate (default 32)")
+    s.add_argument("--max-prompt-tokens", type=int, default=1 << 20,
+                   help="read at most this many bytes of --input (default 1048576)")
+    s.add_argument("--chunk-tokens", type=int, default=None,
+                   help="prefill chunk in tokens (default: from the memory plan and the free memory)")
+    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy argmax")
+    s.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; default 1.0)")
+    s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set reaching this "
+                                                            "probability (0 < p <= 1)")
+    s.add_argument("--sample-seed", type=seed, default=0, help="the sampling generator's seed (default 0)")
+    s.add_argument("--eos-byte", type=int, default=None, help="stop when this byte value is generated (e.g. 10 "
+                                                             "for a newline)")
+    s.add_argument("--target", default="reference", type=str.lower,
+                   help="reference | triton | tvm (on CPU: Triton interpreter; default reference)")
+    s.add_argument("--dtype", default=None, help=f"{_DTYPE_HELP} (default float32)")
+    s.add_argument("--device", default="cpu", type=str.lower, help="cpu | cuda (default cpu)")
+    s.add_argument("--seed", type=seed, default=0, help="parameter initialisation seed (0 .. 2^63-1; default 0)")
+    s.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("compile", help="compile to kernels and write the generated Triton source",
                        description="Lowers the model to the kernel IR and generates the Triton source of its "
@@ -887,7 +1044,7 @@ def main(argv=None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = _parse(parser, argv)
-    for k in ("seq_len", "batch", "gpus", "batch_size", "max_tokens"):
+    for k in ("seq_len", "batch", "gpus", "batch_size", "max_tokens", "max_prompt_tokens", "chunk_tokens"):
         v = getattr(args, k, None)
         if v is not None and v < 1:
             print(f"mtc: error: --{k.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)

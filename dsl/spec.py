@@ -111,6 +111,7 @@ class SpecModel:
         self.name = str(model.children[0])
         self.config: list[tuple[str, str, Any, Loc]] = []      # (name, type, expr tree, loc)
         self.variants: dict[str, list[tuple[str, Any, Loc]]] = {}
+        self.variant_bases: dict[str, tuple[str, Loc]] = {}    # variant -> (the variant it extends, where)
         self.blocks: list[tuple[str, Any, Loc]] = []
         self.forward = None
         n_config = 0
@@ -132,7 +133,11 @@ class SpecModel:
                 vname = str(item.children[0])
                 if vname in self.variants:
                     raise self.err(f"variant '{vname}' is defined twice", self.loc(item))
-                sets = [(str(a.children[0]), a.children[1], self.loc(a)) for a in item.children[1:]]
+                rest = item.children[1:]
+                if rest and getattr(rest[0], "data", None) == "variant_base":
+                    self.variant_bases[vname] = (str(rest[0].children[0]), self.loc(rest[0]))
+                    rest = rest[1:]
+                sets = [(str(a.children[0]), a.children[1], self.loc(a)) for a in rest]
                 for j, (aname, _e, aloc) in enumerate(sets):
                     first = next((x for x in sets[:j] if x[0] == aname), None)
                     if first is not None:
@@ -150,6 +155,16 @@ class SpecModel:
                 if self.forward is not None:
                     raise self.err("a model has one forward", self.loc(item))
                 self.forward = item
+        for vname, (base, bloc) in self.variant_bases.items():
+            if base not in self.variants:
+                raise self.err(f"variant '{vname}' extends '{base}', which is not a variant of this model"
+                               f"{did_you_mean(base, self.variants)}", bloc)
+            seen, b = [vname], base
+            while b is not None:
+                if b in seen:
+                    raise self.err(f"variant '{vname}' extends itself through {' : '.join(seen + [b])}", bloc)
+                seen.append(b)
+                b = self.variant_bases.get(b, (None, None))[0]
         fields = {c[0] for c in self.config}
         for bname, _e, bloc in self.blocks:
             if bname in fields:
@@ -193,7 +208,10 @@ class SpecModel:
             if variant not in self.variants:
                 raise MtcError(f"model '{self.name}' has no variant '{variant}'{did_you_mean(variant, self.variants)}"
                                f"; variants: {', '.join(self.variants) or 'none'}")
-            for name, expr, loc in self.variants[variant]:
+            chain = [variant]                  # a variant's base's settings first, then its own
+            while chain[-1] in self.variant_bases:
+                chain.append(self.variant_bases[chain[-1]][0])
+            for name, expr, loc in [s for v in reversed(chain) for s in self.variants[v]]:
                 if name not in exprs:
                     raise self.err(f"variant '{variant}' sets '{name}', which is not a config field"
                                    f"{did_you_mean(name, exprs)}", loc)
@@ -728,8 +746,11 @@ class SpecBuilder:
         or not their name is read again (x = f(ids); x = g(x); return ids drops both)."""
         from .ir import live_nodes
         live = live_nodes(g)
+        # (a block the forward names but this config's conditions never pick, e.g. kda in an all-MLA variant,
+        # is in use by the spec: no warning)
+        named = {str(t) for t in fwd.scan_values(lambda v: isinstance(v, lark.Token) and v.type == "NAME")}
         for bname, _expr, loc in self.spec.blocks:
-            if bname not in self.used:
+            if bname not in self.used and bname not in named:
                 warnings.warn(MtcWarning(f"block '{bname}' is defined but never used", loc), stacklevel=2)
         for ch in fwd.children:
             if isinstance(ch, lark.Tree) and ch.data == "param":
