@@ -1,0 +1,333 @@
+"""A compiled model on a torch.distributed DeviceMesh: ``parallelize(m, mesh)`` (also ``m.parallelize(mesh)`` and
+``dsl.compile(graph, mesh=mesh)``).
+
+The mesh's dimensions are named from ``dp`` (data parallel), ``ep`` (expert parallel) and ``cp`` (context
+parallel); a dimension may be missing or of size 1. Each rank runs the same kernel program (passes/lower.py) on
+its own tokens:
+
+* ``dp`` and ``ep`` ranks take different sequences (rows of the batch); ``cp`` ranks take contiguous runs of
+  the same sequences, in rank order (any lengths >= 1; ``backends.parallel.split_sizes`` gives the even split).
+* ``cp``: the sequence-mixing launches run their context-parallel forms (backends/parallel/context.py):
+  kda_chunk by state passing, short_conv with the previous ranks' last inputs, mla_attention over the
+  all-gathered K / V; everything else is per token.
+* ``ep``: each rank holds the expert slots that ``passes.place_experts.plan`` gives its ``ep`` coordinate
+  (replicas included; uniform load unless ``placements`` are given) under the full model's parameter names, with
+  the slot count as the first dimension; moe_experts dispatches and combines with all_to_all_single
+  (backends/parallel/expert.py).
+* QB (spec/OPS.md qb_update): each router's step uses the scores of all the ``cp`` ranks' tokens (exact: one
+  sequence's statistics are not split), and its b_hat is averaged over the ``dp`` x ``ep`` ranks (the data-parallel
+  rule), so every rank keeps the same router biases.
+* Gradients: after ``loss.backward()``, :meth:`ParallelModule.sync_gradients` sums the dense weights' gradients
+  over the whole mesh and the experts' over ``dp`` x ``cp`` (and over the replicas of an expert), so that with each
+  rank's loss a sum over its tokens divided by the global token count, every rank holds the gradient of the
+  single-process mean loss (FSDP2 / DDP do the same sum; they are not wired in yet).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from backends.runtime import CompiledModule
+from dsl.errors import MtcError
+
+__all__ = ["DIMS", "Layout", "ParallelModule", "parallelize", "mesh_layout"]
+
+#: the mesh dimension names mtc knows
+DIMS = ("dp", "ep", "cp")
+#: launches that mix tokens along the sequence: their context-parallel forms
+CP_OPS = ("kda_chunk", "short_conv", "mla_attention")
+
+
+@dataclass
+class Layout:
+    """The mesh as a parallel module uses it: sizes and coordinates per dimension (1 and 0 for one that is absent),
+    and the process groups (None where the group would be this rank alone)."""
+
+    mesh: object
+    sizes: dict
+    coords: dict
+    cp_group: object = None
+    ep_group: object = None
+    balance_group: object = None       # dp x ep: QB averages b_hat over it
+    dense_group: object = None         # the whole mesh: dense gradients are summed over it
+    expert_group: object = None        # dp x cp: expert gradients are summed over it
+
+
+@dataclass
+class _EPLayer:
+    layer: str
+    keys: tuple                         # state-dict keys of w1, w3, w2
+    num_experts: int
+    placement: object
+    slots: torch.Tensor                 # logical expert of each local slot
+    replicated: list = field(default_factory=list)   # logical experts with several replicas
+
+
+def _group(mesh, names, dims):
+    present = [d for d in names if d in dims and mesh.size(names.index(d)) > 1]
+    if not present:
+        return None
+    if len(present) == 1:
+        return mesh.get_group(present[0])
+    return mesh[tuple(present)]._flatten("_".join(present)).get_group()
+
+
+def mesh_layout(mesh, device_type: str | None = None) -> Layout:
+    """Check a DeviceMesh for mtc and build its process groups (a collective call: every rank of the mesh makes it).
+
+    Raises MtcError for something that is not a DeviceMesh, a mesh without dimension names, names outside
+    dp / ep / cp (or repeated), or a mesh on another device type than the model's weights."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise MtcError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh (init_device_mesh(\"cpu\", (2,), "
+                       f"mesh_dim_names=(\"cp\",))), got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names
+    if not names:
+        raise MtcError(f"mesh: name its dimensions (init_device_mesh(..., mesh_dim_names=...)) from {', '.join(DIMS)}; "
+                       f"this mesh of shape {tuple(mesh.shape)} has none")
+    bad = [n for n in names if n not in DIMS]
+    if bad:
+        from dsl.errors import did_you_mean
+        raise MtcError(f"mesh: unknown dimension name {bad[0]!r}{did_you_mean(bad[0], DIMS)}; mtc's are "
+                       f"{', '.join(DIMS)} (data, expert and context parallel)")
+    if len(set(names)) != len(names):
+        raise MtcError(f"mesh: dimension names repeat: {names}")
+    if device_type is not None and mesh.device_type != device_type:
+        raise MtcError(f"mesh: it is a {mesh.device_type!r} mesh but the model's weights are on {device_type!r}")
+    sizes = {d: (mesh.size(names.index(d)) if d in names else 1) for d in DIMS}
+    coords = {d: (mesh.get_local_rank(d) if d in names else 0) for d in DIMS}
+    return Layout(mesh, sizes, coords,
+                  cp_group=_group(mesh, names, ("cp",)), ep_group=_group(mesh, names, ("ep",)),
+                  balance_group=_group(mesh, names, ("dp", "ep")), dense_group=_group(mesh, names, DIMS),
+                  expert_group=_group(mesh, names, ("dp", "cp")))
+
+
+def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None, placements: dict | None = None):
+    """Make ``m`` (a CompiledModule of this rank; every rank compiles the same graph with the same seed) run on
+    ``mesh``; returns it, now a :class:`ParallelModule` (in place: its class changes and, with ``ep`` > 1, its
+    expert weights are cut to this rank's slots). A collective call: every rank of the mesh makes it.
+
+    Args:
+        mesh: a DeviceMesh whose dimension names are from dp, ep, cp.
+        num_slots: expert slots per MoE layer over the ep group (an int for every layer or {layer prefix: int};
+            default the fewest multiple of ep >= E, as passes.place_experts.plan picks); slots beyond E hold
+            replicas of experts.
+        placements: {layer prefix (e.g. "model.layers.1.block_sparse_moe"): Placement} planned for ep GPUs
+            (passes.place_experts.plan from routing statistics); default a uniform plan.
+    Raises:
+        MtcError: see mesh_layout; a module already parallel, or on device 'meta'; num_slots not a multiple of ep
+            or fewer than the experts; a placement for another GPU or expert count; with cp > 1, a fused launch that
+            contains a sequence-mixing op in both programs (it cannot take its context-parallel form).
+    """
+    from passes.place_experts import plan
+    if isinstance(m, ParallelModule):
+        raise MtcError(f"{m.graph.name}: this module is already parallel (on a mesh of {m.layout.sizes}); compile "
+                       f"it again for another mesh")
+    if not isinstance(m, CompiledModule):
+        raise MtcError(f"parallelize takes a CompiledModule (dsl.compile), got {type(m).__name__}")
+    p0 = next(m.parameters(), None)
+    if p0 is not None and p0.is_meta:
+        raise MtcError(f"{m.graph.name}: a module on device 'meta' has no weights to place on a mesh")
+    lay = mesh_layout(mesh, None if p0 is None else p0.device.type)
+    ep = lay.sizes["ep"]
+    nodes = m.graph.node_map()
+    programs = {"program": m.program, "train_program": m.train_program}
+    if lay.sizes["cp"] > 1:
+        fused = {k: [L for L in p.launches if L.op not in CP_OPS and any(nodes[o].op in CP_OPS for o in L.ops)]
+                 for k, p in programs.items()}
+        if fused["train_program"]:
+            L = fused["train_program"][0]
+            raise MtcError(f"{m.graph.name}: context parallel: launch {L.kernel} fuses a sequence-mixing op "
+                           f"({', '.join(nodes[o].op for o in L.ops if nodes[o].op in CP_OPS)}), which has no "
+                           f"context-parallel form inside a fused kernel")
+        if fused["program"]:          # the inference program's fused kernels: run the unfused program instead
+            m.program = m.train_program
+    ep_layers = {}
+    for L in m.train_program.launches:
+        if L.op != "moe_experts" or ep == 1:
+            continue
+        keys = tuple(m._names[r[1:]] for r, _t in L.inputs[3:6])
+        layer = keys[0].rsplit(".experts.", 1)[0] if ".experts." in keys[0] else keys[0].rsplit(".", 1)[0]
+        E = int(L.inputs[3][1].shape[0])
+        S = num_slots.get(layer) if isinstance(num_slots, dict) else num_slots
+        S = -(-E // ep) * ep if S is None else S
+        if isinstance(S, bool) or not isinstance(S, int) or S < E or S % ep:
+            raise MtcError(f"{m.graph.name}: expert parallel: num_slots = {S!r} for {layer} must be an integer >= its "
+                           f"{E} experts and a multiple of ep = {ep} (the slots split evenly over the ep ranks)")
+        pl = (placements or {}).get(layer)
+        if pl is None:
+            pl = plan(None, num_gpus=ep, num_slots=S, num_experts=E)
+        elif pl.num_gpus != ep or pl.num_experts != E:
+            raise MtcError(f"{m.graph.name}: expert parallel: the placement of {layer} is for {pl.num_gpus} GPUs and "
+                           f"{pl.num_experts} experts; this mesh has ep = {ep} and the layer {E} experts")
+        from backends.parallel.expert import local_slots
+        slots = local_slots(pl, lay.coords["ep"])
+        ep_layers[L.anchor] = _EPLayer(layer, keys, E, pl, slots,
+                                       [int(e) for e in torch.nonzero(pl.replica_count > 1).flatten()])
+    m.__class__ = ParallelModule
+    m.layout = lay
+    m._ep_layers = ep_layers
+    m._cp_lengths = None
+    m.last_exchange = {}
+    m.dp_group = lay.balance_group
+    m._bound = {}
+    with torch.no_grad():
+        for lay_ep in ep_layers.values():
+            for key in lay_ep.keys:
+                *path, leaf = key.split(".")
+                owner = m
+                for p in path:
+                    owner = owner._modules[p]
+                full = owner._parameters[leaf]
+                owner.register_parameter(leaf, nn.Parameter(full.detach()[lay_ep.slots.to(full.device)].clone(),
+                                                            requires_grad=full.requires_grad))
+    m._slots = {}
+    return m
+
+
+def _ops_module(fn):
+    """The backend module (backends.reference / backends.triton) of a launch's implementation."""
+    target = getattr(fn, "target", "reference")
+    return importlib.import_module(f"backends.{target}" if target in ("reference", "triton") else "backends.reference")
+
+
+class ParallelModule(CompiledModule):
+    """A CompiledModule on a DeviceMesh (see the module docstring); made by :func:`parallelize`.
+
+    Attributes (besides CompiledModule's):
+        layout: the :class:`Layout` (sizes, coordinates, groups).
+        last_exchange: {MoE layer prefix: backends.parallel.expert.ExchangeStats} of the last forward.
+    """
+
+    def __getstate__(self):
+        raise MtcError(f"{self.graph.name}: a parallel module cannot be pickled (its process groups do not travel); "
+                       f"save full_state_dict() (or each rank's state_dict())")
+
+    # -- execution -------------------------------------------------------------------------------
+    def run(self, progress=None, **inputs):
+        """As CompiledModule.run, on this rank's tokens (see the module docstring); with cp > 1 the ranks first
+        exchange their sequence lengths."""
+        if self.layout.cp_group is not None:
+            from backends.parallel.context import gather_lengths
+            self._cp_lengths = gather_lengths(self._local_len(inputs), self.layout.cp_group,
+                                              next(iter(inputs.values())).device)
+        try:
+            return super().run(progress=progress, **inputs)
+        finally:
+            self._cp_lengths = None
+
+    def _local_len(self, inputs) -> int:
+        sym = None
+        for L in self.train_program.launches:
+            if L.op in CP_OPS:
+                sym = L.inputs[0][1].shape[1]
+                break
+        for n in self.graph.inputs():
+            if sym is not None and sym in n.type.shape and n.attr("name") in inputs:
+                return int(inputs[n.attr("name")].shape[list(n.type.shape).index(sym)])
+        raise MtcError(f"{self.graph.name}: context parallel: no input carries the sequence dimension {sym}")
+
+    def _launch(self, L, fn, call, args, into=None):
+        if self._cp_lengths is not None and L.op in CP_OPS:
+            return self._cp_launch(L, fn, call, args)
+        if L.op == "moe_experts" and L.anchor in self._ep_layers:
+            return self._ep_launch(L, fn, call, args)
+        return super()._launch(L, fn, call, args, into)
+
+    def _cp_launch(self, L, fn, call, args):
+        from backends.parallel import context as C
+        ops = _ops_module(fn)
+        group, lengths = self.layout.cp_group, self._cp_lengths
+        if L.op == "kda_chunk":
+            return C.kda_chunk_cp(*args, group=group, scale=call.attr("scale"), lengths=lengths,
+                                  kda=ops.kda_chunk)[0]
+        if L.op == "short_conv":
+            from backends import reference as R
+            return C.short_conv_cp(*args, group=group, lengths=lengths,
+                                   conv=getattr(ops, "short_conv", R.short_conv))[0]
+        if not call.attr("causal", True):
+            raise MtcError(f"%{call.node.name} = mla_attention(causal=False): context parallel runs causal "
+                           f"attention only", call.node.loc)
+        return C.mla_attention_cp(*args, scale=call.attr("scale"), group=group, lengths=lengths)
+
+    def _ep_launch(self, L, fn, call, args):
+        from backends.parallel.expert import moe_experts_ep
+        lay_ep = self._ep_layers[L.anchor]
+        x, idx, w, w1, w3, w2 = args
+        u, stats = moe_experts_ep(x, idx, w, w1, w3, w2, placement=lay_ep.placement, group=self.layout.ep_group,
+                                  experts_fn=lambda *a: fn.fn(call, *a))
+        self.last_exchange[lay_ep.layer] = stats
+        return u
+
+    def _qb_step(self, layer: str, bias: torch.Tensor, scores: torch.Tensor, top_k: int) -> None:
+        """QB on the scores of every cp rank's tokens (one sequence's statistics), b_hat averaged over dp x ep."""
+        group = self.layout.cp_group
+        if group is not None:
+            world = dist.get_world_size(group)
+            n = torch.tensor([scores.shape[0]], dtype=torch.int64, device=scores.device)
+            ns = [torch.empty_like(n) for _ in range(world)]
+            dist.all_gather(ns, n, group=group)
+            ns = [int(v) for v in ns]
+            pad = scores.new_zeros(max(ns), scores.shape[1])
+            pad[:scores.shape[0]] = scores.detach()
+            got = [torch.empty_like(pad) for _ in range(world)]
+            dist.all_gather(got, pad, group=group)
+            scores = torch.cat([g[:c] for g, c in zip(got, ns)])
+        super()._qb_step(layer, bias, scores, top_k)
+
+    # -- gradients and state ----------------------------------------------------------------------
+    def _expert_keys(self) -> set:
+        return {k for e in self._ep_layers.values() for k in e.keys}
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Sum the gradients over the ranks that share each weight (see the module docstring): dense weights over
+        the whole mesh (one all-reduce of their flattened gradients), expert slots over dp x cp, and the slots of a
+        replicated expert over the ep ranks that hold it. A parameter without a gradient takes zeros. A
+        collective call: every rank makes it, after its backward."""
+        lay = self.layout
+        experts = self._expert_keys()
+        params = dict(self.named_parameters())
+        for p in params.values():
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        dense = [p.grad for k, p in params.items() if k not in experts and p.grad is not None]
+        if lay.dense_group is not None and dense:
+            flat = torch.cat([g.reshape(-1) for g in dense])
+            dist.all_reduce(flat, group=lay.dense_group)
+            for g, part in zip(dense, torch.split(flat, [g.numel() for g in dense])):
+                g.copy_(part.view_as(g))
+        for e in self._ep_layers.values():
+            for key in e.keys:
+                g = params[key].grad
+                if lay.expert_group is not None:
+                    dist.all_reduce(g, group=lay.expert_group)
+                if e.replicated and lay.ep_group is not None:
+                    buf = g.new_zeros((e.num_experts, *g.shape[1:]))
+                    mask = torch.isin(e.slots, torch.tensor(e.replicated))
+                    buf.index_add_(0, e.slots[mask].to(g.device), g[mask.to(g.device)])
+                    dist.all_reduce(buf, group=lay.ep_group)
+                    g[mask.to(g.device)] = buf[e.slots[mask].to(g.device)]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """The state dict of the whole model, as a single-process module of the same graph has it (the expert
+        weights gathered over the ep group: each logical expert from its first replica). A collective call."""
+        sd = self.state_dict()
+        lay = self.layout
+        for e in self._ep_layers.values():
+            spg = e.placement.slots_per_gpu
+            first = e.placement.logical_to_physical[:, 0]
+            me = lay.coords["ep"]
+            for key in e.keys:
+                local = sd[key]
+                full = local.new_zeros((e.num_experts, *local.shape[1:]))
+                mine = (first // spg) == me
+                full[torch.nonzero(mine).flatten().to(full.device)] = local[(first[mine] % spg).to(local.device)]
+                dist.all_reduce(full, group=lay.ep_group)
+                sd[key] = full
+        return sd
