@@ -91,7 +91,11 @@ def moe_experts_ep(x_lat, topk_idx, topk_weight, w1, w3, w2, *, placement, group
     dist.all_to_all_single(slot_recv, slot_send, recv_l, send_l, group=group)
     x_recv = fc.wait_tensor(fc.all_to_all_single_autograd(x_send.contiguous(), recv_l, send_l, group))
     ones = torch.ones(x_recv.shape[0], 1, dtype=torch.float32, device=dev)
-    y_recv = experts_fn(x_recv, slot_recv[:, None], ones, w1, w3, w2)
+    if x_recv.shape[0]:
+        y_recv = experts_fn(x_recv, slot_recv[:, None], ones, w1, w3, w2)
+    else:   # no pair for this rank's experts: an empty result still tied to the exchange, so that this rank's
+        # backward joins the reverse exchanges as the others do
+        y_recv = x_recv.new_zeros((0, w2.shape[1])) + 0.0 * x_recv.sum()
     y_back = fc.wait_tensor(fc.all_to_all_single_autograd(y_recv.contiguous(), send_l, recv_l, group))
     y = y_back[torch.argsort(order)]                               # back to (token, choice) order
     u = (y.float().view(n, k, l) * topk_weight.float()[..., None]).sum(1)
