@@ -189,6 +189,31 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
     return m
 
 
+_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe")
+
+
+class _collective_errors:
+    """Turn a failed collective (a rank that died, one that did not arrive within the process group's timeout) into
+    an MtcError that names this rank and the mesh, instead of the transport's message alone."""
+
+    def __init__(self, module, what: str):
+        self.module, self.what = module, what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        if exc is None or isinstance(exc, MtcError) or not isinstance(exc, RuntimeError):
+            return False
+        text = str(exc)
+        if not (isinstance(exc, dist.DistError) or any(w in text.lower() for w in _COMM_WORDS)):
+            return False
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        raise MtcError(f"{self.module.graph.name}: rank {dist.get_rank()} of the mesh {self.module.layout.sizes}: a "
+                       f"collective in {self.what} failed: another rank died or did not reach it within the process "
+                       f"group's timeout (init_process_group(timeout=...)). {type(exc).__name__}: {first}") from exc
+
+
 def _ops_module(fn):
     """The backend module (backends.reference / backends.triton) of a launch's implementation."""
     target = getattr(fn, "target", "reference")
@@ -211,14 +236,15 @@ class ParallelModule(CompiledModule):
     def run(self, progress=None, **inputs):
         """As CompiledModule.run, on this rank's tokens (see the module docstring); with cp > 1 the ranks first
         exchange their sequence lengths."""
-        if self.layout.cp_group is not None:
-            from backends.parallel.context import gather_lengths
-            self._cp_lengths = gather_lengths(self._local_len(inputs), self.layout.cp_group,
-                                              next(iter(inputs.values())).device)
-        try:
-            return super().run(progress=progress, **inputs)
-        finally:
-            self._cp_lengths = None
+        with _collective_errors(self, "the forward"):
+            if self.layout.cp_group is not None:
+                from backends.parallel.context import gather_lengths
+                self._cp_lengths = gather_lengths(self._local_len(inputs), self.layout.cp_group,
+                                                  next(iter(inputs.values())).device)
+            try:
+                return super().run(progress=progress, **inputs)
+            finally:
+                self._cp_lengths = None
 
     def _local_len(self, inputs) -> int:
         sym = None
@@ -289,6 +315,10 @@ class ParallelModule(CompiledModule):
         the whole mesh (one all-reduce of their flattened gradients), expert slots over dp x cp, and the slots of a
         replicated expert over the ep ranks that hold it. A parameter without a gradient takes zeros. A
         collective call: every rank makes it, after its backward."""
+        with _collective_errors(self, "sync_gradients"):
+            self._sync_gradients()
+
+    def _sync_gradients(self) -> None:
         lay = self.layout
         experts = self._expert_keys()
         params = dict(self.named_parameters())
