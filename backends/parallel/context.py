@@ -36,6 +36,12 @@ import torch.distributed._functional_collectives as fc
 
 from dsl.errors import MtcError
 
+# torch 2.13 renames the tensor collectives (the *_into_tensor / *_tensor forms are deprecated there); the GPU
+# machine's torch 2.11 has only the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+
 __all__ = ["split_sizes", "gather_lengths", "kda_chunk_cp", "short_conv_cp", "mla_attention_cp"]
 
 
@@ -75,7 +81,7 @@ def _gather_time(x: torch.Tensor, lengths: list[int], group) -> torch.Tensor:
     if x.shape[1] < tmax:
         pad = x.new_zeros((x.shape[0], tmax - x.shape[1], *x.shape[2:]))
         x = torch.cat([x, pad], dim=1)
-    full = fc.wait_tensor(fc.all_gather_single_autograd(x.unsqueeze(0).contiguous(), 0, group))
+    full = fc.wait_tensor(_all_gather_autograd(x.unsqueeze(0).contiguous(), 0, group))
     return torch.cat([full[j, :, :n] for j, n in enumerate(lengths)], dim=1)
 
 
@@ -141,7 +147,7 @@ class _StateScan(torch.autograd.Function):
     def forward(ctx, s_end, s_start, group, V):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         trans = s_end.new_empty((world * s_end.shape[0], *s_end.shape[1:]))
-        dist.all_gather_into_tensor(trans, s_end.contiguous(), group=group)      # (gloo: ranks along dim 0)
+        _all_gather_single(trans, s_end.contiguous(), group=group)      # (gloo: ranks along dim 0)
         trans = trans.view(world, *s_end.shape)
         ctx.save_for_backward(trans, s_start)
         ctx.group, ctx.rank, ctx.V = group, rank, V
@@ -158,7 +164,7 @@ class _StateScan(torch.autograd.Function):
         g_t = torch.zeros_like(trans) if g_t is None else g_t
         g_s0 = torch.zeros_like(s_start) if g_s0 is None else g_s0
         mine = torch.empty_like(trans[0])
-        dist.reduce_scatter_tensor(mine, g_t.reshape(-1, *trans.shape[2:]).contiguous(), group=ctx.group)
+        _reduce_scatter_single(mine, g_t.reshape(-1, *trans.shape[2:]).contiguous(), group=ctx.group)
         return mine, g_s0, None, None
 
 
