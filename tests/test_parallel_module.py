@@ -2,7 +2,7 @@
 rank's logits, the loss, every parameter gradient after one backward (and sync_gradients) and the QB router biases
 after the step equal a single-process run of the same model and batch (rel 1e-5), for cp, ep (with replicas:
 16 experts in 18 slots), dp, and ep x cp / dp x ep on 4 ranks; T = 45 (uneven over cp = 2: 23 + 22). Also the
-mesh checks (clear MtcErrors) and the gathered full state dict."""
+mesh checks (clear MtcErrors), the forward without autograd, and the full state dict gathered and loaded back."""
 import copy
 import os
 
@@ -57,13 +57,22 @@ def _case(rank, world, seed, dims, sizes, num_slots):
     ref_sd = m0.state_dict()
     assert full.keys() == ref_sd.keys()
     assert all(torch.equal(full[k], ref_sd[k]) for k in full)
+    # ... and it loads back: a perturbed copy of the whole model, cut to this rank's slots
+    moved = {k: v + 1 if v.is_floating_point() else v for k, v in ref_sd.items()}
+    m.load_full_state_dict(moved)
+    assert all(torch.equal(a, b) for a, b in zip(m.full_state_dict().values(), moved.values()))
+    m.load_full_state_dict(ref_sd)
     # single process: the whole batch, no balancing (its router scores kept to compute the expected step)
     m0.balance = None
     scores = {}
     m0._route_spy = lambda n, out, args: scores.__setitem__(n.name, out[2].detach())
     logits0 = m0(ids)
     (F.cross_entropy(logits0.reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum") / ids.numel()).backward()
-    # this rank
+    # this rank: without autograd (the inference program), then training
+    with torch.no_grad():
+        m.balance = None
+        assert _rel(m(ids[di:di + 1, lo:hi].clone()), logits0[di:di + 1, lo:hi].detach()) < 1e-5
+        m.balance = "qb"
     logits = m(ids[di:di + 1, lo:hi].clone())
     assert _rel(logits, logits0[di:di + 1, lo:hi]) < 1e-5
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), tgt[di:di + 1, lo:hi].reshape(-1), reduction="sum") / ids.numel()
@@ -101,6 +110,10 @@ def test_context_parallel_model(_fresh_seed):
     run_ranks(_case, 2, _fresh_seed, ("cp",), (2,), None)
 
 
+def test_data_parallel_model(_fresh_seed):
+    run_ranks(_case, 2, _fresh_seed, ("dp",), (2,), None)
+
+
 def test_expert_parallel_model_with_replicas(_fresh_seed):
     run_ranks(_case, 2, _fresh_seed, ("ep",), (2,), 18)
 
@@ -130,6 +143,9 @@ def _mesh_errors(rank, world):
         p.parallelize(mesh)
     with pytest.raises(MtcError, match="cannot be pickled"):
         copy.deepcopy(p)
+    p.balance = "fixed"
+    with pytest.raises(MtcError, match="balance = 'fixed' is not offered on a mesh"):
+        p(torch.randint(0, 256, (1, 9)))
 
 
 def test_mesh_errors():

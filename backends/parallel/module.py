@@ -232,6 +232,13 @@ class ParallelModule(CompiledModule):
         raise MtcError(f"{self.graph.name}: a parallel module cannot be pickled (its process groups do not travel); "
                        f"save full_state_dict() (or each rank's state_dict())")
 
+    def _check_balance_settings(self) -> None:
+        super()._check_balance_settings()
+        if self.balance == "fixed" and self.layout.dense_group is not None:
+            raise MtcError(f"{self.graph.name}: balance = 'fixed' is not offered on a mesh (each rank would step its "
+                           f"router biases from its own loads, and the ranks' biases would drift apart); use "
+                           f"balance = 'qb' (its step is global over the mesh) or None")
+
     # -- execution -------------------------------------------------------------------------------
     def run(self, progress=None, **inputs):
         """As CompiledModule.run, on this rank's tokens (see the module docstring); with cp > 1 the ranks first
@@ -342,6 +349,24 @@ class ParallelModule(CompiledModule):
                     buf.index_add_(0, e.slots[mask].to(g.device), g[mask.to(g.device)])
                     dist.all_reduce(buf, group=lay.ep_group)
                     g[mask.to(g.device)] = buf[e.slots[mask].to(g.device)]
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load a whole-model state dict (a single-process module's, or :meth:`full_state_dict` of another mesh):
+        each rank keeps its expert slots' rows of the expert weights. Returns load_state_dict's result. MtcError
+        for an expert weight whose shape is not the full model's."""
+        sd = dict(state_dict)
+        for e in self._ep_layers.values():
+            for key in e.keys:
+                if key not in sd:
+                    continue
+                full = sd[key]
+                if full.shape[0] != e.num_experts:
+                    raise MtcError(f"{self.graph.name}: load_full_state_dict: {key} has {full.shape[0]} rows, not the "
+                                   f"{e.num_experts} experts of the full model (a rank's own state_dict() holds only "
+                                   f"its slots: load that with load_state_dict on the same mesh)")
+                sd[key] = full[e.slots.to(full.device)]
+        return self.load_state_dict(sd, strict=strict)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
