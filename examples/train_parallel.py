@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train_parallel.py --mesh ep=2,cp=2 --steps 5
     torchrun --nproc-per-node 2 examples/train_parallel.py --mesh cp=2 --seq-len 256 --input README.md
-    torchrun --nproc-per-node 8 examples/train_parallel.py --variant small --mesh dp=2,ep=4 --target triton
+    torchrun --nproc-per-node 8 examples/train_parallel.py --variant small --mesh dp=2,ep=4 --target triton --fsdp
 
 Next-byte prediction (vocab 256) on a text file (default: the excerpt shipped in examples/data). Every step takes
 ``--batch`` windows of ``--seq-len + 1`` bytes per dp x ep rank (the same windows on every rank for one seed); each
@@ -68,6 +68,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", default="reference")
+    ap.add_argument("--fsdp", action="store_true", help="shard the dense weights over the mesh (FSDP2)")
     ap.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
     a = ap.parse_args(argv)
 
@@ -81,7 +82,8 @@ def main(argv=None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda" if cuda else "cpu", sizes, mesh_dim_names=names)
         device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-        m = dsl.compile(dsl.load(a.spec, a.variant), target=a.target, seed=a.seed, device=device, mesh=mesh).train()
+        m = dsl.compile(dsl.load(a.spec, a.variant), target=a.target, seed=a.seed, device=device).train()
+        m.parallelize(mesh, fsdp=a.fsdp)
         lay = m.layout
         shards = lay.sizes["dp"] * lay.sizes["ep"]
         di = lay.coords["dp"] * lay.sizes["ep"] + lay.coords["ep"]

@@ -15,6 +15,7 @@ import dsl
 from backends import reference as R
 from backends.parallel import split_sizes
 from dsl.errors import MtcError
+from torch.distributed.tensor import DTensor
 from dist_util import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,11 +31,11 @@ def _model():
                        seed=0).train()
 
 
-def _case(rank, world, seed, dims, sizes, num_slots):
+def _case(rank, world, seed, dims, sizes, num_slots, fsdp=False):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=dims)
     m0 = _model()
-    m = copy.deepcopy(m0).parallelize(mesh, num_slots=num_slots)
+    m = copy.deepcopy(m0).parallelize(mesh, num_slots=num_slots, fsdp=fsdp)
     lay = m.layout
     shards = lay.sizes["dp"] * lay.sizes["ep"]                  # sequences: one per dp x ep rank
     di = lay.coords["dp"] * lay.sizes["ep"] + lay.coords["ep"]
@@ -51,7 +52,8 @@ def _case(rank, world, seed, dims, sizes, num_slots):
                       ep_size=lay.sizes["ep"], tp_size=1, num_slots=e0.placement.num_slots if e0 else None)
     graph_keys = set(m._names.values())
     mine = sum(t.numel() * t.element_size() for k, t in m.state_dict().items() if k in graph_keys)
-    assert mine == mp_.weight_bytes, (mine, mp_.weight_bytes)
+    if not fsdp:                      # (FSDP2 shards the dense weights, which the plan splits by tensor parallel)
+        assert mine == mp_.weight_bytes, (mine, mp_.weight_bytes)
     # the gathered state dict is the single-process one
     full = m.full_state_dict()
     ref_sd = m0.state_dict()
@@ -86,6 +88,9 @@ def _case(rank, world, seed, dims, sizes, num_slots):
     experts = {k: e for e in m._ep_layers.values() for k in e.keys}
     for k, p in m.named_parameters():
         want = g0[k][experts[k].slots] if k in experts else g0[k]
+        if fsdp and k not in experts:
+            assert p.grad is not None and isinstance(p.grad, DTensor)
+            p.grad = p.grad.full_tensor()             # (this rank holds its shard)
         # A_log's gradient (one value per KDA head) is a signed sum over every token and channel of the layer: its
         # float32 cancellation is larger (cp = 2, 8 seeds: up to 4.8e-5 relative; every other parameter < 5e-6)
         tol = 1e-4 if k.endswith(".A_log") else 1e-5

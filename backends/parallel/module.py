@@ -20,7 +20,9 @@ its own tokens:
 * Gradients: after ``loss.backward()``, :meth:`ParallelModule.sync_gradients` sums the dense weights' gradients
   over the whole mesh and the experts' over ``dp`` x ``cp`` (and over the replicas of an expert), so that with each
   rank's loss a sum over its tokens divided by the global token count, every rank holds the gradient of the
-  single-process mean loss (FSDP2 / DDP do the same sum; they are not wired in yet).
+  single-process mean loss. With ``fsdp=True`` the dense weights are sharded over the mesh by FSDP2
+  (``fully_shard``), which reduce-scatters their gradients in the backward; sync_gradients then only rescales
+  them (FSDP2 averages) and handles the experts.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class Layout:
     balance_group: object = None       # dp x ep: QB averages b_hat over it
     dense_group: object = None         # the whole mesh: dense gradients are summed over it
     expert_group: object = None        # dp x cp: expert gradients are summed over it
+    dense_mesh: object = None          # the 1-D mesh of dense_group (FSDP2 shards over it)
 
 
 @dataclass
@@ -67,13 +70,20 @@ class _EPLayer:
     replicated: list = field(default_factory=list)   # logical experts with several replicas
 
 
-def _group(mesh, names, dims):
+def _submesh(mesh, names, dims):
+    """The 1-D mesh over the dims ``dims`` of ``mesh`` that are present with size > 1 (flattened when several);
+    None when there is none."""
     present = [d for d in names if d in dims and mesh.size(names.index(d)) > 1]
     if not present:
         return None
     if len(present) == 1:
-        return mesh.get_group(present[0])
-    return mesh[tuple(present)]._flatten("_".join(present)).get_group()
+        return mesh[present[0]]
+    return mesh[tuple(present)]._flatten("_".join(present))
+
+
+def _group(mesh, names, dims):
+    sub = _submesh(mesh, names, dims)
+    return None if sub is None else sub.get_group()
 
 
 def mesh_layout(mesh, device_type: str | None = None) -> Layout:
@@ -103,10 +113,11 @@ def mesh_layout(mesh, device_type: str | None = None) -> Layout:
     return Layout(mesh, sizes, coords,
                   cp_group=_group(mesh, names, ("cp",)), ep_group=_group(mesh, names, ("ep",)),
                   balance_group=_group(mesh, names, ("dp", "ep")), dense_group=_group(mesh, names, DIMS),
-                  expert_group=_group(mesh, names, ("dp", "cp")))
+                  expert_group=_group(mesh, names, ("dp", "cp")), dense_mesh=_submesh(mesh, names, DIMS))
 
 
-def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None, placements: dict | None = None):
+def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None, placements: dict | None = None,
+                fsdp: bool = False):
     """Make ``m`` (a CompiledModule of this rank; every rank compiles the same graph with the same seed) run on
     ``mesh``; returns it, now a :class:`ParallelModule` (in place: its class changes and, with ``ep`` > 1, its
     expert weights are cut to this rank's slots). A collective call: every rank of the mesh makes it.
@@ -118,6 +129,11 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
             replicas of experts.
         placements: {layer prefix (e.g. "model.layers.1.block_sparse_moe"): Placement} planned for ep GPUs
             (passes.place_experts.plan from routing statistics); default a uniform plan.
+        fsdp: shard the dense weights (every parameter but the routed experts) over the whole mesh with FSDP2
+            (``torch.distributed.fsdp.fully_shard`` of the module as one unit: the weights are all-gathered for
+            the forward and the gradients reduce-scattered at the end of the backward; the parameters outside
+            them are DTensors). One unit, not one per layer block: the kernel program reads the weights itself,
+            so the layer modules' forward hooks (FSDP2's per-block unsharding) never run.
     Raises:
         MtcError: see mesh_layout; a module already parallel, or on device 'meta'; num_slots not a multiple of ep
             or fewer than the experts; a placement for another GPU or expert count; with cp > 1, a fused launch that
@@ -186,6 +202,12 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
                 owner.register_parameter(leaf, nn.Parameter(full.detach()[lay_ep.slots.to(full.device)].clone(),
                                                             requires_grad=full.requires_grad))
     m._slots = {}
+    m._fsdp = False
+    if fsdp and lay.dense_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+        experts = {m._tensor(k) for e in ep_layers.values() for k in e.keys}
+        fully_shard(m, mesh=lay.dense_mesh, ignored_params=experts or None)
+        m._fsdp = True
     return m
 
 
@@ -333,6 +355,13 @@ class ParallelModule(CompiledModule):
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         dense = [p.grad for k, p in params.items() if k not in experts and p.grad is not None]
+        if getattr(self, "_fsdp", False):
+            # FSDP2 reduce-scattered them in the backward as a mean over the mesh (gloo offers no pre-scaled sum):
+            # back to the sum
+            n = dist.get_world_size(lay.dense_group)
+            for g in dense:
+                g.mul_(n)
+            dense = []
         if lay.dense_group is not None and dense:
             flat = torch.cat([g.reshape(-1) for g in dense])
             dist.all_reduce(flat, group=lay.dense_group)
@@ -366,13 +395,19 @@ class ParallelModule(CompiledModule):
                                    f"{e.num_experts} experts of the full model (a rank's own state_dict() holds only "
                                    f"its slots: load that with load_state_dict on the same mesh)")
                 sd[key] = full[e.slots.to(full.device)]
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        own = self.state_dict()
+        for k, v in sd.items():
+            if isinstance(own.get(k), DTensor) and not isinstance(v, DTensor):   # FSDP2: this rank's shard
+                sd[k] = distribute_tensor(v.to(own[k].device), own[k].device_mesh, own[k].placements)
         return self.load_state_dict(sd, strict=strict)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
         """The state dict of the whole model, as a single-process module of the same graph has it (the expert
         weights gathered over the ep group: each logical expert from its first replica). A collective call."""
-        sd = self.state_dict()
+        from torch.distributed.tensor import DTensor
+        sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.state_dict().items()}
         lay = self.layout
         for e in self._ep_layers.values():
             spg = e.placement.slots_per_gpu
