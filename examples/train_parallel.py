@@ -10,7 +10,8 @@ cp rank takes its contiguous run of the window (backends.parallel.split_sizes). 
 of its tokens' cross entropy over the global token count, so that after ``m.sync_gradients()`` every rank holds
 the gradient of the global mean loss; AdamW then takes the same step everywhere. Rank 0 prints the global loss of
 every step. ``--mesh`` names the dims (dp, ep, cp; sizes multiply to the number of processes). The backend is
-NCCL with one GPU per process when CUDA is present (LOCAL_RANK picks it), else gloo on the CPU.
+NCCL with one GPU per process when CUDA is present (LOCAL_RANK picks it), else gloo on the CPU. Run without
+torchrun, it is one process.
 """
 from __future__ import annotations
 
@@ -72,6 +73,12 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
     a = ap.parse_args(argv)
 
+    if "RANK" not in os.environ:            # not under torchrun: one process
+        import socket
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -126,5 +133,5 @@ if __name__ == "__main__":
     try:
         main()
     except MtcError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(e, file=sys.stderr)
         sys.exit(2)
