@@ -37,6 +37,8 @@ def _case(rank, world, seed, dims, sizes, num_slots, fsdp=False):
     m0 = _model()
     m = copy.deepcopy(m0).parallelize(mesh, num_slots=num_slots, fsdp=fsdp)
     lay = m.layout
+    if lay.sizes["cp"] > 1:           # MLA gathers its latent (kv_lora_rank 16 + qk_rope_dim 8), not K / V
+        assert sorted(m.cp_gathered_width.values()) == [24, 24, 24]
     shards = lay.sizes["dp"] * lay.sizes["ep"]                  # sequences: one per dp x ep rank
     di = lay.coords["dp"] * lay.sizes["ep"] + lay.coords["ep"]
     lengths = split_sizes(T, lay.sizes["cp"])

@@ -22,9 +22,8 @@ rank the gradients of its own inputs (the all-gather's backward is a reduce-scat
   ``min(T_r, W - 1)`` inputs.
 * :func:`mla_attention_cp`: causal softmax attention; the keys and values of all ranks are all-gathered and each
   query at global position ``offset + t`` sees the keys ``s <= offset + t`` (ring attention without the ring).
-  The gathered operands here are the op's K and V (the graph's mla_attention takes them after the latent
-  up-projection); gathering the latent (kv_lora_rank + qk_rope_dim values per token) instead is a graph-level
-  rewrite not done yet.
+  Called alone it gathers the op's K and V; a parallel module instead gathers MLA's latent (kv_lora_rank +
+  qk_rope_dim values per token, 576 for K3) and runs the up-projection on the whole sequence (``kv_full``).
 
 Raises MtcError for tensors whose lengths do not match, an empty run, or a group that is not initialised.
 """
@@ -206,12 +205,14 @@ def short_conv_cp(x, weight, *, group, initial_state=None, output_final_state=Fa
     return y, final
 
 
-def mla_attention_cp(q, k, v, *, scale, group, lengths: list[int] | None = None):
+def mla_attention_cp(q, k, v, *, scale, group, lengths: list[int] | None = None, kv_full: bool = False):
     """Causal mla_attention (softmax attention, float32 softmax; spec/OPS.md) on this rank's queries.
 
     Args:
         q, k [B, T_r, H, Dqk]; v [B, T_r, H, Dv]: this rank's tokens.
         scale: the logit scale; group: the context-parallel process group; lengths: every rank's T_r.
+        kv_full: k and v already hold the whole sequence [B, sum(lengths), H, D] (computed from the gathered latent,
+            see backends.parallel.module): no gather here.
     Returns:
         o [B, T_r, H, Dv] in v's dtype; differentiable in q, k, v (the gathered K / V's gradients return to their
         ranks through the all-gather's backward).
@@ -221,8 +222,14 @@ def mla_attention_cp(q, k, v, *, scale, group, lengths: list[int] | None = None)
     if lengths is None:
         lengths = gather_lengths(T, group, q.device)
     offset = sum(lengths[:rank])
-    k_all = _gather_time(k, lengths, group)
-    v_all = _gather_time(v, lengths, group)
+    if kv_full:
+        if k.shape[1] != sum(lengths) or v.shape[1] != sum(lengths):
+            raise MtcError(f"mla_attention_cp: kv_full needs K / V of the whole sequence ({sum(lengths)} tokens), "
+                           f"got {k.shape[1]} and {v.shape[1]}")
+        k_all, v_all = k, v
+    else:
+        k_all = _gather_time(k, lengths, group)
+        v_all = _gather_time(v, lengths, group)
     S = k_all.shape[1]
     # query t (global offset + t) sees key s when s <= offset + t
     mask = (torch.arange(S, device=q.device)[None, :]

@@ -8,8 +8,9 @@ its own tokens:
 * ``dp`` and ``ep`` ranks take different sequences (rows of the batch); ``cp`` ranks take contiguous runs of
   the same sequences, in rank order (any lengths >= 1; ``backends.parallel.split_sizes`` gives the even split).
 * ``cp``: the sequence-mixing launches run their context-parallel forms (backends/parallel/context.py):
-  kda_chunk by state passing, short_conv with the previous ranks' last inputs, mla_attention over the
-  all-gathered K / V; everything else is per token.
+  kda_chunk by state passing, short_conv with the previous ranks' last inputs, mla_attention over the whole
+  sequence's K / V, computed from MLA's all-gathered latent (576 values per token for K3: the launches between the
+  latent and K / V run on the whole sequence; ``m.cp_gathered_width``); everything else is per token.
 * ``ep``: each rank holds the expert slots that ``passes.place_experts.plan`` gives its ``ep`` coordinate
   (replicas included; uniform load unless ``placements`` are given) under the full model's parameter names, with
   the slot count as the first dimension; moe_experts dispatches and combines with all_to_all_single
@@ -42,6 +43,66 @@ __all__ = ["DIMS", "Layout", "ParallelModule", "parallelize", "mesh_layout"]
 DIMS = ("dp", "ep", "cp")
 #: launches that mix tokens along the sequence: their context-parallel forms
 CP_OPS = ("kda_chunk", "short_conv", "mla_attention")
+#: per-token ops that may sit between MLA's latent and its K / V (the up-projection cone, run on the gathered latent)
+_TOKEN_OPS = ("linear", "rmsnorm", "slice", "reshape", "broadcast", "concat", "l2norm", "silu", "sigmoid", "mul",
+              "add")
+
+
+def _width(t) -> int:
+    """Values per token of a [B, T, ...] type."""
+    n = 1
+    for d in t.shape[2:]:
+        n *= int(d)
+    return n
+
+
+def _kv_cones(program, graph) -> dict:
+    """{mla_attention launch anchor: (the names of the launches' outputs in its K / V cone, the cone's frontier
+    buffers)}: the per-token launches that feed only K and V of one mla_attention, back to the buffers they start
+    from (MLA's latent [c_kv | k_rope], 576 values per token for K3). Context parallel gathers the frontier and
+    runs the cone on the whole sequence instead of gathering K and V (DeepSeek-V2's latent, arXiv 2405.04434,
+    sec. 2.1). A cone is kept only when its frontier is narrower than K and V together."""
+    nodes = graph.node_map()
+    producer = {r: L for L in program.launches for r, _t in L.outputs}
+    consumers: dict = {}
+    for L in program.launches:
+        for r, _t in L.inputs:
+            consumers.setdefault(r, []).append(L)
+    out = {}
+    for M in program.launches:
+        if M.op != "mla_attention":
+            continue
+        sym = M.inputs[0][1].shape[1]
+        cone: dict = {}                 # launch index -> launch
+
+        def token_wise(L) -> bool:
+            if L.op not in _TOKEN_OPS or len(L.ops) != 1:
+                return False
+            types = [t for r, t in L.inputs if r in producer] + [t for _r, t in L.outputs]
+            if any(t.rank < 3 or t.shape[1] != sym for t in types):
+                return False
+            if L.op == "linear" and _width(L.outputs[0][1]) < _width(L.inputs[0][1]):
+                return False            # a down-projection: its output is the latent, the cone starts there
+            d = nodes[L.anchor].attr("dim")
+            return d is None or d % L.outputs[0][1].rank >= 2
+        grew = True
+        while grew:
+            grew = False
+            for r, _t in list(M.inputs[1:]) + [x for L in cone.values() for x in L.inputs]:
+                P = producer.get(r)
+                if P is None or P.index in cone or not token_wise(P):
+                    continue
+                if all(C is M and C.inputs[0][0] != o or C.index in cone
+                       for o, _t in P.outputs for C in consumers.get(o, [])):
+                    cone[P.index] = P
+                    grew = True
+        outs = {o for L in cone.values() for o, _t in L.outputs}
+        frontier = {r: t for L in cone.values() for r, t in L.inputs if r in producer and r not in outs}
+        width = sum(_width(t) for t in frontier.values()) if frontier else None
+        kv = sum(_width(t) for _r, t in M.inputs[1:])
+        if cone and width is not None and width < kv and M.inputs[1][0] in outs and M.inputs[2][0] in outs:
+            out[M.anchor] = (outs, set(frontier), width)
+    return out
 
 
 @dataclass
@@ -202,6 +263,17 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
                 owner.register_parameter(leaf, nn.Parameter(full.detach()[lay_ep.slots.to(full.device)].clone(),
                                                             requires_grad=full.requires_grad))
     m._slots = {}
+    # cp: MLA's K / V from the gathered latent (each program's up-projection cone; _kv_cones)
+    m._cp_cone, m._cp_frontier, m._cp_mla_full, m.cp_gathered_width = set(), set(), set(), {}
+    m._cp_full = {}
+    if lay.sizes["cp"] > 1:
+        for prog in {id(p): p for p in (m.program, m.train_program)}.values():
+            by_anchor = {L.anchor: L for L in prog.launches}
+            for anchor, (outs, frontier, width) in _kv_cones(prog, m.graph).items():
+                m._cp_cone |= {id(L) for L in prog.launches if any(o in outs for o, _t in L.outputs)}
+                m._cp_frontier |= frontier
+                m._cp_mla_full.add(id(by_anchor[anchor]))
+                m.cp_gathered_width[anchor] = width
     m._fsdp = False
     if fsdp and lay.dense_mesh is not None:
         from torch.distributed.fsdp import fully_shard
@@ -274,6 +346,7 @@ class ParallelModule(CompiledModule):
                 return super().run(progress=progress, **inputs)
             finally:
                 self._cp_lengths = None
+                self._cp_full = {}
 
     def _local_len(self, inputs) -> int:
         sym = None
@@ -287,11 +360,33 @@ class ParallelModule(CompiledModule):
         raise MtcError(f"{self.graph.name}: context parallel: no input carries the sequence dimension {sym}")
 
     def _launch(self, L, fn, call, args, into=None):
+        if self._cp_lengths is not None and id(L) in self._cp_cone:
+            return self._cone_launch(L, fn, call, args)
         if self._cp_lengths is not None and L.op in CP_OPS:
             return self._cp_launch(L, fn, call, args)
         if L.op == "moe_experts" and L.anchor in self._ep_layers:
             return self._ep_launch(L, fn, call, args)
         return super()._launch(L, fn, call, args, into)
+
+    def _cone_launch(self, L, fn, call, args):
+        """A launch of an MLA up-projection cone on the whole sequence: its latent operands all-gathered over cp
+        (once per forward), the sequence dimension bound to the total length while it runs."""
+        from backends.parallel.context import _gather_time
+        args = list(args)
+        for i, (r, _t) in enumerate(L.inputs):
+            if r in self._cp_frontier:
+                full = self._cp_full.get(r)
+                if full is None:
+                    full = self._cp_full[r] = _gather_time(args[i], self._cp_lengths, self.layout.cp_group)
+                args[i] = full
+        sym = L.outputs[0][1].shape[1]
+        saved = self._bind, self._bind_key
+        self._bind = {**self._bind, sym: sum(self._cp_lengths)}
+        self._bind_key = tuple(self._bind.items())
+        try:
+            return super()._launch(L, fn, call, args, None)
+        finally:
+            self._bind, self._bind_key = saved
 
     def _cp_launch(self, L, fn, call, args):
         from backends.parallel import context as C
@@ -307,7 +402,8 @@ class ParallelModule(CompiledModule):
         if not call.attr("causal", True):
             raise MtcError(f"%{call.node.name} = mla_attention(causal=False): context parallel runs causal "
                            f"attention only", call.node.loc)
-        return C.mla_attention_cp(*args, scale=call.attr("scale"), group=group, lengths=lengths)
+        return C.mla_attention_cp(*args, scale=call.attr("scale"), group=group, lengths=lengths,
+                                  kv_full=id(L) in self._cp_mla_full)
 
     def _ep_launch(self, L, fn, call, args):
         from backends.parallel.expert import moe_experts_ep
