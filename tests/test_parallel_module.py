@@ -157,3 +157,27 @@ def _mesh_errors(rank, world):
 
 def test_mesh_errors():
     run_ranks(_mesh_errors, 2)
+
+
+def _checkpointed(rank, world, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.checkpoint import checkpoint
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    m0 = _model()
+    m = copy.deepcopy(m0).parallelize(mesh)
+    gen = torch.Generator().manual_seed(seed)
+    ids, tgt = torch.randint(0, VOCAB, (1, T), generator=gen), torch.randint(0, VOCAB, (1, T), generator=gen)
+    F.cross_entropy(m0(ids).reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum").backward()
+    lengths = split_sizes(T, world)
+    lo = sum(lengths[:rank])
+    hi = lo + lengths[rank]
+    # the recomputation inside the backward runs the collectives again, on every rank in the same order
+    out = checkpoint(m, ids[:, lo:hi].clone(), use_reentrant=False)
+    F.cross_entropy(out.reshape(-1, VOCAB), tgt[:, lo:hi].reshape(-1), reduction="sum").backward()
+    m.sync_gradients()
+    for (k, p), p0 in zip(m.named_parameters(), m0.parameters()):
+        assert _rel(p.grad, p0.grad) < (1e-4 if k.endswith(".A_log") else 1e-5), k
+
+
+def test_context_parallel_with_activation_checkpointing(_fresh_seed):
+    run_ranks(_checkpointed, 2, _fresh_seed)
