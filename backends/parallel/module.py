@@ -16,7 +16,7 @@ its own tokens:
   the slot count as the first dimension; moe_experts dispatches and combines with all_to_all_single
   (backends/parallel/expert.py).
 * QB (spec/OPS.md qb_update): each router's step uses the scores of all the ``cp`` ranks' tokens (exact: one
-  sequence's statistics are not split), and its b_hat is averaged over the ``dp`` x ``ep`` ranks (the data-parallel
+  sequence's statistics are not split; the ranks exchange their q + 1 largest margins per expert, not the scores), and its b_hat is averaged over the ``dp`` x ``ep`` ranks (the data-parallel
   rule), so every rank keeps the same router biases.
 * Gradients: after ``loss.backward()``, :meth:`ParallelModule.sync_gradients` sums the dense weights' gradients
   over the whole mesh and the experts' over ``dp`` x ``cp`` (and over the replicas of an expert), so that with each
@@ -415,20 +415,42 @@ class ParallelModule(CompiledModule):
         return u
 
     def _qb_step(self, layer: str, bias: torch.Tensor, scores: torch.Tensor, top_k: int) -> None:
-        """QB on the scores of every cp rank's tokens (one sequence's statistics), b_hat averaged over dp x ep."""
+        """One QB step (spec/OPS.md qb_update) over the tokens of every cp rank, b_hat averaged over dp x ep.
+
+        Exact without gathering the scores: a token's cut-off alpha_i is its own, so each rank forms its margins;
+        the global (q + 1)-th largest margin of an expert (q = floor(N k / E), N over the cp ranks) is among the
+        union of the ranks' local q + 1 largest, so the ranks all-gather only those ([q + 1, E] each, E / k times
+        less than the scores)."""
         group = self.layout.cp_group
-        if group is not None:
-            world = dist.get_world_size(group)
-            n = torch.tensor([scores.shape[0]], dtype=torch.int64, device=scores.device)
-            ns = [torch.empty_like(n) for _ in range(world)]
-            dist.all_gather(ns, n, group=group)
-            ns = [int(v) for v in ns]
-            pad = scores.new_zeros(max(ns), scores.shape[1])
-            pad[:scores.shape[0]] = scores.detach()
-            got = [torch.empty_like(pad) for _ in range(world)]
-            dist.all_gather(got, pad, group=group)
-            scores = torch.cat([g[:c] for g, c in zip(got, ns)])
-        super()._qb_step(layer, bias, scores, top_k)
+        if group is None:
+            return super()._qb_step(layer, bias, scores, top_k)
+        from backends.reference.moe import qb_finish
+        world = dist.get_world_size(group)
+        s = scores.detach().float()
+        b = bias.detach().float()
+        n, e = s.shape
+        counts = torch.tensor([n], dtype=torch.int64, device=s.device)
+        got = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(got, counts, group=group)
+        n_all = sum(int(c) for c in got)
+        if top_k == e:
+            b_hat = torch.zeros_like(b)            # every expert takes every token (qb_update's rule)
+        else:
+            alpha = torch.topk(s + b, top_k + 1, dim=1).values[:, top_k]
+            margin = s - alpha[:, None]
+            q = (n_all * top_k) // e
+            top = torch.full((q + 1, e), float("-inf"), dtype=torch.float32, device=s.device)
+            r = min(q + 1, n)
+            top[:r] = torch.topk(margin, r, dim=0).values
+            every = torch.empty((world * (q + 1), e), dtype=torch.float32, device=s.device)
+            from backends.parallel.context import _all_gather_single
+            _all_gather_single(every, top, group=group)
+            b_hat = -torch.topk(every, q + 1, dim=0).values[q]
+        step = self._updates.get(layer, 0)
+        ema = 0.0 if step < self.balance_warmup else self.balance_ema
+        bias.copy_(qb_finish(b_hat, b, ema, self.dp_group))
+        self._updates[layer] = step + 1
+        self.balance_updates[self._router_order.index(layer)] += 1
 
     # -- gradients and state ----------------------------------------------------------------------
     def _expert_keys(self) -> set:
