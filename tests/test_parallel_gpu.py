@@ -1,7 +1,8 @@
 """Context parallelism on one GPU (the multi-GPU runs belong to the multi-GPU issue): a 1-rank NCCL group runs
 kda_chunk_cp with the Triton kda_chunk (its [v | 0] / [0 | I] augmented call, the NCCL all-gather and
 reduce-scatter of the state scan) and must equal one Triton kda_chunk call with the same initial state: outputs,
-final state and every gradient. The same check runs on the CPU with gloo and the reference kda_chunk. And a
+final state and every gradient. The same check runs on the CPU with gloo (the reference kda_chunk, and the Triton
+one under the interpreter). And a
 compiled module on a 1-rank NCCL mesh of dims dp, ep, cp trains like the module without a mesh."""
 import os
 
@@ -47,6 +48,10 @@ def _kda_one_rank(rank, world, seed, device, target, tol):
 
 def test_kda_cp_one_rank_cpu(_fresh_seed):
     run_ranks(_kda_one_rank, 1, _fresh_seed, "cpu", "reference", 1e-5)
+
+
+def test_kda_cp_one_rank_cpu_triton_interpreter(_fresh_seed):
+    run_ranks(_kda_one_rank, 1, _fresh_seed, "cpu", "triton", 1e-5)
 
 
 @pytest.mark.gpu

@@ -197,8 +197,9 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
             so the layer modules' forward hooks (FSDP2's per-block unsharding) never run.
     Raises:
         MtcError: see mesh_layout; a module already parallel, or on device 'meta'; num_slots not a multiple of ep
-            or fewer than the experts; a placement for another GPU or expert count; with cp > 1, a fused launch that
-            contains a sequence-mixing op in both programs (it cannot take its context-parallel form).
+            or fewer than the experts; a placement for another GPU or expert count; a fused launch in the training
+            program that contains a sequence-mixing op (cp > 1) or moe_experts (ep > 1): it cannot take its
+            parallel form (in the inference program such a launch makes it run the training program's launches).
     """
     from passes.place_experts import plan
     if isinstance(m, ParallelModule):
@@ -212,17 +213,15 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
     lay = mesh_layout(mesh, None if p0 is None else p0.device.type)
     ep = lay.sizes["ep"]
     nodes = m.graph.node_map()
-    programs = {"program": m.program, "train_program": m.train_program}
-    if lay.sizes["cp"] > 1:
-        fused = {k: [L for L in p.launches if L.op not in CP_OPS and any(nodes[o].op in CP_OPS for o in L.ops)]
-                 for k, p in programs.items()}
-        if fused["train_program"]:
-            L = fused["train_program"][0]
-            raise MtcError(f"{m.graph.name}: context parallel: launch {L.kernel} fuses a sequence-mixing op "
-                           f"({', '.join(nodes[o].op for o in L.ops if nodes[o].op in CP_OPS)}), which has no "
-                           f"context-parallel form inside a fused kernel")
-        if fused["program"]:          # the inference program's fused kernels: run the unfused program instead
-            m.program = m.train_program
+    # launches that take their parallel forms: a fused kernel holding one of them cannot
+    special = (CP_OPS if lay.sizes["cp"] > 1 else ()) + (("moe_experts",) if ep > 1 else ())
+    fused = {k: [L for L in p.launches if L.op not in special and any(nodes[o].op in special for o in L.ops)]
+             for k, p in (("program", m.program), ("train_program", m.train_program))}
+    if fused["train_program"]:
+        L = fused["train_program"][0]
+        raise MtcError(f"{m.graph.name}: launch {L.kernel} fuses "
+                       f"{', '.join(nodes[o].op for o in L.ops if nodes[o].op in special)}, which has no "
+                       f"{'context' if lay.sizes['cp'] > 1 else 'expert'}-parallel form inside a fused kernel")
     ep_layers = {}
     for L in m.train_program.launches:
         if L.op != "moe_experts" or ep == 1:
@@ -245,6 +244,8 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
         slots = local_slots(pl, lay.coords["ep"])
         ep_layers[L.anchor] = _EPLayer(layer, keys, E, pl, slots,
                                        [int(e) for e in torch.nonzero(pl.replica_count > 1).flatten()])
+    if fused["program"]:              # the inference program's fused kernels: run the unfused program instead
+        m.program = m.train_program
     m.__class__ = ParallelModule
     m.layout = lay
     m._ep_layers = ep_layers
