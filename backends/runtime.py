@@ -886,6 +886,12 @@ class CompiledModule(nn.Module):
                         attention_mask=attention_mask, streamer=streamer, generator=generator,
                         chunk_tokens=chunk_tokens, timings=timings)
 
+    def parallelize(self, mesh, **options) -> "CompiledModule":
+        """Run this module on a torch.distributed DeviceMesh with dims named from dp / ep / cp (in place; returns
+        it): see backends.parallel.module.parallelize for the options and what each dimension does."""
+        from backends.parallel.module import parallelize
+        return parallelize(self, mesh, **options)
+
     def plan_memory(self, *, training: bool = False, **sizes) -> tuple[float, float]:
         """(peak bytes of live activations, the same with the largest launch workspace) that one forward of this
         module at the shape sizes ``sizes`` (``B=1, T=4096``) will allocate: the inference program's (or with
@@ -1216,7 +1222,7 @@ def _check_interpreter_dtype(target: str, dtype: torch.dtype) -> None:
 
 def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype | str | None = None,
                   device: torch.device | str = "cpu", seed: int | None = 0, passes="default",
-                  print_after=(), dump_ir=None, emit_dir=None, inplace: bool = True) -> CompiledModule:
+                  print_after=(), dump_ir=None, emit_dir=None, inplace: bool = True, mesh=None) -> CompiledModule:
     """Run the pass pipeline and build a runnable module.
 
     Args:
@@ -1232,6 +1238,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         inplace: let the program that runs without autograd write an output into the storage of an input whose
             last use that launch is, where the implementation can and it is safe (passes/lower.py; the results are
             the same bits); False: every output gets its own storage.
+        mesh: a torch.distributed DeviceMesh (dims named from dp, ep, cp): the module is parallelized on it
+            (``m.parallelize(mesh)``; every rank compiles with the same seed).
     Raises:
         MtcError: an unknown target or device, a dtype other than float32 / float16 / bfloat16 (float64
             too: the reference ops compute in float32), bfloat16 under the Triton interpreter, a seed that is not an
@@ -1306,4 +1314,6 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         m.load_generated(emit_dir)
     elif str(device) != "meta":
         m.prepare_tracing()
+    if mesh is not None:
+        m = m.parallelize(mesh)
     return m

@@ -1,0 +1,41 @@
+"""Run a function on several processes with torch.distributed for the parallel tests.
+
+``run_ranks(fn, world, *args)`` spawns ``world`` processes (torch.multiprocessing); each joins a gloo process group
+(``backend="nccl"``: NCCL, one GPU per rank) over a free local TCP port with a process-group timeout (a rank that
+dies or a collective that never completes is an error, not a hang), sets one intra-op thread (the test machine is
+shared), calls ``fn(rank, world, *args)`` and returns; an exception on any rank fails the caller with that rank's
+traceback. ``fn`` must be a module-level function (pickled by name)."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, timeout_s, backend, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout_s: int = TIMEOUT_S, backend: str = "gloo") -> None:
+    mp.spawn(_entry, args=(world, free_port(), timeout_s, backend, fn, args), nprocs=world, join=True)
