@@ -844,8 +844,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", metavar="FILE", help="write the spec there (default: print it); an existing "
                                                            "file is not replaced without --force")
     s.add_argument("--force", action="store_true", help="replace an existing -o file")
-    s.add_argument("--lenient", action="store_true", help="ignore config fields mtc does not know (listed "
-                                                           "nowhere else; default: an error naming them)")
+    s.add_argument("--lenient", action="store_true", help="ignore config fields mtc does not know (default: an "
+                                                           "error naming them)")
     s.set_defaults(fn=cmd_import_hf)
 
     s = sub.add_parser("ops", help="list the ops: how a spec writes them, their signatures and semantics",

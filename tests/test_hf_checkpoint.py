@@ -498,3 +498,23 @@ def test_k3_released_config_builds_the_spec_graph(tmp_path):
                                  "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93]})
     (tmp_path / "config.json").write_text(json.dumps({**K3_TINY_CONFIG, "text_config": t}))
     assert dsl.parse(dsl.checkpoint.import_hf(tmp_path)).nodes == dsl.load(ROOT / "models" / "kimi_k3.mtc").nodes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
+def test_gpu_from_hf_triton_matches_transformers(hf_pair, dtype, tol):
+    """On the GPU: the checkpoint loaded straight to cuda, Triton target, against transformers on the CPU in
+    float32 (the float32 tolerance leaves room for TF32 matmuls)."""
+    hf, d = hf_pair
+    m = dsl.from_hf(d, target="triton", device="cuda", dtype=dtype).eval()
+    assert all(p.device.type == "cuda" for p in m.parameters())
+    x = torch.randint(0, 97, (2, 300))
+    with torch.no_grad():
+        ref = hf(x).logits
+        got = m(x.cuda()).float().cpu()
+    if dtype == torch.float32:
+        assert _rel(got, ref) < tol, _rel(got, ref)
+    else:   # bf16 rounding may switch a near-tied expert for a few tokens: the mean error, not the largest
+        err = ((got - ref).abs().mean() / ref.abs().mean()).item()
+        assert err < tol, err

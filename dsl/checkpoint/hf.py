@@ -484,6 +484,8 @@ def save_hf(m, directory: str | os.PathLike, *, max_shard_size="5GB", expert_for
     if desc.family == "kimi_k3":
         desc.values["expert_dtype"] = "mxfp4" if expert_format == "mxfp4" else ""
     limit = _parse_size(max_shard_size)
+    # config.json's dtype says what the tensors are: the module's dtype (the spec's declared one may differ)
+    desc.values["dtype"] = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(m.dtype, "f32")
     cfg = fam.merge_passthrough(fam.hf_config(desc), getattr(m, "hf_passthrough", None) or {})
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):     # (transformers' defaults are the release's ids,
         cfg.get("text_config", cfg).setdefault(k, None)            # outside a smaller vocabulary)
