@@ -115,6 +115,26 @@ def _perturb_(params):
                 t.add_(torch.randn_like(t) * (0.05 if "bias" in name else 0.2))
 
 
+def test_softplus_gate_is_kimi_linears_forget_gate():
+    """kda_gate(gate="softplus") = KimiLinearForgetGate: -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), A_log
+    stored [1, 1, H, 1] there and [H] in mtc, dt_bias [H*K] in both; inputs past softplus' linear threshold too."""
+    from backends.reference import kda_gate
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForgetGate
+    fg = KimiLinearForgetGate(small_config())
+    H, K = fg.num_heads, fg.head_dim
+    with torch.no_grad():
+        fg.A_log.copy_(torch.rand(1, 1, H, 1) * 3)
+        fg.dt_bias.copy_(torch.randn(H * K) * 4)
+        fg.f_b_proj.weight.mul_(400)                          # pre-activations well past +-20
+    x = torch.randn(2, 33, 48)
+    with torch.no_grad():
+        ref = fg(x)
+        f = fg.f_b_proj(fg.f_a_proj(x)).view(2, 33, H, K)
+        got = kda_gate(f, fg.A_log.view(H), fg.dt_bias, gate="softplus")
+    assert (f + fg.dt_bias.view(H, K)).abs().max() > 25
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     """(transformers model, its save_pretrained directory)."""

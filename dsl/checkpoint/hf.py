@@ -423,8 +423,10 @@ def _short(n) -> str:
     return (f"{name}: " if name else "") + (attrs[:200] or str(n.type))
 
 
-def _hf_tensors(m, desc: fam.Desc, expert_format: str):
-    """[(checkpoint name, tensor)] of a module, in state-dict order (CPU, contiguous, no shared storage)."""
+def _hf_entries(m, desc: fam.Desc, expert_format: str):
+    """[(checkpoint names, bytes, make)] of a module in state-dict order, ``make()`` giving those tensors (CPU,
+    contiguous, no shared storage) only when their shard is written: the whole checkpoint is never held twice.
+    MtcError up front for experts that MXFP4 cannot take (shape, NaN / inf)."""
     family = fam.FAMILIES[desc.family]
     prefix = desc.prefix
     head_dim = desc.values["head_dim"]
@@ -432,27 +434,40 @@ def _hf_tensors(m, desc: fam.Desc, expert_format: str):
     for key, t in m.state_dict().items():
         if key in fam.MTC_STATE:
             continue
-        t = t.detach().cpu()
+        t = t.detach()
         rule, g = family.rule(key)
         layout = rule.layout if rule else "same"
         if layout == "experts":
+            if expert_format == "mxfp4":
+                if t.dim() != 3 or t.shape[2] % mxfp4.GROUP:
+                    raise MtcError(f"save_hf: '{key}' {list(t.shape)}: MXFP4 needs each expert's input width a "
+                                   f"multiple of {mxfp4.GROUP}")
+                if not bool(torch.isfinite(t).all()):
+                    raise MtcError(f"save_hf: '{key}' holds NaN or inf, which MXFP4 cannot encode")
             for j in range(t.shape[0]):
                 name = prefix + rule.hf.format(i=g["i"], j=j)
                 if expert_format == "mxfp4":
-                    packed, scale = mxfp4.quantize(t[j], where=f"save_hf: '{key}' expert {j}")
                     base = name.removesuffix(".weight")
-                    out += [(base + ".weight_packed", packed), (base + ".weight_scale", scale)]
+                    a, b = t.shape[1], t.shape[2]
+                    out.append(([base + ".weight_packed", base + ".weight_scale"], a * b // 2 + a * b // mxfp4.GROUP,
+                                lambda t=t, j=j, key=key: mxfp4.quantize(t[j].cpu(),
+                                                                         where=f"save_hf: '{key}' expert {j}")))
                 else:
-                    out.append((name, t[j].clone()))
+                    out.append(([name], t[j].numel() * t.element_size(), lambda t=t, j=j: [t[j].cpu().clone()]))
             continue
         name = prefix + (rule.hf.format(**g) if rule else key)
-        if layout == "row":
-            t = t.reshape(1, -1)
-        elif layout == "a_log":
-            t = t.reshape(1, 1, -1, 1)
-        elif layout == "a_log_padded":
-            t = torch.cat([t, t.new_zeros(max(0, head_dim - t.numel()))])
-        out.append((name, t.contiguous().clone()))
+
+        def make(t=t, layout=layout):
+            t = t.cpu()
+            if layout == "row":
+                t = t.reshape(1, -1)
+            elif layout == "a_log":
+                t = t.reshape(1, 1, -1, 1)
+            elif layout == "a_log_padded":
+                t = torch.cat([t, t.new_zeros(max(0, head_dim - t.numel()))])
+            return [t.contiguous().clone()]
+        n = max(t.numel(), head_dim) if layout == "a_log_padded" else t.numel()
+        out.append(([name], n * t.element_size(), make))
     return out
 
 
@@ -489,15 +504,14 @@ def save_hf(m, directory: str | os.PathLike, *, max_shard_size="5GB", expert_for
     cfg = fam.merge_passthrough(fam.hf_config(desc), getattr(m, "hf_passthrough", None) or {})
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):     # (transformers' defaults are the release's ids,
         cfg.get("text_config", cfg).setdefault(k, None)            # outside a smaller vocabulary)
-    tensors = _hf_tensors(m, desc, expert_format)
+    entries = _hf_entries(m, desc, expert_format)
     shards, cur, size = [], [], 0
-    for name, t in tensors:
-        nb = t.numel() * t.element_size()
-        if cur and size + nb > limit:
+    for e in entries:
+        if cur and size + e[1] > limit:
             shards.append(cur)
             cur, size = [], 0
-        cur.append((name, t))
-        size += nb
+        cur.append(e)
+        size += e[1]
     if cur or not shards:
         shards.append(cur)
     n = len(shards)
@@ -506,24 +520,27 @@ def save_hf(m, directory: str | os.PathLike, *, max_shard_size="5GB", expert_for
     out = OutputDir(d, "save_hf")
     names = [CONFIG, *files] + ([INDEX] if n > 1 else [])
     out.check(names)
-    # files of an earlier save here that this one does not write (a stale index would name old shards): removed when
-    # mtc wrote them and nobody changed them, else refused
+    # files of an earlier save here that this one does not write (a stale index would name old shards): removed,
+    # once the new files are written, when mtc wrote them and nobody changed them; else refused before any write
     stale = [p.name for p in (d.iterdir() if d.is_dir() else ()) if p.name not in names and
              (p.name in (SINGLE, INDEX) or _SHARD_RE.fullmatch(p.name))]
     out.check(stale)
-    for s in stale:
-        (d / s).unlink()
     weight_map, total = {}, 0
     for fname, shard in zip(files, shards):
-        data = st_save({k: t for k, t in shard}, metadata={"format": "pt"})
+        tensors = {}
+        for tnames, _, make in shard:
+            tensors.update(zip(tnames, make()))
+        data = st_save(tensors, metadata={"format": "pt"})
         out.write(fname, data)
-        for k, t in shard:
+        for k, t in tensors.items():
             weight_map[k] = fname
             total += t.numel() * t.element_size()
-        del data
+        del data, tensors
     if n > 1:
         out.write(INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     out.write(CONFIG, json.dumps(cfg, indent=2) + "\n")
+    for name in stale:
+        (d / name).unlink()
     return d
 
 
