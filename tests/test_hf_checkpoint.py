@@ -166,6 +166,24 @@ def test_from_hf_logits_equal_transformers(hf_pair):
             assert _rel(got, ref) < 1e-5, _rel(got, ref)
 
 
+def test_from_hf_other_settings_equal_transformers(tmp_path):
+    """q-LoRA MLA, MLA layers no `i % k` rule gives (1 and 3 of 5: the spec lists them), two dense layers, one
+    shared expert, conv width 3, KDA heads of 32."""
+    cfg = small_config(num_hidden_layers=5, q_lora_rank=12, n_shared_experts=1, linear_head_dim=32,
+                       linear_num_heads=2, linear_conv_kernel_dim=3, num_experts_per_tok=3,
+                       layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention",
+                                    "linear_attention"],
+                       mlp_layer_types=["dense", "dense", "sparse", "sparse", "sparse"])
+    hf = KimiLinearForCausalLM(cfg).eval()
+    _perturb_(list(hf.named_parameters()) + list(hf.named_buffers()))
+    hf.save_pretrained(tmp_path / "c")
+    assert "attn = mla if i == 1 or i == 3 else kda" in dsl.checkpoint.import_hf(tmp_path / "c")
+    m = dsl.from_hf(tmp_path / "c").eval()
+    x = torch.randint(0, 97, (2, 61))
+    with torch.no_grad():
+        assert _rel(m(x), hf(x).logits) < 1e-5
+
+
 def test_from_hf_triton_interpreter_logits_equal_transformers(hf_pair):
     hf, d = hf_pair
     m = dsl.from_hf(d, target="triton").eval()
@@ -304,7 +322,8 @@ def test_unexpected_tensor(hf_pair, tmp_path):
 
 def test_wrong_shape_and_dtype(hf_pair, tmp_path):
     d = _copy(hf_pair[1], tmp_path)
-    _rewrite(d / "model.safetensors", lambda t: t.update({"model.layers.1.self_attn.q_proj.weight": torch.ones(48, 47)}))
+    q = "model.layers.1.self_attn.q_proj.weight"
+    _rewrite(d / "model.safetensors", lambda t: t.update({q: torch.ones(48, 47)}))
     with pytest.raises(dsl.MtcError, match=r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.q_proj\.weight'"
                                            r" has shape \[48, 47\]; mtc's .* needs \[48, 48\]"):
         dsl.from_hf(d)
