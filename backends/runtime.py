@@ -478,6 +478,12 @@ class CompiledModule(nn.Module):
         self._bound = {}
         self.prepare_tracing()
 
+    def save_hf(self, directory, **options):
+        """Write this model as a Hugging Face checkpoint (config.json + safetensors); see
+        :func:`dsl.checkpoint.save_hf`."""
+        from dsl.checkpoint import save_hf
+        return save_hf(self, directory, **options)
+
     def _is_meta(self) -> bool:
         p0 = next(self.parameters(), None)
         return p0 is not None and p0.is_meta

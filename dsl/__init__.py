@@ -16,8 +16,8 @@ from .builder import GraphBuilder
 from .printer import print_graph
 from .ir_parser import parse_ir
 
-__all__ = ["parse", "load", "compile", "Graph", "Node", "Ref", "TensorType", "GraphBuilder", "MtcError", "Loc",
-           "print_graph", "parse_ir"]
+__all__ = ["parse", "load", "compile", "from_hf", "Graph", "Node", "Ref", "TensorType", "GraphBuilder", "MtcError",
+           "Loc", "print_graph", "parse_ir"]
 
 
 def parse(text: str, variant: str | None = None, *, file: str = "<spec>", **overrides) -> Graph:
@@ -73,3 +73,10 @@ def compile(graph: Graph, target: str = "reference", **options):
         raise MtcError(f"dsl.compile: unknown option{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}"
                        f"{did_you_mean(bad[0], known)}; options: target, {', '.join(known)}")
     return compile_graph(graph, target=target, **options)
+
+
+def from_hf(path, target: str = "reference", **options):
+    """Build the model of a Hugging Face checkpoint directory (Kimi Linear or Kimi K3: config.json + safetensors,
+    sharded or not, MXFP4 experts decoded) and load its weights; see :func:`dsl.checkpoint.from_hf`."""
+    from .checkpoint import from_hf as _from_hf
+    return _from_hf(path, target, **options)

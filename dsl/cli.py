@@ -39,6 +39,7 @@ examples:
   mtc ir models/kimi_k3.mtc --stage lowered --seq-len 1048576 --gpus 128 --slots 1024
   mtc run models/kimi_k3.mtc --variant tiny --input README.md --seq-len 256
   mtc generate models/kimi_k3.mtc --variant tiny --prompt "Once upon" --max-new-tokens 32
+  mtc import-hf path/to/Kimi-Linear-48B-A3B-Instruct -o kimi_linear.mtc
 """
 
 
@@ -752,6 +753,21 @@ def _spec_variants(spec) -> list:
         return []
 
 
+def cmd_import_hf(args) -> int:
+    """Write the .mtc spec of a Hugging Face checkpoint's config.json (the graph dsl.from_hf builds)."""
+    from .checkpoint import import_hf
+    text = import_hf(args.dir, strict=not args.lenient)
+    if args.output is None:
+        print(text, end="")
+        return 0
+    if os.path.lexists(args.output) and not args.force:
+        raise MtcError(f"-o '{args.output}' exists; mtc does not overwrite it (--force replaces it)")
+    _check_output_file("-o", args.output, {"config.json": str(Path(args.dir) / "config.json")})
+    _write_output("-o", args.output, text)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 def cmd_compile(args) -> int:
     from backends.triton.codegen import write_and_load
     from . import compile as mtc_compile
@@ -976,6 +992,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "an existing file of those names is replaced only if mtc wrote it "
                                                  "there and it is unchanged (DIR/.mtc-outputs.json lists them)")
     s.set_defaults(fn=cmd_compile)
+
+    s = sub.add_parser("import-hf", help="write the .mtc spec of a Hugging Face checkpoint's config.json",
+                       description="Reads DIR/config.json (Kimi Linear, or Kimi K3's text model) and writes the spec "
+                                   "dsl.from_hf builds for it: the config's values as the spec's config block, the "
+                                   "layer blocks of models/kimi_linear_48b.mtc or models/kimi_k3.mtc.")
+    s.add_argument("dir", help="the checkpoint directory (or its config.json)")
+    s.add_argument("-o", "--output", metavar="FILE", help="write the spec there (default: print it); an existing "
+                                                           "file is not replaced without --force")
+    s.add_argument("--force", action="store_true", help="replace an existing -o file")
+    s.add_argument("--lenient", action="store_true", help="ignore config fields mtc does not know (default: an "
+                                                           "error naming them)")
+    s.set_defaults(fn=cmd_import_hf)
 
     s = sub.add_parser("ops", help="list the ops: how a spec writes them, their signatures and semantics",
                        description="Every op and the stack statement: the form a .mtc spec writes (keywords "
