@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,13 @@ def _entry(rank, world, port, timeout_s, backend, fn, args):
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    # A gloo worker thread can still hold the last collective's tensors for a moment after the collective returned;
+    # if it drops them while the interpreter finalizes, it needs the GIL and aborts the process ("terminate called
+    # without an active exception", pytorch/pytorch#179291). The rank's work is done and checked: leave without
+    # finalizing (an exception above skips this and reaches torch.multiprocessing's error file as before).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args, timeout_s: int = TIMEOUT_S, backend: str = "gloo") -> None:

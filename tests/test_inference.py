@@ -145,12 +145,14 @@ def test_generate_eos_pad_streamer_and_attention_mask():
         def end(self):
             seen.append("end")
     out = m.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=7, streamer=Streamer())
-    assert torch.equal(out[0, :23], greedy[0, :23])
-    assert (out[0, 23:] == 7).all()
+    # each row: greedy up to its first eos (row 0's third new token, or earlier when a new token repeats), pad
+    # after it; generation stops once every row has ended
+    ends = [20 + int(h[0]) + 1 if len(h) else None for h in ((greedy[r, 20:] == eos).nonzero() for r in range(2))]
     n = out.shape[1]
-    hit = (greedy[1, 20:n] == eos).nonzero()          # row 1: greedy up to its own first eos, pad after
-    upto = 20 + int(hit[0]) + 1 if len(hit) else n
-    assert torch.equal(out[1, :upto], greedy[1, :upto]) and (out[1, upto:] == 7).all()
+    assert n == (26 if None in ends else max(ends))
+    for row, upto in enumerate(ends):
+        upto = n if upto is None else upto
+        assert torch.equal(out[row, :upto], greedy[row, :upto]) and (out[row, upto:] == 7).all()
     assert torch.equal(seen[0], ids) and seen[-1] == "end"
     assert torch.equal(torch.stack(seen[1:-1], dim=1), out[:, 20:])
     # left padding with an attention mask: the same new tokens as the unpadded prompt of that row
