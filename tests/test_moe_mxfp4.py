@@ -150,3 +150,46 @@ def test_packed_model_equals_its_decoded_twin():
         a, b = m(x), dense(x)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
     assert not any("experts.w" in k for k, _ in m.named_parameters())
+
+
+_HOPPER = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from backends.triton import moe_kernels as K
+from backends.triton import moe as M
+
+fn = K._grouped_gemm_kernel
+bf = "*bf16"
+for name, pair, epi, w_kn in (("glu_fwd", 1, 1, False), ("dx", 3, 0, True)):
+    c = M.TILE_CONFIGS["cuda"][name]
+    BM, BN, BK = c["BM"], c["BN"], c["BK"]
+    types = {n: "i32" for n in fn.arg_names}
+    types.update(a_src=f"tensordesc<bf16[{BM},{BK}]>", a2_src=f"tensordesc<bf16[{BM},{BK}]>",
+                 w_src="*u8", w2_src="*u8", ws_src="*u8", w2s_src="*u8",
+                 tok_ptr="*i64", c_ptr=bf, c2_ptr=bf, c3_ptr=bf, wrow_ptr="*fp32", tile_expert_ptr="*i64",
+                 tile_start_ptr="*i64", offs_ptr="*i64", beta_gate="fp32", beta_up="fp32")
+    consts = dict(PAIR=pair, EPI=epi, SAVE=False, ROW_SCALE=epi == 1, ACT=0, FAST=True, A_MODE=2, W_DESC=False,
+                  W_KN=w_kn, PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK, HALF=False, TAIL=0, W_MX=True,
+                  a_h_src=None, a2_h_src=None, a_t_src=None, a2_t_src=None)
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"],
+                                                                  "num_stages": c["num_stages"]})
+    ptx = k.asm["ptx"]
+    print(name, int("wgmma.mma_async" in ptx and k.metadata.shared <= 227 * 1024))
+"""
+
+
+def test_w4a16_gemms_compile_to_wgmma_for_hopper():
+    """GEMM 1 (w1|w3, SiTU-GLU epilogue) and the backward's dx GEMM (N-packed weights) with MXFP4 weights compile
+    for sm_90 with no GPU present: wgmma MMAs on the decoded tiles, within the 227 KB of shared memory. In a
+    subprocess without the interpreter."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _HOPPER], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["glu_fwd", "1", "dx", "1"]

@@ -12,6 +12,10 @@ Pipeline of ``moe_experts`` (forward):
      token rows) against the w1 and the w3 tile in the same K loop;
   3. grouped GEMM 2: y = h w2^T per expert;
   4. weighted combine: u[t] = sum_j p[t, j] y[pos[t, j]] in float32.
+MXFP4 experts (backends.mxfp4.MXFP4Experts, W4A16): the same grouped GEMMs load the packed E2M1 nibbles and E8M0
+scales of each weight tile and decode it in registers before the dot (moe_kernels._mx_tile), forward and in the
+backward's dA|dB and dx GEMMs; the weights are frozen (no weight gradient), and such GEMMs run BM-row tiles (no
+HALF / TAIL).
 Backward (torch.autograd.Function): G = du w2 by a plain grouped GEMM, then a row kernel forms the
 activation's derivative dA, dB and d topk_weight (a row sum of G * h) over the saved pre-activations;
 dx = dA w1 + dB w3 through one grouped GEMM that runs its K loop over (dA, w1) and then over (dB, w3) into
@@ -832,8 +836,8 @@ def _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu, da=None, db=N
     db = b if db is None else db
     dwrow = torch.empty(d.nk, dtype=torch.float32, device=a.device)
     g = torch.empty_like(a)
-    _gg("glu_bwd_mm", src, w2, _sched(d, "glu_bwd_mm", a, is_packed(w2)), d.offs, d.e, l, i, g, gather=dus is None, tok=d.tok,
-        w_kn=True)
+    _gg("glu_bwd_mm", src, w2, _sched(d, "glu_bwd_mm", a, is_packed(w2)), d.offs, d.e, l, i, g, gather=dus is None,
+        tok=d.tok, w_kn=True)
     _glu_bwd_rows(g, a, b, w_rows, da, db, dwrow, act, bg, bu)
     return da, db, dwrow
 
