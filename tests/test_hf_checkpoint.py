@@ -22,6 +22,17 @@ from dsl.checkpoint import mxfp4
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+from transformers.models.kimi_linear import modeling_kimi_linear as _hf_kimi  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _transformers_pure_pytorch(monkeypatch):
+    """The oracle is transformers' own PyTorch code: where fla-core is installed (the GPU machine), its modeling
+    file binds its chunked and recurrent KDA functions to fla's Triton kernels, which neither run on CPU tensors
+    nor are independent of the kernels mtc is measured against; the functions they wrap are its PyTorch ones."""
+    import inspect
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
+        monkeypatch.setattr(_hf_kimi, name, inspect.unwrap(getattr(_hf_kimi, name)))
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
