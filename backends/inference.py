@@ -449,8 +449,13 @@ class _Session:
         st, S = self.step, self.cache.kda[L.anchor]
         scale = call.attr("scale")
         B, kw = _kda_backend(self.m, L, call, "inference cache: no stateful form")
+        decode = not st.packed and st.lens[0] == 1     # one token per row: the decode step
+        if decode and L.kernel == "triton.kda_chunk":
+            # the cache rows updated where they lie (no gathered copy, no new state, no scatter back)
+            from backends.triton.kda.step import kda_step_rows
+            return kda_step_rows(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S, st.rows_t, scale=scale)[:, None]
         S0 = S[st.rows_t]
-        if not st.packed and st.lens[0] == 1:          # one token per row: the decode step
+        if decode:
             o, S1 = B.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0, scale=scale)
             o = o[:, None]
         else:
