@@ -35,7 +35,14 @@ The MLA attention of a call picks, by FLOP count, between the expanded form (per
 latent cache for this call, then torch's SDPA or, on the reference target, float32 math: long chunks) and the
 absorbed form (W_UK folded into the query, the attention over the latent itself, W_UV after: decode); off the
 reference target a decode step's absorbed attention is the split-T Triton kernel backends/triton/mla_decode.py.
-The fused KDA decode kernel and the CUDA-graph decode step of issue 35 item 4 are not written yet.
+A decode step on the triton target runs each standard KDA layer (:func:`kda_decode_plans`) as one kernel,
+backends/triton/kda/decode.py: the three short convolutions with their cache states, SiLU, the L2 norms, the gate,
+beta's sigmoid, the recurrence on the cache's state rows in place and the gated output norm; the projections stay
+the program's GEMMs, which run in between (the layer's launches before the last keep their operands and hand the
+projection's value on; the kernel runs at the last, the epilogue). What fuses is decided from the lowered
+program: any other implementation, an intermediate value that a second launch reads, or another epilogue leaves
+the layer launch by launch (then the Triton kda_step updates the cache rows in place, ``kda_step_rows``). The
+CUDA-graph decode step of issue 35 item 4 is not written yet.
 """
 from __future__ import annotations
 
@@ -336,6 +343,106 @@ def _check_cache(m, cache, rows: int, where: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the fused KDA decode step: which launches of the inference program one kernel replaces
+
+
+@dataclass(frozen=True)
+class FusedKDA:
+    """A standard KDA layer's per-token launches in the inference program (passes/lower.py), which a decode step
+    runs as one backends/triton/kda/decode.py kernel: the three ``triton.conv_silu_norm`` launches (q and k with
+    the L2 norm, v without), the kda_gate, beta's sigmoid, the ``triton.kda_chunk`` and, when the layer has it, the
+    ``generated`` epilogue rmsnorm(o) * sigmoid(gl). ``roles``: launch index -> "q" / "k" / "v" / "gate" / "beta" /
+    "kda" / "out"; ``fire``: the last of them, where the kernel runs (the epilogue, else the kda_chunk); ``conv``:
+    role -> the short_conv node whose cache state it updates."""
+    kda: str
+    roles: dict
+    fire: int
+    conv: dict
+    eps: dict
+    gate: str
+    lower_bound: float | None
+    out_eps: float | None
+    out_inputs: tuple | None           # (the epilogue operand index of the norm weight, of the gate's input)
+
+
+#: run each standard KDA layer's decode step as one kernel (False: launch by launch, the path prefill takes with one
+#: token per row; for comparison in tests and benchmarks/kda_decode.py)
+FUSE_KDA_DECODE = True
+
+
+def kda_decode_plans(m, lay: CacheLayout) -> dict:
+    """{kda_chunk node: FusedKDA} for every KDA layer of ``m``'s inference program whose launches are the standard
+    pattern (the triton target: see FusedKDA); a layer that differs in any way (another implementation, an
+    intermediate value read by a second launch, another epilogue) is left out and runs launch by launch."""
+    prog = m.program
+    nodes = m.graph.node_map()
+    by_index = {L.index: (L, call) for L, _fn, call in m._bound_program(prog)}
+    producer, readers = {}, {}
+    for L in prog.launches:
+        for r, _t in L.inputs:
+            readers.setdefault(r, []).append(L.index)
+        for r, _t in L.outputs:
+            producer[r] = L
+
+    def source(ref, reader):
+        """The non-view launch that makes ``ref`` (through views), when each value on the way is read only by the
+        next launch; else None."""
+        while True:
+            if readers.get(ref) != [reader] or ref not in producer:
+                return None
+            P = producer[ref]
+            if not P.is_view:
+                return P
+            ref, reader = P.inputs[0][0], P.index
+
+    plans = {}
+    for Lk in prog.launches:
+        if Lk.anchor not in lay.kda or Lk.kernel != "triton.kda_chunk" or len(Lk.inputs) != 5:
+            continue
+        roles, conv, eps = {Lk.index: "kda"}, {}, {}
+        ok = True
+        for role, (ref, _t) in zip(("q", "k", "v", "gate", "beta"), Lk.inputs):
+            P = source(ref, Lk.index)
+            if P is None:
+                ok = False
+                break
+            call = by_index[P.index][1]
+            if role in "qkv":
+                normed = call.attr("head_dim") is not None
+                if P.kernel != "triton.conv_silu_norm" or P.anchor not in lay.conv or normed != (role != "v"):
+                    ok = False
+                    break
+                conv[role], eps[role] = P.anchor, call.attr("eps")
+            elif role == "gate":
+                if P.kernel not in ("triton.kda_gate", "reference.kda_gate"):
+                    ok = False
+                    break
+                gate, lb = call.attr("gate"), call.attr("lower_bound")
+            elif [nodes[n].op for n in P.ops] != ["sigmoid"] or P.generated is not None:
+                ok = False
+                break
+            roles[P.index] = role
+        if not ok or len(set(conv.values())) != 3:
+            continue
+        fire, out_eps, out_inputs = Lk.index, None, None
+        o_ref = Lk.outputs[0][0]
+        E = prog.launches[readers[o_ref][0]] if len(readers.get(o_ref, [])) == 1 else None
+        if E is not None and E.generated is not None and E.inputs[0][0] == o_ref:
+            ops = [nodes[n] for n in E.ops]
+            if [n.op for n in ops] == ["rmsnorm", "sigmoid", "reshape", "mul", "reshape"]:
+                rms, sig, _r1, mul, _r2 = ops
+                refs = [r for r, _t in E.inputs]
+                if (str(rms.inputs[0]) == o_ref and [str(x) for x in mul.inputs] == [f"%{rms.name}", f"%{_r1.name}"]
+                        and str(_r1.inputs[0]) == f"%{sig.name}" and str(rms.inputs[1]) in refs
+                        and str(sig.inputs[0]) in refs and len(refs) == 3):
+                    fire, out_eps = E.index, float(rms.attr("eps"))
+                    out_inputs = (refs.index(str(rms.inputs[1])), refs.index(str(sig.inputs[0])))
+                    roles[E.index] = "out"
+        plans[Lk.anchor] = FusedKDA(Lk.anchor, roles, fire, conv, eps, gate, lb, out_eps, out_inputs)
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class _Step:
     """One run of the program: segment s is ``lens[s]`` tokens of cache row ``rows[s]`` from its position
@@ -370,6 +477,30 @@ class _Session:
             self.captures.setdefault(s.latent_ref, []).append((s, "latent"))
             self.captures.setdefault(s.kv_ref, []).append((s, "kv"))
         self.step: _Step | None = None
+        # the fused KDA decode step (issue 35 item 4): launch index -> (plan, role); its launches' anchors
+        self.fused = {}
+        if FUSE_KDA_DECODE and m.target == "triton" and self.layout.kda:
+            for p in kda_decode_plans(m, self.layout).values():
+                for i, role in p.roles.items():
+                    self.fused[i] = (p, role)
+        self._fused_anchors = self.anchors | {m.program.launches[i].anchor for i in self.fused}
+        self._pending = {}
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the current step is a decode step (one token per row, unpacked)."""
+        st = self.step
+        return st is not None and not st.packed and st.lens[0] == 1
+
+    @property
+    def anchors(self) -> set:
+        """The anchors of the launches this session runs: the cache's, and in a decode step also the other
+        launches of each fused KDA layer."""
+        return self._fused_anchors if self.fused and self.decoding else self._anchors
+
+    @anchors.setter
+    def anchors(self, value) -> None:
+        self._anchors = value
 
     # -- the runtime's hooks -------------------------------------------------------------------------------------
     def launch(self, L, fn, call, args):
@@ -377,6 +508,9 @@ class _Session:
         the op's spec line, as CompiledModule._launch makes it."""
         node = L.anchor
         try:
+            hit = self.fused.get(L.index) if self.decoding else None
+            if hit is not None:
+                return self._fused(L, call, args, *hit)
             if node in self.layout.conv:
                 return self._conv(L, fn, call, args, self.layout.conv[node])
             if node in self.layout.kda:
@@ -406,6 +540,33 @@ class _Session:
         for r, s0, n in zip(st.rows, st.starts, st.lens):
             dst[r, s0:s0 + n] = value[0, a:a + n].to(dst.dtype)
             a += n
+
+    # -- a KDA layer's decode step as one kernel (kda_decode_plans) -----------------------------------------------
+    def _fused(self, L, call, args, p: FusedKDA, role: str):
+        """Launch ``L`` of fused layer ``p`` in a decode step: before the last one (p.fire), keep its operands and
+        hand its first operand on as its output (a view of the projection's value: the conv, gate, sigmoid and the
+        kda_chunk with an epilogue to come are computed by the kernel at p.fire, and nothing else reads those
+        values, see kda_decode_plans); at p.fire, run backends/triton/kda/decode.py on the kept operands."""
+        got = self._pending.setdefault(p.kda, {})
+        got[role] = (args, call)
+        shape = call.shape(L.outputs[0][1].shape)
+        if L.index != p.fire:
+            return (args[2] if role == "kda" else args[0]).reshape(shape)
+        del self._pending[p.kda]
+        from backends.triton.kda.decode import kda_decode_step
+        st, c = self.step, self.cache
+        n = len(st.rows)
+        x = {r: got[r][0][0].reshape(n, -1) for r in ("q", "k", "v", "gate", "beta")}
+        (_f, A_log, dt_bias), kcall = got["gate"][0], got["kda"][1]
+        norm = None
+        if "out" in got:
+            a = got["out"][0]
+            norm = (a[p.out_inputs[0]], a[p.out_inputs[1]].reshape(n, -1), p.out_eps)
+        y = kda_decode_step(x["q"], x["k"], x["v"], c.conv[p.conv["q"]], c.conv[p.conv["k"]], c.conv[p.conv["v"]],
+                            got["q"][0][1], got["k"][0][1], got["v"][0][1], x["gate"], A_log, dt_bias, x["beta"],
+                            c.kda[p.kda], st.rows_t, scale=kcall.attr("scale") or self.layout.kda[p.kda].k ** -0.5,
+                            gate=p.gate, lower_bound=p.lower_bound, eps_q=p.eps["q"], eps_k=p.eps["k"], norm=norm)
+        return y.reshape(shape)
 
     # -- short convolution: the cached last inputs in front of the chunk's --------------------------------------
     def _conv(self, L, fn, call, args, spec: ConvState):
@@ -449,8 +610,13 @@ class _Session:
         st, S = self.step, self.cache.kda[L.anchor]
         scale = call.attr("scale")
         B, kw = _kda_backend(self.m, L, call, "inference cache: no stateful form")
+        decode = not st.packed and st.lens[0] == 1     # one token per row: the decode step
+        if decode and L.kernel == "triton.kda_chunk":
+            # the cache rows updated where they lie (no gathered copy, no new state, no scatter back)
+            from backends.triton.kda.step import kda_step_rows
+            return kda_step_rows(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S, st.rows_t, scale=scale)[:, None]
         S0 = S[st.rows_t]
-        if not st.packed and st.lens[0] == 1:          # one token per row: the decode step
+        if decode:
             o, S1 = B.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0, scale=scale)
             o = o[:, None]
         else:
