@@ -671,6 +671,26 @@ def test_gpu_bf16_t4096(H, seg, intra, settings):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T,grad", [(1, False), (1000, False), (1000, True)])
+def test_gpu_float32_one_wave(T, grad):
+    # float32 inputs at a size whose state pass fits one wave of SMs (H = 12, the `small` model's KDA): the pass's
+    # pipeline stages must fit the shared memory with 4-byte tiles (three stages needed 240 KB of 227)
+    B, H, K, V = 1, 12, 128, 128
+    q, k, v, g, beta, S0 = make(B, T, H, K, V, dtype=torch.float32, device="cuda")
+    xs = [t.clone().requires_grad_(grad) for t in (q, k, v, g, beta)]
+    xr = [t.clone().requires_grad_(grad) for t in (q, k, v, g, beta)]
+    o, S = tk.kda_chunk(*xs, initial_state=S0, output_final_state=True, lower_bound=-5.0)
+    o_r, S_r = R.kda_chunk(*xr, initial_state=S0, output_final_state=True)
+    assert rel_rms(o, o_r) < 2e-3 and rel_rms(S, S_r) < 2e-3
+    if grad:
+        w = torch.randn_like(o)
+        (o * w).sum().backward()
+        (o_r * w).sum().backward()
+        for a, b in zip(xs, xr):
+            assert rel_rms(a.grad, b.grad) < 5e-3
+
+
+@pytest.mark.gpu
 def test_gpu_rows32_overflow_bf16():
     # the 32-row pairs' overflow guard on the GPU (bf16, T = 4097): G falls by 160.9 across every pair (dense), and
     # q x 1e4 (or k x 2e5 with beta 1e-11, a stable recurrence) overflows the dense tile; those pairs are redone

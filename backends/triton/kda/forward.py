@@ -95,7 +95,7 @@ def _fwd_pipelined(q2, k2, v2, g2, b2, scale, h0, tab, fast, lb, BV, pieces, H, 
          [a for a, _ in pieces], [b for _, b in pieces]], dtype=np.int32), torch.int32, dev), dev)
     rel = _TABLE_CACHE.get(("piece starts", str(dev), rows), lambda: device_table(
         np.arange(0, rows, CHUNK, dtype=np.int32), torch.int32, dev), dev)
-    nst = _pass_stages(V // BV * H, dev, cfg)
+    nst = _pass_stages(V // BV * H, dev, cfg, WK.element_size())
     for p, (a, b) in enumerate(pieces):
         n, t = b - a, s0 + a * CHUNK
         _intra_launch(q2[t:], k2[t:], g2[t:], b2[t:], rel[:n], cln[a:b], n, H, K, scale, lb, fast, idt, QG[t:],

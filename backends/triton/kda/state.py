@@ -227,11 +227,12 @@ def _value_block(BH, V, slots, sms=None, grad=True, bv="auto"):
     return min(bv, V)
 
 
-def _pass_stages(programs, device, cfg):
+def _pass_stages(programs, device, cfg, elem=2):
     """Pipeline stages of a serial state pass with this many programs: cfg.stages_one_wave when they fit one per
     SM (latency-bound: loads issued two chunks ahead), else cfg.state_stages (two programs per SM share the
-    bandwidth and the shared memory)."""
-    if device.type == "cuda" and programs <= sm_count(device):
+    bandwidth and the shared memory).  With 4-byte operands (elem, float32 inputs) at most cfg.state_stages: three
+    stages of a chunk's float32 WK, KD [64, 128] and U tiles need 240 KB, past the 227 KB of an SM."""
+    if device.type == "cuda" and programs <= sm_count(device) and elem < 4:
         return cfg.stages_one_wave
     return cfg.state_stages
 
@@ -247,7 +248,7 @@ def _state_pass(WK, U, KD, GAM, S_IN, tab, H, K, V, BV, idt, store_vn, cfg):
     _state_pass_kernel[(V // BV, H, NS)](WK, U, KD, GAM, VN, HB, S_IN, S_OUT, tab["seg_t0"], tab["seg_t1"],
                                          tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=BV, SW=V, MODE=0, STORE=True,
                                          STORE_VN=store_vn, num_warps=cfg.state_warps,
-                                         num_stages=_pass_stages(V // BV * H * NS, dev, cfg))
+                                         num_stages=_pass_stages(V // BV * H * NS, dev, cfg, WK.element_size()))
     return HB, (VN if store_vn else None), S_OUT
 
 
@@ -264,7 +265,8 @@ def _entry_states(WK, U, QG, KD, AQK, GAM, h0, tab, H, K, V, BV, dev, mode_bwd, 
         _state_pass_kernel[((K + V) // B1, H, NS)](WK, U, KD, GAM, MD, MD, MD, MD, tab["seg_t0"], tab["seg_t1"],
                                                    tab["seg_c0"], tab["seg_c1"], H, K=K, V=V, BV=B1, SW=K + V,
                                                    MODE=1, STORE=False, STORE_VN=False, num_warps=cfg.state_warps,
-                                                   num_stages=_pass_stages((K + V) // B1 * H * NS, dev, cfg))
+                                                   num_stages=_pass_stages((K + V) // B1 * H * NS, dev, cfg,
+                                                                              WK.element_size()))
     else:
         BA = 64 if (K + V) % 64 == 0 else math.gcd(K, V)
         _bwd_segment_map_kernel[(NS, H, (K + V) // BA)](WK, QG, KD, AQK, GAM, DO, MD, tab["cstart"], tab["clen"],
