@@ -26,10 +26,13 @@ def free_port() -> int:
 
 
 def _entry(rank, world, port, timeout_s, backend, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    if backend == "nccl":
+    if backend == "nccl":           # the GPU ranks run the compiled kernels; the gloo ranks the CPU interpreter
         torch.cuda.set_device(rank)
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:

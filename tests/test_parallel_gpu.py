@@ -56,7 +56,9 @@ def test_kda_cp_one_rank_cpu_triton_interpreter(_fresh_seed):
 
 @pytest.mark.gpu
 def test_kda_cp_one_rank_nccl_triton(_fresh_seed):
-    run_ranks(_kda_one_rank, 1, _fresh_seed, "cuda", "triton", 1e-4, backend="nccl")
+    # (float32 inputs on the GPU: the kernels' dots are TF32 tensor-core products (10-bit mantissa inputs), so the
+    # context-parallel combination and the one-call forward differ by ~1e-4, not by float32 reordering)
+    run_ranks(_kda_one_rank, 1, _fresh_seed, "cuda", "triton", 1e-3, backend="nccl")
 
 
 def _module_one_rank(rank, world, seed):
