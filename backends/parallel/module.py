@@ -22,11 +22,17 @@ its own tokens:
   over the whole mesh and the experts' over ``dp`` x ``cp`` (and over the replicas of an expert), so that with each
   rank's loss a sum over its tokens divided by the global token count, every rank holds the gradient of the
   single-process mean loss. With ``fsdp=True`` the dense weights are sharded over the mesh by FSDP2
-  (``fully_shard``), which reduce-scatters their gradients in the backward; sync_gradients then only rescales
-  them (FSDP2 averages) and handles the experts.
+  (``fully_shard`` per layer block, then the module: the torchtitan pattern), which reduce-scatters their
+  gradients in the backward; sync_gradients then only rescales them (FSDP2 averages) and handles the experts.
+* FSDP2 units: the kernel program reads the weights itself, not through the layer modules' forward; the runtime
+  runs each unit's launches inside a call of its block modules (CompiledModule._launch_units), so that FSDP2's
+  hooks all-gather one unit's weights for its launches, free them after, and gather them again for its backward.
+  A unit is the layer blocks (``model.layers.<i>``) whose weights one launch reads together: one Block AttnRes
+  group of layers for K3 (phase 1 reads the group's pseudo-queries); ``m.fsdp_units`` lists them.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 
@@ -190,11 +196,13 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
             replicas of experts.
         placements: {layer prefix (e.g. "model.layers.1.block_sparse_moe"): Placement} planned for ep GPUs
             (passes.place_experts.plan from routing statistics); default a uniform plan.
-        fsdp: shard the dense weights (every parameter but the routed experts) over the whole mesh with FSDP2
-            (``torch.distributed.fsdp.fully_shard`` of the module as one unit: the weights are all-gathered for
-            the forward and the gradients reduce-scattered at the end of the backward; the parameters outside
-            them are DTensors). One unit, not one per layer block: the kernel program reads the weights itself,
-            so the layer modules' forward hooks (FSDP2's per-block unsharding) never run.
+        fsdp: shard the dense weights (every parameter but the routed experts of ep > 1) over the whole mesh
+            with FSDP2: ``torch.distributed.fsdp.fully_shard`` of each unit of layer blocks (``m.fsdp_units``: the
+            blocks one launch reads together; a list of modules in one fully_shard when several), then of the
+            module for the weights outside the blocks (embedding, final norm, head). A unit's weights are
+            all-gathered before its first launch and freed after its last (one unit's at a time), gathered again
+            in the backward and their gradients reduce-scattered; the parameters (and gradients) are DTensors
+            sharded on dim 0 over the mesh (Shard(0)). The forward must go through ``m(...)`` (module hooks).
     Raises:
         MtcError: see mesh_layout; a module already parallel, or on device 'meta'; num_slots not a multiple of ep
             or fewer than the experts; a placement for another GPU or expert count; a fused launch in the training
@@ -276,12 +284,108 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
                 m._cp_mla_full.add(id(by_anchor[anchor]))
                 m.cp_gathered_width[anchor] = width
     m._fsdp = False
+    m._units, m.fsdp_units = {}, []
     if fsdp and lay.dense_mesh is not None:
         from torch.distributed.fsdp import fully_shard
         experts = {m._tensor(k) for e in ep_layers.values() for k in e.keys}
+        m.fsdp_units, m._units = _fsdp_units(m)
+        for paths in m.fsdp_units:
+            blocks = [m.get_submodule(b) for b in paths]
+            for b in blocks:
+                b.__class__ = _Block
+            fully_shard(blocks if len(blocks) > 1 else blocks[0], mesh=lay.dense_mesh, ignored_params=experts or None)
         fully_shard(m, mesh=lay.dense_mesh, ignored_params=experts or None)
         m._fsdp = True
     return m
+
+
+class _Block(nn.Module):
+    """A layer block (a weight container of the compiled module) that FSDP2 shards as a unit: the parallel module
+    runs the block's launches inside a call of it, so that FSDP2's module hooks gather its weights before them,
+    free them after, and gather them again for (and reduce-scatter their gradients after) their backward."""
+
+    def forward(self, run, *xs):
+        return run(*xs)
+
+
+def _block_of(key: str) -> str | None:
+    """The layer block holding weight ``key``: its path up to the first numeric component (``model.layers.3`` of
+    ``model.layers.3.mlp.up_proj.weight``, the torchtitan unit); None for a weight outside the repeated blocks."""
+    parts = key.split(".")
+    for j, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:j + 1])
+    return None
+
+
+def _fsdp_units(m) -> tuple[list, dict]:
+    """(the FSDP2 units: lists of layer-block paths, in forward order; {id(program): [(start, stop, unit index or
+    None, ins, outs)]}). A unit is the blocks whose weights one launch reads together (Block AttnRes' phase 1 reads
+    the pseudo-queries of a whole group of layers), merged further while the launch runs of two units interleave
+    in a program; its run spans its first to its last launch that reads its weights, with ``ins`` the buffers the
+    run reads from before it and ``outs`` those it makes that later launches (or the graph's outputs) read."""
+    progs = list({id(p): p for p in (m.program, m.train_program)}.values())
+    parent: dict = {}
+
+    def find(b):
+        while parent[b] != b:
+            b = parent[b]
+        return b
+
+    def blocks_of(L):
+        return {b for r, _t in L.inputs if r[1:] in m._names and (b := _block_of(m._names[r[1:]])) is not None}
+    for p in progs:
+        for L in p.launches:
+            bs = sorted(blocks_of(L))
+            for b in bs:
+                parent.setdefault(b, b)
+            for b in bs[1:]:
+                parent[find(b)] = find(bs[0])
+    while True:                         # merge units whose runs interleave
+        spans = {}
+        for p in progs:
+            for i, L in enumerate(p.launches):
+                for b in blocks_of(L):
+                    lo, hi = spans.get((id(p), find(b)), (i, i))
+                    spans[(id(p), find(b))] = (min(lo, i), max(hi, i))
+        merged = False
+        for p in progs:
+            mine = sorted((lo, hi, u) for (k, u), (lo, hi) in spans.items() if k == id(p))
+            for (lo0, hi0, u0), (lo1, _hi1, u1) in zip(mine, mine[1:]):
+                if lo1 <= hi0:
+                    parent[find(u1)] = find(u0)
+                    merged = True
+        if not merged:
+            break
+    first = progs[-1] if len(progs) > 1 else progs[0]      # forward order: the training program's
+    order = sorted({find(b) for b in parent}, key=lambda u: spans[(id(first), u)][0] if (id(first), u) in spans
+                   else len(first.launches))
+    units = [sorted((b for b in parent if find(b) == u), key=lambda b: [int(x) if x.isdigit() else x
+                                                                         for x in b.split(".")]) for u in order]
+    index = {u: i for i, u in enumerate(order)}
+    runs = {}
+    for p in progs:
+        graph_out = {str(r) for r in m.graph.outputs}
+        made_at = {r: i for i, L in enumerate(p.launches) for r, _t in L.outputs}
+        last_read = {}
+        for i, L in enumerate(p.launches):
+            for r, _t in L.inputs:
+                last_read[r] = i
+        mine = sorted((lo, hi + 1, index[u]) for (k, u), (lo, hi) in spans.items() if k == id(p))
+        out, at = [], 0
+        for lo, hi, u in mine:
+            if at < lo:
+                out.append((at, lo, None, (), ()))
+            ins = list(dict.fromkeys(r for L in p.launches[lo:hi] for r, _t in L.inputs
+                                     if r[1:] not in m._names and made_at.get(r, -1) < lo))
+            outs = [r for L in p.launches[lo:hi] for r, _t in L.outputs
+                    if last_read.get(r, -1) >= hi or r in graph_out]
+            out.append((lo, hi, u, tuple(ins), tuple(outs)))
+            at = hi
+        if at < len(p.launches):
+            out.append((at, len(p.launches), None, (), ()))
+        runs[id(p)] = out
+    return units, runs
 
 
 _COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe")
@@ -321,6 +425,7 @@ class ParallelModule(CompiledModule):
     Attributes (besides CompiledModule's):
         layout: the :class:`Layout` (sizes, coordinates, groups).
         last_exchange: {MoE layer prefix: backends.parallel.expert.ExchangeStats} of the last forward.
+        fsdp_units: with fsdp=True, the layer-block paths of each FSDP2 unit, in forward order (else []).
     """
 
     def __getstate__(self):
@@ -348,6 +453,26 @@ class ParallelModule(CompiledModule):
             finally:
                 self._cp_lengths = None
                 self._cp_full = {}
+
+    def _launch_units(self, program):
+        """With FSDP2 per block: the runs of each unit's launches, entered through its blocks' calls (nested, so
+        that the unit's hooks see the run's inputs and outputs; see _fsdp_units)."""
+        runs = self._units.get(id(program)) if self._seq is None else None
+        if not runs:
+            return None
+        out = []
+        for start, stop, u, ins, outs in runs:
+            enter = None
+            if u is not None:
+                blocks = [self.get_submodule(b) for b in self.fsdp_units[u]]
+
+                def enter(segment, *xs, blocks=blocks):
+                    f = segment
+                    for b in reversed(blocks):
+                        f = functools.partial(b, f)
+                    return f(*xs)
+            out.append((start, stop, enter, ins, outs))
+        return out
 
     def _local_len(self, inputs) -> int:
         sym = None
@@ -473,14 +598,16 @@ class ParallelModule(CompiledModule):
         for p in params.values():
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
+        from torch.distributed.tensor import DTensor
         dense = [p.grad for k, p in params.items() if k not in experts and p.grad is not None]
         if getattr(self, "_fsdp", False):
-            # FSDP2 reduce-scattered them in the backward as a mean over the mesh (gloo offers no pre-scaled sum):
-            # back to the sum
+            # FSDP2 reduce-scattered its shards' gradients in the backward as a mean over the mesh (gloo offers no
+            # pre-scaled sum): back to the sum
             n = dist.get_world_size(lay.dense_group)
             for g in dense:
-                g.mul_(n)
-            dense = []
+                if isinstance(g, DTensor):
+                    g.mul_(n)
+            dense = [g for g in dense if not isinstance(g, DTensor)]
         if lay.dense_group is not None and dense:
             flat = torch.cat([g.reshape(-1) for g in dense])
             dist.all_reduce(flat, group=lay.dense_group)
