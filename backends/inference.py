@@ -50,6 +50,20 @@ import torch.nn.functional as F
 
 from dsl.errors import MtcError
 
+
+def _kda_backend(m, L, call, missing: str):
+    """(backend module, extra kda_chunk keywords) of kda_chunk launch L: the reference, or Triton with the bound the
+    kernel may use; MtcError '<model>: <missing> of <kernel>' for any other implementation."""
+    if L.kernel == "reference.kda_chunk":
+        import backends.reference as B
+        return B, {}
+    if L.kernel == "triton.kda_chunk":
+        import backends.triton as B
+        from backends.triton.impls import fast_bound
+        return B, {"lower_bound": fast_bound(call.attr("lower_bound"))}
+    raise MtcError(f"{m.graph.name}: {missing} of {L.kernel} (k{L.index})")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # what the cache holds, read from the executed graph
 
@@ -434,15 +448,7 @@ class _Session:
         q, k, v, g, beta = args
         st, S = self.step, self.cache.kda[L.anchor]
         scale = call.attr("scale")
-        if L.kernel == "reference.kda_chunk":
-            import backends.reference as B
-            kw = {}
-        elif L.kernel == "triton.kda_chunk":
-            import backends.triton as B
-            from backends.triton.impls import fast_bound
-            kw = {"lower_bound": fast_bound(call.attr("lower_bound"))}
-        else:
-            raise MtcError(f"{self.m.graph.name}: inference cache: no stateful form of {L.kernel} (k{L.index})")
+        B, kw = _kda_backend(self.m, L, call, "inference cache: no stateful form")
         S0 = S[st.rows_t]
         if not st.packed and st.lens[0] == 1:          # one token per row: the decode step
             o, S1 = B.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0, scale=scale)
@@ -632,15 +638,7 @@ class _PackedSession:
             return ye.reshape(call.shape(L.outputs[0][1].shape))
         q, k, v = args[:3]
         if node in self.layout.kda:
-            if L.kernel == "reference.kda_chunk":
-                import backends.reference as B
-                kw = {}
-            elif L.kernel == "triton.kda_chunk":
-                import backends.triton as B
-                from backends.triton.impls import fast_bound
-                kw = {"lower_bound": fast_bound(call.attr("lower_bound"))}
-            else:
-                raise MtcError(f"{self.m.graph.name}: cu_seqlens: no packed form of {L.kernel} (k{L.index})")
+            B, kw = _kda_backend(self.m, L, call, "cu_seqlens: no packed form")
             return B.kda_chunk(*args, scale=call.attr("scale"), cu_seqlens=self.cu, **kw)[0]
         if L.kernel == "reference.mla_attention":
             import backends.reference as B

@@ -26,6 +26,7 @@ from torch import nn
 import backends.cuda_device
 from backends import interpret_setting, interpreting
 from backends.cuda_device import on_tensor_device
+from backends.mxfp4 import MXFP4Experts
 from dsl.errors import MtcError, MtcWarning
 from dsl.ir import Graph, Node
 from dsl.printer import print_graph
@@ -331,7 +332,7 @@ class CompiledModule(nn.Module):
     """
 
     def __init__(self, graph: Graph, stages: dict[str, Graph], target: str, dtype: torch.dtype,
-                 device: torch.device | str, seed: int | None = None):
+                 device: torch.device | str, seed: int | None = None, packed_experts: bool = True):
         super().__init__()
         self.graph = graph
         self.stages = stages
@@ -388,6 +389,19 @@ class CompiledModule(nn.Module):
             else:
                 tdt = dtype                           # bf16 / mxfp4 / f32 weights run in the compile dtype
             shape = [int(d) for d in t.shape]
+            if t.dtype == "mxfp4" and packed_experts and n.op == "param":
+                # routed experts kept packed (backends/mxfp4.py): frozen uint8 buffers, the plan's bytes
+                owner = _container(self, path, key, n.loc)
+                _check_free(owner, leaf, key, n.loc)
+                w = MXFP4Experts(*shape, device=device)
+                if str(device) != "meta":
+                    d32 = torch.empty(shape, dtype=torch.float32, device=device)
+                    _init_(d32, n.attr("init"), n.attr("std"), gen)
+                    w.quantize_(d32)
+                    del d32
+                owner.add_module(leaf, w)
+                self._names[n.name] = key
+                continue
             data = torch.empty(shape, dtype=tdt, device=device)
             if str(device) != "meta":
                 if tdt.is_floating_point and tdt != torch.float32:
@@ -990,7 +1004,9 @@ class CompiledModule(nn.Module):
             m, leaf = self._slot(ref[1:])         # (weights are nodes of one output: no '#i')
             v = m._parameters.get(leaf)
             if v is None:
-                v = m._buffers[leaf]
+                v = m._buffers.get(leaf)
+            if v is None:
+                v = m._modules[leaf]              # MXFP4Experts (packed routed experts)
         return v
 
     def _shape(self, dims, bind) -> list[int]:
@@ -1256,7 +1272,8 @@ def _check_interpreter_dtype(target: str, dtype: torch.dtype) -> None:
 
 def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype | str | None = None,
                   device: torch.device | str = "cpu", seed: int | None = 0, passes="default",
-                  print_after=(), dump_ir=None, emit_dir=None, inplace: bool = True, mesh=None) -> CompiledModule:
+                  print_after=(), dump_ir=None, emit_dir=None, inplace: bool = True, mesh=None,
+                  packed_experts: bool = True) -> CompiledModule:
     """Run the pass pipeline and build a runnable module.
 
     Args:
@@ -1274,6 +1291,12 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
             the same bits); False: every output gets its own storage.
         mesh: a torch.distributed DeviceMesh (dims named from dp, ep, cp): the module is parallelized on it
             (``m.parallelize(mesh)``; every rank compiles with the same seed).
+        packed_experts: routed experts the spec types ``expert_dtype="mxfp4"`` are held packed (True, default): per
+            expert weight an :class:`backends.mxfp4.MXFP4Experts` with uint8 buffers ``weight_packed`` /
+            ``weight_scale`` (state-dict keys ``<key>.weight_packed`` / ``<key>.weight_scale``), the memory plan's
+            0.53125 bytes per element, decoded by the moe_experts kernels as they run; they are frozen (no
+            gradient; the activations' gradients flow). Random initialisation draws the float weights and rounds
+            them to MXFP4. False: they are dense weights in ``dtype`` (trainable), as other expert dtypes.
     Raises:
         MtcError: an unknown target or device, a dtype other than float32 / float16 / bfloat16 (float64
             too: the reference ops compute in float32), bfloat16 under the Triton interpreter, a seed that is not an
@@ -1304,6 +1327,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         raise MtcError(f"seed {seed!r}: an integer in [0, 2**63) (or None: torch's global RNG)")
     if not isinstance(inplace, bool):
         raise MtcError(f"inplace must be True or False, got {inplace!r}")
+    if not isinstance(packed_experts, bool):
+        raise MtcError(f"packed_experts must be True or False, got {packed_experts!r}")
     if passes == "default":
         passes = pipeline(target)
     try:
@@ -1338,7 +1363,7 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
     g = pm.run(graph)
     if target in ("triton", "tvm"):
         _check_kernel_constraints(g, target)
-    m = CompiledModule(g, dict(pm.stages), target, dtype, device, seed)
+    m = CompiledModule(g, dict(pm.stages), target, dtype, device, seed, packed_experts=packed_experts)
     m.pass_timings = pm.timings
     from passes.lower import lower
     m.program = lower(g, target, inplace=inplace)

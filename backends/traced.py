@@ -211,6 +211,10 @@ def run(module, inputs: dict, training: bool) -> list:
         env[ref] = x
     for kind, what, vals, ins, outs, route in steps:
         args = [env[r] if sub is None else getattr(sub, leaf) for r, sub, leaf in ins]
+        if any(not isinstance(a, torch.Tensor) for a in args):
+            raise MtcError(f"{module.graph.name}: torch.compile / torch.export do not take packed MXFP4 experts "
+                           f"(MXFP4Experts weights, not tensors): compile with packed_experts=False (dsl.from_hf: "
+                           f"dequantize=True), or run the module eagerly")
         if kind == "op":
             res = what(args, *[v(bind) if isinstance(v, Dims) else v for v in vals])
             out = res[0] if len(outs) == 1 else tuple(res)

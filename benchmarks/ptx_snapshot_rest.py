@@ -155,7 +155,7 @@ def _moe_cases():
                                      ["_grouped_gemm_kernel"], types,
                                      dict(PAIR=pair, EPI=epi, SAVE=save, ROW_SCALE=epi == 1, ACT=0, FAST=True,
                                           A_MODE=amode, W_DESC=True, W_KN=w_kn, PREC="tf32", EVEN_K=True, BM=bm,
-                                          BN=bn, BK=bk, HALF=half, TAIL=t),
+                                          BN=bn, BK=bk, HALF=half, TAIL=t, W_MX=False),
                                      nw, tst if t else st, div=_GG_DIV))
     # float32 operands (the cuda_f32 tiles: at most 64 x 64 x 32, 4 warps, 2 stages; IEEE products)
     for name, (bm, bn, bk, nw, st, tst, tail, half, pair, epi, w_kn) in gemms.items():
@@ -165,7 +165,7 @@ def _moe_cases():
             out.append(_case(f"moe_gg_{name}_f32_tail{t}", MK, ["_grouped_gemm_kernel"], types,
                              dict(PAIR=pair, EPI=epi, SAVE=epi == 1, ROW_SCALE=epi == 1, ACT=0, FAST=True, A_MODE=2,
                                   W_DESC=True, W_KN=w_kn, PREC="ieee", EVEN_K=True, BM=bm, BN=bn, BK=bk, HALF=half,
-                                  TAIL=t),
+                                  TAIL=t, W_MX=False),
                              4, 2, div=_GG_DIV))
     # the split GLU backward's row pass
     for dt in ("bf16", "fp32"):

@@ -77,6 +77,7 @@ def compile(graph: Graph, target: str = "reference", **options):
 
 def from_hf(path, target: str = "reference", **options):
     """Build the model of a Hugging Face checkpoint directory (Kimi Linear or Kimi K3: config.json + safetensors,
-    sharded or not, MXFP4 experts decoded) and load its weights; see :func:`dsl.checkpoint.from_hf`."""
+    sharded or not, MXFP4 experts decoded, or kept packed with dequantize=False) and load its weights; see
+    :func:`dsl.checkpoint.from_hf`."""
     from .checkpoint import from_hf as _from_hf
     return _from_hf(path, target, **options)

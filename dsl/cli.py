@@ -482,6 +482,24 @@ def _warn_past_max_seq_len(g, T: int, flag: str, what: str) -> None:
         _warn(f"{flag} {T:,} is beyond the spec's max_seq_len = {m:,} of model '{g.name}'; {what}")
 
 
+def _run_setup(args):
+    """The dtype (name, torch dtype) of --dtype, after checking --device and --target; Triton / TVM kernels on
+    the CPU run under the interpreter (TRITON_INTERPRET=1, set here unless triton was imported without it)."""
+    import warnings
+    dtype_name = _canonical_dtype(args.dtype)
+    _check_device(args.device)
+    if args.target not in ("reference", "triton", "tvm"):
+        raise MtcError(f"--target must be reference, triton or tvm; got '{args.target}'")
+    if args.target in ("triton", "tvm") and args.device == "cpu":
+        from backends import interpreting
+        if "triton" in sys.modules and not interpreting():
+            raise MtcError("--target triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # the interpreter evaluates masked-off lanes too (exp of padding); those results are discarded
+        warnings.filterwarnings("ignore", category=RuntimeWarning)
+    return dtype_name, RUN_DTYPE_NAMES[dtype_name][0]
+
+
 def cmd_run(args) -> int:
     import warnings
     import torch
@@ -490,18 +508,7 @@ def cmd_run(args) -> int:
     from rich.table import Table
     from . import compile as mtc_compile
 
-    dtype_name = _canonical_dtype(args.dtype)
-    dtype = RUN_DTYPE_NAMES[dtype_name][0]
-    _check_device(args.device)
-    if args.target not in ("reference", "triton", "tvm"):
-        raise MtcError(f"--target must be reference, triton or tvm; got '{args.target}'")
-    if args.target in ("triton", "tvm") and args.device == "cpu":
-        from backends import interpreting
-        if "triton" in sys.modules and not interpreting():
-            raise MtcError("--target triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported")
-        os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels on the CPU: the interpreter
-        # the interpreter evaluates masked-off lanes too (exp of padding); those results are discarded
-        warnings.filterwarnings("ignore", category=RuntimeWarning)
+    dtype_name, dtype = _run_setup(args)
     # piped output: whole lines, not wrapped at 80 columns; with --json - the report goes to stderr, so that
     # standard output is the JSON alone
     c = Console(stderr=args.json == "-", soft_wrap=True)
@@ -672,17 +679,7 @@ def cmd_generate(args) -> int:
     import torch
     from . import compile as mtc_compile
 
-    dtype_name = _canonical_dtype(args.dtype)
-    dtype = RUN_DTYPE_NAMES[dtype_name][0]
-    _check_device(args.device)
-    if args.target not in ("reference", "triton", "tvm"):
-        raise MtcError(f"--target must be reference, triton or tvm; got '{args.target}'")
-    if args.target in ("triton", "tvm") and args.device == "cpu":
-        from backends import interpreting
-        if "triton" in sys.modules and not interpreting():
-            raise MtcError("--target triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported")
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        warnings.filterwarnings("ignore", category=RuntimeWarning)
+    dtype_name, dtype = _run_setup(args)
     if (args.prompt is None) == (args.input is None):
         raise MtcError("give the prompt as --prompt TEXT or --input FILE (- for standard input), one of them")
     if args.max_new_tokens < 0:

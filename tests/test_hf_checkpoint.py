@@ -515,6 +515,41 @@ def test_k3_round_trip_is_bit_exact(k3_ckpt, tmp_path):
     assert all(torch.equal(back.state_dict()[k], a[k]) for k in sd)
 
 
+def test_k3_mxfp4_loads_packed_with_the_decoded_logits(k3_ckpt):
+    """dequantize=False keeps the checkpoint's bytes (uint8 weight_packed / weight_scale per MoE weight, stacked
+    over the experts) and gives the logits of the decoded load (float32, rel 1e-5; the Triton W4A16 kernels:
+    tests/test_moe_mxfp4.py)."""
+    from safetensors import safe_open
+    d, sd, _ = k3_ckpt
+    m = dsl.from_hf(d, dequantize=False).eval()
+    dense = dsl.from_hf(d).eval()
+    got = m.state_dict()
+    key = "model.layers.1.block_sparse_moe.experts.w2"
+    assert key not in got and got[key + ".weight_packed"].dtype == torch.uint8
+    idx = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"
+    with safe_open(d / idx[name], "pt") as f:
+        assert torch.equal(got[key + ".weight_packed"][3], f.get_tensor(name))
+    x = torch.randint(0, 256, (2, 23))
+    with torch.no_grad():
+        a, b = m(x), dense(x)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_k3_packed_round_trip_is_bit_exact(k3_ckpt, tmp_path):
+    d, sd, _ = k3_ckpt
+    m = dsl.from_hf(d, dequantize=False)
+    m.save_hf(tmp_path / "k3")
+    back = dsl.from_hf(tmp_path / "k3", dequantize=False)
+    a, b = m.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    m.save_hf(tmp_path / "k3d", expert_format="dense")             # decoded on export: the dense load's weights
+    again = dsl.from_hf(tmp_path / "k3d").state_dict()
+    assert all(torch.equal(again[k], v) for k, v in sd.items())
+    with pytest.raises(dsl.MtcError, match="dequantize must be True or False"):
+        dsl.from_hf(d, dequantize="no")
+
+
 def test_k3_bad_padding_and_packed_without_quantization(k3_ckpt, tmp_path):
     d = _copy(k3_ckpt[0], tmp_path)
     f = next(p for p in d.glob("model-*.safetensors")

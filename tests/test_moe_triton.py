@@ -597,7 +597,7 @@ types.update(a_src="tensordesc<bf16[128,64]>", a2_src="tensordesc<bf16[128,64]>"
              wrow_ptr="*fp32", dwrow_ptr="*fp32", tile_expert_ptr="*i64",
              tile_start_ptr="*i64", offs_ptr="*i64", beta_gate="fp32", beta_up="fp32")
 consts = dict(PAIR=1, EPI=1, SAVE=True, ROW_SCALE=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True, W_KN=False,
-              PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64, HALF=True, TAIL=32)
+              PREC="tf32", EVEN_K=True, BM=128, BN=128, BK=64, HALF=True, TAIL=32, W_MX=False)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
 cg = M.TILE_CONFIGS["cuda"]["glu_fwd"]  # the GPU's launch settings of GEMM 1 (these tiles: 128 x 128 x 64, tail 32)
@@ -639,7 +639,8 @@ types.update(a_src=f"tensordesc<bf16[{BM},{BK}]>", a2_src=f"tensordesc<bf16[{BM}
              dwrow_ptr="*fp32", tile_expert_ptr="*i64", tile_start_ptr="*i64", offs_ptr="*i64",
              beta_gate="fp32", beta_up="fp32")
 consts = dict(PAIR=0, EPI=0, SAVE=False, ROW_SCALE=False, W_KN=True, ACT=0, FAST=True, A_MODE=2, W_DESC=True,
-              PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK, HALF=bool(c.get("HALF")), TAIL=c["TAIL"])
+              PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK, HALF=bool(c.get("HALF")), TAIL=c["TAIL"],
+              W_MX=False)
 sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
 k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"],
@@ -717,7 +718,7 @@ for name in ("glu_fwd", "mm", "glu_bwd_mm", "dx"):
         glu = name == "glu_fwd"
         consts = dict(PAIR=1 if glu else (3 if name == "dx" else 0), EPI=int(glu), SAVE=glu, ROW_SCALE=glu, ACT=0, FAST=True,
                       A_MODE=2, W_DESC=True, W_KN=w_kn, PREC="tf32", EVEN_K=True, BM=BM, BN=BN, BK=BK,
-                      HALF=bool(c.get("HALF")), TAIL=tail)
+                      HALF=bool(c.get("HALF")), TAIL=tail, W_MX=False)
         sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
         # as the launcher specializes them on the GPU: pointers, K, N and strides divisible by 16
         div = [n for n in fn.arg_names if n not in consts and (types[n].startswith("*") or n in (

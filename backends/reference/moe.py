@@ -26,6 +26,8 @@ import numbers
 
 import torch
 
+from backends.mxfp4 import is_packed
+
 from .ops import _store, check_devices, check_eps, rmsnorm, writable
 
 __all__ = [
@@ -129,18 +131,27 @@ def check_route_inputs(x, weight, bias, top_k, where: str = "qb_route"):
 
 def check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, where="moe_experts",
                         beta_gate=4.0, beta_up=25.0):
-    """Shape/dtype/device checks of moe_experts' arguments (and the SiTU-GLU bounds); returns (N, l, E, I, k)."""
+    """Shape/dtype/device checks of moe_experts' arguments (and the SiTU-GLU bounds); returns (N, l, E, I, k).
+    The expert weights are float tensors, or all three :class:`backends.mxfp4.MXFP4Experts` (packed)."""
     _check_tensor("x_lat", x_lat, 2, where)
     _check_tensor("topk_idx", topk_idx, 2, where)
     _check_tensor("topk_weight", topk_weight, 2, where)
-    _check_tensor("w1", w1, 3, where)
-    _check_tensor("w3", w3, 3, where)
-    _check_tensor("w2", w2, 3, where)
-    for name, t in (("x_lat", x_lat), ("topk_weight", topk_weight), ("w1", w1), ("w3", w3), ("w2", w2)):
+    packed = [is_packed(w) for w in (w1, w3, w2)]
+    if any(packed) and not all(packed):
+        raise TypeError(f"{where}: w1, w3 and w2 are all MXFP4Experts (packed) or all float tensors, got "
+                        + ", ".join(type(w).__name__ for w in (w1, w3, w2)))
+    named = {"x_lat": x_lat, "topk_weight": topk_weight}
+    if not any(packed):
+        _check_tensor("w1", w1, 3, where)
+        _check_tensor("w3", w3, 3, where)
+        _check_tensor("w2", w2, 3, where)
+        named.update(w1=w1, w3=w3, w2=w2)
+    for name, t in named.items():
         _check_float(name, t, where)          # (complex, bool or integer expert weights are no experts)
     if topk_idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{where}: topk_idx must be int64 (or int32), got {topk_idx.dtype}")
-    check_devices(where, x_lat=x_lat, topk_idx=topk_idx, topk_weight=topk_weight, w1=w1, w3=w3, w2=w2)
+    ws = {n: (w.weight_packed if p else w) for n, w, p in zip(("w1", "w3", "w2"), (w1, w3, w2), packed)}
+    check_devices(where, x_lat=x_lat, topk_idx=topk_idx, topk_weight=topk_weight, **ws)
     if activation == "situ":
         check_betas(beta_gate, beta_up, where)
     n, l = x_lat.shape
@@ -463,10 +474,12 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
 
     Args:
         x_lat: [N, l] tokens in the latent width; topk_idx: [N, k] int64 in [0, E);
-        topk_weight: [N, k] float; w1, w3: [E, I, l]; w2: [E, l, I].
+        topk_weight: [N, k] float; w1, w3: [E, I, l]; w2: [E, l, I]: float tensors, or all three
+            :class:`backends.mxfp4.MXFP4Experts` (MXFP4 packed; each expert that gets a token is decoded to float32
+            for this call, exactly, and dropped after it).
     Returns:
         u: [N, l] in x_lat's dtype. Experts with no token and all tokens on one expert are legal.
-        Differentiable in x_lat, topk_weight, w1, w3, w2.
+        Differentiable in x_lat, topk_weight and float w1, w3, w2; packed weights are frozen (no gradient).
     Raises:
         TypeError / ValueError on wrong shapes/dtypes, out-of-range indices, an unknown
         activation, or NaN/inf in a row of x_lat or topk_weight (CPU inputs; a GPU scan would synchronise).
@@ -476,14 +489,18 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
     xf = x_lat.float()
     u = torch.zeros(n, l, dtype=torch.float32, device=x_lat.device)
     idx = topk_idx.long()
+    packed = is_packed(w1)
+
+    def weight(w, ex):
+        return w.expert(ex, torch.float32) if packed else w[ex].float()
     for ex in torch.unique(idx).tolist():
         tok, slot = torch.nonzero(idx == ex, as_tuple=True)
         xe = xf[tok]
-        h = _glu(xe @ w1[ex].float().t(), xe @ w3[ex].float().t(), activation, beta_gate, beta_up)
-        ye = h @ w2[ex].float().t()
+        h = _glu(xe @ weight(w1, ex).t(), xe @ weight(w3, ex).t(), activation, beta_gate, beta_up)
+        ye = h @ weight(w2, ex).t()
         u = u.index_add(0, tok, ye * topk_weight[tok, slot].float()[:, None])
     if n * k == 0:  # no row: still a graph, so that backward gives zero gradients (sums of empty slices are 0)
-        u = u + sum(t[:0].float().sum() for t in (xf, topk_weight, w1, w3, w2))
+        u = u + sum(t[:0].float().sum() for t in (xf, topk_weight) + (() if packed else (w1, w3, w2)))
     return u.to(x_lat.dtype)
 
 

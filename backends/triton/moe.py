@@ -12,6 +12,10 @@ Pipeline of ``moe_experts`` (forward):
      token rows) against the w1 and the w3 tile in the same K loop;
   3. grouped GEMM 2: y = h w2^T per expert;
   4. weighted combine: u[t] = sum_j p[t, j] y[pos[t, j]] in float32.
+MXFP4 experts (backends.mxfp4.MXFP4Experts, W4A16): the same grouped GEMMs load the packed E2M1 nibbles and E8M0
+scales of each weight tile and decode it in registers before the dot (moe_kernels._mx_tile), forward and in the
+backward's dA|dB and dx GEMMs; the weights are frozen (no weight gradient), and such GEMMs run BM-row tiles (no
+HALF / TAIL).
 Backward (torch.autograd.Function): G = du w2 by a plain grouped GEMM, then a row kernel forms the
 activation's derivative dA, dB and d topk_weight (a row sum of G * h) over the saved pre-activations;
 dx = dA w1 + dB w3 through one grouped GEMM that runs its K loop over (dA, w1) and then over (dB, w3) into
@@ -45,6 +49,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from backends.cuda_device import on_tensor_device
+from backends.mxfp4 import is_packed
 from backends.reference import moe as _ref
 from backends.reference.ops import check_eps
 from backends.reference.moe import fixed_step_update  # noqa: F401  (elementwise on [E]; same on GPU)
@@ -584,8 +589,13 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
         w2=None, a2=None, epi=0, save=False, c2=None, c3=None, wrow=None, act=0, bg=4.0, bu=25.0,
         row_scale=False):
     """Launch the grouped GEMM kernel (see its docstring). a: [rows, kk] (gathered through tok
-    when `gather`); w: [E, nn, kk] (w_kn False) or [E, kk, nn] (w_kn True). sched: (tile_expert, tile_start,
+    when `gather`); w: [E, nn, kk] (w_kn False) or [E, kk, nn] (w_kn True), a tensor or (w and w2 both)
+    MXFP4Experts, whose tiles the kernel decodes (W_MX). sched: (tile_expert, tile_start,
     max_tiles, tile height) from _sched (height BM + TAIL with a swapped tail, else BM)."""
+    if is_packed(w):
+        return _gg_mx(name, a, w, sched, offs, num_experts, kk, nn, c, gather=gather, w_kn=w_kn, tok=tok, pair=pair,
+                      w2=w2, a2=a2, epi=epi, save=save, c2=c2, c3=c3, wrow=wrow, act=act, bg=bg, bu=bu,
+                      row_scale=row_scale)
     cfg = _cfg(name, a)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     te, ts, mt, height = sched
@@ -638,12 +648,52 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     return c
 
 
-def _sched(d, name, a):
+def _gg_mx(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok, pair, w2, a2, epi, save, c2,
+           c3, wrow, act, bg, bu, row_scale):
+    """_gg with MXFP4 weights w (and w2): the kernel's W_MX path (W4A16), A through pointers or TMA as in _gg, the
+    weights through pointers (packed bytes and scales, decoded in registers). No HALF / TAIL tiles."""
+    cfg = _cfg(name, a)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    te, ts, mt, height = sched
+    if height != bm:
+        raise ValueError(f"moe_experts: {name}: MXFP4 weights run {bm}-row tiles, the schedule has {height}")
+    w2 = w if w2 is None else w2
+    if w2.shape != w.shape:
+        raise ValueError(f"moe_experts: MXFP4 weight pair {list(w.shape)} and {list(w2.shape)} differ")
+    p, sc, p2, sc2 = w.weight_packed, w.weight_scale, w2.weight_packed, w2.weight_scale
+    if any(not t.is_contiguous() for t in (p, sc, p2, sc2)):
+        raise ValueError("moe_experts: MXFP4 weight_packed / weight_scale must be contiguous")
+    _check_tile_rows("output", c.stride(0), bm)
+    n_tiles = cdiv(nn, bn)
+    if gather:
+        a_mode, a_src, a2_src = 0, a, a
+    elif cfg.get("A_TMA") and _tma_ok(a, [bm, bk]) and (a2 is None or _tma_ok(a2, [bm, bk])):
+        a_mode = 2
+        a_src = TensorDescriptor.from_tensor(a, [bm, bk])
+        a2_src = TensorDescriptor.from_tensor(a2, [bm, bk]) if a2 is not None else a_src
+    else:
+        a_mode, a_src, a2_src = 1, a, (a2 if a2 is not None else a)
+    dummy = c
+    _fit_launch(
+        _k._grouped_gemm_kernel, (mt * n_tiles,), (name, a.dtype, "mx"), _launch_cfg(cfg),
+        a_src, tok if tok is not None else offs, p, a2_src, p2,
+        c, c2 if c2 is not None else dummy, c3 if c3 is not None else dummy,
+        wrow if wrow is not None else dummy,
+        te, ts, offs, kk, nn, num_experts, n_tiles,
+        a.stride(0), p.stride(0), p.stride(1), 0, c.stride(0), float(bg), float(bu),
+        PAIR=pair, EPI=epi, SAVE=save, ROW_SCALE=row_scale, ACT=act, FAST=a.is_cuda, A_MODE=a_mode, W_DESC=False,
+        W_KN=w_kn, PREC=_prec(a.dtype), EVEN_K=(kk % bk == 0), BM=bm, BN=bn, BK=bk, HALF=False,
+        ws_src=sc, w2s_src=sc2, stride_se=sc.stride(0), stride_sr=sc.stride(1), W_MX=True)
+    return c
+
+
+def _sched(d, name, a, mx=False):
     """The m-tile schedule of dispatch d for the grouped GEMM `name`: tiles BM + TAIL rows tall when the config
-    has a TAIL and the experts average fewer than half_tile_max_rows rows (as HALF), else BM."""
+    has a TAIL and the experts average fewer than half_tile_max_rows rows (as HALF) and the weights are not MXFP4
+    (mx), else BM."""
     cfg = _cfg(name, a)
     tail = int(cfg.get("TAIL") or 0)
-    if not (tail and _few_rows(d.nk, d.e)):
+    if mx or not (tail and _few_rows(d.nk, d.e)):
         tail = 0
     return d.schedule(cfg["BM"] + tail)
 
@@ -786,8 +836,8 @@ def _glu_backward(d, du, dus, w2, a, b, w_rows, l, i, act, bg, bu, da=None, db=N
     db = b if db is None else db
     dwrow = torch.empty(d.nk, dtype=torch.float32, device=a.device)
     g = torch.empty_like(a)
-    _gg("glu_bwd_mm", src, w2, _sched(d, "glu_bwd_mm", a), d.offs, d.e, l, i, g, gather=dus is None, tok=d.tok,
-        w_kn=True)
+    _gg("glu_bwd_mm", src, w2, _sched(d, "glu_bwd_mm", a, is_packed(w2)), d.offs, d.e, l, i, g, gather=dus is None,
+        tok=d.tok, w_kn=True)
     _glu_bwd_rows(g, a, b, w_rows, da, db, dwrow, act, bg, bu)
     return da, db, dwrow
 
@@ -808,12 +858,15 @@ class _ExpertsFn(torch.autograd.Function):
         e, i, _ = w1.shape
         d = _Dispatch(topk_idx, e)
         ctx.empty = d.nk == 0
+        # MXFP4 experts (W4A16): the kernels decode the packed tiles; frozen, so kept on ctx (not saved tensors)
+        ctx.mx = (w1, w3, w2) if is_packed(w1) else None
         if ctx.empty:
-            ctx.save_for_backward(x, topk_weight, w1, w3, w2)
+            ctx.save_for_backward(x, topk_weight, *(() if ctx.mx else (w1, w3, w2)))
             return torch.zeros(n, l, dtype=x.dtype, device=x.device)
-        w1, w3, w2 = w1.to(x.dtype), w3.to(x.dtype), w2.to(x.dtype)
-        if w1.stride() != w3.stride():
-            w1, w3 = w1.contiguous(), w3.contiguous()
+        if ctx.mx is None:
+            w1, w3, w2 = w1.to(x.dtype), w3.to(x.dtype), w2.to(x.dtype)
+            if w1.stride() != w3.stride():
+                w1, w3 = w1.contiguous(), w3.contiguous()
         need_grad = grad and any(ctx.needs_input_grad)
         if need_grad and any(ctx.needs_input_grad[3:6]):
             d.prefetch_counts()  # the held weight gradient's launches read them; copied now, in the GPU's order
@@ -828,20 +881,20 @@ class _ExpertsFn(torch.autograd.Function):
         hw = torch.empty(d.nk, i, dtype=x.dtype, device=x.device)
         a = torch.empty_like(hw) if need_grad else None
         b = torch.empty_like(hw) if need_grad else None
-        _gg(g1, xs if xs is not None else x, w1, _sched(d, g1, x), d.offs, e, l, i, hw,
+        _gg(g1, xs if xs is not None else x, w1, _sched(d, g1, x, is_packed(w1)), d.offs, e, l, i, hw,
             gather=xs is None, tok=d.tok, w_kn=False, pair=1, w2=w3, epi=1, save=need_grad, c2=a,
             c3=b, wrow=w_rows, row_scale=True, act=act, bg=bg, bu=bu)
         _mark("fwd: dispatch + GEMM 1 + GLU")
         # GEMM 2: y = hw w2^T   (N = l, K = I); then u[t] = sum_j y[pos[t, j]]
         y = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
-        _gg(g2, hw, w2, _sched(d, g2, x), d.offs, e, i, l, y, gather=False,
+        _gg(g2, hw, w2, _sched(d, g2, x, is_packed(w2)), d.offs, e, i, l, y, gather=False,
             w_kn=False)
         _mark("fwd: GEMM 2")
         u = _combine(y, d, x.dtype)
         del y
         _mark("fwd: combine")
         ctx.d, ctx.cfg = d, (act, bg, bu)
-        ctx.save_for_backward(x, wt, w1, w3, w2)
+        ctx.save_for_backward(x, wt, *(() if ctx.mx else (w1, w3, w2)))
         # intermediates kept as attributes so that backward can free each as soon as it is used
         ctx.inter = [xs, a, b, hw, w_rows]
         return u
@@ -850,10 +903,12 @@ class _ExpertsFn(torch.autograd.Function):
     def backward(ctx, du):
         no_create_graph("backends.triton.moe_experts")
         if ctx.empty:
-            x, tw, w1, w3, w2 = ctx.saved_tensors
+            x, tw, *ws = ctx.saved_tensors
             z = torch.zeros_like
-            return z(x), None, z(tw), z(w1), z(w3), z(w2), None, None, None, None
-        x, wt, w1, w3, w2 = ctx.saved_tensors
+            dws = [z(w) for w in ws] if ws else [None] * 3
+            return z(x), None, z(tw), *dws, None, None, None, None
+        x, wt, *ws = ctx.saved_tensors
+        w1, w3, w2 = ctx.mx or ws
         if ctx.inter is None:
             raise RuntimeError("backends.triton.moe_experts: a second backward through the same graph "
                                "(retain_graph=True) is not supported: the first backward frees the forward's "
@@ -865,7 +920,7 @@ class _ExpertsFn(torch.autograd.Function):
         act, bg, bu = ctx.cfg
         n, l = x.shape
         e, i, _ = w1.shape
-        need_x, _, need_wt, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:6]
+        need_x, _, need_wt, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:6]   # (False for MXFP4 experts)
         _mark("bwd: start")
         du = du.to(x.dtype).contiguous()
         dx = dwt = dw1 = dw3 = dw2 = None
@@ -889,7 +944,7 @@ class _ExpertsFn(torch.autograd.Function):
         if need_x:
             # dxg[r] = dA[r] w1[e] + dB[r] w3[e]  (K = I, N = l), then a per-token sum
             dxg = torch.empty(d.nk, l, dtype=x.dtype, device=x.device)
-            _gg("dx", da, w1, _sched(d, "dx", x), d.offs, e, i, l, dxg, gather=False,
+            _gg("dx", da, w1, _sched(d, "dx", x, is_packed(w1)), d.offs, e, i, l, dxg, gather=False,
                 w_kn=True, pair=3, a2=db, w2=w3)
             dx = _combine(dxg, d, x.dtype)
             del dxg
@@ -914,11 +969,15 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
         x_lat: [N, l] float32 / float16 / bfloat16 (the compute dtype: weights are cast to it;
             bf16 on the GPU for speed, float32 under the interpreter);
         topk_idx: [N, k] int64 in [0, E); topk_weight: [N, k] float (used in float32);
-        w1, w3: [E, I, l]; w2: [E, l, I] (any strides; contiguous is fastest);
+        w1, w3: [E, I, l]; w2: [E, l, I] (any strides; contiguous is fastest), or all three
+            :class:`backends.mxfp4.MXFP4Experts` (W4A16: the grouped GEMMs load the packed E2M1 nibbles and E8M0
+            scales and decode each weight tile in registers, in x_lat's dtype, before the dot; no dequantized copy
+            is made; the decoded values must be finite in that dtype, e.g. scales up to 2^15 for float16);
         activation: "situ" (contract default) or "silu" (plain SwiGLU, kimi_linear_48b).
     Returns:
-        u [N, l] in x_lat's dtype. Differentiable in x_lat, topk_weight, w1, w3, w2 (weight
-        gradients in the weights' dtype, accumulated in float32). Experts with no token get
+        u [N, l] in x_lat's dtype. Differentiable in x_lat, topk_weight, and float w1, w3, w2 (weight
+        gradients in the weights' dtype, accumulated in float32); MXFP4 weights are frozen (no gradient; dx and
+        d topk_weight run the same kernels on the packed weights). Experts with no token get
         zero gradient; all tokens on one expert is legal; offsets are int64.
     Raises:
         TypeError / ValueError on wrong shapes/dtypes, out-of-range expert ids (checked on the
@@ -927,9 +986,17 @@ def moe_experts(x_lat, topk_idx, topk_weight, w1, w3, w2, *, activation="situ", 
     _ref.check_expert_inputs(x_lat, topk_idx, topk_weight, w1, w3, w2, activation, beta_gate=beta_gate,
                              beta_up=beta_up)
     check_kernel_device("triton.moe_experts", x_lat=x_lat)
-    _check_gemm_operands("triton.moe_experts", x_lat=x_lat, w1=w1, w3=w3, w2=w2)
+    if is_packed(w1):
+        _check_gemm_operands("triton.moe_experts", x_lat=x_lat)
+        for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+            if w.weight_packed.device != x_lat.device:
+                raise ValueError(f"triton.moe_experts: {name} (MXFP4) is on {w.weight_packed.device}, x_lat on "
+                                 f"{x_lat.device}")
+    else:
+        _check_gemm_operands("triton.moe_experts", x_lat=x_lat, w1=w1, w3=w3, w2=w2)
     check_interpreter_dot_dtype("triton.moe_experts", x_lat=x_lat)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x_lat, topk_weight, w1, w3, w2))
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (x_lat, topk_weight, w1, w3, w2))
     return _ExpertsFn.apply(x_lat.contiguous(), topk_idx, topk_weight, w1, w3, w2, _ACT[activation],
                             float(beta_gate), float(beta_up), grad)
 

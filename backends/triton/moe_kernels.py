@@ -245,6 +245,44 @@ def _expert_load_kernel(idx_ptr, load_ptr, M, E, bad_ptr, BLOCK: tl.constexpr):
 # grouped GEMMs
 # ------------------------------------------------------------------------------------------------
 @triton.jit
+def _e2m1(code):
+    """float32 values of 4-bit E2M1 codes (sign bit 3, exponent bits 2-1, mantissa bit 0; OCP MX v1.0): the float32
+    bits built from the fields (exponent e > 0: 2^(e - 1) (1 + m / 2); e = 0: m / 2), no table."""
+    c = code.to(tl.uint32)
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
+    return (bits | ((c >> 3) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(s):
+    """float32 2^(s - 127) of E8M0 scale bytes: the exponent field s (s = 0: the subnormal 2^-127, which the GPU's
+    flush-to-zero arithmetic may read as 0; 255, NaN, is refused on the host)."""
+    s = s.to(tl.uint32)
+    return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_tile(p_base, s_base, r, rmask, c0, C, stride_pr, stride_sr, R: tl.constexpr, BC: tl.constexpr):
+    """The [R, BC] float32 tile W[r, c0 : c0 + BC] of one expert's MXFP4 weight W [rows, C], packed along C
+    (compressed-tensors mxfp4-pack-quantized): p_base uint8 [rows, C / 2] (row stride stride_pr; byte c holds
+    column 2c in its low nibble, 2c + 1 in its high one), s_base uint8 [rows, C / 32] (row stride stride_sr).
+    Decoded in registers: the BC / 2 bytes of each row are loaded once, both nibbles decoded and interleaved
+    (join + reshape), times the E8M0 scale of each column's group. Rows outside rmask and columns at or past C
+    read 0."""
+    r64 = r.to(tl.int64)
+    cb = c0 // 2 + tl.arange(0, BC // 2)
+    pk = tl.load(p_base + r64[:, None] * stride_pr + cb[None, :], mask=rmask[:, None] & (cb < C // 2)[None, :],
+                 other=0)
+    v = tl.reshape(tl.join(_e2m1(pk & 15), _e2m1(pk >> 4)), [R, BC])
+    cs = c0 + tl.arange(0, BC)
+    sc = tl.load(s_base + r64[:, None] * stride_sr + (cs // 32)[None, :], mask=rmask[:, None] & (cs < C)[None, :],
+                 other=0)
+    return v * _e8m0(sc)
+
+
+@triton.jit
 def _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr, offs_ptr, E, BM: tl.constexpr):
     t = pid // n_tiles
     pid_n = pid % n_tiles
@@ -273,10 +311,14 @@ def _gg_k_loop(acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, a
                w_src, b_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
                PAIR: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
                PREC: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-               TAIL: tl.constexpr):
+               TAIL: tl.constexpr, s_ptr=None, s2_ptr=None, NN=0, stride_pr=0, stride_sr=0,
+               W_MX: tl.constexpr = False):
     """The K loop of _grouped_gemm_kernel (PAIR 0 or 1 as there); returns (acc, acc2, acct, acct2).
     TAIL > 0: the tile's TAIL rows after its BM rows ride along on the same weight tiles, swapped (acct [BN, TAIL]
-    = W^T A_tail^T), so that the weight tile is loaded once for BM + TAIL rows and the MMA has BN rows."""
+    = W^T A_tail^T), so that the weight tile is loaded once for BM + TAIL rows and the MMA has BN rows.
+    W_MX: b_ptrs / b2_ptrs are the expert's MXFP4 weight_packed bases and s_ptr / s2_ptr its weight_scale bases
+    (_mx_tile; packed along K, or along NN with W_KN), each weight tile decoded in registers and cast to A's dtype
+    before the dot (W4A16)."""
     for k0 in range(0, K, BK):
         kmask = (k0 + ks) < K
         # ---- A tile(s) [BM, BK] (and the tail's [TAIL, BK])
@@ -291,7 +333,18 @@ def _gg_k_loop(acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, a
                 at = _load_rows(at_ptrs, tmask, kmask, EVEN_K)
                 at_ptrs += BK
         # ---- W tile(s) [BK, BN]
-        if W_DESC:
+        if W_MX:
+            if W_KN:
+                b = _mx_tile(b_ptrs, s_ptr, k0 + ks, kmask, n0, NN, stride_pr, stride_sr, BK, BN).to(a.dtype)
+                if PAIR != 0:
+                    b2 = _mx_tile(b2_ptrs, s2_ptr, k0 + ks, kmask, n0, NN, stride_pr, stride_sr, BK, BN).to(a.dtype)
+            else:
+                b = tl.trans(_mx_tile(b_ptrs, s_ptr, n0 + tl.arange(0, BN), cmask, k0, K, stride_pr, stride_sr, BN,
+                                      BK).to(a.dtype))
+                if PAIR != 0:
+                    b2 = tl.trans(_mx_tile(b2_ptrs, s2_ptr, n0 + tl.arange(0, BN), cmask, k0, K, stride_pr,
+                                           stride_sr, BN, BK).to(a.dtype))
+        elif W_DESC:
             if W_KN:
                 b = tl.reshape(w_src.load([e32, k0, n0]), [BK, BN])
                 if PAIR != 0:
@@ -336,7 +389,8 @@ def _grouped_gemm_kernel(
         ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr,
         PREC: tl.constexpr, EVEN_K: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr = False,
-        a_h_src=None, a2_h_src=None, TAIL: tl.constexpr = 0, a_t_src=None, a2_t_src=None):
+        a_h_src=None, a2_h_src=None, TAIL: tl.constexpr = 0, a_t_src=None, a2_t_src=None,
+        ws_src=None, w2s_src=None, stride_se=0, stride_sr=0, W_MX: tl.constexpr = False):
     """One grouped GEMM over the experts; for the rows r of m-tile's expert e and n-tile cols:
 
         acc  = A[r] . W[e]          (K-deep dot; W[e] is [NN, K] (k fastest) or [K, NN] (W_KN))
@@ -358,6 +412,10 @@ def _grouped_gemm_kernel(
     _gg_k_loop), so that 146 rows cost one weight pass and 128 + 32 rows of MMA (HALF: 128 + 64 in two programs,
     each streaming the weights); with A_MODE 2 the tail rows come through a_t_src / a2_t_src ([TAIL, BK] blocks).
     A tile of at most BM rows runs without the tail (and at BM / 2 under HALF when it has at most BM / 2).
+    W_MX (W4A16): W and W2 are MXFP4 (compressed-tensors mxfp4-pack-quantized, packed along the weight's last
+    dimension: K, or NN with W_KN): w_src / w2_src the uint8 weight_packed [E, rows, cols / 2] (expert stride
+    stride_we, row stride stride_wn), ws_src / w2s_src the uint8 weight_scale [E, rows, cols / 32] (strides
+    stride_se, stride_sr); each weight tile is decoded in registers (_mx_tile), never stored dequantized.
     """
     pid = tl.program_id(0)
     e, e_ok, pid_n, m_begin, m_end = _tile_rows(pid, n_tiles, tile_expert_ptr, tile_start_ptr,
@@ -374,17 +432,18 @@ def _grouped_gemm_kernel(
         _gg_tile(a_h_src, tok_ptr, w_src, a2_h_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
                  e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
                  stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
-                 PREC, EVEN_K, BM // 2, BN, BK)
+                 PREC, EVEN_K, BM // 2, BN, BK, 0, None, None, ws_src, w2s_src, stride_se, stride_sr, W_MX)
     elif tail:
         _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
                  e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
                  stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
-                 PREC, EVEN_K, BM, BN, BK, TAIL, a_t_src, a2_t_src)
+                 PREC, EVEN_K, BM, BN, BK, TAIL, a_t_src, a2_t_src, ws_src, w2s_src, stride_se,
+                 stride_sr, W_MX)
     else:
         _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_ptr,
                  e, pid_n, m_begin, m_end, K, NN, stride_am, stride_we, stride_wn, stride_wk,
                  stride_cm, beta_gate, beta_up, PAIR, EPI, SAVE, ROW_SCALE, ACT, FAST, A_MODE, W_DESC, W_KN,
-                 PREC, EVEN_K, BM, BN, BK)
+                 PREC, EVEN_K, BM, BN, BK, 0, None, None, ws_src, w2s_src, stride_se, stride_sr, W_MX)
 
 
 @triton.jit
@@ -432,7 +491,7 @@ def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_
              ROW_SCALE: tl.constexpr, ACT: tl.constexpr, FAST: tl.constexpr, A_MODE: tl.constexpr,
              W_DESC: tl.constexpr, W_KN: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr = 0, at_src=None,
-             a2t_src=None):
+             a2t_src=None, ws_src=None, w2s_src=None, stride_se=0, stride_sr=0, W_MX: tl.constexpr = False):
     """One (BM + TAIL) x BN output tile of _grouped_gemm_kernel (rows m_begin .. m_end - 1 of expert e): K loop
     and epilogue, as documented there."""
     rows = m_begin + tl.arange(0, BM)
@@ -469,7 +528,15 @@ def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_
             a2_ptrs = a2_src + rows[:, None] * stride_am + ks[None, :]
             if TAIL > 0:
                 a2t_ptrs = a2_src + trows[:, None] * stride_am + ks[None, :]
-    if not W_DESC:
+    s_ptr = tok_ptr
+    s2_ptr = tok_ptr
+    if W_MX:
+        # the expert's packed weight and scale bases (_mx_tile forms the tile addresses)
+        b_ptrs = w_src + e.to(tl.int64) * stride_we
+        b2_ptrs = w2_src + e.to(tl.int64) * stride_we
+        s_ptr = ws_src + e.to(tl.int64) * stride_se
+        s2_ptr = w2s_src + e.to(tl.int64) * stride_se
+    elif not W_DESC:
         b_ptrs = (w_src + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
                   + ks[:, None] * stride_wk)
         if PAIR != 0:
@@ -494,16 +561,16 @@ def _gg_tile(a_src, tok_ptr, w_src, a2_src, w2_src, c_ptr, c2_ptr, c3_ptr, wrow_
         acc, acc2, acct, acct2 = _gg_k_loop(
             acc, acc2, acct, acct2, a_src, a_ptrs, a_src, a_ptrs, at_src, at_ptrs, at_src, at_ptrs,
             w_src, b_ptrs, w_src, b_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
-            0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL)
+            0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL, s_ptr, s_ptr, NN, stride_wn, stride_sr, W_MX)
         acc, acc2, acct, acct2 = _gg_k_loop(
             acc, acc2, acct, acct2, a2_src, a2_ptrs, a2_src, a2_ptrs, a2t_src, a2t_ptrs, a2t_src, a2t_ptrs,
             w2_src, b2_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
-            0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL)
+            0, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL, s2_ptr, s2_ptr, NN, stride_wn, stride_sr, W_MX)
     else:
         acc, acc2, acct, acct2 = _gg_k_loop(
             acc, acc2, acct, acct2, a_src, a_ptrs, a2_src, a2_ptrs, at_src, at_ptrs, a2t_src, a2t_ptrs,
             w_src, b_ptrs, w2_src, b2_ptrs, e32, m32, n0, K, rmask, tmask, cmask, ks, stride_wk,
-            PAIR, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL)
+            PAIR, A_MODE, W_DESC, W_KN, PREC, EVEN_K, BM, BK, BN, TAIL, s_ptr, s2_ptr, NN, stride_wn, stride_sr, W_MX)
     if TAIL > 0:
         # the tail's products first (fewer registers live across the larger epilogue), transposed back to rows
         _gg_epilogue(tl.trans(acct), tl.trans(acct2), trows, tmask, cmask, m_begin + BM, n0, c_ptr, c2_ptr, c3_ptr,

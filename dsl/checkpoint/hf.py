@@ -277,7 +277,7 @@ def _read(ckpt: Checkpoint, name: str, packed: bool, layout: str, n_heads: int |
 
 
 def from_hf(path: str | os.PathLike, target: str = "reference", *, dtype=None, device="cpu", strict: bool = True,
-            seed: int | None = 0, **options):
+            seed: int | None = 0, dequantize: bool = True, **options):
     """Build the mtc model of a Hugging Face checkpoint and load its weights.
 
     Args:
@@ -290,6 +290,13 @@ def from_hf(path: str | os.PathLike, target: str = "reference", *, dtype=None, d
         strict: refuse (MtcError) a checkpoint with a missing or unexpected tensor, or a config field mtc does
             not know; False loads what matches, initialises the rest as dsl.compile would and lists both in
             ``m.hf_report`` (a :class:`LoadReport`) and in one warning.
+        dequantize: for a checkpoint with MXFP4 routed experts (K3's compressed-tensors mxfp4-pack-quantized):
+            True (default) decodes them on load to ``dtype`` (exact in float32): dense, trainable experts that every
+            target runs. False keeps them packed, byte for byte as in the file (dsl.compile's
+            ``packed_experts=True``: :class:`backends.mxfp4.MXFP4Experts`, the memory plan's 0.53125 bytes per
+            element; frozen; the moe_experts kernels decode the tiles they use), as transformers'
+            ``Mxfp4Config(dequantize=False)`` / compressed-tensors' ``run_compressed`` keep theirs; the logits
+            equal the decoded load's.
     Returns:
         the CompiledModule, with ``m.hf_config`` (the config.json read), ``m.hf_family`` and ``m.hf_report``.
     Raises:
@@ -307,13 +314,20 @@ def from_hf(path: str | os.PathLike, target: str = "reference", *, dtype=None, d
     desc, ignored = fam.parse_config(cfg, str(cfg_path), strict)
     family = fam.FAMILIES[desc.family]
     graph = dsl.parse(fam.spec_text(desc, str(cfg_path)), file=f"{cfg_path} (its spec: mtc import-hf)")
+    if not isinstance(dequantize, bool):
+        raise MtcError(f"dsl.from_hf: dequantize must be True or False, got {dequantize!r}")
+    if "packed_experts" in options:
+        raise MtcError("dsl.from_hf: say dequantize=False (keep MXFP4 experts packed) or True, not packed_experts")
     ckpt = Checkpoint(d)
-    m = dsl.compile(graph, target, dtype=dtype, device="meta", seed=seed, **options)
+    m = dsl.compile(graph, target, dtype=dtype, device="meta", seed=seed, packed_experts=not dequantize, **options)
+    packed = _packed_modules(m)
     shapes = {}
     for k, t in m.state_dict(keep_vars=True).items():
-        if k in fam.MTC_STATE:
+        if k in fam.MTC_STATE or k.rpartition(".")[0] in packed:
             continue
         shapes[k] = (tuple(t.shape), t.dtype.is_floating_point)
+    for k, w in packed.items():
+        shapes[k] = (tuple(w.shape), True)
     items, missing, unexpected, skipped = _plan(family, desc, shapes, ckpt, strict)
     report = LoadReport(missing, unexpected, skipped, list(ignored))
     dev = torch.device(device)
@@ -326,6 +340,9 @@ def from_hf(path: str | os.PathLike, target: str = "reference", *, dtype=None, d
         H = desc.values["kda_heads"]
         with torch.no_grad():
             for it in items:
+                if it.key in packed:
+                    _read_packed(ckpt, it, packed[it.key], H)
+                    continue
                 dst = tensors[it.key]
                 if it.layout == "experts":
                     for j, (name, pk) in enumerate(zip(it.names, it.packed)):
@@ -357,16 +374,43 @@ def from_hf(path: str | os.PathLike, target: str = "reference", *, dtype=None, d
     return m
 
 
+def _packed_modules(m) -> dict:
+    """{mtc key: MXFP4Experts} of a module's packed routed experts."""
+    from backends.mxfp4 import MXFP4Experts
+    return {k: w for k, w in m.named_modules() if isinstance(w, MXFP4Experts)}
+
+
+def _read_packed(ckpt: Checkpoint, it: _Item, w, H: int) -> None:
+    """Expert by expert into the packed experts w: MXFP4 pairs copied byte for byte (an E8M0 NaN scale refused:
+    MtcError naming the tensor and file), dense experts rounded to MXFP4."""
+    for j, (name, pk) in enumerate(zip(it.names, it.packed)):
+        if pk:
+            base = name.removesuffix(".weight")
+            scale = ckpt.get(base + ".weight_scale")
+            if bool((scale == 255).any()):
+                raise MtcError(f"{ckpt.file(base + '.weight_scale')}: MXFP4 '{base}.weight_scale' holds 255 (E8M0 NaN)")
+            w.weight_packed[j].copy_(ckpt.get(base + ".weight_packed"))
+            w.weight_scale[j].copy_(scale)
+        else:
+            w.quantize_(_read(ckpt, name, False, it.layout, H), j)
+
+
 def _init_missing(m, loaded: set, seed):
-    """Initialise the weights the checkpoint did not give, with their IR initialiser (as dsl.compile does)."""
+    """Initialise the weights the checkpoint did not give, with their IR initialiser (as dsl.compile does; packed
+    experts drawn in float32 and rounded to MXFP4)."""
     from backends.runtime import _init_
     gen = torch.Generator(device=next(m.parameters()).device)
     gen.manual_seed(int(seed or 0))
     tensors = dict(m.state_dict(keep_vars=True))
+    packed = _packed_modules(m)
     for n in m.graph.nodes:
         if n.op in ("param", "buffer"):
             key = n.attr("name")
-            if key not in loaded and key in tensors:
+            if key not in loaded and key in packed:
+                w32 = torch.empty(packed[key].shape, dtype=torch.float32, device=packed[key].device)
+                _init_(w32, n.attr("init"), n.attr("std"), gen)
+                packed[key].quantize_(w32)
+            elif key not in loaded and key in tensors:
                 _init_(tensors[key].data, n.attr("init"), n.attr("std"), gen)
 
 
@@ -431,8 +475,14 @@ def _hf_entries(m, desc: fam.Desc, expert_format: str):
     prefix = desc.prefix
     head_dim = desc.values["head_dim"]
     out = []
+    packed = _packed_modules(m)
     for key, t in m.state_dict().items():
         if key in fam.MTC_STATE:
+            continue
+        pkey, _, leaf = key.rpartition(".")
+        if pkey in packed:
+            if leaf == "weight_packed":          # (once per packed weight: its two buffers are one entry each)
+                out += _packed_entries(packed[pkey], pkey, family, prefix, expert_format, m.dtype)
             continue
         t = t.detach()
         rule, g = family.rule(key)
@@ -468,6 +518,24 @@ def _hf_entries(m, desc: fam.Desc, expert_format: str):
             return [t.contiguous().clone()]
         n = max(t.numel(), head_dim) if layout == "a_log_padded" else t.numel()
         out.append(([name], n * t.element_size(), make))
+    return out
+
+
+def _packed_entries(w, key: str, family, prefix: str, expert_format: str, dtype) -> list:
+    """_hf_entries' rows of packed experts w (mtc key ``key``): per expert its weight_packed / weight_scale bytes as
+    held (expert_format "mxfp4": bit for bit), or its weight decoded to ``dtype`` ("dense")."""
+    rule, g = family.rule(key)
+    e, a, b = w.shape
+    out = []
+    for j in range(e):
+        name = prefix + rule.hf.format(i=g["i"], j=j)
+        if expert_format == "mxfp4":
+            base = name.removesuffix(".weight")
+            out.append(([base + ".weight_packed", base + ".weight_scale"], a * b // 2 + a * b // mxfp4.GROUP,
+                        lambda j=j: [w.weight_packed[j].cpu().clone(), w.weight_scale[j].cpu().clone()]))
+        else:
+            out.append(([name], a * b * torch.empty((), dtype=dtype).element_size(),
+                        lambda j=j: [w.expert(j, dtype).cpu()]))
     return out
 
 

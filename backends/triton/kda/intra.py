@@ -114,21 +114,29 @@ def _strip_slice(a, p, qr, kr, k64, G64, Gr, GC, cl, lb, fr, R, rows64, orr, mr,
     registers stay those of its dense pairs."""
     if ROWS == 16:
         c = cl + 8.0 * lb * fr
-        lim = R * 16 + 16 * fr
     else:
         c = cl + 16.0 * lb
-        lim = R * ROWS + ROWS
     er = _ex(Gr - c[None, :], FTZ)
     if DENSE_DIAG and ROWS == 16 and fr == 0:
         a, p = _safe_slice(a, p, qr, kr, k64, G64, Gr, cl, er, R, rows64, DT, FTZ)
     else:
-        col = (k64 * _ex(tl.where(rows64[:, None] < lim, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
-        a += tl.dot((kr * er).to(DT), tl.trans(col))
-        p += tl.dot((qr * er).to(DT), tl.trans(col))
-        if ROWS == 16:
-            if fr == 0:
-                a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
-                p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+        # the strictly earlier tiles: one DT dot (decayed entries: their operands' rounding barely shows)
+        col = (k64 * _ex(tl.where(rows64[:, None] < R * ROWS, c[None, :] - G64, float("-inf")), FTZ)).to(DT)
+        ka = kr * er
+        qa = qr * er
+        a += tl.dot(ka.to(DT), tl.trans(col))
+        p += tl.dot(qa.to(DT), tl.trans(col))
+        if ROWS == 16 and fr == 0:
+            a = _add_cols(a, _diag_pair(kr, kr, Gr), R, 16, 4, 16)
+            p = _add_cols(p, _diag_pair(qr, kr, Gr), R, 16, 4, 16)
+        else:
+            # the dense diagonal tile, which holds the largest entries (e^0 at i = j, and with decaying gates
+            # nearly all of a row's weight): float32 operands in a TF32 dot (10-bit mantissa), as bf16 operands
+            # rounded both anchored factors to 2^-9 and made every gradient ~1.3x less accurate than fla's,
+            # which sums its diagonal tiles in float32
+            cd = kr * _ex(c[None, :] - Gr, FTZ)
+            a = _add_cols(a, tl.dot(ka, tl.trans(cd), input_precision="tf32"), R, ROWS, 64 // ROWS, ROWS)
+            p = _add_cols(p, tl.dot(qa, tl.trans(cd), input_precision="tf32"), R, ROWS, 64 // ROWS, ROWS)
     eG = _ex(Gr, FTZ)
     tl.store(QG + base + orr, (qr * eG * scale).to(QG.dtype.element_ty), mask=mr)
     tl.store(KD + base + orr, (kr * _ex(GC[None, :] - Gr, FTZ)).to(KD.dtype.element_ty), mask=mr)
