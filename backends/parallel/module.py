@@ -296,7 +296,80 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
             fully_shard(blocks if len(blocks) > 1 else blocks[0], mesh=lay.dense_mesh, ignored_params=experts or None)
         fully_shard(m, mesh=lay.dense_mesh, ignored_params=experts or None)
         m._fsdp = True
+    if ep_layers:
+        m.register_state_dict_post_hook(_experts_to_dtensors)
+    m.register_load_state_dict_pre_hook(_to_own_layout)
     return m
+
+
+def _expert_placements(lay) -> tuple:
+    """The DTensor placements of an expert weight over the whole mesh: Shard(0) on ep, Replicate elsewhere."""
+    from torch.distributed.tensor import Replicate, Shard
+    return tuple(Shard(0) if d == "ep" else Replicate() for d in lay.mesh.mesh_dim_names)
+
+
+def _experts_to_dtensors(m, state_dict, prefix, _meta) -> None:
+    """state_dict post-hook: each expert weight as a DTensor of the whole [E, ...] weight over the mesh
+    (Shard(0) on ep in torch.chunk's split, Replicate on dp / cp), its rows exchanged from the ranks holding each
+    expert's first replica (backends.parallel.expert.slots_to_shard: a collective over ep)."""
+    from torch.distributed.tensor import DTensor
+    from backends.parallel.expert import slots_to_shard
+    lay = m.layout
+    for e in m._ep_layers.values():
+        for key in e.keys:
+            local = state_dict.get(prefix + key)
+            if local is None or isinstance(local, DTensor):
+                continue
+            rows = slots_to_shard(local.detach(), e.placement, lay.ep_group)
+            shape = torch.Size((e.num_experts, *local.shape[1:]))
+            stride = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                stride[i] = stride[i + 1] * shape[i + 1]
+            state_dict[prefix + key] = DTensor.from_local(rows, lay.mesh, _expert_placements(lay), run_check=False,
+                                                          shape=shape, stride=tuple(stride))
+
+
+def _to_own_layout(m, state_dict, prefix, _meta, _strict, _missing, _unexpected, _errors) -> None:
+    """load_state_dict pre-hook: values in another layout become this rank's: an expert weight given whole
+    ([E, ...]) or as a DTensor becomes this rank's slots' rows (the DTensor's shards exchanged over ep, or
+    gathered when its layout is not this mesh's); a dense weight that this module holds as an FSDP2 DTensor, given
+    whole, becomes this rank's shard; one it holds whole, given as a DTensor, is gathered. A collective call when
+    any value is a DTensor in another layout or experts are exchanged. An expert weight with neither E rows nor
+    this rank's slot count: MtcError."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from backends.parallel.expert import shard_to_slots
+    lay = m.layout
+    experts = {}
+    for e in m._ep_layers.values():
+        for key in e.keys:
+            experts[prefix + key] = e
+    own = dict(m.named_parameters(prefix=prefix.rstrip(".")))
+    for k in list(state_dict):
+        v = state_dict[k]
+        e = experts.get(k)
+        if e is not None:
+            if isinstance(v, DTensor):
+                if v.device_mesh == lay.mesh and tuple(v.placements) == _expert_placements(lay):
+                    state_dict[k] = shard_to_slots(v.to_local(), e.placement, lay.ep_group)
+                    continue
+                v = v.full_tensor()
+            if v.shape[0] == e.num_experts:
+                state_dict[k] = v[e.slots.to(v.device)]
+            elif v.shape[0] != e.placement.slots_per_gpu:
+                raise MtcError(f"{m.graph.name}: load_state_dict: {k} has {v.shape[0]} rows, neither the "
+                               f"{e.num_experts} experts of the full model nor this rank's "
+                               f"{e.placement.slots_per_gpu} slots")
+            continue
+        p = own.get(k)
+        if p is None:
+            continue
+        if isinstance(p, DTensor):
+            if not isinstance(v, DTensor):
+                state_dict[k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            elif v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements):
+                state_dict[k] = distribute_tensor(v.full_tensor(), p.device_mesh, p.placements, src_data_rank=None)
+        elif isinstance(v, DTensor):
+            state_dict[k] = v.full_tensor()
 
 
 class _Block(nn.Module):
@@ -430,7 +503,7 @@ class ParallelModule(CompiledModule):
 
     def __getstate__(self):
         raise MtcError(f"{self.graph.name}: a parallel module cannot be pickled (its process groups do not travel); "
-                       f"save full_state_dict() (or each rank's state_dict())")
+                       f"save full_state_dict(), or state_dict() (DTensors) with torch.distributed.checkpoint")
 
     def _check_balance_settings(self) -> None:
         super()._check_balance_settings()
@@ -627,43 +700,17 @@ class ParallelModule(CompiledModule):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load a whole-model state dict (a single-process module's, or :meth:`full_state_dict` of another mesh):
-        each rank keeps its expert slots' rows of the expert weights. Returns load_state_dict's result. MtcError
-        for an expert weight whose shape is not the full model's."""
-        sd = dict(state_dict)
-        for e in self._ep_layers.values():
-            for key in e.keys:
-                if key not in sd:
-                    continue
-                full = sd[key]
-                if full.shape[0] != e.num_experts:
-                    raise MtcError(f"{self.graph.name}: load_full_state_dict: {key} has {full.shape[0]} rows, not the "
-                                   f"{e.num_experts} experts of the full model (a rank's own state_dict() holds only "
-                                   f"its slots: load that with load_state_dict on the same mesh)")
-                sd[key] = full[e.slots.to(full.device)]
-        from torch.distributed.tensor import DTensor, distribute_tensor
-        own = self.state_dict()
-        for k, v in sd.items():
-            if isinstance(own.get(k), DTensor) and not isinstance(v, DTensor):   # FSDP2: this rank's shard
-                sd[k] = distribute_tensor(v.to(own[k].device), own[k].device_mesh, own[k].placements)
-        return self.load_state_dict(sd, strict=strict)
+        """Load a whole-model state dict (a single-process module's, :meth:`full_state_dict` of any mesh, or the
+        DTensor ``state_dict()`` of this mesh): ``load_state_dict``, whose pre-hook cuts each value to this rank's
+        layout (its expert slots' rows, its FSDP2 shards). Returns load_state_dict's result. MtcError for an expert
+        weight whose rows are neither the full model's experts nor this rank's slots. A collective call."""
+        return self.load_state_dict(state_dict, strict=strict)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
-        """The state dict of the whole model, as a single-process module of the same graph has it (the expert
-        weights gathered over the ep group: each logical expert from its first replica). A collective call."""
+        """The state dict of the whole model, as a single-process module of the same graph has it: the DTensors
+        of :meth:`state_dict` gathered (``full_tensor``; the experts from each one's first replica). What
+        ``torch.distributed.checkpoint.state_dict.get_model_state_dict(m, options=StateDictOptions(
+        full_state_dict=True))`` gives. A collective call."""
         from torch.distributed.tensor import DTensor
-        sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.state_dict().items()}
-        lay = self.layout
-        for e in self._ep_layers.values():
-            spg = e.placement.slots_per_gpu
-            first = e.placement.logical_to_physical[:, 0]
-            me = lay.coords["ep"]
-            for key in e.keys:
-                local = sd[key]
-                full = local.new_zeros((e.num_experts, *local.shape[1:]))
-                mine = (first // spg) == me
-                full[torch.nonzero(mine).flatten().to(full.device)] = local[(first[mine] % spg).to(local.device)]
-                dist.all_reduce(full, group=lay.ep_group)
-                sd[key] = full
-        return sd
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.state_dict().items()}
