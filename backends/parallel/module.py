@@ -29,6 +29,13 @@ its own tokens:
   hooks all-gather one unit's weights for its launches, free them after, and gather them again for its backward.
   A unit is the layer blocks (``model.layers.<i>``) whose weights one launch reads together: one Block AttnRes
   group of layers for K3 (phase 1 reads the group's pseudo-queries); ``m.fsdp_units`` lists them.
+* State dict: ``m.state_dict()`` has the full model's names and shapes on every rank, as DTensors where a rank
+  holds a part: FSDP2's Shard(0) of the dense weights over the mesh, and each expert weight as a DTensor of the
+  whole [E, ...] weight (Shard(0) on ep in torch.chunk's split, Replicate on dp / cp), its rows exchanged from the
+  slots that hold each expert's first replica: with ep > 1, ``state_dict()`` is a collective call. Buffers (router
+  biases, counts) are whole on every rank. ``torch.distributed.checkpoint`` saves and loads it, and
+  ``load_state_dict`` takes whole tensors or DTensors of any other layout (a load_state_dict pre-hook cuts each to
+  this rank's), so a checkpoint moves between meshes and to and from a single process.
 """
 from __future__ import annotations
 
@@ -334,8 +341,9 @@ def _to_own_layout(m, state_dict, prefix, _meta, _strict, _missing, _unexpected,
     ([E, ...]) or as a DTensor becomes this rank's slots' rows (the DTensor's shards exchanged over ep, or
     gathered when its layout is not this mesh's); a dense weight that this module holds as an FSDP2 DTensor, given
     whole, becomes this rank's shard; one it holds whole, given as a DTensor, is gathered. A collective call when
-    any value is a DTensor in another layout or experts are exchanged. An expert weight with neither E rows nor
-    this rank's slot count: MtcError."""
+    any value is a DTensor in another layout or experts are exchanged. An expert weight of this rank's slot count
+    of rows (not E) is taken as this rank's slots. An expert weight with neither E rows nor this rank's slot count:
+    MtcError."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     from backends.parallel.expert import shard_to_slots
     lay = m.layout
@@ -349,7 +357,8 @@ def _to_own_layout(m, state_dict, prefix, _meta, _strict, _missing, _unexpected,
         e = experts.get(k)
         if e is not None:
             if isinstance(v, DTensor):
-                if v.device_mesh == lay.mesh and tuple(v.placements) == _expert_placements(lay):
+                if (v.device_mesh == lay.mesh and tuple(v.placements) == _expert_placements(lay)
+                        and v.shape[0] == e.num_experts):
                     state_dict[k] = shard_to_slots(v.to_local(), e.placement, lay.ep_group)
                     continue
                 v = v.full_tensor()
@@ -361,7 +370,7 @@ def _to_own_layout(m, state_dict, prefix, _meta, _strict, _missing, _unexpected,
                                f"{e.placement.slots_per_gpu} slots")
             continue
         p = own.get(k)
-        if p is None:
+        if p is None or v.shape != p.shape:          # (load_state_dict reports the unexpected key or the size)
             continue
         if isinstance(p, DTensor):
             if not isinstance(v, DTensor):
