@@ -495,6 +495,49 @@ class _collective_errors:
                        f"group's timeout (init_process_group(timeout=...)). {type(exc).__name__}: {first}") from exc
 
 
+class _Guard(torch.autograd.Function):
+    """``fn(*xs)`` whose backward runs inside :class:`_collective_errors`: the forward builds ``fn``'s graph on
+    detached copies of the inputs, the backward differentiates that graph (torch.autograd.grad), so that a
+    collective of ``fn``'s backward that fails (a rank gone, the process group's timeout) is an MtcError naming this
+    rank, as in the forward. The gradients are those of ``fn``'s own backward."""
+
+    @staticmethod
+    def forward(ctx, module, fn, *xs):
+        inner = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in xs]
+        with torch.enable_grad():
+            out = fn(*inner)
+        outs = out if isinstance(out, tuple) else (out,)
+        ctx.module, ctx.single = module, not isinstance(out, tuple)
+        ctx.inner = [x for x in inner if isinstance(x, torch.Tensor) and x.requires_grad]
+        ctx.where = [i for i, x in enumerate(inner) if isinstance(x, torch.Tensor) and x.requires_grad]
+        ctx.outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        ctx.out_at = [j for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor) and not o.requires_grad])
+        res = tuple(o.detach() if isinstance(o, torch.Tensor) and o.requires_grad else o for o in outs)
+        return res[0] if ctx.single else res
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gs = [grads[j] for j in ctx.out_at]
+        pairs = [(o, g) for o, g in zip(ctx.outs, gs) if g is not None]
+        got = [None] * len(ctx.inner)
+        if pairs and ctx.inner:
+            with _collective_errors(ctx.module, "the backward"):
+                got = torch.autograd.grad([o for o, _g in pairs], ctx.inner, [g for _o, g in pairs],
+                                          allow_unused=True)
+        out = [None] * (2 + max(ctx.where, default=-1) + 1)
+        for i, g in zip(ctx.where, got):
+            out[2 + i] = g
+        return tuple(out)
+
+
+def _guarded(module, fn, *xs):
+    """``fn(*xs)``, through :class:`_Guard` when a tensor input requires a gradient and grad mode is on."""
+    if not torch.is_grad_enabled() or not any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs):
+        return fn(*xs)
+    return _Guard.apply(module, fn, *xs)
+
+
 def _ops_module(fn):
     """The backend module (backends.reference / backends.triton) of a launch's implementation."""
     target = getattr(fn, "target", "reference")
@@ -585,7 +628,9 @@ class ParallelModule(CompiledModule):
             if r in self._cp_frontier:
                 full = self._cp_full.get(r)
                 if full is None:
-                    full = self._cp_full[r] = _gather_time(args[i], self._cp_lengths, self.layout.cp_group)
+                    full = self._cp_full[r] = _guarded(
+                        self, functools.partial(_gather_time, lengths=self._cp_lengths, group=self.layout.cp_group),
+                        args[i])
                 args[i] = full
         sym = L.outputs[0][1].shape[1]
         saved = self._bind, self._bind_key
@@ -601,25 +646,31 @@ class ParallelModule(CompiledModule):
         ops = _ops_module(fn)
         group, lengths = self.layout.cp_group, self._cp_lengths
         if L.op == "kda_chunk":
-            return C.kda_chunk_cp(*args, group=group, scale=call.attr("scale"), lengths=lengths,
-                                  kda=ops.kda_chunk)[0]
+            return _guarded(self, lambda *a: C.kda_chunk_cp(*a, group=group, scale=call.attr("scale"),
+                                                            lengths=lengths, kda=ops.kda_chunk)[0], *args)
         if L.op == "short_conv":
             from backends import reference as R
-            return C.short_conv_cp(*args, group=group, lengths=lengths,
-                                   conv=getattr(ops, "short_conv", R.short_conv))[0]
+            conv = getattr(ops, "short_conv", R.short_conv)
+            return _guarded(self, lambda *a: C.short_conv_cp(*a, group=group, lengths=lengths, conv=conv)[0], *args)
         if not call.attr("causal", True):
             raise MtcError(f"%{call.node.name} = mla_attention(causal=False): context parallel runs causal "
                            f"attention only", call.node.loc)
-        return C.mla_attention_cp(*args, scale=call.attr("scale"), group=group, lengths=lengths,
-                                  kv_full=id(L) in self._cp_mla_full)
+        kv_full = id(L) in self._cp_mla_full
+        return _guarded(self, lambda *a: C.mla_attention_cp(*a, scale=call.attr("scale"), group=group,
+                                                            lengths=lengths, kv_full=kv_full), *args)
 
     def _ep_launch(self, L, fn, call, args):
         from backends.parallel.expert import moe_experts_ep
         lay_ep = self._ep_layers[L.anchor]
-        x, idx, w, w1, w3, w2 = args
-        u, stats = moe_experts_ep(x, idx, w, w1, w3, w2, placement=lay_ep.placement, group=self.layout.ep_group,
-                                  experts_fn=lambda *a: fn.fn(call, *a))
-        self.last_exchange[lay_ep.layer] = stats
+        stats = []
+
+        def run(*a):
+            u, st = moe_experts_ep(*a, placement=lay_ep.placement, group=self.layout.ep_group,
+                                   experts_fn=lambda *e: fn.fn(call, *e))
+            stats.append(st)
+            return u
+        u = _guarded(self, run, *args)
+        self.last_exchange[lay_ep.layer] = stats[0]
         return u
 
     def _qb_step(self, layer: str, bias: torch.Tensor, scores: torch.Tensor, top_k: int) -> None:
