@@ -730,7 +730,9 @@ class CompiledModule(nn.Module):
             bound = self._bound_program(program)
             buffers = program.buffers
             n_launches = len(bound)
-            for i, (L, fn, call) in enumerate(bound):
+
+            def step(i):
+                L, fn, call = bound[i]
                 if progress is not None:
                     progress(i, n_launches)
                 args = [self._arg(env, r) for r, _t in L.inputs]
@@ -766,6 +768,25 @@ class CompiledModule(nn.Module):
                                         args if values else None, outs if values else None))
                 for r in L.frees:
                     live.drop(env.pop(r))
+            units = self._launch_units(program)
+            if units is None:
+                for i in range(n_launches):
+                    step(i)
+            else:
+                # runs of launches inside a call of the submodules that own their weights (the parallel
+                # runtime's FSDP2 units: their module hooks gather the weights; ParallelModule._launch_units)
+                for start, stop, enter, ins, outs in units:
+                    if enter is None:
+                        for i in range(start, stop):
+                            step(i)
+                        continue
+
+                    def segment(*xs, start=start, stop=stop, ins=ins, outs=outs):
+                        env.update(zip(ins, xs))
+                        for i in range(start, stop):
+                            step(i)
+                        return tuple(env[r] for r in outs)
+                    env.update(zip(outs, enter(segment, *[env[r] for r in ins])))
             stats.launches = n_launches
         finally:
             self._bind, self._bind_key = saved_bind, saved_key
@@ -826,6 +847,13 @@ class CompiledModule(nn.Module):
             out.append((L, fn, call))
         self._bound[id(program)] = (program, out)
         return out
+
+    def _launch_units(self, program):
+        """None: run ``program``'s launches one after another. A subclass may return [(start, stop, enter, ins,
+        outs)] covering the launches in order: launches start..stop-1 run inside ``enter(segment, *[the buffers
+        ins])`` (None: directly), where ``segment(*xs)`` takes the buffers ``ins`` as ``xs``, runs the launches and
+        returns the buffers ``outs`` (those read after the run), which ``enter`` returns."""
+        return None
 
     def _launch(self, L, fn, call, args, into=None):
         """Run one launch: a generated kernel on contiguous operands, or an implementation; an op's ValueError (NaN /

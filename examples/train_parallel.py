@@ -69,7 +69,8 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", default="reference")
-    ap.add_argument("--fsdp", action="store_true", help="shard the dense weights over the mesh (FSDP2)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard the dense weights over the mesh (FSDP2: one unit per group of layer blocks)")
     ap.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
     a = ap.parse_args(argv)
 

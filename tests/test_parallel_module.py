@@ -53,7 +53,7 @@ def _case(rank, world, seed, dims, sizes, num_slots, fsdp=False):
     mp_ = plan_memory(dsl.load(os.path.join(ROOT, "models", "kimi_k3.mtc"), "tiny"), seq_len=T, gpus=world,
                       ep_size=lay.sizes["ep"], tp_size=1, num_slots=e0.placement.num_slots if e0 else None)
     graph_keys = set(m._names.values())
-    mine = sum(t.numel() * t.element_size() for k, t in m.state_dict().items() if k in graph_keys)
+    mine = sum(t.numel() * t.element_size() for k, t in [*m.named_parameters(), *m.named_buffers()] if k in graph_keys)
     if not fsdp:                      # (FSDP2 shards the dense weights, which the plan splits by tensor parallel)
         assert mine == mp_.weight_bytes, (mine, mp_.weight_bytes)
     # the gathered state dict is the single-process one

@@ -25,7 +25,7 @@ import torch.distributed._functional_collectives as fc
 
 from dsl.errors import MtcError
 
-__all__ = ["ExchangeStats", "moe_experts_ep", "local_slots"]
+__all__ = ["ExchangeStats", "moe_experts_ep", "local_slots", "shard_rows", "slots_to_shard", "shard_to_slots"]
 
 
 @dataclass
@@ -45,6 +45,72 @@ def local_slots(placement, rank: int) -> torch.Tensor:
     """int64 [slots_per_gpu]: the logical experts of rank ``rank``'s slots (its weights are ``full[these]``)."""
     s = placement.slots_per_gpu
     return placement.physical_to_logical[rank * s:(rank + 1) * s].clone()
+
+
+def shard_rows(num_experts: int, world: int, rank: int) -> tuple[int, int]:
+    """[lo, hi): the logical experts that rank ``rank`` holds of a Shard(0) DTensor over ``world`` ranks
+    (torch.chunk's split, as DTensor's: ceil(E / world) rows per rank, the last ranks fewer or none)."""
+    c = -(-num_experts // world)
+    lo = min(num_experts, rank * c)
+    return lo, min(num_experts, lo + c)
+
+
+def _exchange(src_rows: torch.Tensor, pick: list, counts_out: list, counts_in: list, rows_in: int, group):
+    """all_to_all_single of the rows ``src_rows[pick]`` (in destination order, ``counts_out`` to each rank);
+    returns the [rows_in, ...] rows received (``counts_in`` from each rank, in rank order)."""
+    send = src_rows[torch.tensor(pick, dtype=torch.int64, device=src_rows.device)].contiguous()
+    recv = src_rows.new_empty((rows_in, *src_rows.shape[1:]))
+    dist.all_to_all_single(recv, send, counts_in, counts_out, group=group)
+    return recv
+
+
+def slots_to_shard(local: torch.Tensor, placement, group) -> torch.Tensor:
+    """This rank's rows of the whole expert weight [E, ...] as a Shard(0) DTensor splits it (:func:`shard_rows`),
+    from every rank's slots ``local`` [slots_per_gpu, ...] (each expert from its first replica): one
+    all_to_all_single over ``group``, a collective call. Returns [hi - lo, ...]."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    E, spg = placement.num_experts, placement.slots_per_gpu
+    first = placement.logical_to_physical[:, 0].tolist()
+    pick, out = [], [0] * world
+    for q in range(world):                      # to rank q: its experts whose first replica is here
+        lo, hi = shard_rows(E, world, q)
+        for e in range(lo, hi):
+            if first[e] // spg == rank:
+                pick.append(first[e] % spg)
+                out[q] += 1
+    lo, hi = shard_rows(E, world, rank)
+    src = [first[e] // spg for e in range(lo, hi)]
+    cin = [src.count(q) for q in range(world)]
+    recv = _exchange(local, pick, out, cin, hi - lo, group)
+    # received by source rank, each in expert order: back to expert order
+    order = sorted(range(hi - lo), key=lambda j: (src[j], j))
+    rows = torch.empty_like(recv)
+    rows[torch.tensor(order, dtype=torch.int64, device=recv.device)] = recv
+    return rows
+
+
+def shard_to_slots(shard: torch.Tensor, placement, group) -> torch.Tensor:
+    """The inverse of :func:`slots_to_shard`: this rank's slots [slots_per_gpu, ...] (``full[local_slots]``, the
+    replicas included) from every rank's Shard(0) rows ``shard`` of the whole expert weight; a collective call."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    E, spg = placement.num_experts, placement.slots_per_gpu
+    p2l = placement.physical_to_logical.tolist()
+    owner = [q for q in range(world) for _e in range(*shard_rows(E, world, q))]
+    lo = shard_rows(E, world, rank)[0]
+    pick, out = [], [0] * world
+    for r in range(world):                      # to rank r: the rows of its slots whose expert is held here
+        for e in p2l[r * spg:(r + 1) * spg]:
+            if owner[e] == rank:
+                pick.append(e - lo)
+                out[r] += 1
+    mine = p2l[rank * spg:(rank + 1) * spg]
+    src = [owner[e] for e in mine]
+    cin = [src.count(q) for q in range(world)]
+    recv = _exchange(shard, pick, out, cin, spg, group)
+    order = sorted(range(spg), key=lambda j: (src[j], j))
+    rows = torch.empty_like(recv)
+    rows[torch.tensor(order, dtype=torch.int64, device=recv.device)] = recv
+    return rows
 
 
 def moe_experts_ep(x_lat, topk_idx, topk_weight, w1, w3, w2, *, placement, group, experts_fn):

@@ -22,11 +22,24 @@ its own tokens:
   over the whole mesh and the experts' over ``dp`` x ``cp`` (and over the replicas of an expert), so that with each
   rank's loss a sum over its tokens divided by the global token count, every rank holds the gradient of the
   single-process mean loss. With ``fsdp=True`` the dense weights are sharded over the mesh by FSDP2
-  (``fully_shard``), which reduce-scatters their gradients in the backward; sync_gradients then only rescales
-  them (FSDP2 averages) and handles the experts.
+  (``fully_shard`` per layer block, then the module: the torchtitan pattern), which reduce-scatters their
+  gradients in the backward; sync_gradients then only rescales them (FSDP2 averages) and handles the experts.
+* FSDP2 units: the kernel program reads the weights itself, not through the layer modules' forward; the runtime
+  runs each unit's launches inside a call of its block modules (CompiledModule._launch_units), so that FSDP2's
+  hooks all-gather one unit's weights for its launches, free them after, and gather them again for its backward.
+  A unit is the layer blocks (``model.layers.<i>``) whose weights one launch reads together: one Block AttnRes
+  group of layers for K3 (phase 1 reads the group's pseudo-queries); ``m.fsdp_units`` lists them.
+* State dict: ``m.state_dict()`` has the full model's names and shapes on every rank, as DTensors where a rank
+  holds a part: FSDP2's Shard(0) of the dense weights over the mesh, and each expert weight as a DTensor of the
+  whole [E, ...] weight (Shard(0) on ep in torch.chunk's split, Replicate on dp / cp), its rows exchanged from the
+  slots that hold each expert's first replica: with ep > 1, ``state_dict()`` is a collective call. Buffers (router
+  biases, counts) are whole on every rank. ``torch.distributed.checkpoint`` saves and loads it, and
+  ``load_state_dict`` takes whole tensors or DTensors of any other layout (a load_state_dict pre-hook cuts each to
+  this rank's), so a checkpoint moves between meshes and to and from a single process.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 
@@ -190,11 +203,13 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
             replicas of experts.
         placements: {layer prefix (e.g. "model.layers.1.block_sparse_moe"): Placement} planned for ep GPUs
             (passes.place_experts.plan from routing statistics); default a uniform plan.
-        fsdp: shard the dense weights (every parameter but the routed experts) over the whole mesh with FSDP2
-            (``torch.distributed.fsdp.fully_shard`` of the module as one unit: the weights are all-gathered for
-            the forward and the gradients reduce-scattered at the end of the backward; the parameters outside
-            them are DTensors). One unit, not one per layer block: the kernel program reads the weights itself,
-            so the layer modules' forward hooks (FSDP2's per-block unsharding) never run.
+        fsdp: shard the dense weights (every parameter but the routed experts of ep > 1) over the whole mesh
+            with FSDP2: ``torch.distributed.fsdp.fully_shard`` of each unit of layer blocks (``m.fsdp_units``: the
+            blocks one launch reads together; a list of modules in one fully_shard when several), then of the
+            module for the weights outside the blocks (embedding, final norm, head). A unit's weights are
+            all-gathered before its first launch and freed after its last (one unit's at a time), gathered again
+            in the backward and their gradients reduce-scattered; the parameters (and gradients) are DTensors
+            sharded on dim 0 over the mesh (Shard(0)). The forward must go through ``m(...)`` (module hooks).
     Raises:
         MtcError: see mesh_layout; a module already parallel, or on device 'meta'; num_slots not a multiple of ep
             or fewer than the experts; a placement for another GPU or expert count; a fused launch in the training
@@ -276,12 +291,183 @@ def parallelize(m: CompiledModule, mesh, *, num_slots: int | dict | None = None,
                 m._cp_mla_full.add(id(by_anchor[anchor]))
                 m.cp_gathered_width[anchor] = width
     m._fsdp = False
+    m._units, m.fsdp_units = {}, []
     if fsdp and lay.dense_mesh is not None:
         from torch.distributed.fsdp import fully_shard
         experts = {m._tensor(k) for e in ep_layers.values() for k in e.keys}
+        m.fsdp_units, m._units = _fsdp_units(m)
+        for paths in m.fsdp_units:
+            blocks = [m.get_submodule(b) for b in paths]
+            for b in blocks:
+                b.__class__ = _Block
+            fully_shard(blocks if len(blocks) > 1 else blocks[0], mesh=lay.dense_mesh, ignored_params=experts or None)
         fully_shard(m, mesh=lay.dense_mesh, ignored_params=experts or None)
         m._fsdp = True
+    if ep_layers:
+        m.register_state_dict_post_hook(_experts_to_dtensors)
+    m.register_load_state_dict_pre_hook(_to_own_layout)
     return m
+
+
+def _expert_placements(lay) -> tuple:
+    """The DTensor placements of an expert weight over the whole mesh: Shard(0) on ep, Replicate elsewhere."""
+    from torch.distributed.tensor import Replicate, Shard
+    return tuple(Shard(0) if d == "ep" else Replicate() for d in lay.mesh.mesh_dim_names)
+
+
+def _experts_to_dtensors(m, state_dict, prefix, _meta) -> None:
+    """state_dict post-hook: each expert weight as a DTensor of the whole [E, ...] weight over the mesh
+    (Shard(0) on ep in torch.chunk's split, Replicate on dp / cp), its rows exchanged from the ranks holding each
+    expert's first replica (backends.parallel.expert.slots_to_shard: a collective over ep)."""
+    from torch.distributed.tensor import DTensor
+    from backends.parallel.expert import slots_to_shard
+    lay = m.layout
+    for e in m._ep_layers.values():
+        for key in e.keys:
+            local = state_dict.get(prefix + key)
+            if local is None or isinstance(local, DTensor):
+                continue
+            rows = slots_to_shard(local.detach(), e.placement, lay.ep_group)
+            shape = torch.Size((e.num_experts, *local.shape[1:]))
+            stride = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                stride[i] = stride[i + 1] * shape[i + 1]
+            state_dict[prefix + key] = DTensor.from_local(rows, lay.mesh, _expert_placements(lay), run_check=False,
+                                                          shape=shape, stride=tuple(stride))
+
+
+def _to_own_layout(m, state_dict, prefix, _meta, _strict, _missing, _unexpected, _errors) -> None:
+    """load_state_dict pre-hook: values in another layout become this rank's: an expert weight given whole
+    ([E, ...]) or as a DTensor becomes this rank's slots' rows (the DTensor's shards exchanged over ep, or
+    gathered when its layout is not this mesh's); a dense weight that this module holds as an FSDP2 DTensor, given
+    whole, becomes this rank's shard; one it holds whole, given as a DTensor, is gathered. A collective call when
+    any value is a DTensor in another layout or experts are exchanged. An expert weight of this rank's slot count
+    of rows (not E) is taken as this rank's slots. An expert weight with neither E rows nor this rank's slot count:
+    MtcError."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from backends.parallel.expert import shard_to_slots
+    lay = m.layout
+    experts = {}
+    for e in m._ep_layers.values():
+        for key in e.keys:
+            experts[prefix + key] = e
+    own = dict(m.named_parameters(prefix=prefix.rstrip(".")))
+    for k in list(state_dict):
+        v = state_dict[k]
+        e = experts.get(k)
+        if e is not None:
+            if isinstance(v, DTensor):
+                if (v.device_mesh == lay.mesh and tuple(v.placements) == _expert_placements(lay)
+                        and v.shape[0] == e.num_experts):
+                    state_dict[k] = shard_to_slots(v.to_local(), e.placement, lay.ep_group)
+                    continue
+                v = v.full_tensor()
+            if v.shape[0] == e.num_experts:
+                state_dict[k] = v[e.slots.to(v.device)]
+            elif v.shape[0] != e.placement.slots_per_gpu:
+                raise MtcError(f"{m.graph.name}: load_state_dict: {k} has {v.shape[0]} rows, neither the "
+                               f"{e.num_experts} experts of the full model nor this rank's "
+                               f"{e.placement.slots_per_gpu} slots")
+            continue
+        p = own.get(k)
+        if p is None or v.shape != p.shape:          # (load_state_dict reports the unexpected key or the size)
+            continue
+        if isinstance(p, DTensor):
+            if not isinstance(v, DTensor):
+                state_dict[k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            elif v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements):
+                state_dict[k] = distribute_tensor(v.full_tensor(), p.device_mesh, p.placements, src_data_rank=None)
+        elif isinstance(v, DTensor):
+            state_dict[k] = v.full_tensor()
+
+
+class _Block(nn.Module):
+    """A layer block (a weight container of the compiled module) that FSDP2 shards as a unit: the parallel module
+    runs the block's launches inside a call of it, so that FSDP2's module hooks gather its weights before them,
+    free them after, and gather them again for (and reduce-scatter their gradients after) their backward."""
+
+    def forward(self, run, *xs):
+        return run(*xs)
+
+
+def _block_of(key: str) -> str | None:
+    """The layer block holding weight ``key``: its path up to the first numeric component (``model.layers.3`` of
+    ``model.layers.3.mlp.up_proj.weight``, the torchtitan unit); None for a weight outside the repeated blocks."""
+    parts = key.split(".")
+    for j, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:j + 1])
+    return None
+
+
+def _fsdp_units(m) -> tuple[list, dict]:
+    """(the FSDP2 units: lists of layer-block paths, in forward order; {id(program): [(start, stop, unit index or
+    None, ins, outs)]}). A unit is the blocks whose weights one launch reads together (Block AttnRes' phase 1 reads
+    the pseudo-queries of a whole group of layers), merged further while the launch runs of two units interleave
+    in a program; its run spans its first to its last launch that reads its weights, with ``ins`` the buffers the
+    run reads from before it and ``outs`` those it makes that later launches (or the graph's outputs) read."""
+    progs = list({id(p): p for p in (m.program, m.train_program)}.values())
+    parent: dict = {}
+
+    def find(b):
+        while parent[b] != b:
+            b = parent[b]
+        return b
+
+    def blocks_of(L):
+        return {b for r, _t in L.inputs if r[1:] in m._names and (b := _block_of(m._names[r[1:]])) is not None}
+    for p in progs:
+        for L in p.launches:
+            bs = sorted(blocks_of(L))
+            for b in bs:
+                parent.setdefault(b, b)
+            for b in bs[1:]:
+                parent[find(b)] = find(bs[0])
+    while True:                         # merge units whose runs interleave
+        spans = {}
+        for p in progs:
+            for i, L in enumerate(p.launches):
+                for b in blocks_of(L):
+                    lo, hi = spans.get((id(p), find(b)), (i, i))
+                    spans[(id(p), find(b))] = (min(lo, i), max(hi, i))
+        merged = False
+        for p in progs:
+            mine = sorted((lo, hi, u) for (k, u), (lo, hi) in spans.items() if k == id(p))
+            for (lo0, hi0, u0), (lo1, _hi1, u1) in zip(mine, mine[1:]):
+                if lo1 <= hi0:
+                    parent[find(u1)] = find(u0)
+                    merged = True
+        if not merged:
+            break
+    first = progs[-1] if len(progs) > 1 else progs[0]      # forward order: the training program's
+    order = sorted({find(b) for b in parent}, key=lambda u: spans[(id(first), u)][0] if (id(first), u) in spans
+                   else len(first.launches))
+    units = [sorted((b for b in parent if find(b) == u), key=lambda b: [int(x) if x.isdigit() else x
+                                                                         for x in b.split(".")]) for u in order]
+    index = {u: i for i, u in enumerate(order)}
+    runs = {}
+    for p in progs:
+        graph_out = {str(r) for r in m.graph.outputs}
+        made_at = {r: i for i, L in enumerate(p.launches) for r, _t in L.outputs}
+        last_read = {}
+        for i, L in enumerate(p.launches):
+            for r, _t in L.inputs:
+                last_read[r] = i
+        mine = sorted((lo, hi + 1, index[u]) for (k, u), (lo, hi) in spans.items() if k == id(p))
+        out, at = [], 0
+        for lo, hi, u in mine:
+            if at < lo:
+                out.append((at, lo, None, (), ()))
+            ins = list(dict.fromkeys(r for L in p.launches[lo:hi] for r, _t in L.inputs
+                                     if r[1:] not in m._names and made_at.get(r, -1) < lo))
+            outs = [r for L in p.launches[lo:hi] for r, _t in L.outputs
+                    if last_read.get(r, -1) >= hi or r in graph_out]
+            out.append((lo, hi, u, tuple(ins), tuple(outs)))
+            at = hi
+        if at < len(p.launches):
+            out.append((at, len(p.launches), None, (), ()))
+        runs[id(p)] = out
+    return units, runs
 
 
 _COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe")
@@ -309,6 +495,49 @@ class _collective_errors:
                        f"group's timeout (init_process_group(timeout=...)). {type(exc).__name__}: {first}") from exc
 
 
+class _Guard(torch.autograd.Function):
+    """``fn(*xs)`` whose backward runs inside :class:`_collective_errors`: the forward builds ``fn``'s graph on
+    detached copies of the inputs, the backward differentiates that graph (torch.autograd.grad), so that a
+    collective of ``fn``'s backward that fails (a rank gone, the process group's timeout) is an MtcError naming this
+    rank, as in the forward. The gradients are those of ``fn``'s own backward."""
+
+    @staticmethod
+    def forward(ctx, module, fn, *xs):
+        inner = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in xs]
+        with torch.enable_grad():
+            out = fn(*inner)
+        outs = out if isinstance(out, tuple) else (out,)
+        ctx.module, ctx.single = module, not isinstance(out, tuple)
+        ctx.inner = [x for x in inner if isinstance(x, torch.Tensor) and x.requires_grad]
+        ctx.where = [i for i, x in enumerate(inner) if isinstance(x, torch.Tensor) and x.requires_grad]
+        ctx.outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        ctx.out_at = [j for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor) and not o.requires_grad])
+        res = tuple(o.detach() if isinstance(o, torch.Tensor) and o.requires_grad else o for o in outs)
+        return res[0] if ctx.single else res
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gs = [grads[j] for j in ctx.out_at]
+        pairs = [(o, g) for o, g in zip(ctx.outs, gs) if g is not None]
+        got = [None] * len(ctx.inner)
+        if pairs and ctx.inner:
+            with _collective_errors(ctx.module, "the backward"):
+                got = torch.autograd.grad([o for o, _g in pairs], ctx.inner, [g for _o, g in pairs],
+                                          allow_unused=True)
+        out = [None] * (2 + max(ctx.where, default=-1) + 1)
+        for i, g in zip(ctx.where, got):
+            out[2 + i] = g
+        return tuple(out)
+
+
+def _guarded(module, fn, *xs):
+    """``fn(*xs)``, through :class:`_Guard` when a tensor input requires a gradient and grad mode is on."""
+    if not torch.is_grad_enabled() or not any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs):
+        return fn(*xs)
+    return _Guard.apply(module, fn, *xs)
+
+
 def _ops_module(fn):
     """The backend module (backends.reference / backends.triton) of a launch's implementation."""
     target = getattr(fn, "target", "reference")
@@ -321,11 +550,12 @@ class ParallelModule(CompiledModule):
     Attributes (besides CompiledModule's):
         layout: the :class:`Layout` (sizes, coordinates, groups).
         last_exchange: {MoE layer prefix: backends.parallel.expert.ExchangeStats} of the last forward.
+        fsdp_units: with fsdp=True, the layer-block paths of each FSDP2 unit, in forward order (else []).
     """
 
     def __getstate__(self):
         raise MtcError(f"{self.graph.name}: a parallel module cannot be pickled (its process groups do not travel); "
-                       f"save full_state_dict() (or each rank's state_dict())")
+                       f"save full_state_dict(), or state_dict() (DTensors) with torch.distributed.checkpoint")
 
     def _check_balance_settings(self) -> None:
         super()._check_balance_settings()
@@ -348,6 +578,26 @@ class ParallelModule(CompiledModule):
             finally:
                 self._cp_lengths = None
                 self._cp_full = {}
+
+    def _launch_units(self, program):
+        """With FSDP2 per block: the runs of each unit's launches, entered through its blocks' calls (nested, so
+        that the unit's hooks see the run's inputs and outputs; see _fsdp_units)."""
+        runs = self._units.get(id(program)) if self._seq is None else None
+        if not runs:
+            return None
+        out = []
+        for start, stop, u, ins, outs in runs:
+            enter = None
+            if u is not None:
+                blocks = [self.get_submodule(b) for b in self.fsdp_units[u]]
+
+                def enter(segment, *xs, blocks=blocks):
+                    f = segment
+                    for b in reversed(blocks):
+                        f = functools.partial(b, f)
+                    return f(*xs)
+            out.append((start, stop, enter, ins, outs))
+        return out
 
     def _local_len(self, inputs) -> int:
         sym = None
@@ -378,7 +628,9 @@ class ParallelModule(CompiledModule):
             if r in self._cp_frontier:
                 full = self._cp_full.get(r)
                 if full is None:
-                    full = self._cp_full[r] = _gather_time(args[i], self._cp_lengths, self.layout.cp_group)
+                    full = self._cp_full[r] = _guarded(
+                        self, functools.partial(_gather_time, lengths=self._cp_lengths, group=self.layout.cp_group),
+                        args[i])
                 args[i] = full
         sym = L.outputs[0][1].shape[1]
         saved = self._bind, self._bind_key
@@ -394,25 +646,31 @@ class ParallelModule(CompiledModule):
         ops = _ops_module(fn)
         group, lengths = self.layout.cp_group, self._cp_lengths
         if L.op == "kda_chunk":
-            return C.kda_chunk_cp(*args, group=group, scale=call.attr("scale"), lengths=lengths,
-                                  kda=ops.kda_chunk)[0]
+            return _guarded(self, lambda *a: C.kda_chunk_cp(*a, group=group, scale=call.attr("scale"),
+                                                            lengths=lengths, kda=ops.kda_chunk)[0], *args)
         if L.op == "short_conv":
             from backends import reference as R
-            return C.short_conv_cp(*args, group=group, lengths=lengths,
-                                   conv=getattr(ops, "short_conv", R.short_conv))[0]
+            conv = getattr(ops, "short_conv", R.short_conv)
+            return _guarded(self, lambda *a: C.short_conv_cp(*a, group=group, lengths=lengths, conv=conv)[0], *args)
         if not call.attr("causal", True):
             raise MtcError(f"%{call.node.name} = mla_attention(causal=False): context parallel runs causal "
                            f"attention only", call.node.loc)
-        return C.mla_attention_cp(*args, scale=call.attr("scale"), group=group, lengths=lengths,
-                                  kv_full=id(L) in self._cp_mla_full)
+        kv_full = id(L) in self._cp_mla_full
+        return _guarded(self, lambda *a: C.mla_attention_cp(*a, scale=call.attr("scale"), group=group,
+                                                            lengths=lengths, kv_full=kv_full), *args)
 
     def _ep_launch(self, L, fn, call, args):
         from backends.parallel.expert import moe_experts_ep
         lay_ep = self._ep_layers[L.anchor]
-        x, idx, w, w1, w3, w2 = args
-        u, stats = moe_experts_ep(x, idx, w, w1, w3, w2, placement=lay_ep.placement, group=self.layout.ep_group,
-                                  experts_fn=lambda *a: fn.fn(call, *a))
-        self.last_exchange[lay_ep.layer] = stats
+        stats = []
+
+        def run(*a):
+            u, st = moe_experts_ep(*a, placement=lay_ep.placement, group=self.layout.ep_group,
+                                   experts_fn=lambda *e: fn.fn(call, *e))
+            stats.append(st)
+            return u
+        u = _guarded(self, run, *args)
+        self.last_exchange[lay_ep.layer] = stats[0]
         return u
 
     def _qb_step(self, layer: str, bias: torch.Tensor, scores: torch.Tensor, top_k: int) -> None:
@@ -473,14 +731,16 @@ class ParallelModule(CompiledModule):
         for p in params.values():
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
+        from torch.distributed.tensor import DTensor
         dense = [p.grad for k, p in params.items() if k not in experts and p.grad is not None]
         if getattr(self, "_fsdp", False):
-            # FSDP2 reduce-scattered them in the backward as a mean over the mesh (gloo offers no pre-scaled sum):
-            # back to the sum
+            # FSDP2 reduce-scattered its shards' gradients in the backward as a mean over the mesh (gloo offers no
+            # pre-scaled sum): back to the sum
             n = dist.get_world_size(lay.dense_group)
             for g in dense:
-                g.mul_(n)
-            dense = []
+                if isinstance(g, DTensor):
+                    g.mul_(n)
+            dense = [g for g in dense if not isinstance(g, DTensor)]
         if lay.dense_group is not None and dense:
             flat = torch.cat([g.reshape(-1) for g in dense])
             dist.all_reduce(flat, group=lay.dense_group)
@@ -500,43 +760,17 @@ class ParallelModule(CompiledModule):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load a whole-model state dict (a single-process module's, or :meth:`full_state_dict` of another mesh):
-        each rank keeps its expert slots' rows of the expert weights. Returns load_state_dict's result. MtcError
-        for an expert weight whose shape is not the full model's."""
-        sd = dict(state_dict)
-        for e in self._ep_layers.values():
-            for key in e.keys:
-                if key not in sd:
-                    continue
-                full = sd[key]
-                if full.shape[0] != e.num_experts:
-                    raise MtcError(f"{self.graph.name}: load_full_state_dict: {key} has {full.shape[0]} rows, not the "
-                                   f"{e.num_experts} experts of the full model (a rank's own state_dict() holds only "
-                                   f"its slots: load that with load_state_dict on the same mesh)")
-                sd[key] = full[e.slots.to(full.device)]
-        from torch.distributed.tensor import DTensor, distribute_tensor
-        own = self.state_dict()
-        for k, v in sd.items():
-            if isinstance(own.get(k), DTensor) and not isinstance(v, DTensor):   # FSDP2: this rank's shard
-                sd[k] = distribute_tensor(v.to(own[k].device), own[k].device_mesh, own[k].placements)
-        return self.load_state_dict(sd, strict=strict)
+        """Load a whole-model state dict (a single-process module's, :meth:`full_state_dict` of any mesh, or the
+        DTensor ``state_dict()`` of this mesh): ``load_state_dict``, whose pre-hook cuts each value to this rank's
+        layout (its expert slots' rows, its FSDP2 shards). Returns load_state_dict's result. MtcError for an expert
+        weight whose rows are neither the full model's experts nor this rank's slots. A collective call."""
+        return self.load_state_dict(state_dict, strict=strict)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
-        """The state dict of the whole model, as a single-process module of the same graph has it (the expert
-        weights gathered over the ep group: each logical expert from its first replica). A collective call."""
+        """The state dict of the whole model, as a single-process module of the same graph has it: the DTensors
+        of :meth:`state_dict` gathered (``full_tensor``; the experts from each one's first replica). What
+        ``torch.distributed.checkpoint.state_dict.get_model_state_dict(m, options=StateDictOptions(
+        full_state_dict=True))`` gives. A collective call."""
         from torch.distributed.tensor import DTensor
-        sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.state_dict().items()}
-        lay = self.layout
-        for e in self._ep_layers.values():
-            spg = e.placement.slots_per_gpu
-            first = e.placement.logical_to_physical[:, 0]
-            me = lay.coords["ep"]
-            for key in e.keys:
-                local = sd[key]
-                full = local.new_zeros((e.num_experts, *local.shape[1:]))
-                mine = (first // spg) == me
-                full[torch.nonzero(mine).flatten().to(full.device)] = local[(first[mine] % spg).to(local.device)]
-                dist.all_reduce(full, group=lay.ep_group)
-                sd[key] = full
-        return sd
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.state_dict().items()}
