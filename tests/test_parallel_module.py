@@ -5,6 +5,7 @@ after the step equal a single-process run of the same model and batch (rel 1e-5)
 mesh checks (clear MtcErrors), the forward without autograd, and the full state dict gathered and loaded back."""
 import copy
 import os
+import tempfile
 
 import pytest
 import torch
@@ -150,6 +151,8 @@ def _mesh_errors(rank, world):
         p.parallelize(mesh)
     with pytest.raises(MtcError, match="cannot be pickled"):
         copy.deepcopy(p)
+    with pytest.raises(MtcError, match="save_hf: a parallel module.*full_state_dict"):
+        p.save_hf(tempfile.mkdtemp())
     p.balance = "fixed"
     with pytest.raises(MtcError, match="balance = 'fixed' is not offered on a mesh"):
         p(torch.randint(0, 256, (1, 9)))

@@ -552,10 +552,16 @@ def save_hf(m, directory: str | os.PathLike, *, max_shard_size="5GB", expert_for
     Files are written atomically into ``directory`` (created if missing); a file there that mtc did not write (or
     that changed since) is never replaced: MtcError before anything is written (dsl.fileio.OutputDir).
 
-    Returns the directory. Raises MtcError for a model no family's spec builds (naming the first difference), an
-    output file mtc may not replace, or a failed write."""
+    Returns the directory. Raises MtcError for a parallel module (save its full_state_dict() through a
+    single-process module), a model no family's spec builds (naming the first difference), an output file mtc may
+    not replace, or a failed write."""
     from safetensors.torch import save as st_save
     from ..fileio import OutputDir
+    if callable(getattr(m, "full_state_dict", None)):       # a parallel module (backends.parallel.ParallelModule)
+        raise MtcError("save_hf: a parallel module holds only its rank's shards; gather them on every rank with "
+                       "sd = m.full_state_dict() (a collective call), then on one rank load sd into a "
+                       "single-process module of the same graph (dsl.compile(m.graph, ...).load_state_dict(sd)) "
+                       "and save_hf that")
     desc = describe_module(m)
     if expert_format is None:
         expert_format = "mxfp4" if desc.values.get("expert_dtype") == "mxfp4" else "dense"
