@@ -1,6 +1,8 @@
 """Benchmark: one KDA layer's decode step (one token, B = 1) at K3 width, H = 96, K = V = 128, conv width 4, bf16.
 
-Rows (medians of triton.testing.do_bench, CUDA events; the projections' GEMMs are outside every row):
+Rows (medians of triton.testing.do_bench, CUDA events, "eager": what a Python caller waits, the host's launch work
+included; and of do_bench_cudagraph, "CUDA graph": the same launches replayed from a graph, the GPU's time alone;
+the projections' GEMMs are outside every row):
   fused          backends/triton/kda/decode.py kda_decode_step: one launch (3 short convs + conv-state update, SiLU,
                  L2 norms, gate, beta, the recurrence on the cache state in place, rmsnorm * sigmoid gate)
   per-launch     what the inference session ran before (and runs with inference.FUSE_KDA_DECODE = False): per conv
@@ -96,16 +98,21 @@ def main():
         note = f"fla fused_recurrent_kda not run: {type(e).__name__}: {e}"
     floor = H * K * V * 4 * 2 * B / BW_PEAK * 1e6
     print(f"KDA decode step, B = {B}, H = {H}, K = V = {K}, conv {W}, bf16 activations, float32 state\n")
-    print("| implementation | us | x floor |")
-    print("|---|---:|---:|")
+    print("| implementation | us eager | x floor | us CUDA graph | x floor |")
+    print("|---|---:|---:|---:|---:|")
     times = {}
     for name, fn in cases:
         fn()
         torch.cuda.synchronize()
         t = triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3
         times[name] = t
-        print(f"| {name} | {t:.1f} | {t / floor:.1f} |")
-    print(f"| state-bytes floor (H K V 4 B x 2 / 4.2 TB/s) | {floor:.2f} | 1.0 |")
+        try:                # the launches replayed from a CUDA graph: the GPU time without the host's
+            tg = triton.testing.do_bench_cudagraph(fn, rep=300) * 1e3
+            graph = f"{tg:.1f} | {tg / floor:.1f}"
+        except Exception as e:                    # (a step that cannot be captured: reported in the row)
+            graph = f"- ({type(e).__name__}) | -"
+        print(f"| {name} | {t:.1f} | {t / floor:.1f} | {graph} |", flush=True)
+    print(f"| state-bytes floor (H K V 4 B x 2 / 4.2 TB/s) | {floor:.2f} | 1.0 | {floor:.2f} | 1.0 |")
     if note:
         print("\n" + note)
     base = times["per-launch, kda_step_rows in place"]
