@@ -605,14 +605,7 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
                          f"rows; TAIL must be a power of two from 16 to BM (MoeConfig.tiles)")
     _check_tile_rows("output", c.stride(0), bm)
     n_tiles = cdiv(nn, bn)
-    if gather:
-        a_mode, a_src, a2_src = 0, a, a
-    elif cfg.get("A_TMA") and _tma_ok(a, [bm, bk]) and (a2 is None or _tma_ok(a2, [bm, bk])):
-        a_mode = 2
-        a_src = TensorDescriptor.from_tensor(a, [bm, bk])
-        a2_src = TensorDescriptor.from_tensor(a2, [bm, bk]) if a2 is not None else a_src
-    else:
-        a_mode, a_src, a2_src = 1, a, (a2 if a2 is not None else a)
+    a_mode, a_src, a2_src = _a_sources(a, a2, cfg, bm, bk, gather)
     wblock = [1, bk, bn] if w_kn else [1, bn, bk]
     w_desc = bool(cfg.get("W_TMA")) and _tma_ok(w, wblock) and (w2 is None or (
         _tma_ok(w2, wblock) and w2.stride() == w.stride()))
@@ -648,6 +641,17 @@ def _gg(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok=No
     return c
 
 
+def _a_sources(a, a2, cfg, bm, bk, gather):
+    """(A_MODE, A source, A2 source) of a grouped GEMM launch: 0 rows gathered through the token index (pointers),
+    2 TMA descriptors of [BM, BK] blocks when the config asks for them and the tensors allow, else 1 pointers."""
+    if gather:
+        return 0, a, a
+    if cfg.get("A_TMA") and _tma_ok(a, [bm, bk]) and (a2 is None or _tma_ok(a2, [bm, bk])):
+        d = TensorDescriptor.from_tensor(a, [bm, bk])
+        return 2, d, (TensorDescriptor.from_tensor(a2, [bm, bk]) if a2 is not None else d)
+    return 1, a, (a2 if a2 is not None else a)
+
+
 def _gg_mx(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok, pair, w2, a2, epi, save, c2,
            c3, wrow, act, bg, bu, row_scale):
     """_gg with MXFP4 weights w (and w2): the kernel's W_MX path (W4A16), A through pointers or TMA as in _gg, the
@@ -665,14 +669,7 @@ def _gg_mx(name, a, w, sched, offs, num_experts, kk, nn, c, *, gather, w_kn, tok
         raise ValueError("moe_experts: MXFP4 weight_packed / weight_scale must be contiguous")
     _check_tile_rows("output", c.stride(0), bm)
     n_tiles = cdiv(nn, bn)
-    if gather:
-        a_mode, a_src, a2_src = 0, a, a
-    elif cfg.get("A_TMA") and _tma_ok(a, [bm, bk]) and (a2 is None or _tma_ok(a2, [bm, bk])):
-        a_mode = 2
-        a_src = TensorDescriptor.from_tensor(a, [bm, bk])
-        a2_src = TensorDescriptor.from_tensor(a2, [bm, bk]) if a2 is not None else a_src
-    else:
-        a_mode, a_src, a2_src = 1, a, (a2 if a2 is not None else a)
+    a_mode, a_src, a2_src = _a_sources(a, a2, cfg, bm, bk, gather)
     dummy = c
     _fit_launch(
         _k._grouped_gemm_kernel, (mt * n_tiles,), (name, a.dtype, "mx"), _launch_cfg(cfg),
