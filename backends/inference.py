@@ -610,7 +610,7 @@ class _Session:
         st, S = self.step, self.cache.kda[L.anchor]
         scale = call.attr("scale")
         B, kw = _kda_backend(self.m, L, call, "inference cache: no stateful form")
-        decode = not st.packed and st.lens[0] == 1     # one token per row: the decode step
+        decode = self.decoding                         # one token per row: the decode step
         if decode and L.kernel == "triton.kda_chunk":
             # the cache rows updated where they lie (no gathered copy, no new state, no scatter back)
             from backends.triton.kda.step import kda_step_rows
