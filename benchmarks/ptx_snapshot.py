@@ -134,7 +134,7 @@ def launches():
                                                   K=("c", K), V=("c", V), BV=("c", min(V, 128)), HM=("c", hm)), 4, 1)
             if grad:
                 add(f"bwd_chunk_{t}", "bwd_chunk", dict(
-                    WK=P, U=P, QG=P, AQK=P, DO=P, HB=P, DHB=P, DU=P, DWK=P, DQG=P, DKD=P, DAQK=P, cstart=I32P,
+                    WK=P, U=P, QG=P, AQK=P, DO=P, HB=P, DHB=P, DU=P, DWK=P, DQG=P, DKD=P, DAQK=F32P, cstart=I32P,
                     clen=I32P, H="i32", K=("c", K), V=("c", V), BVC=("c", min(V, max(16, 16384 // K))),
                     HM=("c", hm)), 8, 1)
                 add(f"bwd_ut_{t}", "bwd_ut", dict(
@@ -142,7 +142,7 @@ def launches():
                     DKG=F32P, dv_=P, dbeta=P, H="i32", K=("c", K), V=("c", V), DT=DT, HM=("c", hm)), 8, 1)
                 for safe in ((False, True) if fast else (True,)):
                     add(f"bwd_pair_{t}_{'safe' if safe else 'dense'}", "bwd_pair", dict(
-                        q=P, k=P, g=F32P, beta=P, cstart=I32P, clen=I32P, DKG=F32P, DB=F32P, DAQK=P, DQG=P, DKD=P,
+                        q=P, k=P, g=F32P, beta=P, cstart=I32P, clen=I32P, DKG=F32P, DB=F32P, DAQK=F32P, DQG=P, DKD=P,
                         DGAM=F32P, dq=P, dk_=P, dg=F32P, scale="fp32", lb="fp32", H="i32", K=("c", K),
                         BK=("c", min(K, 32)), FAST=("c", fast), DT=DT, SAFE=("c", safe), HM=("c", hm)), 4, 1)
         if not fast:

@@ -6,8 +6,10 @@ against fla-core's chunk_kda on the same inputs."""
 import pytest
 import torch
 
-
 tk = pytest.importorskip("backends.triton.kda")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from backends.triton.kda import backward as kb  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -130,3 +132,25 @@ def test_gpu_bf16_gradients_against_fla(T, H, gate):
     theirs = errors(lambda *x: chunk_kda(*x)[0], ins, do, ref)
     print(f"fla T={T} H={H} gate=-{gate} sigmoid:", {n: f"{x:.2e}" for n, x in theirs.items()})
     assert all(mine[n] <= 1.2 * theirs[n] for n in NAMES), (mine, theirs)
+
+
+@triton.jit
+def _split_dots_kernel(A, B, O1, O2, M: tl.constexpr, N: tl.constexpr, R: tl.constexpr):
+    rm, rn, rr = tl.arange(0, M), tl.arange(0, N), tl.arange(0, R)
+    a = tl.load(A + rm[:, None] * R + rr[None, :])
+    b = tl.load(B + rr[:, None] * N + rn[None, :])
+    tl.store(O1 + rm[:, None] * N + rn[None, :], kb._dt_split(a, b, tl.float16))
+    tl.store(O2 + rm[:, None] * N + rn[None, :], kb._dt_split2(a, b, tl.float16))
+
+
+def test_two_part_operands_carry_float32_accuracy():
+    # the pair backward's dots with 16-bit tensor-core operands (float16 here: bf16 dots do not run under the
+    # interpreter): _dt_split2 (both operands in two parts) against float64 at float32 accuracy (~2e-7), where
+    # _dt_split's one-part `a` leaves float16's rounding (~2e-4)
+    a = torch.randn(16, 64) * torch.rand(16, 64).mul(4).exp()
+    b = torch.randn(64, 32) * torch.rand(64, 32).mul(4).exp()
+    o1, o2 = torch.empty(16, 32), torch.empty(16, 32)
+    _split_dots_kernel[(1,)](a, b, o1, o2, M=16, N=32, R=64)
+    ref = a.double() @ b.double()
+    e1, e2 = rel(o1, ref), rel(o2, ref)
+    assert e2 < 2e-6 and e2 < e1 / 30, (e1, e2)

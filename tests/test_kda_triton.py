@@ -613,14 +613,14 @@ sig = dict(k=P, v=P, g=F, beta=P, cstart=I, clen=I, TB=F, BM=F, DU=P, DWK=P, DB=
            K="constexpr", V="constexpr", DT="constexpr", HM="constexpr")
 ck = build(kb._bwd_ut_kernel, sig, dict(K=128, V=128, DT=tl.bfloat16, HM=True), cfg.bwd_ut_warps, 1)
 tc(ck, "backward UT kernel")
-sig = dict(q=P, k=P, g=F, beta=P, cstart=I, clen=I, DKG=F, DB=F, DAQK=P, DQG=P, DKD=P, DGAM=F, dq=P, dk_=P,
+sig = dict(q=P, k=P, g=F, beta=P, cstart=I, clen=I, DKG=F, DB=F, DAQK=F, DQG=P, DKD=P, DGAM=F, dq=P, dk_=P,
            dg=F, scale="fp32", lb="fp32", H="i32", K="constexpr", BK="constexpr", FAST="constexpr", DT="constexpr",
            SAFE="constexpr", HM="constexpr")
 for safe in (False, True):
     ck = build(kb._bwd_pair_kernel, sig, dict(K=128, BK=cfg.bwd_pair_bk, FAST=True, DT=tl.bfloat16, SAFE=safe,
                                               HM=True), cfg.bwd_pair_warps, 1)
     tc(ck, "backward pair kernel")
-sig = dict(WK=P, U=P, QG=P, AQK=P, DO=P, HB=P, DHB=P, DU=P, DWK=P, DQG=P, DKD=P, DAQK=P, cstart=I, clen=I,
+sig = dict(WK=P, U=P, QG=P, AQK=P, DO=P, HB=P, DHB=P, DU=P, DWK=P, DQG=P, DKD=P, DAQK=F, cstart=I, clen=I,
            H="i32", K="constexpr", V="constexpr", BVC="constexpr", HM="constexpr")
 for K_, V_ in ((128, 128), (256, 256), (64, 256)):
     ck = build(kb._bwd_chunk_kernel, sig, dict(K=K_, V=V_, BVC=min(V_, cfg.bwd_chunk_kv // K_), HM=True), 8, 1)

@@ -78,7 +78,7 @@ def _bwd_chunk_kernel(WK, U, QG, AQK, DO, HB, DHB, DU, DWK, DQG, DKD, DAQK, csta
                       K: tl.constexpr, V: tl.constexpr, BVC: tl.constexpr, HM: tl.constexpr):
     """The per-chunk gradients that sum over V, every (chunk, head) at once, from the
     chunk-entry state S0 = HB[c] and the chunk-exit state gradient X = DHB[c] of _bwd_state_chain_kernel:
-        W = U - Wk S0;  dA = tril(dO W^T);  dQG = dO S0^T;  dKD = W X^T;  dWk = -dW S0^T,
+        W = U - Wk S0;  dA = tril(dO W^T) (DAQK, float32);  dQG = dO S0^T;  dKD = W X^T;  dWk = -dW S0^T,
     each a sum over V, taken in column blocks of BVC (= V up to K*V = 128*128; the [K, V] operands of larger
     heads would not fit the shared memory at once)."""
     c, h, _ = _chunk_head(HM)
@@ -174,7 +174,8 @@ def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM,
     [64, 64] each channel's da, db follow on its own: da_i = sum_j dM_ij b_j e^(G_i - G_j),
     db_j = sum_i dM_ij a_i e^(G_i - G_j), blocked by 16 rows with an anchor per block exactly as the
     forward (dense tensor-core tiles when this slice's gates are >= lb, else the diagonal tile pair by pair), the
-    decay-scaled operand of each dense dot in two 16-bit parts (_dt_split: dg's cancellations need it).
+    decay-scaled operand of each dense dot in two 16-bit parts (_dt_split: dg's cancellations need it), and dP
+    (float32 DAQK) in two parts as well (_dt_split2: dq, dk and dg need it).
     Then the gradients through QG = scale q e^G, KD = k e^(G_C - G), GAM = e^(G_C) and Kg = k e^G (DKG, the
     gradient of Kg from Wk = T diag(b) Kg, from _bwd_ut_kernel), the cumulative gate's reverse sum, and the
     stores of dq, dk, dg for the slice.
@@ -213,7 +214,8 @@ def _dt_split(a, b, DT: tl.constexpr):
     small difference of such products (within a suffix of rows every pair enters twice, with opposite signs;
     the dense diagonal tile's e^0 products are the chunk's largest): one bf16 rounding made dg 6.5% wrong
     (float64 autograd through the recurrence, T = 1024, g = -5 sigmoid) against 0.4% for dq. a (dP, dBm) is
-    one value on both sides, so its rounding cancels there and it stays one DT part."""
+    one value on both sides, so its rounding cancels in dg; dBm stays one DT part here (its rounding does not
+    show), dP goes through _dt_split2 (its rounding shows in dq and dk themselves)."""
     if DT == tl.float32:
         return tl.dot(a, b)
     else:
@@ -221,6 +223,26 @@ def _dt_split(a, b, DT: tl.constexpr):
         hi = b.to(DT)
         lo = (b - hi.to(tl.float32)).to(DT)
         return tl.dot(ad, lo, tl.dot(ad, hi))
+
+
+@triton.jit
+def _dt_split2(a, b, DT: tl.constexpr):
+    """a @ b (float32 [M, N]) with both operands carried as two DT parts (hi + lo, as _dt_split's b): three dots
+    (the lo x lo product, ~2^-18 relative in bf16, is dropped); DT float32: one dot.
+
+    For the pair products' backward of P: a = dP = scale DAQK (float32) enters dq and the column side of dk as an
+    operand; a bf16 DAQK and one bf16 part of dP put dq, dk at 1.3x and dg at 1.4x fla-core's error against
+    float64 (H200, bf16, g = -5 sigmoid; benchmarks/kda_bwd_rounding.py's float64 emulation gives 1.34x / 1.45x,
+    and fla's float32 dA errors with DAQK float32 and dP in two parts). dBm stays one part in _dt_split: its
+    rounding does not show."""
+    if DT == tl.float32:
+        return tl.dot(a, b)
+    else:
+        ah = a.to(DT)
+        al = (a - ah.to(tl.float32)).to(DT)
+        bh = b.to(DT)
+        bl = (b - bh.to(tl.float32)).to(DT)
+        return tl.dot(ah, bh, tl.dot(ah, bl, tl.dot(al, bh)))
 
 
 @triton.jit
@@ -255,7 +277,7 @@ def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale
         orow = rb[:, None] * (H * 64) + rows[None, :]
         dP_r = tl.load(DAQK + ba_ + orow, mask=rbm[:, None], other=0.0).to(tl.float32) * scale
         dB_r = tl.load(DB + ba_ + orow, mask=rbm[:, None], other=0.0)
-        dq_blk = er * _dt_split(dP_r, kb, DT)
+        dq_blk = er * _dt_split2(dP_r, kb, DT)
         dkr_blk = er * _dt_split(dB_r, kb, DT)
         if fast:
             Ge = Gm
@@ -267,7 +289,7 @@ def _pair_rest(q, k, gg, beta, DKG, DB, DAQK, DQG, DKD, DGAM, dq, dk_, dg, scale
         dP_c = tl.load(DAQK + ba_ + ocol, mask=rm[:, None], other=0.0).to(tl.float32) * scale
         dB_c = tl.load(DB + ba_ + ocol, mask=rm[:, None], other=0.0)
         ec = tl.exp(Ge[None, :] - G_r)
-        dkc_blk = ec * (_dt_split(tl.trans(dP_c), qq * xe, DT) + _dt_split(tl.trans(dB_c), kk * xe, DT))
+        dkc_blk = ec * (_dt_split2(tl.trans(dP_c), qq * xe, DT) + _dt_split(tl.trans(dB_c), kk * xe, DT))
         if not fast:
             # the block's rows of q and k (reloaded: L1 hits) for the diagonal tile, pair by pair
             orb = rb[:, None] * (H * K) + d[None, :]
@@ -324,7 +346,8 @@ def _bwd(q, k, v, g, beta, scale, h0, tab, fast, lb, BV, saved, do, dht, kept, c
     DU = torch.empty(N, H, V, dtype=idt, device=dev)
     DWK = torch.empty(N, H, K, dtype=idt, device=dev)
     DQG, DKD = torch.empty_like(DWK), torch.empty_like(DWK)
-    DAQK = torch.empty(N, H, 64, dtype=idt, device=dev)
+    # (float32: the pair kernel's dP operand, in two 16-bit parts there: _dt_split2)
+    DAQK = torch.empty(N, H, 64, dtype=torch.float32, device=dev)
     DGAM = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
     DS0 = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
     _mark(cfg, "bwd: dS at segment ends")
