@@ -32,3 +32,19 @@ def _fresh_seed(request):
     torch.manual_seed(seed)
     request.node.add_report_section("call", "seed", f"torch.manual_seed({seed}); reproduce with MTC_SEED={seed}")
     yield seed
+
+
+@pytest.fixture
+def wide_moe_tiles():
+    """MoE grouped-GEMM tiles 64 wide and 64 deep under the interpreter (the default CPU tiles are 16 x 16 x 16).
+
+    For the tests of whole models on the triton target, whose point is the program (launch order, fusion, caches,
+    gradients reaching every parameter), not the tiling: `tiny`'s layers (d = 64, expert width 32) then take one
+    tile per expert and one step of the K loop, which cuts a tiny forward under the interpreter by about a third.
+    The kernel tests (tests/test_moe_triton.py, tests/test_moe_mxfp4.py) keep the 16-wide tiles, so that every
+    kernel there runs several tiles, partial tiles and K loops of several steps. On the GPU this changes nothing
+    (the "cpu" entries apply to the interpreter only)."""
+    from backends.triton import moe
+    entries = {name: dict(BN=64, BK=64) for name, e in moe.TILE_CONFIGS["cpu"].items() if "BK" in e}
+    with moe.config(tiles={"cpu": entries}):
+        yield

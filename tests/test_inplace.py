@@ -9,6 +9,8 @@ import torch
 
 import dsl
 
+pytestmark = pytest.mark.usefixtures("wide_moe_tiles")
+
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = [(ROOT / "models" / "kimi_k3.mtc", "tiny"), (ROOT / "examples" / "hybrid_tiny.mtc", None)]
 

@@ -9,6 +9,8 @@ import dsl
 from backends import memory
 from dsl.errors import MtcError
 
+pytestmark = pytest.mark.usefixtures("wide_moe_tiles")
+
 B, T = (sympy.Symbol(s, integer=True, positive=True) for s in "BT")
 
 

@@ -13,6 +13,8 @@ import backends.triton as T
 import dsl
 from backends.registry import by_name
 
+pytestmark = pytest.mark.usefixtures("wide_moe_tiles")
+
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = [(ROOT / "models" / "kimi_k3.mtc", "tiny"), (ROOT / "examples" / "hybrid_tiny.mtc", None)]
 _LINE = re.compile(r"^\s*k(\d+) = (\S+)(?: grid \[[^\]]*\])?(?: meta \{[^}]*\})? \(([^)]*)\) -> \((.*)\)(?:  //.*)?$")

@@ -10,6 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dsl
 
+pytestmark = pytest.mark.usefixtures("wide_moe_tiles")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SPECS = {"tiny": (ROOT / "models" / "kimi_k3.mtc", "tiny"),
          "hybrid_tiny": (ROOT / "examples" / "hybrid_tiny.mtc", None)}
