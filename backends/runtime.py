@@ -1235,12 +1235,15 @@ def _check_kernel_constraints(g: Graph, target: str) -> None:
 
 
 def check_weights_fit(graph: Graph, element_bytes: int, device: torch.device, advice: str | Callable[[], str],
-                      where: str = "", dtype_name: str | None = None) -> None:
+                      where: str = "", dtype_name: str | None = None, packed_mxfp4: bool = False) -> None:
     """MtcError, before anything is allocated, when the graph's weights at element_bytes each take more than 80%
     of the device's memory: the whole GPU's for 'cuda', the available physical memory (os.sysconf) for 'cpu'
-    (nothing is checked where that is unknown, or on 'meta'). The message names the parameter count and sizes,
-    then `advice` (what to do instead; a callable is only called for the message); `where` prefixes it,
-    `dtype_name` (if given) follows the weight size."""
+    (nothing is checked where that is unknown, or on 'meta'). ``packed_mxfp4``: the weights typed mxfp4 (routed
+    experts, ``expert_dtype="mxfp4"``) are held packed and count their packed bytes (dsl.ir.DTYPES["mxfp4"] =
+    0.53125 per element: 4 bits and one E8M0 scale per 32), as the memory plan does; else they are decoded to the
+    compute dtype and count element_bytes like the others. The message names the parameter count and sizes, then
+    `advice` (what to do instead; a callable is only called for the message); `where` prefixes it, `dtype_name`
+    (if given) follows the weight size."""
     have = None
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
@@ -1251,8 +1254,12 @@ def check_weights_fit(graph: Graph, element_bytes: int, device: torch.device, ad
             have = None
     if have is None:
         return
-    n = sum(int(p.type.numel()) for p in graph.params())
-    need = n * element_bytes
+    from dsl.ir import DTYPES
+    n = need = 0
+    for p in graph.params():
+        k = int(p.type.numel())
+        n += k
+        need += k * (DTYPES["mxfp4"] if packed_mxfp4 and p.type.dtype == "mxfp4" else element_bytes)
     if need > 0.8 * have:
         from passes.stats import human_bytes
         raise MtcError(f"{where}model '{graph.name}' has {n:,} parameters: {human_bytes(need)} of weights"
@@ -1353,7 +1360,8 @@ def compile_graph(graph: Graph, target: str = "reference", *, dtype: torch.dtype
         _check_interpreter_dtype(target, dtype)
         check_weights_fit(graph, torch.empty((), dtype=dtype).element_size(), dev,
                           "device='meta' builds it without weights (its IR, shapes and kernels), or compile a "
-                          "smaller variant", where="dsl.compile: ", dtype_name=str(dtype).removeprefix("torch."))
+                          "smaller variant", where="dsl.compile: ", dtype_name=str(dtype).removeprefix("torch."),
+                          packed_mxfp4=packed_experts)
     if target == "tvm":
         from backends.tvm import available
         if not available():

@@ -438,7 +438,7 @@ def _check_fits(g, dtype_bytes: int, device: str, spec=None, variant=None) -> No
         variants = [v for v in (_spec_variants(spec) if spec is not None else []) if v != variant]
         return ((f"try another variant (--variant {' or '.join(variants)}), or " if variants else "")
                 + "count it with `mtc stats` / `mtc ir --stage lowered`")
-    check_weights_fit(g, dtype_bytes, torch.device(device), advice)
+    check_weights_fit(g, dtype_bytes, torch.device(device), advice, packed_mxfp4=True)   # as dsl.compile holds them
 
 
 def _check_run_input(g) -> None:

@@ -141,6 +141,27 @@ def test_packed_module_bytes_are_the_memory_plans():
         dsl.compile(g, device="meta", packed_experts="yes")
 
 
+def test_weights_fit_check_counts_the_packed_bytes(monkeypatch):
+    """The check before allocating (dsl.compile, dsl.from_hf, mtc run) counts packed MXFP4 experts at their 0.53125
+    bytes per element: a machine that holds the packed model but not the decoded one compiles it packed and refuses
+    it with packed_experts=False, naming the decoded size."""
+    import backends.runtime as rt
+    g = dsl.parse((ROOT / "models" / "kimi_k3.mtc").read_text(), "tiny", expert_dtype="mxfp4")
+    params = list(g.params())
+    n = sum(int(p.type.numel()) for p in params)
+    n_mx = sum(int(p.type.numel()) for p in params if p.type.dtype == "mxfp4")
+    packed, decoded = 4 * (n - n_mx) + DTYPES["mxfp4"] * n_mx, 4 * n
+    have = (packed + decoded) / 2 / 0.8                          # 80% of it lies between the two
+    page = 4096
+    monkeypatch.setattr(rt.os, "sysconf", lambda key: page if key == "SC_PAGE_SIZE" else int(have // page))
+    rt.check_weights_fit(g, 4, torch.device("cpu"), "advice", packed_mxfp4=True)
+    m = dsl.compile(g)
+    assert sum(w.nbytes for w in m.modules() if isinstance(w, MXFP4Experts)) == DTYPES["mxfp4"] * n_mx
+    with pytest.raises(dsl.MtcError, match=rf"has {n:,} parameters: .* of weights in float32, more than this "
+                                           r"machine holds"):
+        dsl.compile(g, packed_experts=False)
+
+
 def test_packed_model_equals_its_decoded_twin():
     """A tiny K3 model with packed experts (reference and Triton interpreter) gives the logits of the dense
     model holding the decoded weights; training leaves the packed weights out of the parameters."""

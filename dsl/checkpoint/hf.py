@@ -334,7 +334,8 @@ def from_hf(path: str | os.PathLike, target: str = "reference", *, dtype=None, d
     if dev.type != "meta":
         _check_interpreter_dtype(target, m.dtype)
         check_weights_fit(graph, torch.empty((), dtype=m.dtype).element_size(), dev,
-                          "device='meta' checks the checkpoint without loading it", where="dsl.from_hf: ")
+                          "device='meta' checks the checkpoint without loading it", where="dsl.from_hf: ",
+                          packed_mxfp4=bool(packed))
         m.to_empty(device=dev)
         tensors = dict(m.state_dict(keep_vars=True))
         H = desc.values["kda_heads"]
