@@ -8,7 +8,7 @@ rounding (the relative difference is printed). Timing: triton.testing.do_bench (
 the routed experts (``moe_experts``) and, with --bwd, forward + backward in the activations (x, topk_weight; the
 MXFP4 weights are frozen, so the bf16 case runs with frozen weights too). Bytes: the weights read once (bf16: 2 B
 per element, MXFP4: 0.53125 B) plus the token rows in and out: the floor of a weight-streaming layer at few tokens
-per expert. FLOPs: 6 N k l I forward.
+per expert. FLOPs: 6 N k l I forward, 12 N k l I forward + activation gradients (weights frozen).
 
 Usage: python benchmarks/moe_mxfp4.py [--tokens 1024 8192 32768] [--experts 896] [--bwd] [--out FILE]
        TRITON_INTERPRET=1 python benchmarks/moe_mxfp4.py --cpu-smoke   (tiny shapes on CPU, float32, no timing)
@@ -80,7 +80,7 @@ def main():
             t = do_bench(lambda: tm.moe_experts(x, idx, wt, *w), warmup=25, rep=200)
             wbytes = 3 * E * I * L * (2 if name == "bf16" else 0.53125)
             act = 2 * n * L * x.element_size()
-            rows.append((n, name, "fwd", t, 6 * n * k * L * I / t / 1e9, (wbytes + act) / t / 1e9, rel))
+            rows.append((n, name, "fwd", t, 6 * n * k * L * I / t / 1e9, (wbytes + act) / t / 1e6, rel))   # t in ms
             if a.bwd:
                 xg = x.clone().requires_grad_()
                 wg = wt.clone().requires_grad_()
@@ -90,7 +90,7 @@ def main():
                     xg.grad = wg.grad = None
                     tm.moe_experts(xg, idx, wg, *w).backward(g)
                 t = do_bench(step, warmup=10, rep=200)
-                rows.append((n, name, "fwd+bwd(x)", t, 18 * n * k * L * I / t / 1e9, float("nan"), rel))
+                rows.append((n, name, "fwd+bwd(x)", t, 12 * n * k * L * I / t / 1e9, float("nan"), rel))
     if a.cpu_smoke:
         return
     lines = [f"MoE experts, E={E} top-{k} l={L} I={I}, {torch.cuda.get_device_name()}", "",
