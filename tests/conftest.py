@@ -40,7 +40,7 @@ def wide_moe_tiles():
 
     For the tests of whole models on the triton target, whose point is the program (launch order, fusion, caches,
     gradients reaching every parameter), not the tiling: `tiny`'s layers (d = 64, expert width 32) then take one
-    tile per expert and one step of the K loop, which cuts a tiny forward under the interpreter by about a third.
+    tile per expert and one step of the K loop.
     The kernel tests (tests/test_moe_triton.py, tests/test_moe_mxfp4.py) keep the 16-wide tiles, so that every
     kernel there runs several tiles, partial tiles and K loops of several steps. On the GPU this changes nothing
     (the "cpu" entries apply to the interpreter only)."""

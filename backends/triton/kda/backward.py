@@ -205,6 +205,13 @@ def _bwd_pair_kernel(q, k, g, beta, cstart, clen, DKG, DB, DAQK, DQG, DKD, DGAM,
 
 
 @triton.jit
+def _parts(x, DT: tl.constexpr):
+    """float32 x as two DT parts (hi: x rounded to DT, lo: the rest rounded to DT), x = hi + lo to ~2^-17 in bf16."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
 def _dt_split(a, b, DT: tl.constexpr):
     """a @ b (float32 [M, N]) with a cast to DT and b carried as two DT parts, b = hi + lo (hi: b rounded to DT,
     lo: the rest rounded to DT), so b enters to ~2^-17 relative in bf16 instead of 2^-9; DT float32: one dot.
@@ -219,10 +226,8 @@ def _dt_split(a, b, DT: tl.constexpr):
     if DT == tl.float32:
         return tl.dot(a, b)
     else:
-        ad = a.to(DT)
-        hi = b.to(DT)
-        lo = (b - hi.to(tl.float32)).to(DT)
-        return tl.dot(ad, lo, tl.dot(ad, hi))
+        hi, lo = _parts(b, DT)
+        return tl.dot(a.to(DT), lo, tl.dot(a.to(DT), hi))
 
 
 @triton.jit
@@ -238,10 +243,8 @@ def _dt_split2(a, b, DT: tl.constexpr):
     if DT == tl.float32:
         return tl.dot(a, b)
     else:
-        ah = a.to(DT)
-        al = (a - ah.to(tl.float32)).to(DT)
-        bh = b.to(DT)
-        bl = (b - bh.to(tl.float32)).to(DT)
+        ah, al = _parts(a, DT)
+        bh, bl = _parts(b, DT)
         return tl.dot(ah, bh, tl.dot(ah, bl, tl.dot(al, bh)))
 
 
